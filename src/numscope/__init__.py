@@ -1,0 +1,62 @@
+"""numscope: measured, not guessed, low-precision numerics for training.
+
+Formats are exact (``format``, ``formats``, ``quantize``); every GEMM of a model is a *site* whose operands
+pass through one interception point that both observes and quantizes; a *plan* (data, YAML) says which
+format and scaling each operand uses; an *observer* measures candidate formats on real tensors and the
+*advisor* turns that analysis into a plan.
+
+The public names are resolved lazily so that ``import numscope`` stays cheap and lower layers never pull in
+higher ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # formats
+    "Format": "numscope.formats.spec",
+    "FloatFormat": "numscope.formats.spec",
+    "IntFormat": "numscope.formats.spec",
+    "BlockFormat": "numscope.formats.spec",
+    "format": "numscope.formats.spec",
+    "formats": "numscope.formats.spec",
+    "Scaling": "numscope.formats.scaling",
+    "DelayedScaler": "numscope.formats.scaling",
+    "quantize": "numscope.formats.quantize",
+    "encode": "numscope.formats.quantize",
+    "Encoded": "numscope.formats.quantize",
+    # runtime
+    "Site": "numscope.sites",
+    "sites": "numscope.sites",
+    "Plan": "numscope.plan",
+    "convert": "numscope.convert",
+    "unconvert": "numscope.convert",
+    "LossScaler": "numscope.train.loss_scaler",
+    "MasterWeights": "numscope.train.master",
+    "save_checkpoint": "numscope.train.checkpoint",
+    "load_checkpoint": "numscope.train.checkpoint",
+    # measurement
+    "observe": "numscope.observe",
+    "Observer": "numscope.observe",
+    "Analysis": "numscope.analysis",
+    "recommend": "numscope.advisor",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'numscope' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
