@@ -1,0 +1,182 @@
+"""Exact element casts: float32 in, float32 out, every output value one the element format holds.
+
+Rules (the same for every element format):
+
+* ``rounding="nearest"``: round to nearest, ties to even (IEEE 754 default).
+* ``rounding="zero"``: truncate toward zero; a finite overflow gives ±max (IEEE 754's rule for this mode).
+* ``rounding="stochastic"``: round up with probability equal to the distance from the lower grid point
+  in units of the local spacing, so that E[q(x)] = x inside the range; reproducible with a generator.
+* ``overflow="saturate"``: finite values beyond ±max become ±max.
+  ``overflow="propagate"``: the format's own result — ±inf where it has inf, NaN where it has NaN but no
+  inf, ±max where it has neither. With nearest rounding this is bit for bit the cast of ``ml_dtypes``.
+* Non-finite inputs are never saturated: NaN stays NaN; ±inf becomes ±inf where the format has inf, NaN
+  where it only has NaN, ±max where it has neither (FP6, FP4, integers).
+* ``flush_subnormals=True``: results below the smallest normal become zero (sign kept where the format
+  has −0).
+* Formats without −0 (fnuz) return +0 for every zero.
+
+Computation is in float32 with power-of-two scalings only, so it is exact: the spacing 2^(e−m) of the
+binade that holds |x| is built from the exponent bits of x.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from numscope.formats.spec import FloatFormat, IntFormat
+
+Rounding = Literal["nearest", "stochastic", "zero"]
+Overflow = Literal["saturate", "propagate"]
+ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "zero")
+OVERFLOWS: tuple[str, ...] = ("saturate", "propagate")
+
+_NATIVE: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+    "fp8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "fp8_e5m2fnuz": torch.float8_e5m2fnuz,
+}
+
+
+def native_dtype(fmt: FloatFormat) -> torch.dtype | None:
+    """The torch dtype that stores ``fmt`` exactly, if torch has one."""
+    return _NATIVE.get(fmt.name)
+
+
+def _uniform_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    return torch.rand(x.shape, generator=generator, dtype=torch.float32, device=x.device)
+
+
+def _round_scaled(t: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+    """Round values already expressed in units of their grid spacing to integers."""
+    if rounding == "nearest":
+        return torch.round(t)
+    if rounding == "zero":
+        return torch.trunc(t)
+    return torch.floor(t + _uniform_like(t, generator))
+
+
+def _grid_e8(x: torch.Tensor, mantissa_bits: int, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+    """Round finite float32 to an 8-exponent-bit IEEE-like format (bf16, tf32, e8mY) on the bit pattern.
+
+    Such a format shares float32's exponent range, so dropping the low 23 − m bits of the pattern rounds
+    normals and subnormals alike; a carry into the exponent field gives the next binade or inf.
+    """
+    drop = 23 - mantissa_bits
+    if drop == 0:
+        return x
+    bits = x.view(torch.int32)
+    magnitude = bits & 0x7FFFFFFF
+    sign = bits & ~0x7FFFFFFF
+    if rounding == "nearest":
+        half = (1 << (drop - 1)) - 1
+        magnitude = magnitude + half + ((magnitude >> drop) & 1)
+    elif rounding == "stochastic":
+        noise = torch.randint(0, 1 << drop, x.shape, generator=generator, dtype=torch.int32, device=x.device)
+        magnitude = magnitude + noise
+    magnitude = magnitude & ~((1 << drop) - 1)
+    return (sign | magnitude).view(torch.float32)
+
+
+def _grid_small(x: torch.Tensor, fmt: FloatFormat, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+    """Round finite float32 to a float format with fewer than 8 exponent bits, ignoring its max."""
+    exponent = ((x.view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2|x|) for normal x; -127 for 0/subnormal
+    exponent = torch.clamp(exponent, min=fmt.emin) - fmt.mantissa_bits  # exponent of the local spacing
+    spacing = ((exponent + 127) << 23).view(torch.float32)
+    inverse = ((127 - exponent) << 23).view(torch.float32)
+    return _round_scaled(x * inverse, rounding, generator) * spacing
+
+
+def _e8m0(x: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+    """Round to E8M0 (powers of two 2^-127..2^127). Zero, negative and non-finite inputs give NaN.
+
+    E8M0's field has float32's bias, so nearest rounding rounds the float32 bit pattern to its exponent
+    field, ties upward, as ``ml_dtypes`` does (float32 subnormal patterns are rounded as they stand, which
+    is what ``ml_dtypes`` does too); a field of 0 is 2^-127, results above 2^127 are NaN.
+    """
+    bits = x.view(torch.int32)
+    if rounding == "nearest":
+        bits = bits + 0x400000
+    elif rounding == "stochastic":
+        bits = bits + torch.randint(0, 1 << 23, x.shape, generator=generator, dtype=torch.int32, device=x.device)
+    field = bits >> 23
+    field = field.clamp(min=0)
+    result = (field.clamp(min=1, max=254) << 23).view(torch.float32)
+    result = torch.where(field == 0, torch.full_like(result, 2.0**-127), result)
+    invalid = (x <= 0) | ~torch.isfinite(x) | (field >= 255)
+    return torch.where(invalid, torch.full_like(result, float("nan")), result)
+
+
+def cast_float(
+    x: torch.Tensor,
+    fmt: FloatFormat,
+    rounding: str = "nearest",
+    overflow: str = "saturate",
+    flush_subnormals: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Return float32 ``x`` rounded to ``fmt`` (see the module docstring for the rules)."""
+    if fmt.special == "e8m0":
+        return _e8m0(x, rounding, generator)
+    if fmt.name == "fp32":
+        return x.clone()
+    finite = torch.isfinite(x)
+    safe = torch.where(finite, x, torch.zeros_like(x))
+    if fmt.exponent_bits == 8:
+        y = _grid_e8(safe, fmt.mantissa_bits, rounding, generator)
+    else:
+        y = _grid_small(safe, fmt, rounding, generator)
+    limit = fmt.max
+    beyond = y.abs() > limit
+    if overflow == "saturate" or rounding == "zero" or not (fmt.has_inf or fmt.has_nan):
+        y = torch.where(beyond, torch.copysign(torch.full_like(y, limit), y), y)
+    elif fmt.has_inf:
+        y = torch.where(beyond, torch.copysign(torch.full_like(y, float("inf")), y), y)
+    else:
+        y = torch.where(beyond, torch.full_like(y, float("nan")), y)
+    if flush_subnormals:
+        y = torch.where(y.abs() < fmt.min_normal, y * 0.0, y)
+    if not fmt.has_negative_zero:
+        y = y + 0.0  # -0 + 0 = +0 under round-to-nearest
+    if fmt.has_inf:
+        nonfinite = x
+    elif fmt.has_nan:
+        nonfinite = torch.full_like(x, float("nan"))
+    else:
+        nonfinite = torch.where(torch.isnan(x), x, torch.copysign(torch.full_like(x, limit), x))
+    return torch.where(finite, y, nonfinite)
+
+
+def cast_int(
+    x: torch.Tensor,
+    fmt: IntFormat,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Round float32 ``x`` to the symmetric integer grid of ``fmt`` (scaled by 2^-fraction_bits), saturating.
+
+    Integers have no inf or NaN: ±inf saturate to ±max and NaN stays NaN in the float32 result (it has no
+    code; :func:`numscope.encode` rejects it).
+    """
+    t = x * float(2**fmt.fraction_bits)
+    code = _round_scaled(t, rounding, generator).clamp(-fmt.max_code, fmt.max_code)
+    return code * float(2.0**-fmt.fraction_bits)
+
+
+def cast(
+    x: torch.Tensor,
+    fmt: FloatFormat | IntFormat,
+    rounding: str = "nearest",
+    overflow: str = "saturate",
+    flush_subnormals: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Cast float32 ``x`` to an element format; returns float32 values the format holds exactly."""
+    if isinstance(fmt, IntFormat):
+        return cast_int(x, fmt, rounding, generator)
+    return cast_float(x, fmt, rounding, overflow, flush_subnormals, generator)

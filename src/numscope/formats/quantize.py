@@ -1,0 +1,379 @@
+"""Fake-quantization: ``quantize(x, fmt, scaling=...)`` returns what ``x`` becomes in ``fmt``.
+
+The result has the shape and dtype of ``x``; computed in float32, every value is exactly one the format
+holds after descaling. :func:`encode` returns the raw codes and scales instead (for storage and bit
+counts); ``encode(...).decode()`` equals ``quantize(...)``.
+
+Block formats:
+
+* MX (OCP MX v1.0 §6.3): blocks of 32 consecutive elements along ``axis``; shared scale
+  X = 2^(floor(log2 amax) − emax_elem) clamped to E8M0's [2^-127, 2^127] (``@rceil``:
+  X = 2^ceil(log2(amax / max_elem)) on the float32 quotient); elements ``cast(v / X)`` with saturation.
+  A block holding NaN or ±inf has a NaN scale: every element of it decodes to NaN.
+* NVFP4: per-tensor encode scale S = 448·6 / amax(tensor) (1 for a zero tensor); per block of 16 the
+  E4M3 decode scale s_b = e4m3(amax_b / 6 · S) (nearest, saturated); elements e2m1(v / (s_b / S)) with
+  saturation; decoded value e · (s_b / S). A block whose s_b is 0 decodes to 0.
+
+A last axis that does not divide the block is padded with zeros (which never change an amax) and the
+padding is dropped from the result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from numscope.formats.cast import OVERFLOWS, ROUNDINGS, cast, cast_float
+from numscope.formats.scaling import DelayedScaler, Scaling, exact_pow2, log2_floor, reduce_amax_, scale_from_amax
+from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat, format as get_format
+
+ScalingArg = str | Scaling | DelayedScaler | dict | None
+
+
+def _check_args(x: torch.Tensor, rounding: str, overflow: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize expects a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got dtype {x.dtype}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown rounding {rounding!r}; allowed: {', '.join(ROUNDINGS)}")
+    if overflow not in OVERFLOWS:
+        raise ValueError(f"unknown overflow {overflow!r}; allowed: {', '.join(OVERFLOWS)}")
+
+
+def _resolve_scaling(scaling: ScalingArg) -> tuple[Scaling | None, DelayedScaler | None]:
+    if isinstance(scaling, DelayedScaler):
+        return scaling.scaling, scaling
+    parsed = Scaling.parse(scaling)
+    if parsed is not None and parsed.kind == "delayed":
+        raise ValueError(
+            "delayed scaling keeps an amax history between calls: pass a numscope.DelayedScaler "
+            "(e.g. scaling=numscope.DelayedScaler(numscope.Scaling('delayed', history_len=16)))"
+        )
+    if parsed is not None and parsed.kind == "none":
+        parsed = None
+    return parsed, None
+
+
+def _blocks_along(x: torch.Tensor, axis: int, block: int) -> tuple[torch.Tensor, int, int]:
+    """Move ``axis`` last, zero-pad it to a multiple of ``block`` and split it: (..., nblocks, block)."""
+    if x.dim() == 0:
+        x = x.reshape(1)
+    if not -x.dim() <= axis < x.dim():
+        raise ValueError(f"block axis {axis} is out of range for a tensor of shape {tuple(x.shape)}")
+    moved = x.movedim(axis, -1)
+    length = moved.shape[-1]
+    pad = (-length) % block
+    if pad:
+        moved = F.pad(moved, (0, pad))
+    return moved.reshape(*moved.shape[:-1], -1, block), length, pad
+
+
+def _unblock(blocks: torch.Tensor, shape: torch.Size, axis: int, length: int) -> torch.Tensor:
+    flat = blocks.reshape(*blocks.shape[:-2], -1)[..., :length]
+    if len(shape) == 0:
+        return flat.reshape(shape)
+    return flat.movedim(-1, axis)
+
+
+@dataclass(frozen=True)
+class _BlockParts:
+    elements: torch.Tensor  # float32 element values, (..., nblocks, block)
+    scales: torch.Tensor  # float32 decode scale per block, (..., nblocks, 1)
+    stored: torch.Tensor  # the scale as the scale format holds it (E8M0 X, or NVFP4's E4M3 s_b)
+    tensor_scale: torch.Tensor | None  # NVFP4's per-tensor encode scale S
+    length: int
+
+
+def _mx_parts(x: torch.Tensor, fmt: BlockFormat, axis: int, rounding: str, generator) -> _BlockParts:
+    blocks, length, _ = _blocks_along(x, axis, fmt.block_size)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    element = fmt.element
+    if fmt.scale_rule == "rceil":
+        ratio = amax / element.max
+        mantissa, exponent = torch.frexp(ratio)
+        shared = torch.where(mantissa == 0.5, exponent - 1, exponent).to(torch.int32)
+        shared = torch.where(amax > 0, shared, torch.full_like(shared, -127))
+    else:
+        shared = log2_floor(amax) - element.emax
+    shared = shared.clamp(-127, 127)
+    scale = exact_pow2(shared)
+    elements = cast(blocks * exact_pow2(-shared), element, rounding, "saturate", False, generator)
+    bad = ~torch.isfinite(amax)
+    scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
+    return _BlockParts(elements, scale, scale, None, length)
+
+
+def _nvfp4_parts(x: torch.Tensor, fmt: BlockFormat, axis: int, rounding: str, generator) -> _BlockParts:
+    element, scale_format = fmt.element, fmt.scale_format
+    tensor_amax = reduce_amax_(x.abs().amax().float().reshape(1))[0]
+    encode_scale = scale_from_amax(tensor_amax, scale_format.max * element.max)
+    blocks, length, _ = _blocks_along(x, axis, fmt.block_size)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    stored = cast_float(amax / element.max * encode_scale, scale_format, "nearest", "saturate")  # type: ignore[arg-type]
+    decode = stored / encode_scale
+    safe = torch.where(decode > 0, decode, torch.ones_like(decode))
+    elements = cast(blocks / safe, element, rounding, "saturate", False, generator)
+    elements = torch.where(decode > 0, elements, elements * 0.0)
+    decode = torch.where(torch.isfinite(amax), decode, torch.full_like(decode, float("nan")))
+    return _BlockParts(elements, decode, stored, encode_scale, length)
+
+
+def _block_parts(x: torch.Tensor, fmt: BlockFormat, axis: int, rounding: str, generator) -> _BlockParts:
+    if fmt.tensor_scale:
+        return _nvfp4_parts(x, fmt, axis, rounding, generator)
+    return _mx_parts(x, fmt, axis, rounding, generator)
+
+
+def _tiles(x: torch.Tensor, block_shape: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """View float32 ``x`` as (..., rows/M, M, cols/N, N) tiles over its last two axes, zero-padded."""
+    if len(block_shape) == 1:
+        block_shape = (1, block_shape[0])
+    rows_per, cols_per = block_shape
+    if x.dim() < 2:
+        if rows_per != 1:
+            raise ValueError(f"block_shape {block_shape} needs a tensor of >= 2 dims, got shape {tuple(x.shape)}")
+        x = x.reshape(1, -1)
+    rows, cols = x.shape[-2], x.shape[-1]
+    pad_rows, pad_cols = (-rows) % rows_per, (-cols) % cols_per
+    if pad_rows or pad_cols:
+        x = F.pad(x, (0, pad_cols, 0, pad_rows))
+    tiles = x.reshape(*x.shape[:-2], x.shape[-2] // rows_per, rows_per, x.shape[-1] // cols_per, cols_per)
+    return tiles, (rows, cols, rows_per, cols_per)
+
+
+def _element_scale(x: torch.Tensor, fmt: FloatFormat | IntFormat, scaling: Scaling, delayed: DelayedScaler | None):
+    """The multiplier for ``x`` (broadcastable to it) for tensor, delayed, row and column scaling."""
+    if delayed is not None:
+        return delayed.scale_for(x, fmt.max)
+    if scaling.kind == "tensor":
+        amax = reduce_amax_(x.abs().amax().reshape(1), scaling.reduce_amax)[0]
+    elif scaling.kind == "row":
+        amax = x.abs().amax(dim=-1, keepdim=True) if x.dim() else x.abs()
+    else:  # column
+        dims = tuple(range(x.dim() - 1))
+        amax = x.abs().amax(dim=dims, keepdim=True) if dims else x.abs()
+    return scale_from_amax(amax, fmt.max, scaling.margin, scaling.power_of_two)
+
+
+def _quantize_element(
+    xf: torch.Tensor,
+    fmt: FloatFormat | IntFormat,
+    scaling: Scaling | None,
+    delayed: DelayedScaler | None,
+    rounding: str,
+    overflow: str,
+    flush_subnormals: bool,
+    generator,
+) -> torch.Tensor:
+    if scaling is None:
+        return cast(xf, fmt, rounding, overflow, flush_subnormals, generator)
+    if scaling.kind == "block":
+        if scaling.block_shape is None:
+            raise ValueError(
+                f"block scaling of the element format {fmt.name!r} needs block_shape, e.g. (1, 128) or (128, 128)"
+            )
+        tiles, (rows, cols, _, _) = _tiles(xf, scaling.block_shape)
+        amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
+        scale = scale_from_amax(amax, fmt.max, scaling.margin, scaling.power_of_two)
+        q = cast(tiles * scale, fmt, rounding, overflow, flush_subnormals, generator) * (1.0 / scale)
+        q = q.reshape(*tiles.shape[:-4], tiles.shape[-4] * tiles.shape[-3], -1)[..., :rows, :cols]
+        return q.reshape(xf.shape)
+    scale = _element_scale(xf, fmt, scaling, delayed)
+    return cast(xf * scale, fmt, rounding, overflow, flush_subnormals, generator) * (1.0 / scale)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | Format,
+    *,
+    scaling: ScalingArg = None,
+    rounding: str = "nearest",
+    overflow: str = "saturate",
+    flush_subnormals: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Return ``x`` as it is after a round trip through ``fmt`` under ``scaling`` (same shape and dtype).
+
+    fmt: a format name (see ``numscope formats``) or object.
+    scaling: ``None``, ``"tensor"``, ``"row"``, ``"column"``, a :class:`Scaling` (e.g. ``Scaling("block",
+        block_shape=(1, 128))``), or a :class:`DelayedScaler` for delayed scaling. Block formats bring their
+        own block scaling; ``Scaling("block", axis=0)`` chooses the axis their blocks run along.
+    rounding: ``"nearest"`` (ties to even), ``"stochastic"``, ``"zero"``.
+    overflow: ``"saturate"`` or ``"propagate"`` (the format's own inf/NaN; see :mod:`numscope.formats.cast`).
+    flush_subnormals: results below the format's smallest normal become zero.
+    generator: the random source of stochastic rounding (reproducible runs).
+    """
+    _check_args(x, rounding, overflow)
+    spec = get_format(fmt)
+    parsed, delayed = _resolve_scaling(scaling)
+    xf = x.detach().float() if x.dtype != torch.float32 else x.detach()
+    if isinstance(spec, BlockFormat):
+        if parsed is not None and parsed.kind != "block":
+            raise ValueError(
+                f"block format {spec.name!r} brings its own block scaling; scaling {parsed.kind!r} does not apply "
+                "(use scaling=None or Scaling('block', axis=...))"
+            )
+        if parsed is not None and parsed.block_shape is not None:
+            raise ValueError(f"block format {spec.name!r} has a fixed block of {spec.block_size}; drop block_shape")
+        axis = parsed.axis if parsed is not None else -1
+        parts = _block_parts(xf, spec, axis, rounding, generator)
+        out = _unblock(parts.elements * parts.scales, xf.shape, axis, parts.length)
+    else:
+        out = _quantize_element(xf, spec, parsed, delayed, rounding, overflow, flush_subnormals, generator)
+    return out.to(x.dtype)
+
+
+# -- raw codes ----------------------------------------------------------------------------------------
+
+
+def _float_codes(values: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Bit patterns (int32) of float32 values that lie exactly on ``fmt``'s grid (NaN/inf included)."""
+    e_bits, m_bits = fmt.exponent_bits, fmt.mantissa_bits
+    if fmt.special == "e8m0":
+        field = (log2_floor(values) + 127).clamp(0, 254)
+        return torch.where(torch.isnan(values), torch.full_like(field, 255), field)
+    magnitude = values.abs()
+    sign = torch.signbit(values).to(torch.int32)
+    exponent = log2_floor(torch.where(magnitude > 0, magnitude, torch.ones_like(magnitude)))
+    normal = magnitude >= fmt.min_normal
+    biased = torch.where(normal, exponent + int(fmt.bias), torch.zeros_like(exponent))  # type: ignore[operator]
+    unit = torch.where(normal, exact_pow2(exponent - m_bits), torch.full_like(magnitude, fmt.min_subnormal))
+    significand = torch.where(torch.isfinite(magnitude), magnitude / unit, torch.zeros_like(magnitude))
+    mantissa = significand.to(torch.int32) - torch.where(normal, 1 << m_bits, 0)
+    code = (sign << (e_bits + m_bits)) | (biased << m_bits) | mantissa
+    top = (1 << e_bits) - 1
+    if fmt.special == "ieee":
+        code = torch.where(torch.isinf(values), (sign << (e_bits + m_bits)) | (top << m_bits), code)
+        code = torch.where(torch.isnan(values), torch.full_like(code, (top << m_bits) | (1 << max(m_bits - 1, 0))), code)
+    elif fmt.special == "fn":
+        code = torch.where(torch.isnan(values), torch.full_like(code, (1 << (e_bits + m_bits)) - 1), code)
+    elif fmt.special == "fnuz":
+        code = torch.where(values == 0, torch.zeros_like(code), code)
+        code = torch.where(torch.isnan(values), torch.full_like(code, 1 << (e_bits + m_bits)), code)
+    return code
+
+
+def _float_decode(codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    codes = codes.to(torch.int32)
+    e_bits, m_bits = fmt.exponent_bits, fmt.mantissa_bits
+    if fmt.special == "e8m0":
+        value = exact_pow2(codes - 127)
+        return torch.where(codes == 255, torch.full_like(value, float("nan")), value)
+    sign = (codes >> (e_bits + m_bits)) & 1
+    biased = (codes >> m_bits) & ((1 << e_bits) - 1)
+    mantissa = codes & ((1 << m_bits) - 1)
+    normal = biased > 0
+    significand = torch.where(normal, mantissa + (1 << m_bits), mantissa).float()
+    exponent = torch.where(normal, biased - int(fmt.bias), torch.full_like(biased, fmt.emin))  # type: ignore[operator]
+    value = significand * exact_pow2(exponent - m_bits)
+    value = torch.where(sign.bool(), -value, value)
+    top = (1 << e_bits) - 1
+    if fmt.special == "ieee":
+        value = torch.where((biased == top) & (mantissa == 0), torch.where(sign.bool(), -torch.inf, torch.inf), value)
+        value = torch.where((biased == top) & (mantissa != 0), torch.full_like(value, float("nan")), value)
+    elif fmt.special == "fn":
+        value = torch.where((biased == top) & (mantissa == (1 << m_bits) - 1), torch.full_like(value, float("nan")), value)
+    elif fmt.special == "fnuz":
+        value = torch.where(codes == (1 << (e_bits + m_bits)), torch.full_like(value, float("nan")), value)
+    return value
+
+
+def _element_codes(values: torch.Tensor, fmt: FloatFormat | IntFormat) -> torch.Tensor:
+    if isinstance(fmt, IntFormat):
+        if torch.isnan(values).any():
+            raise ValueError(f"{fmt.name} has no code for NaN; the input holds NaN")
+        return torch.round(values * float(2**fmt.fraction_bits)).to(torch.int8 if fmt.bits <= 8 else torch.int32)
+    dtype = torch.uint8 if fmt.bits <= 8 else (torch.int16 if fmt.bits <= 16 else torch.int32)
+    codes = _float_codes(values, fmt)
+    return codes.to(torch.int16).view(torch.uint16).to(torch.int32).to(dtype) if dtype == torch.int16 else codes.to(dtype)
+
+
+def _element_values(codes: torch.Tensor, fmt: FloatFormat | IntFormat) -> torch.Tensor:
+    if isinstance(fmt, IntFormat):
+        return codes.float() * float(2.0**-fmt.fraction_bits)
+    if codes.dtype == torch.int16:
+        codes = codes.to(torch.int32) & 0xFFFF
+    return _float_decode(codes, fmt)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A tensor stored in a format: element codes plus the scales needed to decode them.
+
+    codes: element bit patterns (uint8 for formats of ≤ 8 bits; int8 two's complement for integers).
+    scales: decode multipliers — per tensor/row/column/tile (float32) for scaled element formats, E8M0 or
+        E4M3 *codes* per block for block formats (shape (..., nblocks, 1) with the block axis last).
+    tensor_scale: NVFP4's float32 per-tensor encode scale.
+    """
+
+    fmt: Format
+    codes: torch.Tensor
+    scales: torch.Tensor | None
+    tensor_scale: torch.Tensor | None
+    shape: tuple[int, ...]
+    axis: int = -1
+    length: int = 0
+
+    @property
+    def bits(self) -> int:
+        """Storage in bits: elements, block or tensor scales, and the per-tensor scale."""
+        total = int(torch.Size(self.shape).numel()) * self.fmt.bits
+        if self.scales is not None:
+            scale_bits = self.fmt.scale_format.bits if isinstance(self.fmt, BlockFormat) else 32
+            total += self.scales.numel() * scale_bits
+        if self.tensor_scale is not None:
+            total += 32
+        return total
+
+    def decode(self) -> torch.Tensor:
+        """The float32 values (equal to :func:`quantize` with the same arguments)."""
+        fmt = self.fmt
+        if isinstance(fmt, BlockFormat):
+            elements = _element_values(self.codes, fmt.element)
+            scales = _float_decode(self.scales, fmt.scale_format)  # type: ignore[arg-type]
+            if self.tensor_scale is not None:
+                scales = scales / self.tensor_scale
+            return _unblock(elements * scales, torch.Size(self.shape), self.axis, self.length)
+        values = _element_values(self.codes, fmt)  # type: ignore[arg-type]
+        if self.scales is None:
+            return values.reshape(self.shape)
+        return (values * (1.0 / self.scales)).reshape(self.shape)
+
+
+def encode(
+    x: torch.Tensor,
+    fmt: str | Format,
+    *,
+    scaling: ScalingArg = None,
+    rounding: str = "nearest",
+    overflow: str = "saturate",
+    flush_subnormals: bool = False,
+    generator: torch.Generator | None = None,
+) -> Encoded:
+    """Like :func:`quantize`, but return the raw element codes and scales (see :class:`Encoded`).
+
+    Supported scalings: none, tensor, row, column and delayed for element formats; block formats.
+    """
+    _check_args(x, rounding, overflow)
+    spec = get_format(fmt)
+    parsed, delayed = _resolve_scaling(scaling)
+    xf = x.detach().float()
+    if isinstance(spec, BlockFormat):
+        axis = parsed.axis if parsed is not None else -1
+        parts = _block_parts(xf, spec, axis, rounding, generator)
+        scale_codes = _float_codes(parts.stored, spec.scale_format).to(torch.uint8)
+        return Encoded(
+            spec, _element_codes(parts.elements, spec.element), scale_codes, parts.tensor_scale,
+            tuple(x.shape), axis, parts.length,
+        )
+    if parsed is not None and parsed.kind == "block":
+        raise ValueError("encode does not support tile (block_shape) scaling of element formats; use quantize")
+    if parsed is None:
+        values = cast(xf, spec, rounding, overflow, flush_subnormals, generator)
+        return Encoded(spec, _element_codes(values, spec), None, None, tuple(x.shape))
+    scale = _element_scale(xf, spec, parsed, delayed)
+    values = cast(xf * scale, spec, rounding, overflow, flush_subnormals, generator)
+    return Encoded(spec, _element_codes(values, spec), scale, None, tuple(x.shape))

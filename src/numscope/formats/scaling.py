@@ -1,0 +1,183 @@
+"""Scaling schemes: how a tensor is mapped into a format's range before it is cast.
+
+An element format is applied to ``x · s`` and the result descaled by ``1/s`` (both in float32, as FP8
+hardware and Transformer Engine do: the cast sees ``x·scale``, the GEMM multiplies by ``scale_inv``).
+The scale maps the amax of the scaled unit onto the format's max: ``s = max / amax / 2^margin``.
+
+kinds: ``none``; ``tensor`` (current amax of the whole tensor); ``delayed`` (amax history, stateful:
+see :class:`DelayedScaler`); ``row`` (one scale per slice along the last axis); ``column`` (one scale per
+index of the last axis); ``block`` (element formats: tiles of ``block_shape`` over the last two axes,
+e.g. ``(1, 128)`` or ``(128, 128)``; block formats: their own block scale, blocks along ``axis``).
+A zero or non-finite amax gives the scale 1, so all-zero tensors and blocks quantize to zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+
+ScalingKind = Literal["none", "tensor", "delayed", "row", "column", "block"]
+KINDS: tuple[str, ...] = ("none", "tensor", "delayed", "row", "column", "block")
+AMAX_COMPUTE: tuple[str, ...] = ("max", "most_recent")
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """A scaling scheme (frozen; the state of delayed scaling lives in :class:`DelayedScaler`).
+
+    margin: headroom in binades (the scale is divided by 2^margin).
+    power_of_two: round the scale down to a power of two, so that scaling itself is exact.
+    block_shape: tile shape for ``kind="block"`` with an element format: ``(1, N)`` or ``(M, N)``.
+    axis: for block formats, the axis along which blocks of consecutive elements run (the GEMM's
+        contraction axis).
+    history_len, amax_compute: delayed scaling's amax history length and rule (``max`` of the history or
+        ``most_recent``), as Transformer Engine's ``DelayedScaling``.
+    reduce_amax: under ``torch.distributed``, take the amax over the default process group so that every
+        rank quantizes identically (as Transformer Engine's ``reduce_amax``).
+    """
+
+    kind: ScalingKind = "tensor"
+    margin: int = 0
+    power_of_two: bool = False
+    block_shape: tuple[int, ...] | None = None
+    axis: int = -1
+    history_len: int = 16
+    amax_compute: Literal["max", "most_recent"] = "max"
+    reduce_amax: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown scaling {self.kind!r}; allowed: {', '.join(KINDS)}")
+        if not isinstance(self.margin, int) or isinstance(self.margin, bool):
+            raise TypeError(f"scaling margin must be an int (binades), got {self.margin!r}")
+        if self.history_len < 1:
+            raise ValueError(f"scaling history_len must be >= 1, got {self.history_len}")
+        if self.amax_compute not in AMAX_COMPUTE:
+            raise ValueError(
+                f"unknown amax_compute {self.amax_compute!r}; allowed: {', '.join(AMAX_COMPUTE)}"
+            )
+        if self.block_shape is not None:
+            shape = tuple(self.block_shape)
+            if self.kind != "block":
+                raise ValueError(f"block_shape {shape} given for scaling kind {self.kind!r}; use kind='block'")
+            if len(shape) not in (1, 2) or any((not isinstance(n, int)) or n < 1 for n in shape):
+                raise ValueError(f"block_shape must be (N,) or (M, N) of positive ints, got {self.block_shape!r}")
+            object.__setattr__(self, "block_shape", shape)
+
+    @classmethod
+    def parse(cls, spec: str | Scaling | dict[str, Any] | None) -> Scaling | None:
+        """Accept ``None``, a kind name, a dict of fields, or a :class:`Scaling`."""
+        if spec is None or isinstance(spec, Scaling):
+            return spec
+        if isinstance(spec, str):
+            return cls(kind=spec)  # type: ignore[arg-type]
+        if isinstance(spec, dict):
+            unknown = set(spec) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise ValueError(
+                    f"unknown scaling key(s) {sorted(unknown)}; allowed: {sorted(cls.__dataclass_fields__)}"
+                )
+            args = dict(spec)
+            if args.get("block_shape") is not None:
+                args["block_shape"] = tuple(args["block_shape"])
+            return cls(**args)
+        raise TypeError(f"scaling must be None, a kind name, a dict or a Scaling, got {type(spec).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Only the fields that differ from the defaults (for legible plan files)."""
+        default = Scaling()
+        out: dict[str, Any] = {"kind": self.kind}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if name != "kind" and value != getattr(default, name):
+                out[name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def replace(self, **changes: Any) -> Scaling:
+        return replace(self, **changes)
+
+
+def reduce_amax_(amax: torch.Tensor, enabled: bool = True) -> torch.Tensor:
+    """All-reduce (max) ``amax`` in place over the default process group when one is initialised."""
+    if enabled and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+    return amax
+
+
+def scale_from_amax(amax: torch.Tensor, fmt_max: float, margin: int = 0, power_of_two: bool = False) -> torch.Tensor:
+    """The multiplier that maps ``amax`` onto ``fmt_max / 2^margin``; 1 where amax is zero or not finite."""
+    amax = amax.float()
+    scale = (fmt_max / amax) / float(2**margin)
+    if power_of_two:
+        mantissa, exponent = torch.frexp(scale)
+        scale = torch.ldexp(torch.full_like(scale, 0.5), exponent)
+        del mantissa
+    usable = (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
+    return torch.where(usable, scale, torch.ones_like(scale))
+
+
+@dataclass
+class DelayedScaler:
+    """Delayed (amax history) scaling state for one tensor role, as Transformer Engine's ``DelayedScaling``.
+
+    Each call of :meth:`scale_for` returns the scale computed from the history *before* this tensor, then
+    records the tensor's amax. On the very first call, with an empty history, the current amax is used
+    (TE would use scale 1 there), so the first step does not overflow.
+    """
+
+    scaling: Scaling = field(default_factory=lambda: Scaling(kind="delayed"))
+    amax_history: torch.Tensor = field(init=False)
+    steps: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scaling, str | dict):
+            self.scaling = Scaling.parse(self.scaling)  # type: ignore[assignment]
+        if self.scaling.kind != "delayed":
+            self.scaling = self.scaling.replace(kind="delayed")
+        self.amax_history = torch.zeros(self.scaling.history_len, dtype=torch.float32)
+
+    def history_amax(self) -> torch.Tensor:
+        if self.scaling.amax_compute == "most_recent":
+            return self.amax_history[0]
+        return self.amax_history.max()
+
+    def scale_for(self, x: torch.Tensor, fmt_max: float) -> torch.Tensor:
+        """The scale to use for ``x`` now; records ``amax(x)`` into the history."""
+        current = reduce_amax_(x.detach().abs().amax().float().reshape(1), self.scaling.reduce_amax)
+        used = self.history_amax() if self.steps > 0 else current[0]
+        scale = scale_from_amax(used, fmt_max, self.scaling.margin, self.scaling.power_of_two)
+        if torch.isfinite(current).all():
+            self.amax_history = torch.roll(self.amax_history, 1)
+            self.amax_history[0] = current[0].to(self.amax_history.device)
+            self.steps += 1
+        return scale
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaling": self.scaling.to_dict(), "amax_history": self.amax_history.clone(), "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        history = state["amax_history"]
+        if history.shape != self.amax_history.shape:
+            raise ValueError(
+                f"amax history of length {history.shape[0]} does not fit history_len {self.scaling.history_len}"
+            )
+        self.amax_history = history.clone().float()
+        self.steps = int(state["steps"])
+
+
+def log2_floor(x: torch.Tensor) -> torch.Tensor:
+    """floor(log2 x) as int32 for positive finite float32 (subnormals included); -127 for zero."""
+    _, exponent = torch.frexp(x)
+    return torch.where(x > 0, exponent - 1, torch.full_like(exponent, -127)).to(torch.int32)
+
+
+def exact_pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2^exponent as float32, exactly, for integer exponents in [-149, 127]."""
+    return torch.ldexp(torch.ones(exponent.shape, dtype=torch.float32, device=exponent.device), exponent)
+
+
+def is_power_of_two(value: float) -> bool:
+    return value > 0 and math.frexp(value)[0] == 0.5

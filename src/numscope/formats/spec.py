@@ -1,0 +1,391 @@
+"""Number formats as small frozen dataclasses whose range facts are derived, never stored.
+
+Three kinds:
+
+* :class:`FloatFormat` — sign, ``exponent_bits``, ``mantissa_bits``, a bias and one of four special-value
+  conventions (``ieee``: inf and NaN in the top binade; ``fn``: OCP E4M3, no inf, only the all-ones code is
+  NaN; ``finite``: no inf and no NaN (FP6, FP4); ``fnuz``: no inf, no negative zero, NaN at the −0 code).
+  ``e8m0`` (the MX scale) is an unsigned exponent-only float.
+* :class:`IntFormat` — symmetric two's complement integers, ±(2^(bits−1) − 1).
+* :class:`BlockFormat` — an element format sharing one scale per block of consecutive elements (OCP MX,
+  NVFP4).
+
+Look formats up with :func:`format` and list them with :func:`formats`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+Special = Literal["ieee", "fn", "finite", "fnuz", "e8m0"]
+ScaleRule = Literal["floor", "rceil"]
+
+
+@dataclass(frozen=True)
+class FloatFormat:
+    """A binary floating-point element format.
+
+    ``bias`` defaults to the IEEE bias 2^(exponent_bits−1) − 1 (fnuz formats use one more).
+    """
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    special: Special = "ieee"
+    bias: int | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.exponent_bits <= 8:
+            raise ValueError(f"format {self.name!r}: exponent_bits must be in 1..8, got {self.exponent_bits}")
+        if not 0 <= self.mantissa_bits <= 23:
+            raise ValueError(f"format {self.name!r}: mantissa_bits must be in 0..23, got {self.mantissa_bits}")
+        if self.bias is None:
+            default = 2 ** (self.exponent_bits - 1) - (0 if self.special == "fnuz" else 1)
+            if self.special == "e8m0":
+                default = 127
+            object.__setattr__(self, "bias", default)
+
+    # -- encoding facts ---------------------------------------------------------------------------
+    @property
+    def kind(self) -> str:
+        return "float"
+
+    @property
+    def signed(self) -> bool:
+        return self.special != "e8m0"
+
+    @property
+    def bits(self) -> int:
+        """Storage bits of one element."""
+        return int(self.signed) + self.exponent_bits + self.mantissa_bits
+
+    @property
+    def bits_per_element(self) -> float:
+        return float(self.bits)
+
+    @property
+    def has_inf(self) -> bool:
+        return self.special == "ieee"
+
+    @property
+    def has_nan(self) -> bool:
+        return self.special != "finite"
+
+    @property
+    def has_negative_zero(self) -> bool:
+        return self.special not in ("fnuz", "e8m0")
+
+    @property
+    def has_subnormals(self) -> bool:
+        return self.special != "e8m0" and self.mantissa_bits > 0
+
+    @property
+    def emax(self) -> int:
+        """Unbiased exponent of the largest finite binade."""
+        top = 2**self.exponent_bits - 1
+        if self.special == "ieee":
+            top -= 1
+        if self.special == "e8m0":
+            top -= 1  # 0xFF is NaN
+        return top - int(self.bias)  # type: ignore[arg-type]
+
+    @property
+    def emin(self) -> int:
+        """Unbiased exponent of the smallest normal binade."""
+        if self.special == "e8m0":
+            return -int(self.bias)  # type: ignore[arg-type]
+        return 1 - int(self.bias)  # type: ignore[arg-type]
+
+    # -- range facts ------------------------------------------------------------------------------
+    @property
+    def max(self) -> float:
+        """Largest finite value."""
+        fraction = 2.0 - 2.0 ** (-self.mantissa_bits)
+        if self.special == "fn":
+            fraction = 2.0 - 2.0 ** (1 - self.mantissa_bits)  # all-ones mantissa at emax is NaN
+        if self.special == "e8m0":
+            fraction = 1.0
+        return math.ldexp(fraction, self.emax)
+
+    @property
+    def min_normal(self) -> float:
+        return math.ldexp(1.0, self.emin)
+
+    @property
+    def min_subnormal(self) -> float:
+        """Smallest positive value (equal to ``min_normal`` where there are no subnormals)."""
+        if not self.has_subnormals:
+            return self.min_normal
+        return math.ldexp(1.0, self.emin - self.mantissa_bits)
+
+    @property
+    def binades(self) -> float:
+        """Dynamic range in binades: log2(max / min_subnormal)."""
+        return math.log2(self.max / self.min_subnormal)
+
+    @property
+    def ulp_at_max(self) -> float:
+        return math.ldexp(1.0, self.emax - self.mantissa_bits)
+
+    @property
+    def overflow_threshold(self) -> float:
+        """The midpoint between ``max`` and the next grid point: nearest rounding overflows above it."""
+        return self.max + 0.5 * self.ulp_at_max
+
+    @property
+    def max_mantissa_is_odd(self) -> bool:
+        """Whether a tie at :attr:`overflow_threshold` rounds away from ``max`` (ties go to even)."""
+        if self.mantissa_bits == 0:
+            return self.emax % 2 == 1 if self.special == "e8m0" else True
+        return self.special != "fn"
+
+
+@dataclass(frozen=True)
+class IntFormat:
+    """A symmetric integer format: values −(2^(bits−1) − 1) … 2^(bits−1) − 1, optionally times 2^−fraction_bits."""
+
+    name: str
+    int_bits: int
+    fraction_bits: int = 0
+    description: str = ""
+
+    @property
+    def kind(self) -> str:
+        return "int"
+
+    @property
+    def bits(self) -> int:
+        return self.int_bits
+
+    @property
+    def bits_per_element(self) -> float:
+        return float(self.int_bits)
+
+    @property
+    def has_inf(self) -> bool:
+        return False
+
+    @property
+    def has_nan(self) -> bool:
+        return False
+
+    @property
+    def max_code(self) -> int:
+        return 2 ** (self.int_bits - 1) - 1
+
+    @property
+    def max(self) -> float:
+        return math.ldexp(float(self.max_code), -self.fraction_bits)
+
+    @property
+    def min_normal(self) -> float:
+        return math.ldexp(1.0, -self.fraction_bits)
+
+    @property
+    def min_subnormal(self) -> float:
+        return self.min_normal
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest power of two not above ``max`` (the MX ``emax_elem``)."""
+        return math.floor(math.log2(self.max))
+
+    @property
+    def binades(self) -> float:
+        return math.log2(self.max / self.min_subnormal)
+
+
+ElementFormat = FloatFormat | IntFormat
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """Elements that share one scale per ``block_size`` consecutive values along an axis.
+
+    OCP MX v1.0: 32 elements, an E8M0 scale X = 2^(floor(log2 amax) − emax_elem) (``scale_rule="floor"``)
+    or the round-up rule X = 2^ceil(log2(amax / max_elem)) (``"rceil"``); elements cast with saturation.
+    NVFP4: 16 E2M1 elements, an E4M3 block scale and an FP32 per-tensor scale (``tensor_scale=True``).
+    """
+
+    name: str
+    element: ElementFormat
+    block_size: int
+    scale_format: FloatFormat
+    scale_rule: ScaleRule = "floor"
+    tensor_scale: bool = False
+    description: str = ""
+
+    @property
+    def kind(self) -> str:
+        return "block"
+
+    @property
+    def bits(self) -> int:
+        return self.element.bits
+
+    @property
+    def bits_per_element(self) -> float:
+        """Element bits plus the block scale's share (the per-tensor FP32 scale is negligible)."""
+        return self.element.bits + self.scale_format.bits / self.block_size
+
+    @property
+    def has_inf(self) -> bool:
+        return False
+
+    @property
+    def has_nan(self) -> bool:
+        return self.scale_format.has_nan
+
+    @property
+    def max(self) -> float:
+        """Largest finite value reachable through the block scale."""
+        return self.element.max * self.scale_format.max
+
+    @property
+    def min_normal(self) -> float:
+        return self.element.min_normal * self.scale_format.min_subnormal
+
+    @property
+    def min_subnormal(self) -> float:
+        return self.element.min_subnormal * self.scale_format.min_subnormal
+
+    @property
+    def binades(self) -> float:
+        return math.log2(self.max / self.min_subnormal)
+
+    @property
+    def block_binades(self) -> float:
+        """Dynamic range within one block (the element format's), in binades."""
+        return self.element.binades
+
+    def with_scale_rule(self, rule: ScaleRule) -> BlockFormat:
+        if rule not in ("floor", "rceil"):
+            raise ValueError(f"scale_rule must be 'floor' or 'rceil', got {rule!r}")
+        return BlockFormat(
+            f"{self.name.split('@')[0]}@{rule}" if rule != "floor" else self.name.split("@")[0],
+            self.element,
+            self.block_size,
+            self.scale_format,
+            rule,
+            self.tensor_scale,
+            self.description,
+        )
+
+
+Format = FloatFormat | IntFormat | BlockFormat
+
+
+def _float(name: str, e: int, m: int, special: Special = "ieee", description: str = "") -> FloatFormat:
+    return FloatFormat(name, e, m, special, description=description)
+
+
+_E8M0 = _float("e8m0", 8, 0, "e8m0", "OCP MX shared scale: unsigned power of two 2^-127..2^127, 0xFF NaN")
+_E4M3 = _float("fp8_e4m3", 4, 3, "fn", "OCP FP8 E4M3FN: no inf, NaN S.1111.111, max 448")
+_E5M2 = _float("fp8_e5m2", 5, 2, "ieee", "OCP FP8 E5M2: IEEE-like with inf and NaN, max 57344")
+_E3M2 = _float("fp6_e3m2", 3, 2, "finite", "OCP FP6 E3M2: no inf, no NaN, max 28")
+_E2M3 = _float("fp6_e2m3", 2, 3, "finite", "OCP FP6 E2M3: no inf, no NaN, max 7.5")
+_E2M1 = _float("fp4_e2m1", 2, 1, "finite", "OCP FP4 E2M1: no inf, no NaN, max 6")
+_INT8 = IntFormat("int8", 8, description="symmetric int8, ±127")
+_MXINT8_ELEMENT = IntFormat("int8_s6", 8, 6, "MXINT8 element: int8 with implicit scale 2^-6, ±127/64")
+
+_REGISTRY: dict[str, Format] = {
+    f.name: f
+    for f in (
+        _float("fp32", 8, 23, description="IEEE binary32"),
+        _float("tf32", 8, 10, description="NVIDIA TensorFloat-32: fp32 range, 10 mantissa bits"),
+        _float("bf16", 8, 7, description="bfloat16: fp32 range, 7 mantissa bits"),
+        _float("fp16", 5, 10, description="IEEE binary16"),
+        _E4M3,
+        _E5M2,
+        _float("fp8_e4m3fnuz", 4, 3, "fnuz", "E4M3FNUZ (AMD/Graphcore): bias 8, no inf, no -0, max 240"),
+        _float("fp8_e5m2fnuz", 5, 2, "fnuz", "E5M2FNUZ (AMD/Graphcore): bias 16, no inf, no -0, max 57344"),
+        _E3M2,
+        _E2M3,
+        _E2M1,
+        _E8M0,
+        _INT8,
+        IntFormat("int4", 4, description="symmetric int4, ±7"),
+        BlockFormat("mxfp8_e4m3", _E4M3, 32, _E8M0, description="OCP MXFP8: 32 × E4M3, E8M0 scale"),
+        BlockFormat("mxfp8_e5m2", _E5M2, 32, _E8M0, description="OCP MXFP8: 32 × E5M2, E8M0 scale"),
+        BlockFormat("mxfp6_e3m2", _E3M2, 32, _E8M0, description="OCP MXFP6: 32 × E3M2, E8M0 scale"),
+        BlockFormat("mxfp6_e2m3", _E2M3, 32, _E8M0, description="OCP MXFP6: 32 × E2M3, E8M0 scale"),
+        BlockFormat("mxfp4_e2m1", _E2M1, 32, _E8M0, description="OCP MXFP4: 32 × E2M1, E8M0 scale"),
+        BlockFormat("mxint8", _MXINT8_ELEMENT, 32, _E8M0, description="OCP MXINT8: 32 × int8·2^-6, E8M0 scale"),
+        BlockFormat(
+            "nvfp4", _E2M1, 16, _E4M3, tensor_scale=True,
+            description="NVIDIA NVFP4: 16 × E2M1, E4M3 block scale, FP32 tensor scale",
+        ),
+    )
+}
+
+_ALIASES = {
+    "float32": "fp32",
+    "fp32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp8_e4m3fn": "fp8_e4m3",
+    "float8_e4m3fn": "fp8_e4m3",
+    "float8_e5m2": "fp8_e5m2",
+    "float8_e4m3fnuz": "fp8_e4m3fnuz",
+    "float8_e5m2fnuz": "fp8_e5m2fnuz",
+    "e8m0fnu": "e8m0",
+    "float8_e8m0fnu": "e8m0",
+    "mxfp8": "mxfp8_e4m3",
+    "mxfp6": "mxfp6_e3m2",
+    "mxfp4": "mxfp4_e2m1",
+}
+
+_GENERIC = re.compile(r"^e(\d)m(\d{1,2})$")
+
+
+def format(name: str | Format) -> Format:  # noqa: A001 - the public name is numscope.format
+    """Return the format called ``name`` (a format object is returned unchanged).
+
+    Besides the registered names (see :func:`formats`), ``eXmY`` names an IEEE-like float with X exponent
+    bits (2–8), Y mantissa bits (0–23), inf and NaN; a block format may carry ``@rceil`` for the round-up
+    scale rule (``mxfp8_e4m3@rceil``).
+    """
+    if isinstance(name, FloatFormat | IntFormat | BlockFormat):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"a format is named by a string, got {type(name).__name__}: {name!r}")
+    key = name.strip().lower()
+    base, _, rule = key.partition("@")
+    base = _ALIASES.get(base, base)
+    found = _REGISTRY.get(base)
+    if found is None:
+        generic = _GENERIC.match(base)
+        if generic:
+            e, m = int(generic.group(1)), int(generic.group(2))
+            if not (2 <= e <= 8 and 0 <= m <= 23):
+                raise ValueError(
+                    f"generic format {name!r}: exponent bits must be 2..8 and mantissa bits 0..23"
+                )
+            found = FloatFormat(base, e, m, "ieee", description=f"IEEE-like E{e}M{m} with inf and NaN")
+    if found is None:
+        known = sorted(_REGISTRY)
+        close = difflib.get_close_matches(base, known + sorted(_ALIASES), n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+        raise ValueError(
+            f"unknown format {name!r}; {hint}known: {', '.join(known)}, or eXmY (e.g. 'e3m4')"
+        )
+    if rule:
+        if not isinstance(found, BlockFormat) or found.tensor_scale:
+            raise ValueError(
+                f"format {name!r}: a scale rule ('@{rule}') applies only to the MX block formats"
+            )
+        if rule not in ("floor", "rceil"):
+            raise ValueError(f"format {name!r}: unknown scale rule {rule!r}; allowed: 'floor', 'rceil'")
+        found = found.with_scale_rule(rule)  # type: ignore[arg-type]
+    return found
+
+
+def formats() -> list[Format]:
+    """Every registered format, element formats first."""
+    return list(_REGISTRY.values())
