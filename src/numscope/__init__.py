@@ -23,7 +23,6 @@ _EXPORTS: dict[str, str] = {
     "IntFormat": "numscope.formats.spec",
     "BlockFormat": "numscope.formats.spec",
     "format": "numscope.formats.spec",
-    "formats": "numscope.formats.spec",
     "Scaling": "numscope.formats.scaling",
     "DelayedScaler": "numscope.formats.scaling",
     "quantize": "numscope.formats.quantize",
@@ -46,10 +45,12 @@ _EXPORTS: dict[str, str] = {
     "recommend": "numscope.advisor",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "formats"])
 
 
 def __getattr__(name: str) -> Any:
+    if name == "formats":  # the subpackage, callable: numscope.formats() lists every format
+        return importlib.import_module("numscope.formats")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'numscope' has no attribute {name!r}")
@@ -59,4 +60,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(__all__))
