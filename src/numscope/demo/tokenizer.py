@@ -1,0 +1,198 @@
+"""A BERT-style WordPiece tokenizer trained on the demo's training split, cached on disk.
+
+The recipe is BERT's uncased one: ``BertNormalizer`` (lowercase, strip accents, clean control characters,
+space out CJK), ``BertPreTokenizer`` (split on whitespace and punctuation), WordPiece with ``##``
+continuation pieces, and ``[CLS] … [SEP]`` framing. Training takes about three seconds on the full demo
+corpus; the result is saved as ``<cache>/tokenizers/<key>.json`` and loaded on later calls.
+
+Training is deterministic: the same documents and vocabulary size give the same vocabulary and ids on every
+run and machine (``tokenizers``' own WordPieceTrainer does not; see :func:`train_tokenizer`). Ids: the special
+tokens first, then the single characters in code-point order, then the learned pieces in merge order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from numscope.demo.corpus import corpus_hash
+
+PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, UNK, CLS, SEP, MASK)
+"""The special tokens, in id order: [PAD] is 0, [UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4."""
+
+DEFAULT_VOCAB_SIZE = 8000
+TOKENIZER_VERSION = 1
+"""Bump when the recipe changes, so that cached tokenizers of the old recipe are not reused."""
+
+CACHE_ENV = "NUMSCOPE_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """Root of numscope's on-disk cache: ``$NUMSCOPE_CACHE``, else ``$XDG_CACHE_HOME/numscope``, else
+    ``~/.cache/numscope``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "numscope"
+    return Path.home() / ".cache" / "numscope"
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """The ids that masking, batching and the model need to know, and the vocabulary size (tokens)."""
+
+    vocab_size: int
+    pad_id: int
+    unk_id: int
+    cls_id: int
+    sep_id: int
+    mask_id: int
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        """Ids that are never masked nor drawn as random replacements."""
+        return (self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id)
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Tokenizer) -> TokenizerInfo:
+        """The special-token ids of ``tokenizer``; raises ValueError naming any special token it lacks."""
+        ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+        missing = [token for token, token_id in ids.items() if token_id is None]
+        if missing:
+            raise ValueError(
+                f"tokenizer lacks special tokens {missing}; a demo tokenizer has {list(SPECIAL_TOKENS)}"
+            )
+        return cls(
+            vocab_size=tokenizer.get_vocab_size(),
+            pad_id=ids[PAD],
+            unk_id=ids[UNK],
+            cls_id=ids[CLS],
+            sep_id=ids[SEP],
+            mask_id=ids[MASK],
+        )
+
+
+def train_tokenizer(documents: Sequence[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
+    """Train a BERT-style uncased WordPiece tokenizer on ``documents``, deterministically (no caching).
+
+    Args:
+        documents: training text; pass the training split only, so validation text stays unseen.
+        vocab_size: the most tokens in the vocabulary, special tokens included; a small corpus may give
+            fewer.
+
+    Raises:
+        ValueError: ``vocab_size`` is too small to hold the special tokens, or there are no documents.
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be an integer > {len(SPECIAL_TOKENS)}; got {vocab_size!r}")
+    if not documents:
+        raise ValueError("cannot train a tokenizer on no documents")
+    words = _marked_word_counts(documents)
+    trainer_tokenizer = Tokenizer(models.BPE())
+    trainer_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False
+    )
+    trainer_tokenizer.train_from_iterator(
+        (" ".join([word] * count) for word, count in sorted(words.items())), trainer, length=len(words)
+    )
+    learned = sorted(trainer_tokenizer.get_vocab().items(), key=lambda item: item[1])
+    pieces = [_unmark(token) for token, _ in learned if token not in SPECIAL_TOKENS]
+    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *pieces])}
+    tokenizer = _bert_tokenizer(
+        models.WordPiece(vocab, unk_token=UNK, continuing_subword_prefix=CONTINUATION)
+    )
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{CLS} $A {SEP}",
+        pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
+        special_tokens=[(CLS, vocab[CLS]), (SEP, vocab[SEP])],
+    )
+    return tokenizer
+
+
+# WordPiece training is BPE over characters in which a word's non-initial characters are distinct symbols
+# (``##x``). The WordPieceTrainer of ``tokenizers`` creates those symbols in hash-map order, and as merge ties
+# are broken by symbol id its vocabulary differs between runs (huggingface/tokenizers issue 1794). Here the
+# non-initial characters are instead shifted into the supplementary private-use planes before a plain BPE
+# trainer sees them, so that they belong to its alphabet, which it numbers in sorted order. One difference
+# from WordPieceTrainer: a character seen only inside words gets a ``##`` piece and no word-initial piece.
+CONTINUATION = "##"
+_CONTINUATION_SHIFT = 0xF0000
+_SHIFTABLE = 0x10FFFE - _CONTINUATION_SHIFT
+
+
+def _marked_word_counts(documents: Sequence[str]) -> Counter[str]:
+    """Count the normalized, pre-tokenized words, non-initial characters shifted to mark continuation.
+
+    Words holding a character that cannot be marked (a private-use character from the supplementary planes,
+    or a continuation character beyond them) are left out of training; they encode as [UNK].
+    """
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    counts: Counter[str] = Counter()
+    for document in documents:
+        counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(document)))
+    marked: Counter[str] = Counter()
+    for word, count in counts.items():
+        codes = [ord(character) for character in word]
+        if max(codes) < _CONTINUATION_SHIFT and max(codes[1:], default=0) < _SHIFTABLE:
+            marked[word[0] + "".join(chr(code + _CONTINUATION_SHIFT) for code in codes[1:])] = count
+    return marked
+
+
+def _unmark(token: str) -> str:
+    if ord(token[0]) >= _CONTINUATION_SHIFT:
+        return CONTINUATION + "".join(chr(ord(character) - _CONTINUATION_SHIFT) for character in token)
+    return token[0] + "".join(chr(ord(character) - _CONTINUATION_SHIFT) for character in token[1:])
+
+
+def _bert_tokenizer(model: models.WordPiece) -> Tokenizer:
+    tokenizer = Tokenizer(model)
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    return tokenizer
+
+
+def tokenizer_cache_key(documents: Sequence[str], vocab_size: int) -> str:
+    """Cache key of the tokenizer for ``documents``: a digest of (corpus hash, vocab size, recipe version)."""
+    material = f"{corpus_hash(documents)}\0{vocab_size}\0{TOKENIZER_VERSION}"
+    return hashlib.sha256(material.encode()).hexdigest()[:24]
+
+
+def tokenizer_cache_path(documents: Sequence[str], vocab_size: int, cache_dir: Path | None = None) -> Path:
+    """Where :func:`load_or_train_tokenizer` keeps the tokenizer for these documents and vocabulary size."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / "tokenizers" / f"{tokenizer_cache_key(documents, vocab_size)}.json"
+
+
+def load_or_train_tokenizer(
+    documents: Sequence[str], vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: Path | None = None
+) -> Tokenizer:
+    """The tokenizer for ``documents``: loaded from the cache when present, else trained and saved there.
+
+    Args:
+        documents: the training split.
+        vocab_size: the most tokens in the vocabulary, special tokens included.
+        cache_dir: cache root (``tokenizers/`` is made under it); default :func:`default_cache_dir`.
+    """
+    path = tokenizer_cache_path(documents, vocab_size, cache_dir)
+    if path.is_file():
+        return Tokenizer.from_file(str(path))
+    tokenizer = train_tokenizer(documents, vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(
+        "w", dir=path.parent, suffix=".tmp", delete=False, encoding="utf-8"
+    ) as file:
+        file.write(tokenizer.to_str())
+    os.replace(file.name, path)
+    return tokenizer
