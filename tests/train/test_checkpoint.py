@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -47,6 +48,9 @@ def test_round_trip(tmp_path):
     save_checkpoint(path, _state())
     _assert_same_state(load_checkpoint(path), _state())
     assert [entry.name for entry in tmp_path.iterdir()] == ["checkpoint.pt"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as a plain open() would create it
 
 
 @pytest.mark.parametrize("failing", ["torch.save", "os.replace"])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
-import tempfile
+import secrets
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,15 +51,18 @@ def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> N
     target = Path(path)
     directory = target.parent
     payload = {_VERSION_KEY: FORMAT_VERSION, "state": dict(state)}
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
+    # O_EXCL on a unique name instead of tempfile.mkstemp: mkstemp creates mode 0600, which the rename
+    # would hand to the checkpoint; os.open with 0o666 honours the user's umask like a plain open().
+    temporary = directory / f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
-        with os.fdopen(handle, "wb") as file:
+        with os.fdopen(descriptor, "wb") as file:
             torch.save(payload, file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, target)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
     _fsync_directory(directory)
 
@@ -99,9 +102,10 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise _corrupt(source, error) from error
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as error:
         raise _corrupt(source, error) from error
-    if not isinstance(payload, dict) or _VERSION_KEY not in payload:
+    if not isinstance(payload, dict) or _VERSION_KEY not in payload or "state" not in payload:
         raise CheckpointError(
-            f"{str(source)!r} is a torch file but not a numscope checkpoint (no {_VERSION_KEY!r} key); "
+            f"{str(source)!r} is a torch file but not a numscope checkpoint (no {_VERSION_KEY!r} and "
+            "'state' keys); "
             "write it with numscope.train.save_checkpoint"
         )
     version = payload[_VERSION_KEY]

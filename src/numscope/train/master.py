@@ -125,7 +125,7 @@ class MasterWeights:
         self.model = model
         self.dtype = dtype
         self.enabled = dtype != torch.float32
-        fp32_modules = self._fp32_modules(keep_fp32) if self.enabled else set()
+        fp32_modules = self._fp32_modules(keep_fp32)
         fp32_param_ids = {id(param) for module in fp32_modules for param in module.parameters(recurse=False)}
         self._pairs: list[tuple[str, nn.Parameter, Tensor]] = []
         with torch.no_grad():
