@@ -356,3 +356,19 @@ def test_underflow_report_reads_a_models_gradients():
         underflow_report(model, scale=1.0, working_dtype=torch.int8)
     with pytest.raises(ValueError, match=r"scale must be a finite number > 0, got 0.0"):
         underflow_report(model, scale=0.0, working_dtype=torch.float16)
+
+
+def test_two_optimizers_skip_independently_and_back_off_once():
+    model = _mlp()
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    first_before, second_before = model[0].weight.detach().clone(), model[2].weight.detach().clone()
+    scaler = LossScaler(init_scale=2.0**10).track(model)
+    _backward(scaler, model, seed=0, bad_value=INF)
+    scaler.step(first)
+    scaler.step(second)
+    scaler.update()
+    assert not torch.equal(model[0].weight, first_before)
+    assert torch.equal(model[2].weight, second_before)
+    assert scaler.get_scale() == 2.0**9
+    assert scaler.last_overflow.parameters == ("2.bias",)

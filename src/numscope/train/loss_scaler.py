@@ -296,10 +296,11 @@ class LossScaler:
         """
         if not self._enabled:
             return
-        stepped = [state for state in self._per_optimizer.values() if state.stage is _Stage.STEPPED]
-        if new_scale is None and not stepped:
+        # As GradScaler: every optimizer whose gradients were checked this iteration votes on the scale.
+        checked = [state for state in self._per_optimizer.values() if state.stage is not _Stage.READY]
+        if new_scale is None and not checked:
             raise RuntimeError("update() was called before step(optimizer) in this iteration")
-        found_inf = any(state.found_inf for state in stepped)
+        found_inf = any(state.found_inf for state in checked)
         if new_scale is not None:
             value = float(new_scale.item()) if isinstance(new_scale, Tensor) else float(new_scale)
             if not (math.isfinite(value) and value > 0):
