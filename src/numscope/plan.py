@@ -84,7 +84,7 @@ SCALE_BITS = 32
 _ROLE_KEYS: tuple[str, ...] = ("input", "weight", "grad_output")
 _GROUP_KEYS: dict[str, tuple[str, ...]] = {"forward": ("fprop",), "backward": ("dgrad", "wgrad")}
 _OPERAND_FIELDS: tuple[str, ...] = ("format", "scaling", "rounding", "overflow", "flush_subnormals")
-_SCALING_TYPES: dict[str, type | tuple[type, ...]] = {
+_SCALING_TYPES: dict[str, type] = {
     "kind": str,
     "margin": int,
     "power_of_two": bool,
@@ -93,6 +93,9 @@ _SCALING_TYPES: dict[str, type | tuple[type, ...]] = {
     "amax_compute": str,
     "reduce_amax": bool,
 }
+
+
+_A_TYPE: dict[type, str] = {str: "a string", int: "an int", bool: "a bool", list: "a list"}
 
 
 class PlanError(ValueError):
@@ -772,7 +775,7 @@ def _parse_scaling(value: Any, where: str) -> Scaling:
         wrong = not isinstance(item, expected) or (expected is int and isinstance(item, bool))
         if wrong:
             raise PlanError(
-                f"{_at(where, key)} must be {'a list' if expected is list else 'a ' + expected.__name__}, "
+                f"{_at(where, key)} must be {_A_TYPE[expected]}, "
                 f"got {_type_name(item)}"
             )
     if data["kind"] not in KINDS:
@@ -807,7 +810,7 @@ def _parse_operand(value: Any, where: str) -> OperandSpec:
             continue
         expected = bool if key == "flush_subnormals" else str
         if not isinstance(item, expected):
-            raise PlanError(f"{_at(where, key)} must be a {expected.__name__}, got {_type_name(item)}")
+            raise PlanError(f"{_at(where, key)} must be {_A_TYPE[expected]}, got {_type_name(item)}")
         args[key] = item
     fmt_where = where if isinstance(value, str) else _at(where, "format")
     if args["format"].strip().lower() != HIGH:

@@ -1,0 +1,571 @@
+"""numscope.plan: presets, rule lookup, YAML round trip, validation messages, site checks, average bits."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+import numscope
+from numscope.plan import (
+    ACCUMULATE,
+    GEMMS,
+    OPERAND_KEYS,
+    OPERANDS,
+    OperandSpec,
+    Plan,
+    PlanError,
+    PlanRow,
+    Rule,
+    SiteSpec,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "plans"
+
+
+def formats_of(spec: SiteSpec) -> dict[str, str]:
+    return {f"{g}/{o}": spec.operand(g, o).format for g, o in OPERAND_KEYS}
+
+
+def uniform_formats(name: str) -> dict[str, str]:
+    return {f"{g}/{o}": name for g, o in OPERAND_KEYS}
+
+
+# -- contract constants ----------------------------------------------------------------------------------
+
+
+def test_contract_constants():
+    assert GEMMS == ("fprop", "dgrad", "wgrad")
+    assert OPERANDS == {
+        "fprop": ("input", "weight"),
+        "dgrad": ("grad_output", "weight"),
+        "wgrad": ("grad_output", "input"),
+    }
+    assert ACCUMULATE == ("fp32", "bf16", "fp16")
+    assert issubclass(PlanError, ValueError)
+    assert numscope.Plan is Plan
+
+
+# -- presets -----------------------------------------------------------------------------------------------
+
+PRESET_FORMATS = {
+    "fp32": uniform_formats("high"),
+    "bf16": uniform_formats("bf16"),
+    "fp16": uniform_formats("fp16"),
+    "fp8": {
+        "fprop/input": "fp8_e4m3", "fprop/weight": "fp8_e4m3",
+        "dgrad/grad_output": "fp8_e5m2", "dgrad/weight": "fp8_e4m3",
+        "wgrad/grad_output": "fp8_e5m2", "wgrad/input": "fp8_e4m3",
+    },
+    "fp8_e4m3": uniform_formats("fp8_e4m3"),
+    "mxfp8": uniform_formats("mxfp8_e4m3"),
+    "mxfp6": uniform_formats("mxfp6_e3m2"),
+    "mxfp4": uniform_formats("mxfp4_e2m1"),
+    "nvfp4": uniform_formats("nvfp4"),
+    "int8": uniform_formats("int8"),
+}
+# the kind of scaling each preset's operands get (None = plain element cast / unquantized)
+PRESET_SCALING = {
+    "fp32": None, "bf16": None, "fp16": None, "fp8": "tensor", "fp8_e4m3": "tensor",
+    "mxfp8": "block", "mxfp6": "block", "mxfp4": "block", "nvfp4": "block", "int8": "tensor",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_FORMATS))
+def test_preset_formats_and_scaling(name):
+    plan = Plan.uniform(name)
+    assert plan.rules == ()
+    spec = plan.for_site("any.site.name")
+    assert formats_of(spec) == PRESET_FORMATS[name]
+    assert spec.accumulate == "fp32"
+    for gemm, operand in OPERAND_KEYS:
+        op = spec.operand(gemm, operand)
+        scaling = op.effective_scaling()
+        assert (scaling.kind if scaling else None) == PRESET_SCALING[name], (gemm, operand)
+        assert op.rounding == "nearest"
+
+
+def test_presets_are_listed_in_the_docstring_table():
+    assert set(Plan.presets()) == set(PRESET_FORMATS)
+    doc = Plan.uniform.__doc__
+    for name in Plan.presets():
+        assert f"\n        {name} " in doc
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(PlanError) as info:
+        Plan.uniform("fp9")
+    message = str(info.value)
+    assert "unknown preset 'fp9'" in message
+    for name in Plan.presets():
+        assert name in message
+
+
+def test_fp32_preset_is_unquantized_everywhere():
+    spec = Plan.uniform("fp32").default
+    assert spec.is_high
+    assert all(spec.operand(g, o).is_high for g, o in OPERAND_KEYS)
+    assert spec.operand("dgrad", "weight").effective_scaling() is None
+
+
+# -- operand and site specs --------------------------------------------------------------------------------
+
+
+def test_operand_spec_is_canonical():
+    assert OperandSpec("mxfp8").format == "mxfp8_e4m3"
+    assert OperandSpec("float16").format == "fp16"
+    assert OperandSpec("mxfp8_e4m3", numscope.Scaling("block")) == OperandSpec("mxfp8_e4m3")
+    assert OperandSpec("fp8_e4m3", "tensor") == OperandSpec("fp8_e4m3")
+    assert OperandSpec("bf16", "none") == OperandSpec("bf16")
+    delayed = OperandSpec("fp8_e5m2", {"kind": "delayed", "history_len": 4})
+    assert delayed.scaling == numscope.Scaling("delayed", history_len=4)
+    assert delayed.effective_scaling() == numscope.Scaling("delayed", history_len=4)
+    assert OperandSpec("fp8_e4m3", "none").effective_scaling() is None
+    assert OperandSpec("HIGH").is_high
+
+
+def test_site_spec_equality_drops_high_and_accepts_string_keys():
+    explicit = SiteSpec({("fprop", "input"): "fp8_e4m3", ("wgrad", "input"): OperandSpec("high")})
+    assert explicit == SiteSpec({"fprop/input": OperandSpec("fp8_e4m3")})
+    assert explicit.operand("wgrad", "input").is_high
+    assert explicit.operand("dgrad", "grad_output").is_high
+    assert list(explicit.operands) == [("fprop", "input")]
+    with pytest.raises(PlanError, match="unknown operand 'grad_output'; allowed for fprop: input, weight"):
+        explicit.operand("fprop", "grad_output")
+    with pytest.raises(PlanError, match="unknown gemm 'fwd'; allowed: fprop, dgrad, wgrad"):
+        SiteSpec({("fwd", "input"): "bf16"})
+
+
+def test_specs_are_frozen_and_hashable():
+    plan = Plan.uniform("fp8").with_rule("a.*", SiteSpec.uniform("bf16"), {"fprop/input": "why"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.rules = ()  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        plan.default.operands[("fprop", "input")] = OperandSpec("bf16")  # type: ignore[index]
+    with pytest.raises(TypeError):
+        plan.rules[0].reasons["fprop/input"] = "other"  # type: ignore[index]
+    same = Plan.uniform("fp8").with_rule("a.*", SiteSpec.uniform("bf16"), {"fprop/input": "why"})
+    assert plan == same and hash(plan) == hash(same)
+    assert len({plan, same, Plan.uniform("fp8")}) == 2
+    assert plan != Plan.uniform("fp8").with_rule("a.*", SiteSpec.uniform("bf16"), {"fprop/input": "other"})
+
+
+def test_with_rule_returns_a_new_plan():
+    base = Plan.uniform("fp8")
+    extended = base.with_rule("head", SiteSpec())
+    assert base.rules == ()
+    assert extended.rules == (Rule("head", SiteSpec()),)
+    assert extended.for_site("head").is_high
+    assert base.for_site("head") == base.default
+    assert extended.with_default(SiteSpec.uniform("bf16")).for_site("body") == SiteSpec.uniform("bf16")
+
+
+def test_python_constructors_validate():
+    with pytest.raises(PlanError, match="unknown format 'fp8_e4m4'; did you mean 'fp8_e4m3'"):
+        OperandSpec("fp8_e4m4")
+    with pytest.raises(PlanError, match="format 'high' leaves the operand unquantized; rounding does not"):
+        OperandSpec("high", rounding="stochastic")
+    with pytest.raises(PlanError, match="unknown rounding 'up'; allowed: nearest, stochastic, zero"):
+        OperandSpec("bf16", rounding="up")
+    with pytest.raises(PlanError, match="unknown accumulate 'fp8'; allowed: fp32, bf16, fp16"):
+        SiteSpec(accumulate="fp8")
+    with pytest.raises(PlanError, match="scaling axis 0 is not a plan setting"):
+        OperandSpec("mxfp8_e4m3", numscope.Scaling("block", axis=0))
+
+
+# -- lookup: the last matching rule wins -------------------------------------------------------------------
+
+
+def test_last_matching_rule_wins_and_rules_replace_the_default():
+    bf16, fp16 = SiteSpec.uniform("bf16"), SiteSpec.uniform("fp16", accumulate="fp16")
+    only_wgrad = SiteSpec({("wgrad", "grad_output"): "fp8_e5m2"})
+    plan = Plan(
+        SiteSpec.uniform("fp8_e4m3"),
+        (Rule("*.layer.*", bf16), Rule("*.layer.1.*", fp16), Rule("*.layer.1.out", only_wgrad)),
+    )
+    assert plan.for_site("enc.layer.0.query") == bf16
+    assert plan.for_site("enc.layer.1.query") == fp16
+    assert plan.for_site("enc.layer.1.out") == only_wgrad
+    # a rule is used whole: what it does not set is high, not the default's format
+    assert plan.for_site("enc.layer.1.out").operand("fprop", "input").is_high
+    assert plan.for_site("embeddings.proj") == plan.default
+    assert plan.rule_for("embeddings.proj") is None
+    assert plan.rule_for("enc.layer.1.query") is plan.rules[1]
+    # the same rules in the other order: the broad rule, now last, wins everywhere it matches
+    reversed_plan = Plan(plan.default, tuple(reversed(plan.rules)))
+    assert reversed_plan.for_site("enc.layer.1.query") == bf16
+    assert reversed_plan.for_site("enc.layer.1.out") == bf16
+
+
+def test_patterns_are_case_sensitive_whole_name_globs():
+    plan = Plan(SiteSpec(), (Rule("layer.?.q", SiteSpec.uniform("bf16")),))
+    assert not plan.for_site("layer.1.q").is_high
+    assert plan.for_site("Layer.1.q").is_high
+    assert plan.for_site("layer.10.q").is_high
+    assert plan.for_site("x.layer.1.q").is_high
+
+
+# -- YAML --------------------------------------------------------------------------------------------------
+
+
+def rich_plan() -> Plan:
+    tile = OperandSpec("fp8_e4m3", numscope.Scaling("block", block_shape=(1, 128), power_of_two=True))
+    delayed = OperandSpec(
+        "fp8_e5m2", numscope.Scaling("delayed", history_len=32, amax_compute="most_recent", margin=1)
+    )
+    rules = (
+        Rule("*.attention.self.scores", SiteSpec(), {"fprop/input": "scores feed softmax"}),
+        Rule(
+            "bert.encoder.layer.*.output.dense",
+            SiteSpec(
+                {
+                    ("fprop", "input"): OperandSpec("mxfp8_e4m3@rceil", rounding="stochastic"),
+                    ("fprop", "weight"): tile,
+                    ("wgrad", "grad_output"): delayed,
+                    ("dgrad", "grad_output"): OperandSpec("fp8_e5m2", overflow="propagate"),
+                    ("dgrad", "weight"): OperandSpec("fp16", flush_subnormals=True),
+                },
+                accumulate="bf16",
+            ),
+            {"fprop/input": "backward error 1.2e-3 <= 2x bf16", "wgrad/grad_output": "wide range"},
+        ),
+    )
+    return Plan(Plan.uniform("fp8").default, rules, {"dgrad/grad_output": "TE hybrid"})
+
+
+def test_yaml_round_trip(tmp_path):
+    plan = rich_plan()
+    path = tmp_path / "plan.yaml"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded == plan
+    assert loaded.rules[1].reasons["fprop/input"] == "backward error 1.2e-3 <= 2x bf16"
+    assert loaded.default_reasons == {"dgrad/grad_output": "TE hybrid"}
+    assert loaded.source == str(path)
+    assert Plan.from_dict(plan.to_dict()) == plan
+    # the file is legible YAML with the version key first
+    data = yaml.safe_load(path.read_text())
+    assert next(iter(data)) == "numscope_plan" and data["numscope_plan"] == 1
+    assert data["rules"][0] == {
+        "match": "*.attention.self.scores", "all": "high", "reasons": {"fprop/input": "scores feed softmax"}
+    }
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_FORMATS))
+def test_every_preset_round_trips(tmp_path, name):
+    path = tmp_path / f"{name}.yaml"
+    Plan.uniform(name).save(path)
+    assert Plan.load(path) == Plan.uniform(name)
+
+
+def test_save_replaces_the_file_atomically(tmp_path):
+    path = tmp_path / "plan.yaml"
+    Plan.uniform("bf16").save(path)
+    before = os.stat(path).st_ino
+    Plan.uniform("fp8").save(path)
+    assert os.stat(path).st_ino != before  # a new file moved into place, not an in-place rewrite
+    assert Plan.load(path) == Plan.uniform("fp8")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml"]
+
+
+def test_shorthands_layer_broadest_first():
+    plan = Plan.from_dict({
+        "numscope_plan": 1,
+        "default": {
+            "all": "bf16",
+            "backward": "fp8_e5m2",
+            "weight": "fp8_e4m3",
+            "wgrad": {"input": {"format": "mxfp8", "rounding": "stochastic"}},
+            "dgrad": "fp16",
+        },
+    })
+    assert formats_of(plan.default) == {
+        "fprop/input": "bf16", "fprop/weight": "fp8_e4m3",
+        "dgrad/grad_output": "fp16", "dgrad/weight": "fp16",
+        "wgrad/grad_output": "fp8_e5m2", "wgrad/input": "mxfp8_e4m3",
+    }
+    assert plan.default.operand("wgrad", "input").rounding == "stochastic"
+    hybrid = Plan.from_dict({
+        "numscope_plan": 1,
+        "default": {"input": "fp8_e4m3", "weight": "fp8_e4m3", "grad_output": "fp8_e5m2"},
+    })
+    assert hybrid == Plan.uniform("fp8")
+    assert Plan.from_dict({"numscope_plan": 1}) == Plan.uniform("fp32")
+
+
+# -- validation messages -----------------------------------------------------------------------------------
+
+BAD_PLANS = [
+    (
+        "default:\n  fprop: {input: fp8_e4m4}\n",
+        "plan.yaml: default.fprop.input: unknown format 'fp8_e4m4'; did you mean 'fp8_e4m3'",
+    ),
+    (
+        "rules:\n  - {match: a, all: high}\n  - match: b\n    fprop: {grad_input: bf16}\n",
+        "plan.yaml: rules[1].fprop: unknown operand 'grad_input'; allowed for fprop: input, weight",
+    ),
+    (
+        "rules:\n  - match: a\n    fprp: bf16\n",
+        "plan.yaml: rules[0]: unknown key 'fprp'; did you mean 'fprop'? allowed: match, all, forward, "
+        "backward, input, weight, grad_output, fprop, dgrad, wgrad, accumulate, reasons",
+    ),
+    (
+        "rules:\n  - match: 3\n    all: high\n",
+        "plan.yaml: rules[0].match must be a string, got int",
+    ),
+    (
+        "rules:\n  - all: high\n",
+        "plan.yaml: rules[0]: missing key 'match'",
+    ),
+    (
+        "rules: {match: a}\n",
+        "plan.yaml: rules must be a list of rules, got dict",
+    ),
+    (
+        "default:\n  all: {format: fp8_e4m3, scaling: {kind: delayed, histroy_len: 8}}\n",
+        "plan.yaml: default.all.scaling: unknown scaling key 'histroy_len'; did you mean 'history_len'? "
+        "allowed: kind, margin, power_of_two, block_shape, history_len, amax_compute, reduce_amax",
+    ),
+    (
+        "default:\n  all: {format: fp8_e4m3, scaling: current}\n",
+        "plan.yaml: default.all.scaling: unknown scaling kind 'current'; allowed: none, tensor, delayed, "
+        "row, column, block",
+    ),
+    (
+        "default:\n  all: {format: fp8_e4m3, scaling: {kind: tensor, margin: 1.5}}\n",
+        "plan.yaml: default.all.scaling.margin must be an int, got float",
+    ),
+    (
+        "default:\n  all: {format: 8}\n",
+        "plan.yaml: default.all.format must be a string, got int",
+    ),
+    (
+        "default:\n  all: bf16\n  accumulate: fp8\n",
+        "plan.yaml: default.accumulate: unknown accumulate 'fp8'; allowed: fp32, bf16, fp16",
+    ),
+    (
+        "default:\n  weight: {format: mxfp8_e4m3, scaling: tensor}\n",
+        "plan.yaml: default.weight: scaling 'tensor' does not apply to the block format 'mxfp8_e4m3', which "
+        "brings its own block scale; allowed: omit scaling, or kind 'block'",
+    ),
+    (
+        "default:\n  weight: {format: nvfp4, scaling: {kind: block, block_shape: [1, 16]}}\n",
+        "plan.yaml: default.weight: block format 'nvfp4' has a fixed block of 16 elements; drop block_shape",
+    ),
+    (
+        "default:\n  weight: {format: fp8_e4m3, scaling: block}\n",
+        "plan.yaml: default.weight: scaling 'block' of the element format 'fp8_e4m3' needs block_shape",
+    ),
+    (
+        "default:\n  input: {format: mxfp4, overflow: propagate}\n",
+        "plan.yaml: default.input: block format 'mxfp4_e2m1' always saturates its elements",
+    ),
+    (
+        "default:\n  input: {format: high, scaling: tensor}\n",
+        "plan.yaml: default.input: format 'high' leaves the operand unquantized; scaling does not apply",
+    ),
+    (
+        "default:\n  input: {format: bf16, scaling: {kind: block, axis: 0, block_shape: [1, 32]}}\n",
+        "plan.yaml: default.input.scaling.axis: axis is not a plan setting",
+    ),
+    (
+        "rules:\n  - match: a\n    all: bf16\n    reasons: {fprop/grad_output: x}\n",
+        "plan.yaml: rules[0].reasons: unknown operand 'grad_output'; allowed for fprop: input, weight",
+    ),
+    (
+        "default:\n  fprop: {input: bf16}\n  fprop: {weight: bf16}\n",
+        "plan.yaml: line 4: duplicate key 'fprop'",
+    ),
+    (
+        "default:\n  fprop: [bf16]\n",
+        "plan.yaml: default.fprop must be a mapping (operand -> spec, operands: input, weight), got list",
+    ),
+    (
+        "defaults:\n  all: bf16\n",
+        "plan.yaml: unknown top-level key 'defaults'; did you mean 'default'? allowed: numscope_plan, "
+        "default, rules",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "expected"), BAD_PLANS, ids=[e[11:51] for _, e in BAD_PLANS])
+def test_invalid_plan_messages(tmp_path, body, expected):
+    path = tmp_path / "plan.yaml"
+    path.write_text("numscope_plan: 1\n" + body)
+    with pytest.raises(PlanError) as info:
+        Plan.load(path)
+    message = str(info.value)
+    assert message.startswith(str(path) + ": ")
+    assert expected.replace("plan.yaml: ", "", 1) in message
+    assert message.count("plan.yaml") == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "default:\n  all: bf16\n",
+            "plan.yaml: missing version key 'numscope_plan' (this numscope reads plan version 1)",
+        ),
+        (
+            "numscope_plan: 2\n",
+            "plan.yaml: plan version 2 is newer than this numscope reads (1); upgrade numscope",
+        ),
+        ("numscope_plan: one\n", "plan.yaml: numscope_plan must be an int, got str"),
+        ("", "plan.yaml: the plan is empty"),
+        ("- a\n- b\n", "plan.yaml: the plan must be a mapping"),
+        ("numscope_plan: 1\ndefault: {all: [\n", "plan.yaml: not valid YAML"),
+    ],
+)
+def test_version_and_shape_messages(tmp_path, text, expected):
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    with pytest.raises(PlanError) as info:
+        Plan.load(path)
+    assert str(info.value).startswith(str(path).replace("plan.yaml", "") + expected)
+
+
+def test_from_dict_without_a_file_names_the_key_path():
+    with pytest.raises(PlanError) as info:
+        Plan.from_dict({"numscope_plan": 1, "rules": [{"match": "a", "wgrad": {"weight": "bf16"}}]})
+    expected = "rules[0].wgrad: unknown operand 'weight'; allowed for wgrad: grad_output, input"
+    assert str(info.value) == expected
+
+
+# -- check_sites ---------------------------------------------------------------------------------------------
+
+SITES = [
+    f"bert.encoder.layer.{i}.attention.self.{role}" for i in range(2) for role in ("query", "key", "scores")
+]
+
+
+def test_check_sites_names_every_unmatched_pattern():
+    plan = Plan(
+        SiteSpec(),
+        (
+            Rule("*.attention.self.scores", SiteSpec()),
+            Rule("*.attn.c_attn", SiteSpec()),
+            Rule("bert.encoder.layer.7.*", SiteSpec()),
+        ),
+    )
+    with pytest.raises(PlanError) as info:
+        plan.check_sites(SITES)
+    message = str(info.value)
+    assert "2 pattern(s) match no site" in message
+    assert "rules[1].match '*.attn.c_attn'" in message
+    assert "rules[2].match 'bert.encoder.layer.7.*'" in message
+    assert "rules[0]" not in message
+    assert "Sites (6): bert.encoder.layer.0.attention.self.query" in message
+    assert "(1 more)" in message
+    Plan(SiteSpec(), plan.rules[:1]).check_sites(SITES)
+
+
+def test_load_with_site_names_checks_them_and_names_the_file(tmp_path):
+    path = tmp_path / "plan.yaml"
+    Plan(SiteSpec(), (Rule("*.nothing", SiteSpec()),)).save(path)
+    expected = r"plan\.yaml: 1 pattern\(s\) match no site: rules\[0\]\.match '\*\.nothing'"
+    with pytest.raises(PlanError, match=expected):
+        Plan.load(path, site_names=SITES)
+    assert Plan.load(path).rules[0].pattern == "*.nothing"
+
+
+# -- describe and average_bits ----------------------------------------------------------------------------
+
+
+def test_describe_lists_every_operand_with_its_reason():
+    rows = rich_plan().describe()
+    assert len(rows) == 6 * 3
+    assert all(isinstance(row, PlanRow) for row in rows)
+    assert rows[0] == PlanRow("(default)", "fprop", "input", "fp8_e4m3", "tensor", "", "nearest", "fp32")
+    assert rows[2].reason == "TE hybrid"
+    assert rows[6] == PlanRow(
+        "*.attention.self.scores", "fprop", "input", "high", "-", "scores feed softmax", "-", "fp32"
+    )
+    dense = {(r.gemm, r.operand): r for r in rows[12:]}
+    assert dense[("fprop", "input")].format == "mxfp8_e4m3@rceil"
+    assert dense[("fprop", "input")].scaling == "block/32 e8m0"
+    assert dense[("fprop", "input")].rounding == "stochastic"
+    assert dense[("fprop", "weight")].scaling == "block(power_of_two=True, block_shape=[1, 128])"
+    delayed = "delayed(margin=1, history_len=32, amax_compute=most_recent)"
+    assert dense[("wgrad", "grad_output")].scaling == delayed
+    assert dense[("wgrad", "input")].format == "high"
+    assert {r.accumulate for r in dense.values()} == {"bf16"}
+
+
+def test_average_bits_hand_computed():
+    sizes = {
+        "enc.0.dense": {("fprop", "input"): 4096, ("fprop", "weight"): 1024, ("wgrad", "grad_output"): 4096}
+    }
+    assert Plan.uniform("mxfp8").average_bits(sizes) == pytest.approx(8.25)  # 8 + 8/32
+    assert Plan.uniform("mxfp4").average_bits(sizes) == pytest.approx(4.25)  # 4 + 8/32
+    assert Plan.uniform("nvfp4").average_bits(sizes) == pytest.approx(4.5)  # 4 + 8/16
+    assert Plan.uniform("fp8").average_bits(sizes) == 8.0
+    assert Plan.uniform("fp32").average_bits(sizes) == 32.0
+    assert Plan.uniform("fp32").average_bits(sizes, high_bits=16) == 16.0
+    # fp8 default, the head kept high: (300·8 + 100·32) / 400 = 14
+    plan = Plan.uniform("fp8").with_rule("head", SiteSpec())
+    mixed = {"body": {("fprop", "input"): 200, ("dgrad", "grad_output"): 100}, "head": {"fprop/weight": 100}}
+    assert plan.average_bits(mixed) == pytest.approx(14.0)
+    # tile scaling adds one fp32 scale per 1×128 tile: 8 + 32/128
+    tiled = SiteSpec.uniform(OperandSpec("fp8_e4m3", numscope.Scaling("block", block_shape=(1, 128))))
+    assert Plan(tiled).average_bits(sizes) == pytest.approx(8.25)
+
+
+def test_average_bits_rejects_bad_sizes():
+    with pytest.raises(PlanError, match="site_sizes holds none"):
+        Plan.uniform("fp8").average_bits({})
+    with pytest.raises(PlanError, match="unknown operand 'grad_output'; allowed for fprop"):
+        Plan.uniform("fp8").average_bits({"a": {("fprop", "grad_output"): 3}})
+    with pytest.raises(PlanError, match=r"element count of a/fprop/input must be an int >= 0, got -1"):
+        Plan.uniform("fp8").average_bits({"a": {("fprop", "input"): -1}})
+
+
+# -- example plans -----------------------------------------------------------------------------------------
+
+
+def bert_site_names() -> list[str]:
+    """The Linear sites of a real tiny BertForMaskedLM, plus its attention matmul sites (contract names)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=32,
+    )
+    model = BertForMaskedLM(config)
+    names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    attention = [name for name, _ in model.named_modules() if name.endswith("attention.self")]
+    return names + [f"{name}.{role}" for name in attention for role in ("scores", "context")]
+
+
+def test_example_plans_load_and_match_a_tiny_bert():
+    paths = sorted(EXAMPLES.glob("*.yaml"))
+    assert len(paths) >= 2
+    names = bert_site_names()
+    for path in paths:
+        plan = Plan.load(path, site_names=names)
+        assert Plan.from_dict(plan.to_dict()) == plan
+    hybrid = Plan.load(EXAMPLES / "bert_fp8_hybrid.yaml")
+    assert hybrid.default == Plan.uniform("fp8").default
+    assert hybrid.for_site("bert.encoder.layer.1.attention.self.scores").is_high
+    dense = hybrid.for_site("bert.encoder.layer.0.output.dense")
+    assert dense.operand("fprop", "weight").format == "mxfp8_e4m3"
+    delayed = numscope.Scaling("delayed", history_len=16)
+    assert dense.operand("wgrad", "grad_output").effective_scaling() == delayed
+    nvfp4 = Plan.load(EXAMPLES / "nvfp4_stochastic_grads.yaml")
+    late = nvfp4.for_site("bert.encoder.layer.1.output.dense")
+    assert late.operand("dgrad", "grad_output").rounding == "stochastic"
+    assert nvfp4.for_site("bert.encoder.layer.0.output.dense") == SiteSpec.uniform("mxfp8_e4m3")
+
+
+def test_plans_survive_pickle_and_deepcopy():
+    import copy
+    import pickle
+
+    plan = rich_plan()
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    assert copy.deepcopy(plan) == plan
