@@ -1,0 +1,521 @@
+"""The advisor: turn an :class:`~numscope.analysis.Analysis` into a :class:`~numscope.plan.Plan`.
+
+For each operand key ``(site, gemm, operand)`` the advisor looks at every candidate format the observer
+measured and keeps those that meet every **limit** on every sampled step (the worst step decides):
+
+==================  ===========  ==========================================================================
+criterion           default      the candidate passes when, on every sampled step, …
+==================  ===========  ==========================================================================
+max_be_ratio        40           mean backward error of the GEMM with this operand quantized (the other
+                                 one left high) ≤ this many times the same with the reference format
+max_underflow_pct   2.0          ``underflow%`` (nonzeros that become 0) ≤ this
+max_overflow_pct    0.1          ``overflow%`` (elements that saturate or become inf) ≤ this
+min_sqnr_db         22.0         ``sqnr_db`` ≥ this
+==================  ===========  ==========================================================================
+
+``None`` switches a limit off. Why these defaults: on Gaussian and Student-t(3) tensors the 8-bit formats
+that train close to bf16 in the literature (FP8 E4M3/E5M2 with per-tensor scaling, MXFP8) measure a BE
+16–34× bf16's and SQNR 25–32 dB, while the 4-bit formats (MXFP4, NVFP4, INT4), which need extra recipes
+(stochastic rounding, Hadamard transforms, high-precision layers) to train, measure ≥ 56× and ≤ 21 dB.
+The limits sit between the two groups, so by default the advisor recommends 8-bit formats where the
+tensors allow and never 4-bit ones; tighten or loosen them for your risk (``max_be_ratio=4`` keeps every
+operand at bf16-like accuracy). Underflow of more than 2% of the nonzeros — e.g. INT8 per-tensor on
+heavy-tailed gradients (31% on Student-t(3)) — and any noticeable saturation are flagged separately
+because the mean backward error barely sees small or clipped values.
+
+**Backward error per operand.** BE is a GEMM-level metric of a pair of operand formats; the observer
+records each candidate on one operand with the other operand left high, ``(fmt, fp32)`` and ``(fp32,
+fmt)``. An operand's ratio is that BE over the reference format's in the same position. To first order
+Q(L)Q(R) − LR ≈ δL·R + L·δR, so the BE of a pair is about the sum of its two one-sided BEs: limiting each
+operand's ratio to r keeps the GEMM's ratio within about r as well, and lets operands be chosen
+independently.
+
+**Choice.** Without a budget each operand gets the cheapest passing candidate (fewest
+``bits_per_element``, block scales included; ties go to the higher SQNR). When no candidate passes, the
+operand stays ``high`` (unquantized), and the reason says which limit failed for the best candidate.
+
+**Bit budget.** ``bit_budget`` is a cap on the average bits per operand element, weighted by each
+operand's element count (as :meth:`numscope.Plan.average_bits`, high = 32 bits). Among the passing
+candidates the advisor then minimises the total relative noise power Σ 10^(−SQNR/10) over operands (each
+operand's mean SQNR over steps; every operand counts alike, because each enters its GEMM's relative error
+alike) subject to the cap. It is solved as a multiple-choice knapsack by dynamic programming over integer
+bit costs: exact (optimal) when the costs, reduced by their greatest common divisor, fit
+:data:`DP_CELLS` cells; otherwise costs are rounded *up* to a coarser unit, which keeps the result within
+budget but may miss the optimum (``Recommendation.optimal`` is then False). A budget below the cheapest
+passing assignment is an error.
+
+Each choice carries its reason (the deciding metric and value) into the plan rule's ``reasons``;
+:func:`recommend_table` lists them for printing.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from numscope.analysis import Analysis, AnalysisError, OperandKey, operand_name
+from numscope.formats.spec import format as get_format
+from numscope.plan import DEFAULT_PATTERN, HIGH, OPERANDS, OperandSpec, Plan, Rule, SiteSpec
+
+SQNR = "sqnr_db"
+UNDERFLOW = "underflow%"
+OVERFLOW = "overflow%"
+HIGH_BITS = 32.0
+DP_CELLS = 1 << 18
+"""The largest knapsack table (cells per operand) the bit-budget solver uses before coarsening costs."""
+
+
+class AdvisorError(ValueError):
+    """Criteria the advisor cannot use, or limits no assignment can meet."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-operand limits (``None`` switches one off); see the module docstring for their meaning."""
+
+    max_be_ratio: float | None = 40.0
+    max_underflow_pct: float | None = 2.0
+    max_overflow_pct: float | None = 0.1
+    min_sqnr_db: float | None = 22.0
+
+    def replace(self, changes: Mapping[str, Any], where: str) -> Limits:
+        unknown = sorted(set(changes) - set(CRITERIA))
+        if unknown:
+            raise AdvisorError(f"unknown criterion {unknown[0]!r}{where}; allowed: {', '.join(CRITERIA)}")
+        values = {name: getattr(self, name) for name in CRITERIA}
+        for name, value in changes.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                      or math.isnan(value)):
+                raise AdvisorError(f"criterion {name}{where} must be a number or None, got {value!r}")
+            values[name] = None if value is None else float(value)
+        return Limits(**values)
+
+
+CRITERIA: tuple[str, ...] = ("max_be_ratio", "max_underflow_pct", "max_overflow_pct", "min_sqnr_db")
+OVERRIDE_KEYS: tuple[str, ...] = (*CRITERIA, "candidates")
+
+
+@dataclass(frozen=True)
+class Check:
+    """One limit checked for one candidate on its worst step."""
+
+    metric: str
+    value: float
+    limit: float
+    passed: bool
+
+    def describe(self) -> str:
+        if self.metric == "min_sqnr_db":
+            sign = ">=" if self.passed else "<"
+        else:
+            sign = "<=" if self.passed else ">"
+        unit = "× reference" if self.metric == "max_be_ratio" else ""
+        return f"{_METRIC_LABEL[self.metric]} {_fmt(self.value)} {sign} {_fmt(self.limit)}{unit}"
+
+
+_METRIC_LABEL = {"max_be_ratio": "be_ratio", "max_underflow_pct": UNDERFLOW, "max_overflow_pct": OVERFLOW,
+                 "min_sqnr_db": SQNR}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The format chosen for one operand and why.
+
+    metric/value: the deciding metric and its worst-step value (for a budgeted choice, ``sqnr_db``'s mean).
+    """
+
+    site: str
+    gemm: str
+    operand: str
+    format: str
+    bits: float
+    elements: int
+    metric: str
+    value: float
+    reason: str
+
+    @property
+    def key(self) -> OperandKey:
+        return (self.site, self.gemm, self.operand)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What :func:`advise` decided: the plan, one :class:`Choice` per operand and the bit accounting.
+
+    average_bits: over all operand elements, weighted by element count (high counts 32).
+    optimal: whether the bit-budget allocation is provably optimal (always True without a budget).
+    """
+
+    plan: Plan
+    choices: tuple[Choice, ...]
+    average_bits: float
+    bit_budget: float | None
+    optimal: bool
+    limits: Limits = field(default_factory=Limits)
+
+
+@dataclass
+class _Option:
+    label: str
+    bits: float
+    noise: float
+    mean_sqnr: float
+    checks: list[Check]
+
+    @property
+    def passed(self) -> bool:
+        return all(check.passed for check in self.checks)
+
+
+def _fmt(value: float) -> str:
+    if math.isinf(value) or math.isnan(value):
+        return str(value)
+    return f"{value:.3g}"
+
+
+def _bits(label: str) -> float:
+    if label == HIGH:
+        return HIGH_BITS
+    return float(get_format(label).bits_per_element)
+
+
+def _is_left(gemm: str, operand: str) -> bool:
+    return OPERANDS[gemm][0] == operand
+
+
+def _be_ratio(analysis: Analysis, key: OperandKey, label: str, reference: str) -> float | None:
+    """The worst-step ratio of the GEMM's mean BE with ``label`` on this operand to the reference's."""
+    site, gemm, operand = key
+    pairs = analysis.backward_errors.get((site, gemm))
+    if not pairs:
+        return None
+    left = _is_left(gemm, operand)
+    own = (label, "fp32") if left else ("fp32", label)
+    ref = (reference, "fp32") if left else ("fp32", reference)
+    if own not in pairs or ref not in pairs:
+        return None
+    worst = 0.0
+    for step, stats in pairs[own].items():
+        base = pairs[ref].get(step)
+        if base is None:
+            continue
+        worst = max(worst, _ratio(stats["mean"], base["mean"]))
+    return worst
+
+
+def _ratio(value: float, base: float) -> float:
+    """value / base, with 0/0 = 0 (both exact) and x/0 = inf."""
+    if base > 0:
+        return value / base
+    return 0.0 if value == 0 else math.inf
+
+
+def _option(analysis: Analysis, key: OperandKey, label: str, limits: Limits, reference: str) -> _Option:
+    checks: list[Check] = []
+    sqnr = analysis.metric_values(key, label, SQNR)
+    if limits.min_sqnr_db is not None:
+        checks.append(Check("min_sqnr_db", min(sqnr), limits.min_sqnr_db, min(sqnr) >= limits.min_sqnr_db))
+    if limits.max_underflow_pct is not None:
+        worst, limit = max(analysis.metric_values(key, label, UNDERFLOW)), limits.max_underflow_pct
+        checks.append(Check("max_underflow_pct", worst, limit, worst <= limit))
+    if limits.max_overflow_pct is not None:
+        worst, limit = max(analysis.metric_values(key, label, OVERFLOW)), limits.max_overflow_pct
+        checks.append(Check("max_overflow_pct", worst, limit, worst <= limit))
+    if limits.max_be_ratio is not None:
+        ratio = _be_ratio(analysis, key, label, reference)
+        if ratio is None:
+            raise AdvisorError(
+                f"no backward error of {label!r} and of the reference {reference!r} for {'/'.join(key[:2])}; "
+                f"observe with {reference!r} among the candidates, or pass max_be_ratio=None"
+            )
+        checks.append(Check("max_be_ratio", ratio, limits.max_be_ratio, ratio <= limits.max_be_ratio))
+    mean_sqnr = sum(sqnr) / len(sqnr)
+    return _Option(label, _bits(label), 10.0 ** (-mean_sqnr / 10.0), mean_sqnr, checks)
+
+
+def _limits_for(key: OperandKey, base: Limits, per_operand: Mapping[str, Mapping[str, Any]] | None,
+                candidates: tuple[str, ...]) -> tuple[Limits, tuple[str, ...]]:
+    limits, allowed = base, candidates
+    name = operand_name(key)
+    for pattern, changes in (per_operand or {}).items():
+        if not fnmatch.fnmatchcase(name, pattern):
+            continue
+        changes = dict(changes)
+        if "candidates" in changes:
+            allowed = tuple(changes.pop("candidates"))
+        limits = limits.replace(changes, f" (per_operand {pattern!r})")
+    return limits, allowed
+
+
+def _check_overrides(per_operand: Mapping[str, Mapping[str, Any]] | None, names: Iterable[str]) -> None:
+    if not per_operand:
+        return
+    names = list(names)
+    for pattern, changes in per_operand.items():
+        if not isinstance(changes, Mapping):
+            raise AdvisorError(f"per_operand[{pattern!r}] must map criteria to values, got {changes!r}")
+        unknown = sorted(set(changes) - set(OVERRIDE_KEYS))
+        if unknown:
+            raise AdvisorError(f"unknown criterion {unknown[0]!r} (per_operand {pattern!r}); "
+                               f"allowed: {', '.join(OVERRIDE_KEYS)}")
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise AdvisorError(f"per_operand pattern {pattern!r} matches no operand; operands look like "
+                               f"{names[0] if names else '(none)'!r} (site/gemm/operand)")
+
+
+def _candidates(analysis: Analysis, candidates: Sequence[str] | None) -> tuple[str, ...]:
+    measured = tuple(c for c in analysis.candidates if c != "plan")
+    if candidates is None:
+        return measured
+    chosen = []
+    for name in candidates:
+        label = get_format(name).name if name != HIGH else HIGH
+        if label not in measured:
+            raise AdvisorError(f"candidate {name!r} was not measured by the observer; measured: "
+                               f"{', '.join(measured) or '(none)'}")
+        chosen.append(label)
+    return tuple(dict.fromkeys(chosen))
+
+
+def _cheapest(options: list[_Option]) -> tuple[_Option | None, list[_Option]]:
+    ordered = sorted(options, key=lambda o: (o.bits, -o.mean_sqnr))
+    for index, option in enumerate(ordered):
+        if option.passed:
+            return option, ordered[:index]
+    return None, ordered
+
+
+def _decide(key: OperandKey, options: list[_Option], elements: int) -> tuple[Choice, list[_Option]]:
+    """The cheapest passing option (or high) with its reason; also the passing options for a budget."""
+    site, gemm, operand = key
+    chosen, cheaper = _cheapest(options)
+    passing = [o for o in options if o.passed]
+    if chosen is None:
+        best = max(options, key=lambda o: (sum(c.passed for c in o.checks), o.mean_sqnr), default=None)
+        if best is None:
+            reason = "no candidate measured; kept high"
+            return Choice(site, gemm, operand, HIGH, HIGH_BITS, elements, "none", math.nan, reason), []
+        failed = next(c for c in best.checks if not c.passed)
+        reason = f"no candidate within limits (best {best.label}: {failed.describe()}); kept high"
+        return Choice(site, gemm, operand, HIGH, HIGH_BITS, elements, failed.metric, failed.value, reason), []
+    if cheaper:
+        strictly = [o for o in cheaper if o.bits < chosen.bits]
+        nearest = strictly[-1] if strictly else cheaper[-1]
+        deciding = next(c for c in nearest.checks if not c.passed)
+        rejected = "; ".join(
+            f"{o.label} {next(c for c in o.checks if not c.passed).describe()}" for o in reversed(cheaper)
+        )
+        reason = f"{chosen.label} ({chosen.bits:g} bits): cheapest within limits; rejected: {rejected}"
+    elif chosen.checks:
+        deciding = min(chosen.checks, key=_slack)
+        reason = f"{chosen.label} ({chosen.bits:g} bits): cheapest candidate; tightest: {deciding.describe()}"
+    else:
+        reason = f"{chosen.label} ({chosen.bits:g} bits): cheapest candidate; no limits set"
+        return Choice(site, gemm, operand, chosen.label, chosen.bits, elements, SQNR, chosen.mean_sqnr,
+                      reason), passing
+    choice = Choice(site, gemm, operand, chosen.label, chosen.bits, elements, _METRIC_LABEL[deciding.metric],
+                    deciding.value, reason)
+    return choice, passing
+
+
+def _slack(check: Check) -> float:
+    """How far a passing check is from its limit, relative (0 = at the limit)."""
+    if check.metric == "min_sqnr_db":
+        return check.value - check.limit
+    if check.limit == 0:
+        return 0.0 if check.value == 0 else -math.inf
+    return math.log((check.limit + 1e-30) / (check.value + 1e-30))
+
+
+def _solve_budget(
+    options: list[list[_Option]], elements: list[int], budget: float
+) -> tuple[list[int], bool]:
+    """Multiple-choice knapsack: minimise Σ noise subject to Σ elements·bits ≤ budget·Σ elements.
+
+    Returns the index of the chosen option per operand and whether the solution is provably optimal.
+    """
+    denominators = [Fraction(o.bits).limit_denominator(1 << 12).denominator for opts in options for o in opts]
+    scale = math.lcm(*denominators) if denominators else 1
+    costs = [[int(Fraction(o.bits).limit_denominator(1 << 12) * scale) * n for o in opts]
+             for opts, n in zip(options, elements, strict=True)]
+    capacity = math.floor(Fraction(budget).limit_denominator(1 << 20) * scale * sum(elements))
+    unit = math.gcd(*(c for row in costs for c in row)) or 1
+    optimal = True
+    cells = capacity // unit
+    if cells > DP_CELLS:
+        unit = math.ceil(capacity / DP_CELLS)
+        optimal = False
+    weights = [[-(-c // unit) for c in row] for row in costs]
+    cells = capacity // unit
+    best = np.zeros(cells + 1)
+    picks = []
+    for row, opts in zip(weights, options, strict=True):
+        new = np.full(cells + 1, np.inf)
+        pick = np.full(cells + 1, -1, dtype=np.int8)
+        for index, (weight, option) in enumerate(zip(row, opts, strict=True)):
+            if weight > cells:
+                continue
+            candidate = np.full(cells + 1, np.inf)
+            candidate[weight:] = best[: cells + 1 - weight] + option.noise
+            better = candidate < new
+            new[better] = candidate[better]
+            pick[better] = index
+        best = new
+        picks.append(pick)
+    if not np.isfinite(best[cells]):
+        raise AdvisorError("bit budget infeasible")
+    chosen = []
+    remaining = cells
+    for pick, row in zip(reversed(picks), reversed(weights), strict=True):
+        index = int(pick[remaining])
+        chosen.append(index)
+        remaining -= row[index]
+    return chosen[::-1], optimal
+
+
+def _site_pattern(site: str) -> str:
+    """An fnmatch pattern that matches exactly ``site`` (glob characters escaped)."""
+    return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in site)
+
+
+def advise(
+    analysis: Analysis,
+    *,
+    candidates: Sequence[str] | None = None,
+    reference: str = "bf16",
+    bit_budget: float | None = None,
+    per_operand: Mapping[str, Mapping[str, Any]] | None = None,
+    **criteria: float | None,
+) -> Recommendation:
+    """Choose a format for every operand the analysis holds; see the module docstring for the rules.
+
+    candidates: restrict to these measured formats (default: every candidate the observer measured).
+    reference: the format backward errors are compared against (must have been measured).
+    bit_budget: cap on average bits per operand element (weighted by element counts), solved for the
+        least total noise; ``None`` picks the cheapest passing format per operand.
+    per_operand: glob over ``site/gemm/operand`` → overrides of the criteria (and ``candidates``), e.g.
+        ``{"*/wgrad/grad_output": {"max_underflow_pct": 5}}``; later patterns override earlier ones.
+    criteria: ``max_be_ratio``, ``max_underflow_pct``, ``max_overflow_pct``, ``min_sqnr_db`` (number or
+        ``None`` to switch off).
+    """
+    if not isinstance(analysis, Analysis):
+        raise TypeError(f"advise expects a numscope.Analysis, got {type(analysis).__name__}")
+    limits = Limits().replace(criteria, "")
+    labels = _candidates(analysis, candidates)
+    reference = get_format(reference).name
+    keys = analysis.keys()
+    if not keys:
+        raise AdvisorError("the analysis holds no operands; observe at least one sampled step first")
+    _check_overrides(per_operand, (operand_name(k) for k in keys))
+    if bit_budget is not None and (isinstance(bit_budget, bool) or not isinstance(bit_budget, int | float)
+                                   or not bit_budget > 0):
+        raise AdvisorError(f"bit_budget must be a positive number of bits per element, got {bit_budget!r}")
+    choices: list[Choice] = []
+    passing_per_key: list[list[_Option]] = []
+    for key in keys:
+        key_limits, allowed = _limits_for(key, limits, per_operand, labels)
+        try:
+            options = [_option(analysis, key, label, key_limits, reference) for label in allowed]
+        except AnalysisError as error:
+            raise AdvisorError(f"{operand_name(key)}: {error}") from error
+        choice, passing = _decide(key, options, analysis.elements.get(key, 0))
+        choices.append(choice)
+        passing_per_key.append(passing)
+    optimal = True
+    if bit_budget is not None:
+        choices, optimal = _apply_budget(choices, passing_per_key, float(bit_budget))
+    total = sum(c.elements for c in choices)
+    average = sum(c.bits * c.elements for c in choices) / total if total else math.nan
+    return Recommendation(_plan(choices), tuple(choices), average, bit_budget, optimal, limits)
+
+
+def _apply_budget(
+    choices: list[Choice], passing: list[list[_Option]], budget: float
+) -> tuple[list[Choice], bool]:
+    options = [
+        sorted(opts, key=lambda o: o.bits) if opts else [_Option(HIGH, HIGH_BITS, 0.0, math.inf, [])]
+        for opts in passing
+    ]
+    elements = [c.elements for c in choices]
+    total = sum(elements)
+    if total == 0:
+        raise AdvisorError("a bit budget needs element counts; the analysis records none")
+    cheapest = sum(min(o.bits for o in opts) * n for opts, n in zip(options, elements, strict=True)) / total
+    if budget < cheapest - 1e-9:
+        raise AdvisorError(
+            f"bit budget {budget:g} bits/element is impossible: the cheapest assignment within the limits "
+            f"needs {cheapest:.4g} bits/element; raise bit_budget to at least {cheapest:.4g} "
+            "or relax the limits"
+        )
+    picked, optimal = _solve_budget(options, elements, budget)
+    out = []
+    method = "exact DP" if optimal else "DP on rounded-up costs"
+    for choice, opts, index in zip(choices, options, picked, strict=True):
+        option = opts[index]
+        if option.label == choice.format:
+            out.append(Choice(choice.site, choice.gemm, choice.operand, choice.format, choice.bits,
+                              choice.elements, choice.metric, choice.value,
+                              f"{choice.reason}; kept within bit budget {budget:g} ({method})"))
+            continue
+        reason = (f"{option.label} ({option.bits:g} bits): least total noise within bit budget {budget:g} "
+                  f"({method}); sqnr_db {_fmt(option.mean_sqnr)} mean; all limits met")
+        out.append(Choice(choice.site, choice.gemm, choice.operand, option.label, option.bits,
+                          choice.elements, SQNR, option.mean_sqnr, reason))
+    return out, optimal
+
+
+def _plan(choices: Sequence[Choice]) -> Plan:
+    per_site: dict[str, list[Choice]] = {}
+    for choice in choices:
+        per_site.setdefault(choice.site, []).append(choice)
+    rules = []
+    for site, site_choices in per_site.items():
+        operands = {(c.gemm, c.operand): OperandSpec(c.format) for c in site_choices}
+        reasons = {f"{c.gemm}/{c.operand}": c.reason for c in site_choices}
+        rules.append(Rule(_site_pattern(site), SiteSpec(operands), reasons))
+    return Plan(SiteSpec(), tuple(rules))
+
+
+def recommend(
+    analysis: Analysis,
+    *,
+    candidates: Sequence[str] | None = None,
+    reference: str = "bf16",
+    bit_budget: float | None = None,
+    per_operand: Mapping[str, Mapping[str, Any]] | None = None,
+    **criteria: float | None,
+) -> Plan:
+    """The plan :func:`advise` recommends (one exact-name rule per site; unobserved sites stay high).
+
+    Criteria and their defaults are in the module docstring; unknown criteria raise :class:`AdvisorError`
+    listing the allowed ones.
+    """
+    return advise(analysis, candidates=candidates, reference=reference, bit_budget=bit_budget,
+                  per_operand=per_operand, **criteria).plan
+
+
+def recommend_table(result: Plan | Recommendation) -> list[dict[str, str]]:
+    """Rows (site, gemm, operand, format, bits, reason) for printing what was chosen and why."""
+    if isinstance(result, Recommendation):
+        return [
+            {"site": c.site, "gemm": c.gemm, "operand": c.operand, "format": c.format, "bits": f"{c.bits:g}",
+             "reason": c.reason}
+            for c in result.choices
+        ]
+    if not isinstance(result, Plan):
+        raise TypeError(f"recommend_table expects a Plan or a Recommendation, got {type(result).__name__}")
+    rows = []
+    for row in result.describe():
+        if row.pattern == DEFAULT_PATTERN and row.format == HIGH and not row.reason:
+            continue
+        spec = OperandSpec(row.format)
+        rows.append({"site": row.pattern, "gemm": row.gemm, "operand": row.operand, "format": row.format,
+                     "bits": f"{spec.bits_per_element(HIGH_BITS):g}", "reason": row.reason})
+    return rows

@@ -1,0 +1,420 @@
+"""What an observer gathered: operand statistics, candidate-format metrics, histograms, backward errors.
+
+An :class:`Analysis` is plain data, keyed by names a person can read:
+
+* an **operand key** ``(site, gemm, operand)``, e.g. ``("bert.encoder.layer.0.attention.self.query",
+  "wgrad", "grad_output")``; per key and sampled step an :class:`OperandRecord` holds ``stats`` (of the
+  high-precision tensor) and ``metrics`` per candidate format (``sqnr_db``, ``rel_error``, ``underflow%``,
+  ``overflow%``…, see :mod:`numscope.metrics`);
+* a **log2 histogram** per operand key, summed over the sampled steps
+  (:class:`numscope.metrics.stats.Log2Histogram`: fixed integer binade bins, mergeable with ``+``);
+* **backward errors** per ``(site, gemm)`` and operand-format pair ``(left, right)`` and step: the mean,
+  p99 and max over output elements of BE = |L·R − Q(L)·Q(R)| / (|L|·|R|). The pair ``(fmt, "fp32")``
+  quantizes only the left operand (``fprop``: input, ``dgrad``: grad_output, ``wgrad``: grad_output — the
+  first operand in :data:`numscope.plan.OPERANDS`), ``("fp32", fmt)`` only the right one, ``(fmt, fmt)``
+  both;
+* the **element count** of every operand (the full tensor, not the sample), for bit budgets;
+* under a plan (monitoring) the format each operand was quantized to, whose metrics are stored under the
+  candidate label ``"plan"``.
+
+Flat names join the parts with ``/``: ``<site>/<gemm>/<operand>/<candidate>/<metric>`` for candidate
+metrics, ``<site>/<gemm>/<operand>/<stat>`` for statistics and ``<site>/<gemm>/be/<left>*<right>/<stat>``
+for backward errors; :meth:`Analysis.flat` and the CSV use them.
+
+On disk (:meth:`Analysis.save`): ``analysis.json`` (everything, read back by :meth:`Analysis.load`) and
+``analysis.csv`` (one row per sampled step, one column per flat name, for spreadsheets), both written
+atomically. :meth:`Analysis.write_tensorboard` writes the same scalars to TensorBoard when
+``torch.utils.tensorboard`` and ``tensorboard`` are installed and does nothing otherwise.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from numscope.metrics.stats import Log2Histogram
+
+OperandKey = tuple[str, str, str]
+GemmKey = tuple[str, str]
+Pair = tuple[str, str]
+
+FILE_VERSION = 1
+JSON_NAME = "analysis.json"
+CSV_NAME = "analysis.csv"
+PLAN_LABEL = "plan"
+
+_MAX_STATS = ("amax", "max", "abs_max")
+_MIN_STATS = ("amin", "min", "abs_min", "min_nonzero")
+
+
+class AnalysisError(ValueError):
+    """An analysis that cannot be read, merged or queried as asked."""
+
+
+def operand_name(key: OperandKey) -> str:
+    """``site/gemm/operand``: the legible prefix of every flat name of one operand."""
+    return "/".join(key)
+
+
+@dataclass
+class OperandRecord:
+    """One operand at one sampled step.
+
+    stats: statistics of the high-precision tensor (see :func:`numscope.metrics.tensor_stats`).
+    metrics: candidate label -> metric name -> value (see :func:`numscope.metrics.operand_metrics`).
+    sampled: how many elements the metrics were computed on (≤ the observer's ``max_elements``).
+    elements: how many elements the full tensor had.
+    """
+
+    stats: dict[str, float]
+    metrics: dict[str, dict[str, float]]
+    sampled: int
+    elements: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stats": self.stats, "metrics": self.metrics, "sampled": self.sampled,
+                "elements": self.elements}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OperandRecord:
+        return cls(
+            {k: float(v) for k, v in data["stats"].items()},
+            {c: {k: float(v) for k, v in m.items()} for c, m in data["metrics"].items()},
+            int(data["sampled"]),
+            int(data["elements"]),
+        )
+
+
+@dataclass
+class Analysis:
+    """Everything an observer recorded (see the module docstring for the layout)."""
+
+    candidates: tuple[str, ...] = ()
+    operands: dict[OperandKey, dict[int, OperandRecord]] = field(default_factory=dict)
+    histograms: dict[OperandKey, Log2Histogram] = field(default_factory=dict)
+    backward_errors: dict[GemmKey, dict[Pair, dict[int, dict[str, float]]]] = field(default_factory=dict)
+    elements: dict[OperandKey, int] = field(default_factory=dict)
+    plan_formats: dict[OperandKey, str] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # -- queries ----------------------------------------------------------------------------------
+    @property
+    def steps(self) -> list[int]:
+        """Every sampled step, ascending."""
+        found: set[int] = set()
+        for per_step in self.operands.values():
+            found.update(per_step)
+        for pairs in self.backward_errors.values():
+            for per_step in pairs.values():
+                found.update(per_step)
+        return sorted(found)
+
+    def keys(self) -> list[OperandKey]:
+        """Every operand key, sorted."""
+        return sorted(self.operands)
+
+    def sites(self) -> list[str]:
+        return sorted({key[0] for key in self.operands} | {key[0] for key in self.backward_errors})
+
+    def record(self, key: OperandKey, step: int) -> OperandRecord:
+        per_step = self.operands.get(key)
+        if per_step is None:
+            raise AnalysisError(f"no operand {operand_name(key)!r} in this analysis; known: "
+                                f"{', '.join(operand_name(k) for k in self.keys()) or '(none)'}")
+        if step not in per_step:
+            raise AnalysisError(f"operand {operand_name(key)!r} was not sampled at step {step}; "
+                                f"sampled: {sorted(per_step)}")
+        return per_step[step]
+
+    def metric_values(self, key: OperandKey, candidate: str, metric: str) -> list[float]:
+        """The values of one candidate metric of one operand, over the sampled steps in order."""
+        per_step = self.operands.get(key, {})
+        values = []
+        for step in sorted(per_step):
+            metrics = per_step[step].metrics.get(candidate)
+            if metrics is None:
+                known = sorted(per_step[step].metrics)
+                raise AnalysisError(f"candidate {candidate!r} was not measured for {operand_name(key)!r}; "
+                                    f"measured: {', '.join(known)}")
+            if metric not in metrics:
+                raise AnalysisError(f"metric {metric!r} is not recorded for {operand_name(key)}/{candidate}; "
+                                    f"recorded: {', '.join(sorted(metrics))}")
+            values.append(metrics[metric])
+        return values
+
+    def be_values(self, gemm_key: GemmKey, pair: Pair, stat: str = "mean") -> list[float]:
+        """The backward error ``stat`` (mean, p99, max) of one GEMM and operand-format pair over steps."""
+        per_pair = self.backward_errors.get(gemm_key, {})
+        per_step = per_pair.get(pair)
+        if per_step is None:
+            known = ", ".join(f"{a}*{b}" for a, b in sorted(per_pair)) or "(none)"
+            raise AnalysisError(f"no backward error for {'/'.join(gemm_key)} with pair {pair[0]}*{pair[1]}; "
+                                f"recorded: {known}")
+        return [per_step[step][stat] for step in sorted(per_step)]
+
+    # -- flat names -------------------------------------------------------------------------------
+    def flat(self) -> dict[int, dict[str, float]]:
+        """step -> flat name -> value, for every recorded number (the CSV's rows)."""
+        rows: dict[int, dict[str, float]] = {}
+        for key, per_step in self.operands.items():
+            prefix = operand_name(key)
+            for step, record in per_step.items():
+                row = rows.setdefault(step, {})
+                for stat, value in record.stats.items():
+                    row[f"{prefix}/{stat}"] = value
+                for candidate, metrics in record.metrics.items():
+                    for metric, value in metrics.items():
+                        row[f"{prefix}/{candidate}/{metric}"] = value
+        for (site, gemm), pairs in self.backward_errors.items():
+            for (left, right), per_step in pairs.items():
+                for step, stats in per_step.items():
+                    row = rows.setdefault(step, {})
+                    for stat, value in stats.items():
+                        row[f"{site}/{gemm}/be/{left}*{right}/{stat}"] = value
+        return dict(sorted(rows.items()))
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """flat name -> ``{"mean", "min", "max", "steps"}`` over the sampled steps.
+
+        ``mean`` is the plain average of the per-step values; ``min`` and ``max`` the extremes (the advisor
+        judges limits on the worst step: ``max`` for errors and under/overflow, ``min`` for SQNR).
+        """
+        collected: dict[str, list[float]] = {}
+        for row in self.flat().values():
+            for name, value in row.items():
+                collected.setdefault(name, []).append(value)
+        out = {}
+        for name, values in sorted(collected.items()):
+            finite = [v for v in values if not math.isnan(v)]
+            out[name] = {
+                "mean": sum(finite) / len(finite) if finite else math.nan,
+                "min": min(finite) if finite else math.nan,
+                "max": max(finite) if finite else math.nan,
+                "steps": float(len(values)),
+            }
+        return out
+
+    # -- persistence ------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "numscope_analysis": FILE_VERSION,
+            "candidates": list(self.candidates),
+            "meta": self.meta,
+            "operands": [
+                {
+                    "site": key[0], "gemm": key[1], "operand": key[2],
+                    "elements": self.elements.get(key, 0),
+                    "plan_format": self.plan_formats.get(key),
+                    "histogram": self.histograms[key].to_dict() if key in self.histograms else None,
+                    "steps": {str(step): record.to_dict() for step, record in sorted(per_step.items())},
+                }
+                for key, per_step in sorted(self.operands.items())
+            ],
+            "backward_errors": [
+                {
+                    "site": site, "gemm": gemm, "left": left, "right": right,
+                    "steps": {str(step): stats for step, stats in sorted(per_step.items())},
+                }
+                for (site, gemm), pairs in sorted(self.backward_errors.items())
+                for (left, right), per_step in sorted(pairs.items())
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Analysis:
+        """Rebuild an analysis from :meth:`to_dict`'s output (errors name what is missing)."""
+        version = data.get("numscope_analysis") if isinstance(data, Mapping) else None
+        if version != FILE_VERSION:
+            raise AnalysisError(f"not a numscope analysis of version {FILE_VERSION}: "
+                                f"'numscope_analysis' is {version!r}")
+        try:
+            analysis = cls(candidates=tuple(data["candidates"]), meta=dict(data.get("meta", {})))
+            for entry in data["operands"]:
+                key = (entry["site"], entry["gemm"], entry["operand"])
+                analysis.operands[key] = {
+                    int(step): OperandRecord.from_dict(record) for step, record in entry["steps"].items()
+                }
+                analysis.elements[key] = int(entry["elements"])
+                if entry.get("plan_format"):
+                    analysis.plan_formats[key] = entry["plan_format"]
+                if entry.get("histogram") is not None:
+                    analysis.histograms[key] = Log2Histogram.from_dict(entry["histogram"])
+            for entry in data["backward_errors"]:
+                pairs = analysis.backward_errors.setdefault((entry["site"], entry["gemm"]), {})
+                pairs[(entry["left"], entry["right"])] = {
+                    int(step): {k: float(v) for k, v in stats.items()}
+                    for step, stats in entry["steps"].items()
+                }
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise AnalysisError(f"malformed analysis data: {type(error).__name__}: {error}") from error
+        return analysis
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write ``analysis.json`` and ``analysis.csv`` into ``directory`` (created), each atomically."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path / JSON_NAME, json.dumps(self.to_dict(), indent=1, allow_nan=True))
+        _write_atomic(path / CSV_NAME, self._csv_text())
+        return path
+
+    def _csv_text(self) -> str:
+        rows = self.flat()
+        columns = sorted({name for row in rows.values() for name in row})
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(["step", *columns])
+        for step, row in rows.items():
+            writer.writerow([step, *(_csv_number(row.get(name)) for name in columns)])
+        return buffer.getvalue()
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> Analysis:
+        """Read an analysis written by :meth:`save` (the directory, or its ``analysis.json``)."""
+        path = Path(directory)
+        file = path if path.suffix == ".json" else path / JSON_NAME
+        if not file.exists():
+            where = "directory does not exist" if not file.parent.exists() else f"no {file.name} in it"
+            raise AnalysisError(f"cannot load an analysis from {str(directory)!r}: {where}")
+        try:
+            data = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise AnalysisError(f"{str(file)!r} is not valid JSON (corrupt or truncated): {error}") from error
+        try:
+            return cls.from_dict(data)
+        except AnalysisError as error:
+            raise AnalysisError(f"{str(file)!r}: {error}") from error
+
+    def write_tensorboard(self, log_dir: str | os.PathLike[str]) -> bool:
+        """Write every flat name as a TensorBoard scalar at its step; False (and nothing written) when
+        ``torch.utils.tensorboard`` or ``tensorboard`` is not installed."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return False
+        writer = SummaryWriter(log_dir=str(log_dir))
+        try:
+            for step, row in self.flat().items():
+                for name, value in row.items():
+                    writer.add_scalar(name, value, global_step=step)
+        finally:
+            writer.close()
+        return True
+
+
+def _csv_number(value: float | None) -> str:
+    return "" if value is None else repr(float(value))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+
+
+# -- merging (ranks, runs) -------------------------------------------------------------------------
+
+Reduce = Callable[[str, list[tuple[float, int]]], float]
+
+
+def default_reduce(name: str, values: list[tuple[float, int]]) -> float:
+    """Combine one statistic or metric measured on several parts (ranks) of a tensor at one step.
+
+    values: (value, sample size) per part. Maxima (``amax``, ``max``, names ending ``_max``) take the max,
+    minima (``min``, ``min_nonzero``, names ending ``_min``) the min — both exact; everything else the
+    sample-weighted mean, exact for fractions and means (``underflow%``, ``overflow%``, ``rel_error``,
+    ``mean``) and an approximation for nonlinear summaries (``sqnr_db``, ``kurtosis``, ``student_t_dof``).
+    """
+    finite = [(v, n) for v, n in values if not math.isnan(v)]
+    if not finite:
+        return math.nan
+    if name in _MAX_STATS or name.endswith("_max"):
+        return max(v for v, _ in finite)
+    if name in _MIN_STATS or name.endswith("_min"):
+        return min(v for v, _ in finite)
+    weight = sum(n for _, n in finite)
+    if weight == 0:
+        return sum(v for v, _ in finite) / len(finite)
+    return sum(v * n for v, n in finite) / weight
+
+
+def merge(analyses: Iterable[Analysis], reduce: Reduce = default_reduce) -> Analysis:
+    """Combine analyses of the same model taken on different ranks (or parts of a batch).
+
+    Histograms and element counts add; per step, statistics and metrics of the same operand combine through
+    ``reduce`` (see :func:`default_reduce`), backward errors by sample-weighted mean except ``max`` (max).
+    Steps present in only some analyses are kept as they are.
+    """
+    parts = list(analyses)
+    if not parts:
+        raise AnalysisError("merge needs at least one analysis")
+    out = Analysis(candidates=tuple(dict.fromkeys(c for a in parts for c in a.candidates)),
+                   meta={**parts[0].meta, "merged": len(parts)})
+    for key in sorted({k for a in parts for k in a.operands}):
+        steps = sorted({s for a in parts for s in a.operands.get(key, {})})
+        merged_steps = {}
+        for step in steps:
+            records = [a.operands[key][step] for a in parts if step in a.operands.get(key, {})]
+            merged_steps[step] = _merge_records(records, reduce)
+        out.operands[key] = merged_steps
+        out.elements[key] = sum(a.elements.get(key, 0) for a in parts)
+        hists = [a.histograms[key] for a in parts if key in a.histograms]
+        if hists:
+            total = hists[0]
+            for hist in hists[1:]:
+                total = total + hist
+            out.histograms[key] = total
+        formats = {a.plan_formats[key] for a in parts if key in a.plan_formats}
+        if len(formats) > 1:
+            raise AnalysisError(
+                f"operand {operand_name(key)!r} ran under different plan formats: {sorted(formats)}"
+            )
+        if formats:
+            out.plan_formats[key] = formats.pop()
+    for gemm_key in sorted({k for a in parts for k in a.backward_errors}):
+        pairs = sorted({p for a in parts for p in a.backward_errors.get(gemm_key, {})})
+        for pair in pairs:
+            per_step: dict[int, dict[str, float]] = {}
+            steps = sorted({s for a in parts for s in a.backward_errors.get(gemm_key, {}).get(pair, {})})
+            for step in steps:
+                found = [a.backward_errors[gemm_key][pair][step] for a in parts
+                         if step in a.backward_errors.get(gemm_key, {}).get(pair, {})]
+                per_step[step] = {
+                    stat: reduce(stat, [(stats[stat], 1) for stats in found if stat in stats])
+                    for stat in dict.fromkeys(s for stats in found for s in stats)
+                }
+            out.backward_errors.setdefault(gemm_key, {})[pair] = per_step
+    return out
+
+
+def _merge_records(records: list[OperandRecord], reduce: Reduce) -> OperandRecord:
+    if len(records) == 1:
+        return records[0]
+    stats = {
+        name: reduce(name, [(r.stats[name], r.sampled) for r in records if name in r.stats])
+        for name in dict.fromkeys(n for r in records for n in r.stats)
+    }
+    metrics: dict[str, dict[str, float]] = {}
+    for candidate in dict.fromkeys(c for r in records for c in r.metrics):
+        names = dict.fromkeys(n for r in records for n in r.metrics.get(candidate, {}))
+        metrics[candidate] = {
+            name: reduce(name, [(r.metrics[candidate][name], r.sampled) for r in records
+                                if name in r.metrics.get(candidate, {})])
+            for name in names
+        }
+    return OperandRecord(stats, metrics, sum(r.sampled for r in records), sum(r.elements for r in records))
