@@ -569,3 +569,10 @@ def test_plans_survive_pickle_and_deepcopy():
     plan = rich_plan()
     assert pickle.loads(pickle.dumps(plan)) == plan
     assert copy.deepcopy(plan) == plan
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_ieee_presets_overflow_to_inf_so_the_loss_scaler_sees_it(name: str) -> None:
+    spec = Plan.uniform(name).for_site("any.site")
+    for key in OPERAND_KEYS:
+        assert spec.operand(*key).overflow == "propagate"

@@ -666,8 +666,10 @@ def _hybrid_fp8() -> SiteSpec:
 
 _PRESETS: dict[str, Any] = {
     "fp32": SiteSpec,
-    "bf16": lambda: SiteSpec.uniform("bf16"),
-    "fp16": lambda: SiteSpec.uniform("fp16"),
+    # IEEE formats overflow to inf as the hardware does (overflow="propagate"): a loss scale that is too
+    # large must show up as inf/NaN gradients so that the loss scaler backs off, not be hidden by clamping.
+    "bf16": lambda: SiteSpec.uniform(OperandSpec("bf16", overflow="propagate")),
+    "fp16": lambda: SiteSpec.uniform(OperandSpec("fp16", overflow="propagate")),
     "fp8": _hybrid_fp8,
     "fp8_e4m3": lambda: SiteSpec.uniform("fp8_e4m3"),
     # E4M3 for every MXFP8 operand, gradients included: Transformer Engine's MXFP8BlockScaling defaults to
