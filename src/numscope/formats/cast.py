@@ -61,7 +61,9 @@ def _round_scaled(t: torch.Tensor, rounding: str, generator: torch.Generator | N
     return torch.floor(t + _uniform_like(t, generator))
 
 
-def _grid_e8(x: torch.Tensor, mantissa_bits: int, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+def _grid_e8(
+    x: torch.Tensor, mantissa_bits: int, rounding: str, generator: torch.Generator | None
+) -> torch.Tensor:
     """Round finite float32 to an 8-exponent-bit IEEE-like format (bf16, tf32, e8mY) on the bit pattern.
 
     Such a format shares float32's exponent range, so dropping the low 23 − m bits of the pattern rounds
@@ -83,7 +85,9 @@ def _grid_e8(x: torch.Tensor, mantissa_bits: int, rounding: str, generator: torc
     return (sign | magnitude).view(torch.float32)
 
 
-def _grid_small(x: torch.Tensor, fmt: FloatFormat, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
+def _grid_small(
+    x: torch.Tensor, fmt: FloatFormat, rounding: str, generator: torch.Generator | None
+) -> torch.Tensor:
     """Round finite float32 to a float format with fewer than 8 exponent bits, ignoring its max."""
     exponent = ((x.view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2|x|) for normal x; -127 for 0/subnormal
     exponent = torch.clamp(exponent, min=fmt.emin) - fmt.mantissa_bits  # exponent of the local spacing
@@ -96,20 +100,42 @@ def _e8m0(x: torch.Tensor, rounding: str, generator: torch.Generator | None) -> 
     """Round to E8M0 (powers of two 2^-127..2^127). Zero, negative and non-finite inputs give NaN.
 
     E8M0's field has float32's bias, so nearest rounding rounds the float32 bit pattern to its exponent
-    field, ties upward, as ``ml_dtypes`` does (float32 subnormal patterns are rounded as they stand, which
-    is what ``ml_dtypes`` does too); a field of 0 is 2^-127, results above 2^127 are NaN.
+    field, ties upward, as ``ml_dtypes`` does. Between 2^-127 (field 0) and 2^-126 float32 is subnormal;
+    there ``ml_dtypes`` gives 2^-127 up to and including 2^-127 itself and 2^-126 above it, and so do we.
+    Stochastic rounding there rounds up with probability (x − 2^-127) / 2^-127.
     """
     bits = x.view(torch.int32)
+    subnormal = (bits > 0) & (bits < 0x800000)
     if rounding == "nearest":
-        bits = bits + 0x400000
+        bits = bits + 0x400000 - subnormal.to(torch.int32)
     elif rounding == "stochastic":
-        bits = bits + torch.randint(0, 1 << 23, x.shape, generator=generator, dtype=torch.int32, device=x.device)
+        noise = torch.randint(0, 1 << 23, x.shape, generator=generator, dtype=torch.int32, device=x.device)
+        above = ((bits - 0x400000) * 2).clamp(min=0)  # the position between 2^-127 and 2^-126, in 2^-23 units
+        bits = torch.where(subnormal, above, bits) + noise
     field = bits >> 23
     field = field.clamp(min=0)
     result = (field.clamp(min=1, max=254) << 23).view(torch.float32)
     result = torch.where(field == 0, torch.full_like(result, 2.0**-127), result)
     invalid = (x <= 0) | ~torch.isfinite(x) | (field >= 255)
     return torch.where(invalid, torch.full_like(result, float("nan")), result)
+
+
+def native_nearest(x: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype, overflow: str) -> torch.Tensor:
+    """Nearest rounding of float32 ``x`` via torch's own cast to ``dtype``, fixed up to the module's rules.
+
+    Torch's casts round to nearest even exactly (subnormals included) and agree with ``ml_dtypes`` inside
+    the range; they differ beyond it: torch saturates E4M3FN, even ±inf to ±448. Saturation is therefore
+    done by clamping first (which also sends ±inf to ±max, so infinities are restored afterwards) and the
+    E4M3FN overflow of ``propagate`` is set to NaN explicitly. Written in plain tensor ops so that
+    ``torch.compile`` fuses it (see :mod:`numscope.formats.fast`).
+    """
+    if overflow == "saturate":
+        y = x.clamp(-fmt.max, fmt.max).to(dtype).float()
+        return torch.where(torch.isinf(x), x if fmt.has_inf else torch.full_like(x, float("nan")), y)
+    y = x.to(dtype).float()
+    if fmt.special == "fn":
+        y = torch.where(x.abs() > fmt.overflow_threshold, torch.full_like(y, float("nan")), y)
+    return y
 
 
 def cast_float(
@@ -125,6 +151,9 @@ def cast_float(
         return _e8m0(x, rounding, generator)
     if fmt.name == "fp32":
         return x.clone()
+    dtype = native_dtype(fmt)
+    if dtype is not None and rounding == "nearest" and not flush_subnormals:
+        return native_nearest(x, fmt, dtype, overflow)
     finite = torch.isfinite(x)
     safe = torch.where(finite, x, torch.zeros_like(x))
     if fmt.exponent_bits == 8:

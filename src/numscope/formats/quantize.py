@@ -26,8 +26,16 @@ import torch
 import torch.nn.functional as F
 
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS, cast, cast_float
-from numscope.formats.scaling import DelayedScaler, Scaling, exact_pow2, log2_floor, reduce_amax_, scale_from_amax
-from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat, format as get_format
+from numscope.formats.scaling import (
+    DelayedScaler,
+    Scaling,
+    exact_pow2,
+    log2_floor,
+    reduce_amax_,
+    scale_from_amax,
+)
+from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
+from numscope.formats.spec import format as get_format
 
 ScalingArg = str | Scaling | DelayedScaler | dict | None
 
@@ -134,7 +142,9 @@ def _tiles(x: torch.Tensor, block_shape: tuple[int, ...]) -> tuple[torch.Tensor,
     rows_per, cols_per = block_shape
     if x.dim() < 2:
         if rows_per != 1:
-            raise ValueError(f"block_shape {block_shape} needs a tensor of >= 2 dims, got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"block_shape {block_shape} needs a tensor of >= 2 dims, got shape {tuple(x.shape)}"
+            )
         x = x.reshape(1, -1)
     rows, cols = x.shape[-2], x.shape[-1]
     pad_rows, pad_cols = (-rows) % rows_per, (-cols) % cols_per
@@ -144,7 +154,9 @@ def _tiles(x: torch.Tensor, block_shape: tuple[int, ...]) -> tuple[torch.Tensor,
     return tiles, (rows, cols, rows_per, cols_per)
 
 
-def _element_scale(x: torch.Tensor, fmt: FloatFormat | IntFormat, scaling: Scaling, delayed: DelayedScaler | None):
+def _element_scale(
+    x: torch.Tensor, fmt: FloatFormat | IntFormat, scaling: Scaling, delayed: DelayedScaler | None
+):
     """The multiplier for ``x`` (broadcastable to it) for tensor, delayed, row and column scaling."""
     if delayed is not None:
         return delayed.scale_for(x, fmt.max)
@@ -173,7 +185,8 @@ def _quantize_element(
     if scaling.kind == "block":
         if scaling.block_shape is None:
             raise ValueError(
-                f"block scaling of the element format {fmt.name!r} needs block_shape, e.g. (1, 128) or (128, 128)"
+                f"block scaling of the element format {fmt.name!r} needs block_shape, "
+                "e.g. (1, 128) or (128, 128)"
             )
         tiles, (rows, cols, _, _) = _tiles(xf, scaling.block_shape)
         amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
@@ -213,11 +226,14 @@ def quantize(
     if isinstance(spec, BlockFormat):
         if parsed is not None and parsed.kind != "block":
             raise ValueError(
-                f"block format {spec.name!r} brings its own block scaling; scaling {parsed.kind!r} does not apply "
+                f"block format {spec.name!r} brings its own block scaling; "
+                f"scaling {parsed.kind!r} does not apply "
                 "(use scaling=None or Scaling('block', axis=...))"
             )
         if parsed is not None and parsed.block_shape is not None:
-            raise ValueError(f"block format {spec.name!r} has a fixed block of {spec.block_size}; drop block_shape")
+            raise ValueError(
+                f"block format {spec.name!r} has a fixed block of {spec.block_size}; drop block_shape"
+            )
         axis = parsed.axis if parsed is not None else -1
         parts = _block_parts(xf, spec, axis, rounding, generator)
         out = _unblock(parts.elements * parts.scales, xf.shape, axis, parts.length)
@@ -247,7 +263,9 @@ def _float_codes(values: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     top = (1 << e_bits) - 1
     if fmt.special == "ieee":
         code = torch.where(torch.isinf(values), (sign << (e_bits + m_bits)) | (top << m_bits), code)
-        code = torch.where(torch.isnan(values), torch.full_like(code, (top << m_bits) | (1 << max(m_bits - 1, 0))), code)
+        code = torch.where(
+            torch.isnan(values), torch.full_like(code, (top << m_bits) | (1 << max(m_bits - 1, 0))), code
+        )
     elif fmt.special == "fn":
         code = torch.where(torch.isnan(values), torch.full_like(code, (1 << (e_bits + m_bits)) - 1), code)
     elif fmt.special == "fnuz":
@@ -272,10 +290,14 @@ def _float_decode(codes: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     value = torch.where(sign.bool(), -value, value)
     top = (1 << e_bits) - 1
     if fmt.special == "ieee":
-        value = torch.where((biased == top) & (mantissa == 0), torch.where(sign.bool(), -torch.inf, torch.inf), value)
+        value = torch.where(
+            (biased == top) & (mantissa == 0), torch.where(sign.bool(), -torch.inf, torch.inf), value
+        )
         value = torch.where((biased == top) & (mantissa != 0), torch.full_like(value, float("nan")), value)
     elif fmt.special == "fn":
-        value = torch.where((biased == top) & (mantissa == (1 << m_bits) - 1), torch.full_like(value, float("nan")), value)
+        value = torch.where(
+            (biased == top) & (mantissa == (1 << m_bits) - 1), torch.full_like(value, float("nan")), value
+        )
     elif fmt.special == "fnuz":
         value = torch.where(codes == (1 << (e_bits + m_bits)), torch.full_like(value, float("nan")), value)
     return value
@@ -285,10 +307,16 @@ def _element_codes(values: torch.Tensor, fmt: FloatFormat | IntFormat) -> torch.
     if isinstance(fmt, IntFormat):
         if torch.isnan(values).any():
             raise ValueError(f"{fmt.name} has no code for NaN; the input holds NaN")
-        return torch.round(values * float(2**fmt.fraction_bits)).to(torch.int8 if fmt.bits <= 8 else torch.int32)
+        return torch.round(values * float(2**fmt.fraction_bits)).to(
+            torch.int8 if fmt.bits <= 8 else torch.int32
+        )
     dtype = torch.uint8 if fmt.bits <= 8 else (torch.int16 if fmt.bits <= 16 else torch.int32)
     codes = _float_codes(values, fmt)
-    return codes.to(torch.int16).view(torch.uint16).to(torch.int32).to(dtype) if dtype == torch.int16 else codes.to(dtype)
+    return (
+        codes.to(torch.int16).view(torch.uint16).to(torch.int32).to(dtype)
+        if dtype == torch.int16
+        else codes.to(dtype)
+    )
 
 
 def _element_values(codes: torch.Tensor, fmt: FloatFormat | IntFormat) -> torch.Tensor:
@@ -366,11 +394,18 @@ def encode(
         parts = _block_parts(xf, spec, axis, rounding, generator)
         scale_codes = _float_codes(parts.stored, spec.scale_format).to(torch.uint8)
         return Encoded(
-            spec, _element_codes(parts.elements, spec.element), scale_codes, parts.tensor_scale,
-            tuple(x.shape), axis, parts.length,
+            spec,
+            _element_codes(parts.elements, spec.element),
+            scale_codes,
+            parts.tensor_scale,
+            tuple(x.shape),
+            axis,
+            parts.length,
         )
     if parsed is not None and parsed.kind == "block":
-        raise ValueError("encode does not support tile (block_shape) scaling of element formats; use quantize")
+        raise ValueError(
+            "encode does not support tile (block_shape) scaling of element formats; use quantize"
+        )
     if parsed is None:
         values = cast(xf, spec, rounding, overflow, flush_subnormals, generator)
         return Encoded(spec, _element_codes(values, spec), None, None, tuple(x.shape))

@@ -62,9 +62,13 @@ class Scaling:
         if self.block_shape is not None:
             shape = tuple(self.block_shape)
             if self.kind != "block":
-                raise ValueError(f"block_shape {shape} given for scaling kind {self.kind!r}; use kind='block'")
+                raise ValueError(
+                    f"block_shape {shape} given for scaling kind {self.kind!r}; use kind='block'"
+                )
             if len(shape) not in (1, 2) or any((not isinstance(n, int)) or n < 1 for n in shape):
-                raise ValueError(f"block_shape must be (N,) or (M, N) of positive ints, got {self.block_shape!r}")
+                raise ValueError(
+                    f"block_shape must be (N,) or (M, N) of positive ints, got {self.block_shape!r}"
+                )
             object.__setattr__(self, "block_shape", shape)
 
     @classmethod
@@ -107,7 +111,9 @@ def reduce_amax_(amax: torch.Tensor, enabled: bool = True) -> torch.Tensor:
     return amax
 
 
-def scale_from_amax(amax: torch.Tensor, fmt_max: float, margin: int = 0, power_of_two: bool = False) -> torch.Tensor:
+def scale_from_amax(
+    amax: torch.Tensor, fmt_max: float, margin: int = 0, power_of_two: bool = False
+) -> torch.Tensor:
     """The multiplier that maps ``amax`` onto ``fmt_max / 2^margin``; 1 where amax is zero or not finite."""
     amax = amax.float()
     scale = (fmt_max / amax) / float(2**margin)
@@ -156,13 +162,18 @@ class DelayedScaler:
         return scale
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scaling": self.scaling.to_dict(), "amax_history": self.amax_history.clone(), "steps": self.steps}
+        return {
+            "scaling": self.scaling.to_dict(),
+            "amax_history": self.amax_history.clone(),
+            "steps": self.steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         history = state["amax_history"]
         if history.shape != self.amax_history.shape:
             raise ValueError(
-                f"amax history of length {history.shape[0]} does not fit history_len {self.scaling.history_len}"
+                f"amax history of length {history.shape[0]} does not fit "
+                f"history_len {self.scaling.history_len}"
             )
         self.amax_history = history.clone().float()
         self.steps = int(state["steps"])

@@ -43,7 +43,9 @@ class FloatFormat:
         if not 1 <= self.exponent_bits <= 8:
             raise ValueError(f"format {self.name!r}: exponent_bits must be in 1..8, got {self.exponent_bits}")
         if not 0 <= self.mantissa_bits <= 23:
-            raise ValueError(f"format {self.name!r}: mantissa_bits must be in 0..23, got {self.mantissa_bits}")
+            raise ValueError(
+                f"format {self.name!r}: mantissa_bits must be in 0..23, got {self.mantissa_bits}"
+            )
         if self.bias is None:
             default = 2 ** (self.exponent_bits - 1) - (0 if self.special == "fnuz" else 1)
             if self.special == "e8m0":
@@ -147,7 +149,7 @@ class FloatFormat:
 
 @dataclass(frozen=True)
 class IntFormat:
-    """A symmetric integer format: values −(2^(bits−1) − 1) … 2^(bits−1) − 1, optionally times 2^−fraction_bits."""
+    """A symmetric integer format: values ±(2^(bits−1) − 1), optionally times 2^−fraction_bits."""
 
     name: str
     int_bits: int
@@ -315,9 +317,15 @@ _REGISTRY: dict[str, Format] = {
         BlockFormat("mxfp6_e3m2", _E3M2, 32, _E8M0, description="OCP MXFP6: 32 × E3M2, E8M0 scale"),
         BlockFormat("mxfp6_e2m3", _E2M3, 32, _E8M0, description="OCP MXFP6: 32 × E2M3, E8M0 scale"),
         BlockFormat("mxfp4_e2m1", _E2M1, 32, _E8M0, description="OCP MXFP4: 32 × E2M1, E8M0 scale"),
-        BlockFormat("mxint8", _MXINT8_ELEMENT, 32, _E8M0, description="OCP MXINT8: 32 × int8·2^-6, E8M0 scale"),
         BlockFormat(
-            "nvfp4", _E2M1, 16, _E4M3, tensor_scale=True,
+            "mxint8", _MXINT8_ELEMENT, 32, _E8M0, description="OCP MXINT8: 32 × int8·2^-6, E8M0 scale"
+        ),
+        BlockFormat(
+            "nvfp4",
+            _E2M1,
+            16,
+            _E4M3,
+            tensor_scale=True,
             description="NVIDIA NVFP4: 16 × E2M1, E4M3 block scale, FP32 tensor scale",
         ),
     )
@@ -344,7 +352,7 @@ _ALIASES = {
 _GENERIC = re.compile(r"^e(\d)m(\d{1,2})$")
 
 
-def format(name: str | Format) -> Format:  # noqa: A001 - the public name is numscope.format
+def format(name: str | Format) -> Format:
     """Return the format called ``name`` (a format object is returned unchanged).
 
     Besides the registered names (see :func:`formats`), ``eXmY`` names an IEEE-like float with X exponent
@@ -372,9 +380,7 @@ def format(name: str | Format) -> Format:  # noqa: A001 - the public name is num
         known = sorted(_REGISTRY)
         close = difflib.get_close_matches(base, known + sorted(_ALIASES), n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
-        raise ValueError(
-            f"unknown format {name!r}; {hint}known: {', '.join(known)}, or eXmY (e.g. 'e3m4')"
-        )
+        raise ValueError(f"unknown format {name!r}; {hint}known: {', '.join(known)}, or eXmY (e.g. 'e3m4')")
     if rule:
         if not isinstance(found, BlockFormat) or found.tensor_scale:
             raise ValueError(

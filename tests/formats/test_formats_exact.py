@@ -1,0 +1,256 @@
+"""Element formats against ml_dtypes (fp16 against numpy), bit for bit, over codes, ties and random patterns.
+
+Every comparison is on float32 bit patterns, with any NaN equal to any NaN.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import numscope
+
+REFERENCE: dict[str, type] = {
+    "bf16": ml_dtypes.bfloat16,
+    "fp16": np.float16,
+    "fp8_e4m3": ml_dtypes.float8_e4m3fn,
+    "fp8_e5m2": ml_dtypes.float8_e5m2,
+    "fp8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+    "fp8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+    "fp6_e3m2": ml_dtypes.float6_e3m2fn,
+    "fp6_e2m3": ml_dtypes.float6_e2m3fn,
+    "fp4_e2m1": ml_dtypes.float4_e2m1fn,
+    "e8m0": ml_dtypes.float8_e8m0fnu,
+    "e3m4": ml_dtypes.float8_e3m4,
+    "e4m3": ml_dtypes.float8_e4m3,
+}
+
+
+def reference_cast(x: np.ndarray, name: str) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        return x.astype(REFERENCE[name]).astype(np.float32)
+
+
+def ours(x: np.ndarray, name: str, **kwargs) -> np.ndarray:
+    return numscope.quantize(torch.from_numpy(np.ascontiguousarray(x)), name, **kwargs).numpy()
+
+
+def mismatches(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    same = (actual.view(np.uint32) == expected.view(np.uint32)) | (np.isnan(actual) & np.isnan(expected))
+    return np.flatnonzero(~same)
+
+
+def assert_bits_equal(x: np.ndarray, actual: np.ndarray, expected: np.ndarray) -> None:
+    bad = mismatches(actual, expected)
+    assert bad.size == 0, (
+        f"{bad.size} of {x.size} differ; first inputs {x[bad[:5]].tolist()} -> {actual[bad[:5]].tolist()}, "
+        f"expected {expected[bad[:5]].tolist()}"
+    )
+
+
+def all_codes(name: str) -> np.ndarray:
+    """Every value of the format, decoded by the reference (NaN and inf included)."""
+    bits = numscope.format(name).bits
+    dtype = REFERENCE[name]
+    if bits == 16:
+        return np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(dtype).astype(np.float32)
+    return np.arange(2**bits, dtype=np.uint8).view(dtype).astype(np.float32)
+
+
+def ties_and_neighbours(name: str) -> np.ndarray:
+    """Midpoints of adjacent finite values (and the overflow threshold), with their float32 neighbours."""
+    codes = all_codes(name)
+    values = np.unique(codes[np.isfinite(codes)].astype(np.float64))
+    fmt = numscope.format(name)
+    top = np.array([fmt.overflow_threshold, -fmt.overflow_threshold])
+    mids = np.concatenate([(values[1:] + values[:-1]) / 2, top]).astype(np.float32)
+    assert np.all(mids.astype(np.float64)[:-2] == (values[1:] + values[:-1]) / 2), "midpoints must be exact"
+    up = np.nextafter(mids, np.float32(np.inf))
+    down = np.nextafter(mids, np.float32(-np.inf))
+    return np.concatenate([mids, up, down])
+
+
+@pytest.fixture(scope="module")
+def random_patterns() -> np.ndarray:
+    """10^6 uniformly random float32 bit patterns plus values of every scale and the specials."""
+    rng = np.random.default_rng(2024)
+    patterns = rng.integers(0, 2**32, size=1_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    scales = np.float32(2.0) ** rng.integers(-150, 128, size=200_000).astype(np.float32)
+    ranged = (rng.uniform(-2, 2, size=200_000).astype(np.float32) * scales).astype(np.float32)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 3.4e38, -3.4e38], np.float32)
+    return np.concatenate([patterns, ranged, specials])
+
+
+def test_random_patterns_cover_the_interesting_classes(random_patterns: np.ndarray) -> None:
+    finite = random_patterns[np.isfinite(random_patterns)]
+    assert (np.abs(finite) < np.finfo(np.float32).tiny).sum() > 1000  # float32 subnormals
+    assert np.isinf(random_patterns).sum() >= 2 and np.isnan(random_patterns).sum() > 1000
+    assert (np.abs(finite) > 60000).sum() > 100_000  # overflow of every small format
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_every_code_is_returned_unchanged(name: str) -> None:
+    codes = all_codes(name)
+    assert_bits_equal(codes, ours(codes, name, overflow="propagate"), reference_cast(codes, name))
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_ties_and_their_neighbours_match_the_reference(name: str) -> None:
+    x = ties_and_neighbours(name)
+    assert_bits_equal(x, ours(x, name, overflow="propagate"), reference_cast(x, name))
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_random_float32_patterns_match_the_reference(name: str, random_patterns: np.ndarray) -> None:
+    x = random_patterns
+    actual = ours(x, name, overflow="propagate")
+    expected = reference_cast(x, name)
+    keep = ~np.isnan(x)  # NaN input: our own rule, tested below
+    assert_bits_equal(x[keep], actual[keep], expected[keep])
+
+
+@pytest.mark.parametrize("name", [*sorted(REFERENCE), "tf32", "int8", "int4", "fp32"])
+@pytest.mark.parametrize("overflow", ["saturate", "propagate"])
+def test_nan_input_stays_nan(name: str, overflow: str) -> None:
+    x = np.array([np.nan, -np.nan, 1.0], np.float32)
+    y = ours(x, name, overflow=overflow)
+    assert np.isnan(y[:2]).all() and y[2] == 1.0
+
+
+def test_fp6_and_fp4_nan_is_our_choice_not_ml_dtypes() -> None:
+    """ml_dtypes turns NaN into a finite code for formats without NaN; we keep NaN visible (documented)."""
+    x = np.array([np.nan], np.float32)
+    for name in ("fp6_e3m2", "fp6_e2m3", "fp4_e2m1"):
+        assert not np.isnan(reference_cast(x, name)).any()
+        assert np.isnan(ours(x, name)).all()
+
+
+def tf32_reference(x: np.ndarray) -> np.ndarray:
+    """float32 bit pattern rounded to 10 mantissa bits, ties to even; NaN and inf pass through."""
+    bits = x.view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0xFFF + ((bits >> 13) & 1)) & ~np.uint64(0x1FFF)
+    out = rounded.astype(np.uint32).view(np.float32)
+    return np.where(np.isfinite(x), out, x)
+
+
+def test_tf32_matches_a_bit_rounding_reference(random_patterns: np.ndarray) -> None:
+    x = np.concatenate([random_patterns, ties_and_neighbours("bf16")])
+    assert_bits_equal(x, ours(x, "tf32", overflow="propagate"), tf32_reference(x))
+
+
+def test_tf32_ties_go_to_even() -> None:
+    one_ulp = 2.0**-10
+    x = np.array([1 + one_ulp / 2, 1 + 3 * one_ulp / 2, -(1 + one_ulp / 2)], np.float32)
+    assert ours(x, "tf32").tolist() == [1.0, 1 + 2 * one_ulp, -1.0]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fp8_e4m3",
+        "fp8_e5m2",
+        "fp8_e4m3fnuz",
+        "fp8_e5m2fnuz",
+        "fp6_e3m2",
+        "fp6_e2m3",
+        "fp4_e2m1",
+        "bf16",
+        "fp16",
+        "e3m4",
+        "e4m3",
+        "tf32",
+    ],
+)
+def test_saturate_sends_every_finite_overflow_to_max(name: str, random_patterns: np.ndarray) -> None:
+    fmt = numscope.format(name)
+    x = random_patterns[np.isfinite(random_patterns)]
+    y = ours(x, name, overflow="saturate")
+    beyond = np.abs(x) > fmt.max
+    assert beyond.sum() > 0
+    assert np.array_equal(y[beyond], np.sign(x[beyond]) * np.float32(fmt.max))
+    inside = ~beyond
+    assert_bits_equal(x[inside], y[inside], ours(x[inside], name, overflow="propagate"))
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("fp8_e5m2", np.inf),
+        ("bf16", np.inf),
+        ("fp16", np.inf),
+        ("e3m4", np.inf),
+        ("fp8_e4m3", np.nan),
+        ("fp8_e4m3fnuz", np.nan),
+        ("fp8_e5m2fnuz", np.nan),
+        ("fp6_e3m2", 28.0),
+        ("fp4_e2m1", 6.0),
+        ("int8", 127.0),
+    ],
+)
+@pytest.mark.parametrize("overflow", ["saturate", "propagate"])
+def test_infinity_follows_the_module_rule(name: str, expected: float, overflow: str) -> None:
+    """inf stays inf where the format has it, becomes NaN where it only has NaN, ±max where it has neither."""
+    y = ours(np.array([np.inf, -np.inf], np.float32), name, overflow=overflow)
+    if np.isnan(expected):
+        assert np.isnan(y).all()
+    else:
+        assert y.tolist() == [expected, -expected]
+
+
+def test_torch_saturates_e4m3fn_where_we_follow_ml_dtypes() -> None:
+    """torch's native E4M3FN cast saturates (even inf -> 448); our propagate is ml_dtypes' (NaN)."""
+    x = np.array([np.inf, -np.inf, 465.0, 1e6, -500.0, 464.0], np.float32)
+    native = torch.from_numpy(x).to(torch.float8_e4m3fn).float().numpy()
+    assert native.tolist() == [448.0, -448.0, 448.0, 448.0, -448.0, 448.0]
+    ours_propagate = ours(x, "fp8_e4m3", overflow="propagate")
+    assert_bits_equal(x, ours_propagate, reference_cast(x, "fp8_e4m3"))
+    assert np.isnan(ours_propagate[:5]).all() and ours_propagate[5] == 448.0
+    assert ours(x, "fp8_e4m3", overflow="saturate")[2:].tolist() == [448.0, 448.0, -448.0, 448.0]
+
+
+def test_fnuz_formats_have_no_negative_zero() -> None:
+    x = np.array([-0.0, -1e-30, -1e-45], np.float32)
+    for name in ("fp8_e4m3fnuz", "fp8_e5m2fnuz"):
+        y = ours(x, name)
+        assert (y == 0).all() and not np.signbit(y).any()
+        y = ours(x, name, flush_subnormals=True)
+        assert not np.signbit(y).any()
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_integers_match_rint_and_clip(name: str, random_patterns: np.ndarray) -> None:
+    fmt = numscope.format(name)
+    rng = np.random.default_rng(5)
+    x = np.concatenate(
+        [
+            rng.uniform(-2 * fmt.max, 2 * fmt.max, 200_000).astype(np.float32),
+            np.arange(-2 * fmt.max, 2 * fmt.max, 0.5, dtype=np.float32),  # every tie
+            random_patterns[~np.isnan(random_patterns)],
+        ]
+    )
+    with np.errstate(all="ignore"):
+        expected = np.clip(np.rint(x), -fmt.max, fmt.max).astype(np.float32)
+    assert_bits_equal(x, ours(x, name), expected)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp4_e2m1", "bf16", "e3m4"])
+def test_flush_subnormals_zeroes_exactly_the_subnormals(name: str) -> None:
+    fmt = numscope.format(name)
+    codes = all_codes(name)
+    codes = codes[np.isfinite(codes)]
+    y = ours(codes, name, flush_subnormals=True)
+    sub = np.abs(codes) < fmt.min_normal
+    assert (y[sub] == 0).all() and np.array_equal(y[~sub], codes[~sub])
+    assert np.array_equal(np.signbit(y[sub]), np.signbit(codes[sub]))
+
+
+def test_e8m0_below_2_pow_minus_126_matches_ml_dtypes() -> None:
+    """float32 subnormals: 2^-127 itself stays 2^-127 (was rounded up to 2^-126), anything above goes up."""
+    patterns = np.concatenate(
+        [np.arange(1, 0x800000, 7, dtype=np.uint32), np.array([0x400000, 0x400001], np.uint32)]
+    )
+    x = patterns.view(np.float32)
+    assert_bits_equal(x, ours(x, "e8m0"), reference_cast(x, "e8m0"))
+    assert ours(np.array([2.0**-127], np.float32), "e8m0").tolist() == [2.0**-127]
