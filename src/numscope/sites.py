@@ -1,0 +1,946 @@
+"""GEMM sites of any ``nn.Module`` and the one interception point through which their operands pass.
+
+A *site* is one GEMM-bearing call: an ``nn.Linear``, a transformers ``Conv1D``, or a matmul issued in
+forward code (``torch.matmul``/``@``/``bmm``/``mm``/``addmm``, ``F.linear`` outside a Linear, and
+``F.scaled_dot_product_attention``, which counts as two sites: ``scores`` = q·kᵀ and ``context`` = p·v).
+Every site has three GEMMs with two operands each:
+
+========  =========================  ============================  ================================
+gemm      product                    operands                      contraction axis passed
+========  =========================  ============================  ================================
+fprop     y  = x · Wᵀ                ``input``, ``weight``         x: -1; W (out, in): -1
+dgrad     dx = dy · W                ``grad_output``, ``weight``   dy: -1; W (out, in): 0
+wgrad     dW = dyᵀ · x               ``grad_output``, ``input``    dy, x flattened to (tokens, ·): 0
+========  =========================  ============================  ================================
+
+For a matmul site ``y = a @ b`` the same names are used with ``input`` = a and ``weight`` = b, so dgrad is
+``da = dy · bᵀ`` and wgrad is ``db = aᵀ · dy``; the axes are a: -1 (fprop), -2 (wgrad); b: -2 (fprop),
+-1 (dgrad); dy: -1 (dgrad), -2 (wgrad). Conv1D's weight is (in, out): fprop axis 0, dgrad axis -1.
+
+Site names: the module's qualified name for Linear/Conv1D; ``<module>.<role>`` for matmuls found in
+forward code, attributed to the innermost module whose forward is running. Roles: ``scores`` (a matmul
+whose result reaches a softmax in the same module) and ``context`` (a matmul whose left operand comes from
+that softmax), as in eager attention and the two GEMMs of SDPA; other matmuls are ``matmul0``, ``matmul1``…
+in call order within the module's forward. Roles need one forward pass to be found: :func:`sites` with
+``example_inputs``, or, for an attached model, the first forward (run once more, without gradients, in
+eval mode, the RNG restored, before the real one).
+
+Handlers (:class:`OperandHandler`) are attached per model (:func:`attach`) and chained in attach order:
+each gets the previous one's result. During the model's forward a ``TorchFunctionMode`` routes each site
+through one ``torch.autograd.Function`` that calls the chain for (fprop, input) and (fprop, weight) in
+forward and for the dgrad and wgrad operands in backward, then multiplies the returned tensors. With
+every handler returning its tensor unchanged and fp32 accumulation, outputs and gradients are bit for bit
+those of the unconverted model: the products are the ones autograd itself issues for ``F.linear``,
+``addmm``, ``mm`` and ``matmul`` (for a 2-D @ ≥3-D matmul, and ≥3-D matmuls whose batch of 1 broadcasts,
+the batched decomposition is used: equal in value, not guaranteed in bits). A handler may define
+``wants(site) -> bool`` (sites nobody wants run the original op untouched: an unwanted SDPA stays the
+fused kernel) and ``accumulate(site) -> str | None`` (``fp32``, ``bf16``, ``fp16``).
+
+Accumulation in bf16/fp16 is emulated: the reduction dimension is split into chunks of
+:data:`ACCUMULATE_CHUNK` (32) products; each chunk's partial sum is computed in fp32 and rounded to the
+accumulator format; the partials are added one after another with rounding to the accumulator format
+after each addition (as a tensor core that accumulates a short dot product exactly and adds it to a
+narrow accumulator). A bias is added in fp32 to the rounded result.
+
+Matmuls with a 1-D operand (dot, mv) are not sites. Only calls inside the attached model's own forward
+are intercepted (not a submodule called directly), and only modules present at attach time are tracked.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree
+
+GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
+#: number of products summed exactly (in fp32) before a rounding to a bf16/fp16 accumulator
+ACCUMULATE_CHUNK = 32
+ACCUMULATE_DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+}
+
+
+@dataclass(frozen=True)
+class Site:
+    """One GEMM-bearing call of a model.
+
+    name: the site's name (what plan rules match). module: qualified name of the module it belongs to.
+    kind: ``linear``, ``conv1d``, ``matmul`` (matmul/bmm/mm/addmm/F.linear in forward code) or ``sdpa``.
+    """
+
+    name: str
+    module: str
+    kind: str
+
+    def key(self, gemm: str, operand: str, *parts: str) -> str:
+        """A legible metric key, e.g. ``bert.encoder.layer.0.attention.self.query/wgrad/grad_output``."""
+        return "/".join((self.name, gemm, operand, *parts))
+
+
+@runtime_checkable
+class OperandHandler(Protocol):
+    """Sees (and may replace) one operand of one GEMM of one site.
+
+    ``axis`` is the contraction axis of ``tensor`` in this GEMM. Called inside an autograd Function: no
+    gradient is tracked through what it does. Must return a tensor of the same shape and dtype.
+    """
+
+    def __call__(
+        self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int
+    ) -> torch.Tensor: ...
+
+
+# -- exact replicas of autograd's mm backward ----------------------------------------------------------
+
+
+def _mm_mat1_backward(grad: torch.Tensor, mat2: torch.Tensor, sizes: Sequence[int], strides: Sequence[int]):
+    """The gradient of mat1 in ``mat1.mm(mat2)``, as torch's ``mm_mat1_backward`` (alpha 1, strided)."""
+    if strides[0] == 1 and strides[1] == sizes[0]:
+        return mat2.mm(grad.t()).t()
+    return grad.mm(mat2.t())
+
+
+def _mm_mat2_backward(grad: torch.Tensor, mat1: torch.Tensor, sizes: Sequence[int], strides: Sequence[int]):
+    """The gradient of mat2 in ``mat1.mm(mat2)``, as torch's ``mm_mat2_backward`` (alpha 1, strided)."""
+    if strides[0] == 1 and strides[1] == sizes[0]:
+        return grad.t().mm(mat1).t()
+    return mat1.t().mm(grad)
+
+
+def accumulate_matmul(
+    a: torch.Tensor, b: torch.Tensor, accumulate: str, chunk: int = ACCUMULATE_CHUNK
+) -> torch.Tensor:
+    """``a @ b`` (broadcasting, ≥2-D) with the sum over the contraction axis in the ``accumulate`` format.
+
+    See the module docstring for the model (chunks of ``chunk`` products exact in fp32, then sequential
+    additions rounded to bf16/fp16). ``fp32`` is ``torch.matmul``. Returns ``a``'s dtype.
+    """
+    dtype = ACCUMULATE_DTYPES.get(accumulate, "unknown")
+    if dtype == "unknown":
+        raise ValueError(f"unknown accumulate {accumulate!r}; allowed: {', '.join(ACCUMULATE_DTYPES)}")
+    if dtype is None:
+        return torch.matmul(a, b)
+    out_dtype = a.dtype
+    a, b = a.float(), b.float()
+    length = a.shape[-1]
+    pad = (-length) % chunk
+    if pad:
+        a = F.pad(a, (0, pad))
+        b = F.pad(b, (0, 0, 0, pad))
+    chunks = (length + pad) // chunk
+    a_chunks = a.reshape(*a.shape[:-1], chunks, chunk).movedim(-2, -3)
+    b_chunks = b.reshape(*b.shape[:-2], chunks, chunk, b.shape[-1])
+    partials = torch.matmul(a_chunks, b_chunks).to(dtype)
+    total = partials.select(-3, 0)
+    for index in range(1, chunks):
+        total = (total.float() + partials.select(-3, index).float()).to(dtype)
+    return total.to(out_dtype)
+
+
+# -- the one autograd function -------------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    """Everything the autograd function needs about one site call besides its tensors."""
+
+    site: Site
+    layout: str  # linear | mm | fold | batched
+    handlers: tuple[Callable[..., torch.Tensor], ...]
+    accumulate: str
+    storage: torch.dtype | None
+    weight_axes: tuple[int, int] = (-1, 0)  # (fprop, dgrad) axes of b
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def chain(self, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        for handler in self.handlers:
+            tensor = handler(self.site, gemm, operand, tensor, axis)
+        return tensor
+
+
+def _store(tensor: torch.Tensor, storage: torch.dtype | None) -> torch.Tensor:
+    """The copy of an activation kept for backward (parameters are kept as they are)."""
+    if storage is None or isinstance(tensor, nn.Parameter) or not tensor.is_floating_point():
+        return tensor
+    return tensor.to(storage)
+
+
+def _sum_bias(grad_output: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The bias gradient: the unquantized grad_output summed (in fp32) to the bias shape."""
+    if grad_output.dtype == torch.float32:
+        return grad_output.sum_to_size(shape).to(dtype)
+    return grad_output.float().sum_to_size(shape).to(dtype)
+
+
+def _fold_strides(a: torch.Tensor) -> tuple[int, int]:
+    """Strides of ``a.reshape(-1, a.shape[-1])`` (a view where the leading dims fold, else a fresh copy)."""
+    shape, strides = a.shape, a.stride()
+    for index in range(a.dim() - 2):
+        if strides[index] != strides[index + 1] * shape[index + 1]:
+            return (shape[-1], 1)
+    return (strides[-2], strides[-1])
+
+
+def _forward_product(
+    call: _Call, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    layout, acc = call.layout, call.accumulate
+    if acc == "fp32":
+        if layout == "linear":
+            return F.linear(a, b, bias)
+        if layout == "mm":
+            return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+        return torch.matmul(a, b)
+    if layout == "linear":
+        out = accumulate_matmul(a.reshape(-1, a.shape[-1]), b.t(), acc).reshape(*a.shape[:-1], b.shape[0])
+    else:
+        out = accumulate_matmul(a, b, acc)
+    return out if bias is None else out + bias
+
+
+class SiteGemm(torch.autograd.Function):
+    """``y = a ⊗ b (+ bias)`` of one site, every operand of its three GEMMs passed through the handler chain.
+
+    Parametrised by a :class:`_Call` (layout, site, handlers, accumulation, storage); one class for every
+    kind of site.
+    """
+
+    @staticmethod
+    def forward(ctx, call: _Call, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None):  # type: ignore[override]
+        fprop_b_axis, _ = call.weight_axes
+        a_q = call.chain("fprop", "input", a, -1)
+        b_q = call.chain("fprop", "weight", b, fprop_b_axis)
+        out = _forward_product(call, a_q, b_q, bias)
+        need_a, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        ctx.call = call
+        ctx.a_meta = (a.shape, a.stride(), a.dtype)
+        ctx.b_meta = (b.shape, b.stride(), b.dtype)
+        ctx.has_bias = bias is not None
+        ctx.bias_shape = None if bias is None else bias.shape
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(
+            _store(a, call.storage) if need_b else None,
+            _store(b, call.storage) if need_a else None,
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
+        call: _Call = ctx.call
+        a_saved, b_saved = ctx.saved_tensors
+        a_shape, a_stride, a_dtype = ctx.a_meta
+        b_shape, b_stride, b_dtype = ctx.b_meta
+        need_a, need_b, need_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        a = None if a_saved is None else a_saved.to(a_dtype)
+        b = None if b_saved is None else b_saved.to(b_dtype)
+        grad_a = grad_b = grad_bias = None
+        layout, acc = call.layout, call.accumulate
+        _, dgrad_b_axis = call.weight_axes
+        if layout in ("linear", "fold"):
+            grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+            if need_a:
+                dy = call.chain("dgrad", "grad_output", grad_2d, -1)
+                w = call.chain("dgrad", "weight", b, dgrad_b_axis)
+                mat2 = w.t() if layout == "linear" else w
+                if acc == "fp32":
+                    a2_size = (math.prod(a_shape[:-1]), a_shape[-1])
+                    a2_stride = a_stride if len(a_shape) == 2 else call.meta["a_fold_strides"]
+                    grad_a = _mm_mat1_backward(dy, mat2, a2_size, a2_stride).reshape(a_shape)
+                else:
+                    grad_a = accumulate_matmul(dy, mat2.t(), acc).reshape(a_shape)
+            if need_b:
+                dy = call.chain("wgrad", "grad_output", grad_2d, 0)
+                x = call.chain("wgrad", "input", a.reshape(-1, a_shape[-1]), 0)
+                if acc != "fp32":
+                    product = accumulate_matmul(x.t(), dy, acc)
+                    grad_b = product.t() if layout == "linear" else product
+                elif layout == "linear":
+                    grad_b = _mm_mat2_backward(
+                        dy, x, (b_shape[1], b_shape[0]), (b_stride[1], b_stride[0])
+                    ).t()
+                else:
+                    grad_b = _mm_mat2_backward(dy, x, b_shape, b_stride)
+        elif layout == "mm":
+            if need_a:
+                dy = call.chain("dgrad", "grad_output", grad_output, -1)
+                w = call.chain("dgrad", "weight", b, dgrad_b_axis)
+                if acc == "fp32":
+                    grad_a = _mm_mat1_backward(dy, w, a_shape, a_stride)
+                else:
+                    grad_a = accumulate_matmul(dy, w.t(), acc)
+            if need_b:
+                dy = call.chain("wgrad", "grad_output", grad_output, 0)
+                x = call.chain("wgrad", "input", a, 0)
+                grad_b = (
+                    _mm_mat2_backward(dy, x, b_shape, b_stride)
+                    if acc == "fp32"
+                    else accumulate_matmul(x.t(), dy, acc)
+                )
+        else:  # batched, as at::matmul: expand the batch dims, fold them into one, bmm
+            batch = call.meta["batch"]
+            count = math.prod(batch)
+            n, m, p = a_shape[-2], a_shape[-1], b_shape[-1]
+            if need_a:
+                dy = call.chain("dgrad", "grad_output", grad_output, -1).reshape(count, n, p)
+                w = call.chain("dgrad", "weight", b, -1).expand(*batch, m, p).reshape(count, m, p)
+                product = (
+                    dy.bmm(w.transpose(1, 2))
+                    if acc == "fp32"
+                    else accumulate_matmul(dy, w.transpose(1, 2), acc)
+                )
+                grad_a = product.reshape(*batch, n, m).sum_to_size(a_shape)
+            if need_b:
+                dy = call.chain("wgrad", "grad_output", grad_output, -2).reshape(count, n, p)
+                x = call.chain("wgrad", "input", a, -2).expand(*batch, n, m).reshape(count, n, m)
+                product = (
+                    x.transpose(1, 2).bmm(dy)
+                    if acc == "fp32"
+                    else accumulate_matmul(x.transpose(1, 2), dy, acc)
+                )
+                grad_b = product.reshape(*batch, m, p).sum_to_size(b_shape)
+        if need_bias and ctx.has_bias:
+            flat = grad_output.reshape(-1, grad_output.shape[-1]) if layout == "linear" else grad_output
+            grad_bias = _sum_bias(flat, ctx.bias_shape, ctx.bias_dtype)
+        return None, grad_a, grad_b, grad_bias
+
+
+def _matmul_layout(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """Which decomposition ``at::matmul`` uses for ``a @ b`` (``None``: a 1-D operand, not a site)."""
+    if a.dim() < 2 or b.dim() < 2:
+        return None
+    if a.dim() == 2 and b.dim() == 2:
+        return "mm"
+    if a.dim() >= 3 and b.dim() == 2:
+        if b.requires_grad or a.numel() == 0:
+            return "fold"
+        shape, strides = a.shape, a.stride()
+        foldable = all(strides[i] == strides[i + 1] * shape[i + 1] for i in range(a.dim() - 2))
+        return "fold" if foldable else "batched"
+    return "batched"
+
+
+# -- scaled dot-product attention, emulated as two sites --------------------------------------------
+
+
+def sdpa_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    matmul: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` as explicit GEMMs: scores = q·kᵀ, scale, mask, softmax in fp32,
+    dropout (``F.dropout``, inverted), context = p·v.
+
+    attn_mask: boolean (True = attend) or additive, broadcastable to (..., L, S). is_causal: a lower
+    triangular (top-left aligned) mask. enable_gqa: key/value heads repeated to the query's heads.
+    matmul(role, a, b): how each product is computed (``torch.matmul`` by default; the runtime passes its
+    sites ``scores`` and ``context``).
+    """
+    product = matmul if matmul is not None else (lambda role, a, b: torch.matmul(a, b))
+    length, source = query.size(-2), key.size(-2)
+    factor = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    if enable_gqa and key.size(-3) != query.size(-3):
+        repeat = query.size(-3) // key.size(-3)
+        key = key.repeat_interleave(repeat, dim=-3)
+        value = value.repeat_interleave(repeat, dim=-3)
+    scores = product("scores", query, key.transpose(-2, -1)).float() * factor
+    if is_causal:
+        keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.float()
+    probs = torch.softmax(scores, dim=-1).to(query.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p, training=True)
+    return product("context", probs, value)
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _sdpa_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound = dict(zip(_SDPA_ARGS, args, strict=False))
+    bound.update(kwargs)
+    return bound
+
+
+def _sdpa_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[dict, dict]:
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+    scores = math.prod(batch) * q.shape[-2] * k.shape[-2]
+    out = math.prod(batch) * q.shape[-2] * v.shape[-1]
+    return _sizes(q.numel(), k.numel(), scores), _sizes(scores, v.numel(), out)
+
+
+def _sizes(a: int, b: int, out: int) -> dict[tuple[str, str], int]:
+    return {
+        ("fprop", "input"): a,
+        ("fprop", "weight"): b,
+        ("dgrad", "grad_output"): out,
+        ("dgrad", "weight"): b,
+        ("wgrad", "grad_output"): out,
+        ("wgrad", "input"): a,
+    }
+
+
+# -- the interception runtime ------------------------------------------------------------------------
+
+_LINEAR_FUNCS = {F.linear}
+_MM_FUNCS = {torch.mm, torch.Tensor.mm}
+_ADDMM_FUNCS = {torch.addmm, torch.Tensor.addmm}
+_MATMUL_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.bmm, torch.Tensor.bmm}
+_RMATMUL_FUNCS = {torch.Tensor.__rmatmul__}
+_SDPA_FUNCS = {F.scaled_dot_product_attention}
+_GEMM_FUNCS = _LINEAR_FUNCS | _MM_FUNCS | _ADDMM_FUNCS | _MATMUL_FUNCS | _RMATMUL_FUNCS | _SDPA_FUNCS
+_SOFTMAX_FUNCS = {torch.softmax, torch.Tensor.softmax, F.softmax, torch._softmax}
+
+
+_WEIGHT_AXES: dict[tuple[str, str], tuple[int, int]] = {
+    ("linear", "linear"): (-1, 0),
+    ("matmul", "linear"): (-1, 0),
+    ("conv1d", "mm"): (0, -1),
+    ("linear", "mm"): (0, -1),
+    ("matmul", "mm"): (0, -1),
+    ("matmul", "fold"): (-2, -1),
+    ("matmul", "batched"): (-2, -1),
+    ("sdpa", "batched"): (-2, -1),
+}
+
+
+def _parse(func, args: tuple, kwargs: dict) -> tuple[str, Any, Any, Any] | None:
+    """(layout, a, b, bias) of a GEMM call, or ``None`` where the call is not a site (1-D, out=, alpha…)."""
+    if func in _SDPA_FUNCS:
+        return ("sdpa", None, None, None)
+    if "out" in kwargs:
+        return None
+    if func in _LINEAR_FUNCS:
+        weight = args[1] if len(args) > 1 else kwargs["weight"]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        return ("linear", args[0], weight, bias) if weight.dim() == 2 else None
+    if func in _ADDMM_FUNCS:
+        extra = dict(zip(("beta", "alpha"), args[3:], strict=False)) | kwargs
+        bias, a, b = args[0], args[1], args[2]
+        if extra.get("beta", 1) != 1 or extra.get("alpha", 1) != 1 or a.dim() != 2 or b.dim() != 2:
+            return None
+        return ("mm", a, b, bias)
+    a, b = (args[1], args[0]) if func in _RMATMUL_FUNCS else (args[0], args[1])
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return None
+    layout = _matmul_layout(a, b)
+    return None if layout is None else (layout, a, b, None)
+
+
+def _out_numel(layout: str, a: torch.Tensor, b: torch.Tensor) -> int:
+    if layout == "linear":
+        return a.numel() // max(a.shape[-1], 1) * b.shape[0]
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return math.prod(batch) * a.shape[-2] * b.shape[-1]
+
+
+def _conv1d_class() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return Conv1D
+
+
+def _static_kind(module: nn.Module) -> str | None:
+    if isinstance(module, nn.Linear):
+        return "linear"
+    conv1d = _conv1d_class()
+    if conv1d is not None and isinstance(module, conv1d):
+        return "conv1d"
+    return None
+
+
+@dataclass
+class _Frame:
+    name: str
+    module: nn.Module
+    kind: str | None
+    calls: int = 0
+
+
+@dataclass
+class _Attachment:
+    name: str
+    handler: Callable[..., torch.Tensor]
+    storage: torch.dtype | None
+
+
+@dataclass
+class _Discovery:
+    """Per-call dataflow tags of the discovery pass (names matmul roles)."""
+
+    entries: list[dict[str, Any]] = field(default_factory=list)
+    tags: dict[int, frozenset] = field(default_factory=dict)
+    alive: list[torch.Tensor] = field(default_factory=list)
+
+    def tags_of(self, values: Iterable[Any]) -> frozenset:
+        found: frozenset = frozenset()
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                found = found | self.tags.get(id(value), frozenset())
+        return found
+
+    def tag(self, outputs: Any, tags: frozenset) -> None:
+        if not tags:
+            return
+        for value in _pytree.tree_leaves(outputs):
+            if isinstance(value, torch.Tensor):
+                self.tags[id(value)] = tags
+                self.alive.append(value)
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, runtime: _Runtime) -> None:
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        runtime = self.runtime
+        if runtime.discovery is not None:
+            return runtime.discover_call(func, args, kwargs)
+        if func not in _GEMM_FUNCS or not runtime.stack:
+            return func(*args, **kwargs)
+        return runtime.gemm_call(func, args, kwargs)
+
+
+class _Runtime:
+    """The interception state of one model: hooks, module stack, site table, attached handlers."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model_ref = weakref.ref(model)
+        self.attachments: list[_Attachment] = []
+        self.stack: list[_Frame] = []
+        self.entered: list[bool] = []
+        self.mode = _Mode(self)
+        self.discovery: _Discovery | None = None
+        self.discovered = False
+        self.table: dict[tuple[str, int], tuple[Site, ...]] = {}
+        self.order: list[str] = []
+        self.sizes: dict[str, dict[tuple[str, str], int]] = {}
+        self.on_discovered: list[Callable[[list[Site]], None]] = []
+        self.static: dict[int, Site] = {}
+        self._wanted: dict[str, tuple] = {}
+        self.hooks: list[Any] = []
+        for qualname, module in model.named_modules():
+            kind = _static_kind(module)
+            if kind is not None:
+                self.static[id(module)] = Site(qualname, qualname, kind)
+            self.hooks.append(module.register_forward_pre_hook(self._pre_hook(qualname, kind)))
+            self.hooks.append(module.register_forward_hook(self._post_hook, always_call=True))
+        self.hooks.append(model.register_forward_pre_hook(self._root_enter, with_kwargs=True, prepend=True))
+        self.hooks.append(model.register_forward_hook(self._root_exit, always_call=True))
+
+    # hooks
+    def _pre_hook(self, qualname: str, kind: str | None):
+        def hook(module: nn.Module, args: Any) -> None:
+            if self.entered and self.entered[-1]:
+                self.stack.append(_Frame(qualname, module, kind))
+
+        return hook
+
+    def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.entered and self.entered[-1] and self.stack and self.stack[-1].module is module:
+            self.stack.pop()
+
+    def _root_enter(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.discovery is None and not self.discovered and self.attachments:
+            self.discover(args, kwargs)
+        if self.entered and self.entered[-1]:
+            self.entered.append(False)
+            return
+        self.mode.__enter__()
+        self.entered.append(True)
+
+    def _root_exit(self, model: nn.Module, args: Any, output: Any) -> None:
+        if self.entered and self.entered.pop():
+            self.mode.__exit__(None, None, None)
+            self.stack.clear()
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+
+    # handlers
+    def invalidate(self) -> None:
+        self._wanted.clear()
+
+    @property
+    def storage(self) -> torch.dtype | None:
+        for attachment in reversed(self.attachments):
+            if attachment.storage is not None:
+                return attachment.storage
+        return None
+
+    def handlers_for(self, site: Site) -> tuple[tuple, str]:
+        cached = self._wanted.get(site.name)
+        if cached is None:
+            wanted = tuple(
+                a.handler
+                for a in self.attachments
+                if getattr(a.handler, "wants", None) is None or a.handler.wants(site)
+            )
+            accumulate = "fp32"
+            for attachment in self.attachments:
+                chooser = getattr(attachment.handler, "accumulate", None)
+                choice = chooser(site) if chooser is not None else None
+                if choice is not None:
+                    accumulate = choice
+            if accumulate not in ACCUMULATE_DTYPES:
+                raise ValueError(
+                    f"unknown accumulate {accumulate!r} for site {site.name!r}; allowed: fp32, bf16, fp16"
+                )
+            cached = (wanted, accumulate)
+            self._wanted[site.name] = cached
+        return cached
+
+    # sites
+    def all_sites(self) -> list[Site]:
+        found: dict[str, Site] = {}
+        for entry in self.table.values():
+            for site in entry:
+                found[site.name] = site
+        static = {site.name: site for site in self.static.values()}
+        names = [n for n in self.order if n in found or n in static]
+        names += [n for n in static if n not in names]
+        names += [n for n in found if n not in names]
+        return [found.get(n) or static[n] for n in names]
+
+    def anonymous(self, frame: _Frame, kind: str) -> tuple[Site, ...]:
+        index = frame.calls
+        frame.calls += 1
+        entry = self.table.get((frame.name, index))
+        if entry is None:
+            prefix = f"{frame.name}." if frame.name else ""
+            if kind == "sdpa":
+                entry = (
+                    Site(f"{prefix}call{index}.scores", frame.name, kind),
+                    Site(f"{prefix}call{index}.context", frame.name, kind),
+                )
+            else:
+                entry = (Site(f"{prefix}call{index}", frame.name, kind),)
+            self.table[(frame.name, index)] = entry
+        return entry
+
+    def _site_for(self, frame: _Frame, layout: str, weight: torch.Tensor) -> Site:
+        static = self.static.get(id(frame.module))
+        if (
+            static is not None
+            and layout in ("linear", "mm")
+            and getattr(frame.module, "weight", None) is weight
+        ):
+            return static
+        return self.anonymous(frame, "matmul")[0]
+
+    def _call(self, site: Site, layout: str) -> _Call | None:
+        handlers, accumulate = self.handlers_for(site)
+        storage = self.storage
+        if not handlers and storage is None:
+            return None
+        return _Call(site, layout, handlers, accumulate, storage, _WEIGHT_AXES[(site.kind, layout)])
+
+    def gemm_call(self, func, args: tuple, kwargs: dict):
+        frame = self.stack[-1]
+        parsed = _parse(func, args, kwargs)
+        if parsed is None:
+            return func(*args, **kwargs)
+        layout, a, b, bias = parsed
+        if layout == "sdpa":
+            return self.sdpa_call(frame, func, args, kwargs)
+        site = self._site_for(frame, layout, b)
+        self.sizes[site.name] = _sizes(a.numel(), b.numel(), _out_numel(layout, a, b))
+        call = self._call(site, layout)
+        if call is None:
+            return func(*args, **kwargs)
+        if layout in ("linear", "fold") and a.dim() != 2:
+            call.meta["a_fold_strides"] = (
+                _fold_strides(a) if a.is_contiguous() or layout == "fold" else (a.shape[-1], 1)
+            )
+        elif layout == "batched":
+            call.meta["batch"] = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+        return SiteGemm.apply(call, a, b, bias)
+
+    def sdpa_call(self, frame: _Frame, func, args: tuple, kwargs: dict):
+        scores_site, context_site = self.anonymous(frame, "sdpa")
+        bound = _sdpa_arguments(args, kwargs)
+        q, k, v = bound["query"], bound["key"], bound["value"]
+        self.sizes[scores_site.name], self.sizes[context_site.name] = _sdpa_sizes(q, k, v)
+        calls = {"scores": self._call(scores_site, "batched"), "context": self._call(context_site, "batched")}
+        if all(c is None for c in calls.values()):
+            return func(*args, **kwargs)
+
+        def matmul(role: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            call = calls[role]
+            if call is None:
+                return torch.matmul(a, b)
+            call.meta["batch"] = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+            return SiteGemm.apply(call, a, b, None)
+
+        return sdpa_reference(**bound, matmul=matmul)
+
+    # discovery
+    def discover(self, args: tuple, kwargs: dict) -> list[Site]:
+        """Run the model once without gradients, in eval mode, to find and name its matmul sites."""
+        model = self.model_ref()
+        if model is None:
+            raise RuntimeError("the model of this runtime no longer exists")
+        training = {name: module.training for name, module in model.named_modules()}
+        self.discovery = _Discovery()
+        self.table.clear()
+        self.order.clear()
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                model.eval()
+                model(*args, **kwargs)
+        finally:
+            for name, module in model.named_modules():
+                module.training = training.get(name, module.training)
+            discovery, self.discovery = self.discovery, None
+        self._name_entries(discovery)
+        self.discovered = True
+        self.invalidate()
+        found = self.all_sites()
+        for callback in list(self.on_discovered):
+            callback(found)
+        return found
+
+    def discover_call(self, func, args: tuple, kwargs: dict):
+        discovery = self.discovery
+        assert discovery is not None
+        inputs = _pytree.tree_leaves((args, kwargs))
+        out = func(*args, **kwargs)
+        frame = self.stack[-1] if self.stack else None
+        if frame is None:
+            return out
+        if func in _SOFTMAX_FUNCS:
+            for tag in discovery.tags_of(inputs):
+                if tag[0] == "gemm" and discovery.entries[tag[1]]["module"] == frame.name:
+                    discovery.entries[tag[1]]["role"] = "scores"
+            discovery.tag(out, frozenset({("softmax", frame.name)}))
+            return out
+        gemm = self._discover_gemm(func, args, kwargs, frame, discovery)
+        if gemm is None:
+            discovery.tag(out, discovery.tags_of(inputs))
+            return out
+        discovery.tag(out, frozenset({("gemm", gemm)}))
+        return out
+
+    def _discover_gemm(self, func, args, kwargs, frame: _Frame, discovery: _Discovery) -> int | None:
+        parsed = _parse(func, args, kwargs) if func in _GEMM_FUNCS else None
+        if parsed is None:
+            return None
+        layout, a, b, _ = parsed
+        if layout == "sdpa":
+            discovery.entries.append({"module": frame.name, "index": frame.calls, "role": "sdpa"})
+            self.order.append(f"@{len(discovery.entries) - 1}")
+            frame.calls += 1
+            return None
+        static = self.static.get(id(frame.module))
+        if static is not None and layout in ("linear", "mm") and getattr(frame.module, "weight", None) is b:
+            if static.name not in self.order:
+                self.order.append(static.name)
+            return None
+        context = ("softmax", frame.name) in discovery.tags_of([a])
+        discovery.entries.append(
+            {"module": frame.name, "index": frame.calls, "role": "context" if context else None}
+        )
+        self.order.append(f"@{len(discovery.entries) - 1}")
+        frame.calls += 1
+        return len(discovery.entries) - 1
+
+    def _name_entries(self, discovery: _Discovery) -> None:
+        per_module: dict[str, list[dict[str, Any]]] = {}
+        for entry in discovery.entries:
+            per_module.setdefault(entry["module"], []).append(entry)
+        names: dict[int, tuple[Site, ...]] = {}
+        for module, entries in per_module.items():
+            prefix = f"{module}." if module else ""
+            counts = {"scores": 0, "context": 0}
+            for entry in entries:
+                if entry["role"] == "sdpa":
+                    counts["scores"] += 1
+                    counts["context"] += 1
+                elif entry["role"] in counts:
+                    counts[entry["role"]] += 1
+            seen = {"scores": 0, "context": 0}
+            anonymous = 0
+
+            def role_name(role: str, prefix: str = prefix, counts: dict = counts, seen: dict = seen) -> str:
+                suffix = str(seen[role]) if counts[role] > 1 else ""
+                seen[role] += 1
+                return f"{prefix}{role}{suffix}"
+
+            for entry in entries:
+                key = (module, entry["index"])
+                if entry["role"] == "sdpa":
+                    site = (
+                        Site(role_name("scores"), module, "sdpa"),
+                        Site(role_name("context"), module, "sdpa"),
+                    )
+                elif entry["role"] in counts:
+                    site = (Site(role_name(entry["role"]), module, "matmul"),)
+                else:
+                    site = (Site(f"{prefix}matmul{anonymous}", module, "matmul"),)
+                    anonymous += 1
+                self.table[key] = site
+                names[id(entry)] = site
+        order: list[str] = []
+        for item in self.order:
+            if item.startswith("@"):
+                order.extend(s.name for s in names[id(discovery.entries[int(item[1:])])])
+            elif item not in order:
+                order.append(item)
+        self.order = order
+
+
+_RUNTIMES: weakref.WeakKeyDictionary[nn.Module, _Runtime] = weakref.WeakKeyDictionary()
+
+
+def _runtime(model: nn.Module) -> _Runtime | None:
+    return _RUNTIMES.get(model)
+
+
+class Handle:
+    """An attached handler; :meth:`remove` detaches it (the last removal restores the model exactly)."""
+
+    def __init__(self, model: nn.Module, attachment: _Attachment) -> None:
+        self._model = weakref.ref(model)
+        self._attachment = attachment
+        self.name = attachment.name
+
+    @property
+    def attached(self) -> bool:
+        model = self._model()
+        runtime = None if model is None else _RUNTIMES.get(model)
+        return runtime is not None and self._attachment in runtime.attachments
+
+    def remove(self) -> None:
+        model = self._model()
+        runtime = None if model is None else _RUNTIMES.get(model)
+        if runtime is None or self._attachment not in runtime.attachments:
+            return
+        runtime.attachments.remove(self._attachment)
+        runtime.invalidate()
+        if not runtime.attachments:
+            runtime.remove()
+            del _RUNTIMES[model]
+
+
+def _example_call(example_inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, tuple | list):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def sites(model: nn.Module, example_inputs: dict | tuple | torch.Tensor | None = None) -> list[Site]:
+    """Every GEMM site of ``model``, in call order where a forward pass was seen.
+
+    Without ``example_inputs`` only Linear/Conv1D sites are listed (and matmul sites already found by an
+    attached model's first forward). With them, one forward runs without gradients in eval mode (the RNG
+    state and training flags restored) to find the matmul sites: a dict is passed as keyword arguments, a
+    tuple as positional ones, anything else as the one argument.
+    """
+    runtime = _runtime(model)
+    if example_inputs is None:
+        return _Runtime(model).all_sites() if runtime is None else runtime.all_sites()
+    temporary = runtime is None
+    runtime = _Runtime(model) if runtime is None else runtime
+    try:
+        args, kwargs = _example_call(example_inputs)
+        return runtime.discover(args, kwargs)
+    finally:
+        if temporary:
+            runtime.remove()
+
+
+def attach(
+    model: nn.Module,
+    handler: OperandHandler | Callable[..., torch.Tensor],
+    *,
+    name: str,
+    storage: str | None = None,
+) -> Handle:
+    """Route every site operand of ``model`` through ``handler`` (after handlers attached before it).
+
+    name: identifies the attachment (unique per model). storage: ``"fp16"``/``"bf16"``/``"fp32"``: the
+    dtype in which site activations saved for backward are kept (parameters are kept as they are); the
+    latest attachment that sets one wins. Parameters and ``state_dict`` keys are untouched; removing the
+    last handle removes every hook.
+    """
+    if not callable(handler):
+        raise TypeError(
+            f"handler must be callable(site, gemm, operand, tensor, axis), got {type(handler).__name__}"
+        )
+    if storage is not None and storage not in STORAGE_DTYPES:
+        raise ValueError(f"unknown storage {storage!r}; allowed: None, {', '.join(STORAGE_DTYPES)}")
+    runtime = _runtime(model)
+    if runtime is None:
+        runtime = _Runtime(model)
+        _RUNTIMES[model] = runtime
+    if any(a.name == name for a in runtime.attachments):
+        raise ValueError(
+            f"a handler named {name!r} is already attached to this model; attached: "
+            f"{', '.join(a.name for a in runtime.attachments)}"
+        )
+    attachment = _Attachment(name, handler, STORAGE_DTYPES[storage] if storage is not None else None)
+    runtime.attachments.append(attachment)
+    runtime.invalidate()
+    return Handle(model, attachment)
+
+
+def attached(model: nn.Module) -> list[str]:
+    """Names of the handlers attached to ``model``, in chain order."""
+    runtime = _runtime(model)
+    return [] if runtime is None else [a.name for a in runtime.attachments]
+
+
+def operand_sizes(model: nn.Module) -> dict[str, dict[tuple[str, str], int]]:
+    """Per site, ``(gemm, operand)`` → element count, from the latest forward of an attached model."""
+    runtime = _runtime(model)
+    if runtime is None:
+        return {}
+    return {name: dict(sizes) for name, sizes in runtime.sizes.items()}
+
+
+def on_discovered(model: nn.Module, callback: Callable[[list[Site]], None]) -> None:
+    """Call ``callback(sites)`` whenever an attached ``model``'s matmul sites are (re)discovered."""
+    runtime = _runtime(model)
+    if runtime is None:
+        raise ValueError("on_discovered needs a model with an attached handler (numscope.sites.attach)")
+    runtime.on_discovered.append(callback)
+
+
+def is_discovered(model: nn.Module) -> bool:
+    """Whether an attached ``model``'s matmul sites have been found by a forward pass."""
+    runtime = _runtime(model)
+    return runtime is not None and runtime.discovered
