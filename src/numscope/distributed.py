@@ -1,0 +1,249 @@
+"""numscope under ``torch.distributed``: rank queries, exact merging of analyses, low-precision collectives.
+
+What already happens without this module, by default, whenever a process group is initialised:
+
+* current (``tensor``) and delayed scaling take their amax over the default process group
+  (``Scaling(reduce_amax=True)``, as Transformer Engine's ``reduce_amax``), and NVFP4 its per-tensor amax,
+  so every rank quantizes with the same scale and N data-parallel ranks match one process on the
+  concatenated batch. ``Scaling(reduce_amax=False)`` keeps each rank's own amax;
+* :class:`numscope.LossScaler` all-reduces (MAX) its one-element found-inf flag, so an overflow on any rank
+  skips the step on every rank and the scale stays the same everywhere.
+
+Every one of those reductions is a collective: all ranks must quantize the same tensors in the same order
+(as they do when they run the same model), or the run hangs.
+
+This module adds what needs an explicit call:
+
+* :func:`merge_analysis` / :func:`save_analysis`: combine each rank's :class:`numscope.Analysis` exactly
+  (histograms and element counts add, maxima and minima reduce, fractions and means weight by sample size)
+  and write it once, on rank 0;
+* :func:`all_gather_tensor`, :func:`broadcast_tensor_`: collectives that accept fp8 dtypes on every backend
+  (gloo rejects ``torch.float8_*``; the bytes travel as ``uint8`` views);
+* :func:`all_gather_quantized`: a low-precision all-gather (each rank sends the 1-byte codes of its shard
+  in a ≤8-bit format plus its scales) whose result equals quantizing the whole tensor in one process;
+* :func:`parameter_divergence`: the largest difference between a module's parameters on any rank and on
+  rank 0 (0.0 when data parallelism keeps replicas identical).
+
+Every function works outside distributed runs too (a world of one rank), so code need not branch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from numscope.analysis import Analysis, merge
+from numscope.formats.quantize import Encoded, ScalingArg, encode
+from numscope.formats.scaling import DelayedScaler, Scaling
+from numscope.formats.spec import BlockFormat, Format
+from numscope.formats.spec import format as get_format
+
+__all__ = [
+    "WIRE_DTYPES",
+    "all_gather_quantized",
+    "all_gather_tensor",
+    "broadcast_tensor_",
+    "from_wire",
+    "is_distributed",
+    "is_rank_zero",
+    "merge_analysis",
+    "parameter_divergence",
+    "rank",
+    "save_analysis",
+    "to_wire",
+    "world_size",
+]
+
+Group = dist.ProcessGroup | None
+
+WIRE_DTYPES: tuple[torch.dtype, ...] = tuple(
+    dtype
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+)
+"""torch dtypes that collectives send as ``uint8`` views (one byte per element, bits unchanged)."""
+
+
+def is_distributed() -> bool:
+    """Whether a ``torch.distributed`` process group is initialised in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank(group: Group = None) -> int:
+    """This process's rank in ``group`` (the default group when ``None``); 0 outside distributed runs."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def world_size(group: Group = None) -> int:
+    """The number of ranks in ``group`` (the default group when ``None``); 1 outside distributed runs."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def is_rank_zero(group: Group = None) -> bool:
+    """Whether this process is rank 0 of ``group`` (always true outside distributed runs)."""
+    return rank(group) == 0
+
+
+# -- analyses ---------------------------------------------------------------------------------------
+def merge_analysis(analysis: Analysis, group: Group = None) -> Analysis:
+    """Every rank's analysis combined into one, returned on every rank (a collective: call it on all ranks).
+
+    The analyses travel as Python objects (no float rounding on the way) and combine through
+    :func:`numscope.analysis.merge`: histograms and element counts add, maxima (``amax``…) and minima
+    (``min_nonzero``…) reduce, fractions and means (``underflow%``, ``overflow%``, ``rel_error``) are
+    weighted by each rank's sample size — all exact, so the result equals the analysis of one process that
+    saw the concatenated batch; nonlinear summaries (``sqnr_db``, kurtosis) are sample-weighted means, an
+    approximation. Ranks combine in rank order. Outside distributed runs returns ``analysis`` unchanged.
+    """
+    if world_size(group) == 1:
+        return analysis
+    gathered: list[Analysis | None] = [None] * world_size(group)
+    dist.all_gather_object(gathered, analysis, group=group)
+    return merge(part for part in gathered if part is not None)
+
+
+def save_analysis(analysis: Analysis, directory: str | os.PathLike[str], group: Group = None) -> Path | None:
+    """Merge every rank's analysis (:func:`merge_analysis`) and write it once, on rank 0.
+
+    Returns the directory written on rank 0 and ``None`` on the other ranks; all ranks return only after
+    rank 0 has finished writing (a barrier), so a rank may read the files right after.
+    """
+    merged = merge_analysis(analysis, group)
+    written = merged.save(directory) if is_rank_zero(group) else None
+    if is_distributed():
+        dist.barrier(group)
+    return written
+
+
+# -- collectives that accept fp8 dtypes ----------------------------------------------------------------
+def to_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor any backend can send: fp8 dtypes as a ``uint8`` view of the same bytes."""
+    contiguous = tensor.contiguous()
+    return contiguous.view(torch.uint8) if contiguous.dtype in WIRE_DTYPES else contiguous
+
+
+def from_wire(wire: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Undo :func:`to_wire`: the bytes of ``wire`` seen as ``dtype`` again."""
+    return wire.view(dtype) if dtype in WIRE_DTYPES else wire
+
+
+def all_gather_tensor(tensor: torch.Tensor, dim: int = 0, group: Group = None) -> torch.Tensor:
+    """Every rank's ``tensor`` (all of the same shape and dtype) concatenated along ``dim``, in rank order.
+
+    fp8 dtypes travel as ``uint8`` views (one byte per element), so this works on gloo too. Outside
+    distributed runs returns ``tensor``.
+    """
+    size = world_size(group)
+    if size == 1:
+        return tensor
+    wire = to_wire(tensor)
+    parts = [torch.empty_like(wire) for _ in range(size)]
+    dist.all_gather(parts, wire, group=group)
+    return torch.cat([from_wire(part, tensor.dtype) for part in parts], dim=dim)
+
+
+def broadcast_tensor_(tensor: torch.Tensor, src: int = 0, group: Group = None) -> torch.Tensor:
+    """Overwrite ``tensor`` in place with rank ``src``'s (a global rank), fp8 dtypes included; returns it."""
+    if world_size(group) == 1:
+        return tensor
+    wire = to_wire(tensor)
+    dist.broadcast(wire, src=src, group=group)
+    if wire.data_ptr() != tensor.data_ptr():
+        tensor.copy_(from_wire(wire, tensor.dtype))
+    return tensor
+
+
+# -- low-precision all-gather ----------------------------------------------------------------------------
+def _gatherable_scaling(fmt: Format, scaling: ScalingArg) -> Scaling | None:
+    if isinstance(scaling, DelayedScaler):
+        raise ValueError("all_gather_quantized cannot use delayed scaling (a per-rank history); allowed: "
+                         "none, tensor, row, or a block format's own scaling")
+    parsed = Scaling.parse(scaling)
+    if isinstance(fmt, BlockFormat):
+        axis = parsed.axis if parsed is not None else -1
+        if axis != -1:
+            raise ValueError(
+                f"all_gather_quantized gathers along dim 0 with blocks along the last axis; got block axis "
+                f"{axis}; allowed: -1"
+            )
+        return parsed
+    if fmt.bits > 8:
+        raise ValueError(
+            f"all_gather_quantized sends 1-byte codes; format {fmt.name!r} has {fmt.bits} bits; "
+            "allowed: formats of at most 8 bits"
+        )
+    kind = "none" if parsed is None else parsed.kind
+    if kind not in ("none", "tensor", "row"):
+        raise ValueError(
+            f"all_gather_quantized cannot gather scaling {kind!r} (its scales span the gathered dim 0); "
+            "allowed: none, tensor, row"
+        )
+    if kind == "tensor" and parsed is not None and not parsed.reduce_amax and is_distributed():
+        raise ValueError(
+            "all_gather_quantized with scaling 'tensor' needs reduce_amax=True so that every shard shares "
+            "one scale; got reduce_amax=False"
+        )
+    return parsed
+
+
+def all_gather_quantized(
+    shard: torch.Tensor,
+    fmt: str | Format,
+    *,
+    scaling: ScalingArg = "tensor",
+    rounding: str = "nearest",
+) -> torch.Tensor:
+    """A low-precision all-gather over the default group: the float32 values of the whole tensor in ``fmt``.
+
+    Each rank holds ``shard``, a slice along dim 0 (all shards of the same shape, as FSDP2's even shards);
+    it encodes its shard in ``fmt`` (a format of at most 8 bits, or a block format with blocks along the
+    last axis) and sends the 1-byte codes plus its scales instead of 4-byte floats (4-bit elements also take
+    one byte each: codes are not packed). With ``tensor`` scaling the amax is reduced over the default group
+    first, so all shards share one scale; ``row`` scaling and block scales belong to one shard each. The
+    result equals ``numscope.quantize(torch.cat(shards), fmt, scaling=scaling)`` bit for bit.
+
+    Supported: element formats with scaling ``none``, ``tensor`` (``reduce_amax=True``) or ``row``; block
+    formats (MX, NVFP4) with their blocks along the last axis. Outside distributed runs this is
+    ``encode(shard, ...).decode()``.
+    """
+    if shard.dim() == 0:
+        raise ValueError("all_gather_quantized gathers along dim 0; got a 0-dim shard; allowed: dim >= 1")
+    spec = get_format(fmt)
+    parsed = _gatherable_scaling(spec, scaling)
+    local = encode(shard, spec, scaling=parsed, rounding=rounding)
+    if world_size() == 1:
+        return local.decode()
+    codes = all_gather_tensor(local.codes, dim=0)
+    scales = local.scales
+    per_shard_scales = isinstance(spec, BlockFormat) or (parsed is not None and parsed.kind == "row")
+    if scales is not None and per_shard_scales:
+        scales = all_gather_tensor(scales, dim=0)
+    shape = (shard.shape[0] * world_size(), *shard.shape[1:])
+    whole = Encoded(spec, codes, scales, local.tensor_scale, shape, local.axis, local.length)
+    return whole.decode()
+
+
+# -- checks ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def parameter_divergence(module: nn.Module, group: Group = None) -> float:
+    """The largest absolute difference between any parameter on any rank and the same one on rank 0.
+
+    0.0 when replicas are identical (what DDP promises). For replicated (not sharded) parameters: FSDP2's
+    sharded parameters differ between ranks by design. A collective; 0.0 outside distributed runs.
+    """
+    if world_size(group) == 1:
+        return 0.0
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    largest = torch.zeros(1, dtype=torch.float64)
+    for param in module.parameters():
+        local = param.detach().to(torch.float64)
+        reference = broadcast_tensor_(local.clone(), src=source, group=group)
+        difference = (local - reference).abs()
+        if difference.numel():
+            largest = torch.maximum(largest, difference.max().reshape(1).to(largest.device))
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+    return float(largest.item())

@@ -1,0 +1,260 @@
+"""The rank process of the distributed tests, and :func:`launch`, which starts and reaps a world of them.
+
+``launch(scenario, tmp_path)`` starts ``world_size`` copies of this file as separate Python processes on
+localhost (gloo on CPU, a free loopback port, ``OMP_NUM_THREADS=1``), waits for them with a timeout, kills
+every one that is left on failure, and returns what each rank saved (``torch.save`` of a dict). Each rank
+initialises the default process group, runs one scenario function from :data:`SCENARIOS` and always
+destroys the group. Shared model and data builders live here too, so that the tests' single-process
+references run the very same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+TIMEOUT_S = 90.0
+VOCAB = 64
+SEQUENCE = 8
+
+
+# -- shared builders ---------------------------------------------------------------------------------
+def tiny_bert(seed: int = 0) -> nn.Module:
+    """A tiny BERT MLM (hidden 32, 2 layers, no dropout) built from a config: deterministic given ``seed``."""
+    from numscope.demo.model import make_bert_mlm
+
+    return make_bert_mlm(VOCAB, hidden=32, layers=2, heads=2, intermediate=64, max_position=SEQUENCE,
+                         dropout=0.0, seed=seed)
+
+
+def mlm_batch(step: int, rows: int) -> dict[str, torch.Tensor]:
+    """A deterministic batch of ``rows`` sequences for ``step``: token ids and labels (-100 on unmasked)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    input_ids = torch.randint(1, VOCAB, (rows, SEQUENCE), generator=generator)
+    masked = torch.rand((rows, SEQUENCE), generator=generator) < 0.3
+    masked[:, 0] = True
+    labels = torch.where(masked, input_ids, torch.full_like(input_ids, -100))
+    return {"input_ids": torch.where(masked, torch.full_like(input_ids, 3), input_ids), "labels": labels}
+
+
+def shard(batch: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """This rank's contiguous slice of a batch (the rows DDP's sampler would give it)."""
+    rows = batch["input_ids"].shape[0] // world_size
+    return {name: value[rank * rows:(rank + 1) * rows] for name, value in batch.items()}
+
+
+def mean_mlm_loss(model: nn.Module, batch: dict[str, torch.Tensor], total_labels: int) -> torch.Tensor:
+    """The MLM loss summed over this batch's labelled tokens and divided by ``total_labels``.
+
+    With ``total_labels`` the label count of the *global* batch, the sum over ranks of this loss is the
+    global mean loss; so DDP's averaging over ranks (times the world size) gives one process's gradient.
+    """
+    logits = model(input_ids=batch["input_ids"]).logits
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1),
+                                       ignore_index=-100, reduction="sum") / total_labels
+
+
+def convert_fp8(model: nn.Module, reduce_amax: bool = True) -> nn.Module:
+    """``model`` converted with the ``fp8`` plan; ``reduce_amax=False`` turns off every amax reduction."""
+    import numscope
+    from numscope.plan import Plan, SiteSpec
+
+    plan = Plan.uniform("fp8")
+    if not reduce_amax:
+        plan = _without_amax_reduction(plan, SiteSpec)
+    example = mlm_batch(0, 2)["input_ids"]
+    return numscope.convert(model, plan, example_inputs={"input_ids": example})
+
+
+def _without_amax_reduction(plan: Any, site_spec: type) -> Any:
+    from dataclasses import replace
+
+    def local(spec: Any) -> Any:
+        operands = {}
+        for key, operand in spec.operands.items():
+            scaling = operand.effective_scaling()
+            if scaling is not None:
+                operand = replace(operand, scaling=scaling.replace(reduce_amax=False))
+            operands[key] = operand
+        return site_spec(operands=operands, accumulate=spec.accumulate)
+
+    return plan.with_default(local(plan.default))
+
+
+# -- scenarios (run on every rank, the default process group initialised) ----------------------------
+def scenario_loss_scaler(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
+    """One step of a small model where only rank 1 sees an overflow; with and without DDP and reduction."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from numscope.train.loss_scaler import LossScaler, all_reduce_max_if_distributed
+
+    out: dict[str, Any] = {}
+    for case in ("plain", "plain_no_reduce", "ddp"):
+        torch.manual_seed(0)
+        model: nn.Module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        if case == "ddp":
+            model = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        reduce = None if case == "plain_no_reduce" else all_reduce_max_if_distributed
+        scaler = LossScaler(init_scale=2.0**8, found_inf_reduce=reduce).track(model)
+        before = [p.detach().clone() for p in model.parameters()]
+        inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+        if case == "ddp" and rank == 1:
+            inputs[0, 0] = float("inf")  # the overflow arises in rank 1's forward; DDP all-reduces it
+        scaler.scale(model(inputs).square().mean()).backward()
+        if case != "ddp" and rank == 1:
+            next(model.parameters()).grad[0, 0] = float("inf")  # a rank-local overflow, grads never reduced
+        scaler.step(optimizer)
+        scaler.update()
+        changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        out[case] = {"changed": changed, "skipped_steps": scaler.skipped_steps, "scale": scaler.get_scale(),
+                     "overflow": scaler.last_overflow}
+    return out
+
+
+def scenario_collectives(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
+    """fp8 tensors over gloo: the raw collective's error, then all_gather/broadcast through uint8 views."""
+    from numscope import distributed
+
+    local = torch.tensor([1.0 + rank, -0.5, 448.0], dtype=torch.float8_e4m3fn)
+    try:
+        raw = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(raw, local)
+        raw_error = None
+    except (RuntimeError, TypeError, ValueError) as error:
+        raw_error = f"{type(error).__name__}: {error}"
+    gathered = distributed.all_gather_tensor(local)
+    broadcast = distributed.broadcast_tensor_(
+        torch.tensor([float(rank + 2)] * 2, dtype=torch.float8_e5m2), src=1)
+    return {"raw_error": raw_error, "gathered": gathered.view(torch.uint8),
+            "gathered_dtype": str(gathered.dtype), "broadcast": broadcast.float(),
+            "rank": distributed.rank(), "world_size": distributed.world_size()}
+
+
+def scenario_amax(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Current scaling, delayed scaling and low-precision all-gathers of one tensor split over ranks."""
+    import numscope
+    from numscope import distributed
+
+    whole = whole_tensor()
+    part = whole.chunk(world_size)[rank]
+    delayed = numscope.DelayedScaler(numscope.Scaling("delayed", history_len=4))
+    delayed_results = [numscope.quantize(part * (step + 1), "fp8_e4m3", scaling=delayed) for step in range(3)]
+    gathers = {
+        name: distributed.all_gather_quantized(part, fmt, scaling=scaling)
+        for name, (fmt, scaling) in GATHER_CASES.items()
+    }
+    return {
+        "reduced": numscope.quantize(part, "fp8_e4m3", scaling="tensor"),
+        "local": numscope.quantize(part, "fp8_e4m3", scaling=numscope.Scaling("tensor", reduce_amax=False)),
+        "delayed": delayed_results,
+        "delayed_history": delayed.amax_history.clone(),
+        "gathers": gathers,
+    }
+
+
+def whole_tensor() -> torch.Tensor:
+    """A (8, 64) tensor whose two halves have very different amax (so local scales would differ)."""
+    values = torch.randn(8, 64, generator=torch.Generator().manual_seed(7))
+    values[4:] *= 37.0
+    return values
+
+
+GATHER_CASES: dict[str, tuple[str, Any]] = {
+    "fp8_e4m3/tensor": ("fp8_e4m3", "tensor"),
+    "fp8_e5m2/row": ("fp8_e5m2", "row"),
+    "mxfp8_e4m3": ("mxfp8_e4m3", None),
+    "nvfp4": ("nvfp4", None),
+}
+
+
+SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], dict[str, Any]]] = {
+    "loss_scaler": scenario_loss_scaler,
+    "collectives": scenario_collectives,
+    "amax": scenario_amax,
+}
+
+
+# -- launching -----------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def launch(scenario: str, directory: Path, world_size: int = 2, timeout: float = TIMEOUT_S,
+           **args: Any) -> list[dict[str, Any]]:
+    """Run ``scenario`` on ``world_size`` local ranks and return each rank's saved result, in rank order.
+
+    Raises ``RuntimeError`` with every rank's stderr tail when a rank fails or the world outlives
+    ``timeout`` seconds; no rank process survives this function.
+    """
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+    directory.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    processes: list[tuple[subprocess.Popen[bytes], Path]] = []
+    try:
+        for rank in range(world_size):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                   "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": _loopback_interface()}
+            log = directory / f"rank{rank}.log"
+            with log.open("wb") as handle:
+                process = subprocess.Popen(
+                    [sys.executable, __file__, scenario, str(directory), json.dumps(args)],
+                    env=env, stdout=handle, stderr=subprocess.STDOUT)
+            processes.append((process, log))
+        deadline = time.monotonic() + timeout
+        while any(process.poll() is None for process, _ in processes):
+            crashed = any(process.returncode not in (None, 0) for process, _ in processes)
+            if crashed or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        failed = [(rank, process.returncode) for rank, (process, _) in enumerate(processes)
+                  if process.returncode != 0]
+        if failed:
+            tails = "\n".join(f"--- rank {rank} (exit {process.returncode}):\n{log.read_text()[-3000:]}"
+                              for rank, (process, log) in enumerate(processes))
+            reason = "timed out" if time.monotonic() > deadline else "failed"
+            raise RuntimeError(f"scenario {scenario!r} {reason}: ranks {failed}\n{tails}")
+    finally:
+        for process, _ in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+    return [torch.load(directory / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def _loopback_interface() -> str:
+    names = [name for _, name in socket.if_nameindex()]
+    return "lo" if "lo" in names else names[0]
+
+
+def main(argv: list[str]) -> None:
+    scenario, directory, raw_args = argv
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = SCENARIOS[scenario](rank, world_size, json.loads(raw_args))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, Path(directory) / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

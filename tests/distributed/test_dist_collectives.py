@@ -1,0 +1,98 @@
+"""Loss scaling, amax reduction and fp8 collectives across two real gloo ranks on localhost."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dist_worker import GATHER_CASES, launch, whole_tensor
+
+import numscope
+from numscope import distributed
+
+
+@pytest.fixture(scope="module")
+def loss_scaler_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return launch("loss_scaler", tmp_path_factory.mktemp("loss_scaler"))
+
+
+@pytest.fixture(scope="module")
+def amax_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return launch("amax", tmp_path_factory.mktemp("amax"))
+
+
+def test_overflow_on_one_rank_skips_the_step_on_both(loss_scaler_ranks: list[dict]) -> None:
+    for case in ("plain", "ddp"):
+        for rank, result in enumerate(loss_scaler_ranks):
+            outcome = result[case]
+            assert not outcome["changed"], f"{case}: rank {rank} stepped"
+            assert outcome["skipped_steps"] == 1
+            assert outcome["scale"] == 2.0**7, f"{case}: rank {rank} did not back off"
+    # Rank 0 saw no inf itself: it skips because rank 1 did, and names no parameter of its own.
+    assert loss_scaler_ranks[0]["plain"]["overflow"].parameters == ()
+    assert loss_scaler_ranks[1]["plain"]["overflow"].parameters == ("0.weight",)
+
+
+def test_without_the_reduction_the_ranks_diverge(loss_scaler_ranks: list[dict]) -> None:
+    rank0, rank1 = (result["plain_no_reduce"] for result in loss_scaler_ranks)
+    assert rank0["changed"] and rank0["skipped_steps"] == 0 and rank0["scale"] == 2.0**8
+    assert not rank1["changed"] and rank1["skipped_steps"] == 1 and rank1["scale"] == 2.0**7
+
+
+def test_fp8_tensors_cross_gloo_as_uint8_views(tmp_path: Path) -> None:
+    ranks = launch("collectives", tmp_path)
+    expected = torch.cat([torch.tensor([1.0 + rank, -0.5, 448.0], dtype=torch.float8_e4m3fn)
+                          for rank in (0, 1)])
+    for rank, result in enumerate(ranks):
+        assert result["raw_error"] is not None, "gloo accepted fp8: the uint8 detour may be unneeded"
+        assert result["gathered_dtype"] == "torch.float8_e4m3fn"
+        assert torch.equal(result["gathered"], expected.view(torch.uint8))
+        assert torch.equal(result["broadcast"], torch.tensor([3.0, 3.0]))
+        assert (result["rank"], result["world_size"]) == (rank, 2)
+
+
+def test_reduced_amax_makes_each_rank_quantize_as_one_process(amax_ranks: list[dict]) -> None:
+    whole = whole_tensor()
+    one_process = numscope.quantize(whole, "fp8_e4m3", scaling="tensor")
+    assert torch.equal(torch.cat([r["reduced"] for r in amax_ranks]), one_process)
+    # The switch is honoured: rank 0's half (amax ~37x smaller) gets its own, finer scale.
+    local = torch.cat([r["local"] for r in amax_ranks])
+    assert not torch.equal(local, one_process)
+    assert torch.equal(amax_ranks[0]["local"], numscope.quantize(whole[:4], "fp8_e4m3", scaling="tensor"))
+
+
+def test_delayed_scaling_records_the_global_amax(amax_ranks: list[dict]) -> None:
+    whole = whole_tensor()
+    reference = numscope.DelayedScaler(numscope.Scaling("delayed", history_len=4))
+    for step in range(3):
+        expected = numscope.quantize(whole * (step + 1), "fp8_e4m3", scaling=reference)
+        assert torch.equal(torch.cat([r["delayed"][step] for r in amax_ranks]), expected)
+    for result in amax_ranks:
+        assert torch.equal(result["delayed_history"], reference.amax_history)
+
+
+@pytest.mark.parametrize("name", sorted(GATHER_CASES))
+def test_low_precision_all_gather_equals_quantizing_the_whole(amax_ranks: list[dict], name: str) -> None:
+    fmt, scaling = GATHER_CASES[name]
+    expected = numscope.quantize(whole_tensor(), fmt, scaling=scaling)
+    for result in amax_ranks:
+        assert torch.equal(result["gathers"][name], expected)
+
+
+def test_helpers_outside_distributed_runs_are_a_world_of_one() -> None:
+    values = torch.tensor([0.5, -2.0], dtype=torch.float8_e5m2)
+    assert (distributed.rank(), distributed.world_size(), distributed.is_rank_zero()) == (0, 1, True)
+    assert distributed.all_gather_tensor(values) is values
+    assert torch.equal(distributed.to_wire(values), values.view(torch.uint8))
+    assert torch.equal(distributed.all_gather_quantized(whole_tensor(), "fp8_e4m3"),
+                       numscope.quantize(whole_tensor(), "fp8_e4m3", scaling="tensor"))
+
+
+def test_low_precision_all_gather_rejects_what_it_cannot_gather() -> None:
+    with pytest.raises(ValueError, match="allowed: none, tensor, row"):
+        distributed.all_gather_quantized(whole_tensor(), "fp8_e4m3", scaling="column")
+    with pytest.raises(ValueError, match="'bf16' has 16 bits"):
+        distributed.all_gather_quantized(whole_tensor(), "bf16", scaling=None)
+    with pytest.raises(ValueError, match="delayed"):
+        distributed.all_gather_quantized(whole_tensor(), "fp8_e4m3", scaling=numscope.DelayedScaler())
