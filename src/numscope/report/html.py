@@ -1,0 +1,668 @@
+"""One self-contained HTML report: tables, figures as embedded PNGs, no external assets, no scripts.
+
+:func:`write_report` takes plain run dicts and, optionally, a :class:`numscope.Analysis` and a
+:class:`numscope.Plan`. Everything the report reads from those two goes through the adapters in this
+module (:func:`analysis_tables`, :func:`plan_table`), so when their internals move only the adapters change;
+the figures (:mod:`numscope.report.plots`) see lists and dicts only.
+
+Sections, each left out when its input is missing: 1 headline table of runs, 2 loss curves and loss-scale
+trajectories, 3 the recommended plan per site, 4 backward-error heatmaps, 5 log2 histograms against format
+ranges, 6 underflow per layer, further figures, notes, and a footer saying how the report was made.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import math
+import os
+import re
+import statistics
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numscope
+from numscope.formats.spec import BlockFormat, IntFormat
+from numscope.formats.spec import format as get_format
+from numscope.report import plots
+from numscope.report.plots import FormatRange, Histogram
+
+REFERENCE_RUN = plots.REFERENCE_RUN
+WITHIN_PERCENT = 1.0
+"""A run whose validation loss is at most this many percent above the FP32 run's is highlighted."""
+
+UNSCALED_FORMATS = ("fp32", "tf32", "bf16", "fp16")
+"""Element formats the observer measures as plain casts; every other element format is per-tensor scaled."""
+
+UNDERFLOW_FORMAT = "fp16"
+OPERAND_ORDER = (("fprop", "input"), ("fprop", "weight"), ("dgrad", "grad_output"), ("dgrad", "weight"),
+                 ("wgrad", "grad_output"), ("wgrad", "input"))
+_UNDERFLOW, _OVERFLOW, _SQNR = "underflow%", "overflow%", "sqnr_db"
+
+
+# ============================================================================= plain views of the inputs
+@dataclass(frozen=True)
+class OperandView:
+    """One operand of one GEMM at one site, summarised over the sampled steps.
+
+    metrics: candidate format → metric name → mean over sampled steps (``underflow%``, ``sqnr_db``…).
+    amax: median over sampled steps of the tensor's largest magnitude (units of the tensor).
+    """
+
+    site: str
+    gemm: str
+    operand: str
+    elements: int
+    histogram: Histogram | None
+    amax: float | None
+    metrics: Mapping[str, Mapping[str, float]]
+
+
+@dataclass(frozen=True)
+class AnalysisView:
+    """What the report shows of an analysis.
+
+    backward_errors: gemm → site → column label → mean backward error. Columns are candidate formats
+    (both operands in that format) when the analysis measured such pairs, else ``left×right`` labels.
+    """
+
+    candidates: tuple[str, ...]
+    sites: tuple[str, ...]
+    operands: tuple[OperandView, ...]
+    backward_errors: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
+    backward_error_columns: tuple[str, ...] = ()
+
+    def operand(self, site: str, gemm: str, operand: str) -> OperandView | None:
+        for view in self.operands:
+            if (view.site, view.gemm, view.operand) == (site, gemm, operand):
+                return view
+        return None
+
+
+def natural_key(name: str) -> list[Any]:
+    """Sort key that orders ``layer.2`` before ``layer.10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def analysis_tables(analysis: Any) -> AnalysisView:
+    """The adapter from a :class:`numscope.Analysis` to the report's plain :class:`AnalysisView`."""
+    operands = []
+    for key in sorted(analysis.operands, key=lambda k: (natural_key(k[0]), k[1], k[2])):
+        site, gemm, operand = key
+        per_step = analysis.operands[key]
+        amaxes = [r.stats["amax"] for r in per_step.values() if math.isfinite(r.stats.get("amax", math.nan))]
+        collected: dict[str, dict[str, list[float]]] = {}
+        for record in per_step.values():
+            for candidate, metrics in record.metrics.items():
+                for metric, value in metrics.items():
+                    collected.setdefault(candidate, {}).setdefault(metric, []).append(value)
+        means = {c: {m: _nanmean(v) for m, v in metrics.items()} for c, metrics in collected.items()}
+        histogram = None
+        if key in analysis.histograms:
+            source = analysis.histograms[key]
+            counts = {e: c for e, c in zip(source.exponents, source.counts, strict=True) if c}
+            histogram = Histogram(f"{site}  ·  {gemm}/{operand}", counts, source.zeros)
+        elements = analysis.elements.get(key) or max((r.elements for r in per_step.values()), default=0)
+        operands.append(OperandView(site, gemm, operand, int(elements), histogram,
+                                    statistics.median(amaxes) if amaxes else None, means))
+
+    pairs = {pair for per_pair in analysis.backward_errors.values() for pair in per_pair}
+    same = sorted({left for left, right in pairs if left == right}, key=_candidate_order(analysis.candidates))
+    if same:
+        columns = tuple(same)
+        label = {(fmt, fmt): fmt for fmt in same}
+    else:
+        label = {pair: f"{pair[0]}×{pair[1]}" for pair in sorted(pairs)}
+        columns = tuple(label.values())
+    errors: dict[str, dict[str, dict[str, float]]] = {}
+    for (site, gemm), per_pair in analysis.backward_errors.items():
+        for pair, per_step in per_pair.items():
+            if pair in label:
+                value = _nanmean([stats["mean"] for stats in per_step.values() if "mean" in stats])
+                errors.setdefault(gemm, {}).setdefault(site, {})[label[pair]] = value
+    ordered_errors = {gemm: errors[gemm] for gemm in ("fprop", "dgrad", "wgrad") if gemm in errors}
+    return AnalysisView(
+        candidates=tuple(analysis.candidates),
+        sites=tuple(sorted(analysis.sites(), key=natural_key)),
+        operands=tuple(operands),
+        backward_errors=ordered_errors,
+        backward_error_columns=columns,
+    )
+
+
+def _candidate_order(candidates: Sequence[str]):
+    order = {name: index for index, name in enumerate(candidates)}
+    return lambda name: (order.get(name, len(order)), name)
+
+
+def _nanmean(values: Iterable[float]) -> float:
+    finite = [v for v in values if not math.isnan(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def plan_table(plan: Any, sites: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The adapter from a :class:`numscope.Plan` to rows ``site, gemm, operand, format, scaling, bits,
+    reason``: one row per operand of each of ``sites`` when given, else one per operand of each rule
+    pattern (``site`` then holds the pattern). ``bits`` are storage bits per element (32 for ``high``)."""
+    rows = []
+    if sites:
+        for site in sites:
+            spec = plan.for_site(site)
+            rule = plan.rule_for(site)
+            reasons = rule.reasons if rule is not None else plan.default_reasons
+            for gemm, operand in OPERAND_ORDER:
+                op = spec.operand(gemm, operand)
+                rows.append({
+                    "site": site, "gemm": gemm, "operand": operand, "format": op.format,
+                    "scaling": op.describe_scaling(), "bits": op.bits_per_element(),
+                    "reason": reasons.get(f"{gemm}/{operand}", ""),
+                })
+        return rows
+    entries = [("(default)", plan.default, plan.default_reasons)]
+    entries += [(rule.pattern, rule.spec, rule.reasons) for rule in plan.rules]
+    for pattern, spec, reasons in entries:
+        for gemm, operand in OPERAND_ORDER:
+            op = spec.operand(gemm, operand)
+            rows.append({"site": pattern, "gemm": gemm, "operand": operand, "format": op.format,
+                         "scaling": op.describe_scaling(), "bits": op.bits_per_element(),
+                         "reason": reasons.get(f"{gemm}/{operand}", "")})
+    return rows
+
+
+def format_range(
+    name: str, amax: float | None, metrics: Mapping[str, float] | None = None
+) -> FormatRange | None:
+    """The magnitudes candidate ``name`` represents, in log2 of the tensor's units (:class:`FormatRange`).
+
+    Unscaled formats (fp32, tf32, bf16, fp16) keep their fixed range; other element formats are shown after
+    per-tensor scaling (their max mapped onto ``amax``); block formats as one block whose amax is ``amax``.
+    None for a label that is not a format (``plan``) or when a scaled format has no amax to scale by.
+    """
+    try:
+        fmt = get_format(name)
+    except (ValueError, KeyError):
+        return None
+    metrics = metrics or {}
+    underflow, overflow = metrics.get(_UNDERFLOW), metrics.get(_OVERFLOW)
+    if isinstance(fmt, BlockFormat):
+        element, scaling = fmt.element, "block"
+    elif name in UNSCALED_FORMATS:
+        return FormatRange(name, math.log2(fmt.min_subnormal), math.log2(fmt.min_normal), math.log2(fmt.max),
+                           "none", underflow, overflow)
+    else:
+        element, scaling = fmt, "tensor"
+    if amax is None or not (math.isfinite(amax) and amax > 0):
+        return None
+    shift = math.log2(amax) - math.log2(element.max)
+    low = math.log2(element.min_subnormal) + shift
+    low_normal = low if isinstance(element, IntFormat) else math.log2(element.min_normal) + shift
+    return FormatRange(name, low, low_normal, math.log2(amax), scaling, underflow, overflow)
+
+
+def operand_ranges(view: OperandView, candidates: Sequence[str]) -> list[FormatRange]:
+    """The candidates' ranges for one operand, in candidate order (labels that are not formats skipped)."""
+    ranges = []
+    for name in candidates:
+        found = format_range(name, view.amax, view.metrics.get(name))
+        if found is not None:
+            ranges.append(found)
+    return ranges
+
+
+def short_site_names(sites: Sequence[str]) -> dict[str, str]:
+    """Compact labels for figures: ``bert.encoder.layer.3.attention.self.query`` becomes
+    ``L3.attention.self.query``; the full names are kept wherever two short names would collide."""
+    pattern = re.compile(r"^(?:.*\.)?(?:layers?|h|blocks?)\.(\d+)\.")
+    short = {site: pattern.sub(lambda m: f"L{m.group(1)}.", site) for site in sites}
+    if len(set(short.values())) < len(short):
+        return {site: site for site in sites}
+    return short
+
+
+# ================================================================================= number formatting
+def fmt_number(value: Any, digits: int = 4) -> str:
+    """4 significant digits; ``—`` for None, ``nan``/``inf`` spelled out."""
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    value = float(value)
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "−inf"
+    return f"{value:.{digits}g}"
+
+
+def fmt_percent(value: float | None, signed: bool = False) -> str:
+    """A percentage with 2 decimals (``+0.37%`` when ``signed``); ``—`` for None or nan."""
+    if value is None or math.isnan(value):
+        return "—"
+    return f"{value:+.2f}%" if signed else f"{value:.2f}%"
+
+
+def fmt_seconds(seconds: float | None) -> str:
+    if seconds is None or math.isnan(seconds):
+        return "—"
+    if seconds < 120:
+        return f"{seconds:.4g} s"
+    minutes, rest = divmod(seconds, 60)
+    return f"{int(minutes)} min {rest:02.0f} s"
+
+
+def gap_to_reference(val_loss: float, reference: float | None) -> float | None:
+    """(val_loss − reference) / reference in percent; None without a finite reference or loss."""
+    if reference is None or not math.isfinite(reference) or reference == 0 or not math.isfinite(val_loss):
+        return None
+    return 100.0 * (val_loss - reference) / reference
+
+
+# ========================================================================================= sections
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;color:#1d2430;
+ max-width:1180px;margin:0 auto;padding:24px 28px 60px;background:#fbfbfa}
+h1{font-size:26px;margin:0 0 4px}
+h2{font-size:19px;margin:38px 0 8px;padding-top:8px;border-top:1px solid #e2e2e0}
+h3{font-size:15px;margin:22px 0 6px}.sub{color:#5b6472;margin:0 0 18px}
+nav{background:#fff;border:1px solid #e2e2e0;border-radius:8px;padding:10px 18px;display:inline-block}
+nav ol{margin:4px 0;padding-left:20px}
+nav a{color:#2a5db0;text-decoration:none}nav a:hover{text-decoration:underline}
+table{border-collapse:collapse;margin:8px 0 4px;background:#fff;font-size:13px}
+th,td{border:1px solid #e1e1df;padding:4px 9px;text-align:left;vertical-align:top}
+th{background:#f1f2f4;font-weight:600}td.num{text-align:right;font-variant-numeric:tabular-nums}
+tr.good td{background:#e7f6ea}tr.ref td{background:#eef1f7;font-weight:600}tr.bad td.gap{color:#b3261e}
+td.site{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px}
+code,.mono{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px}
+.fmt{display:inline-block;padding:0 6px;border-radius:4px;font-family:ui-monospace,Menlo,monospace;
+ font-size:12px}
+figure{margin:12px 0 18px}figure img{max-width:100%;height:auto;border:1px solid #e6e6e4;background:#fff}
+figcaption{color:#4a5361;font-size:13px;margin-top:4px;max-width:980px}
+.legend{color:#4a5361;font-size:13px}.note{background:#fff8e1;border-left:4px solid #f0b400;padding:8px 12px;
+ margin:8px 0;border-radius:0 6px 6px 0}
+.callout{background:#fff8e1;border:1px solid #f3d27a;border-radius:6px;
+ padding:6px 12px;display:inline-block;margin-top:10px}
+details{margin:8px 0}summary{cursor:pointer;color:#2a5db0}
+footer{margin-top:46px;padding-top:10px;border-top:1px solid #e2e2e0;color:#5b6472;font-size:12.5px}
+"""
+
+
+@dataclass
+class _Section:
+    anchor: str
+    title: str
+    body: list[str]
+
+
+def _esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _img(png: bytes, alt: str) -> str:
+    data = base64.b64encode(png).decode("ascii")
+    return f'<img alt="{_esc(alt)}" src="data:image/png;base64,{data}">'
+
+
+def _figure(png: bytes | None, alt: str, caption: str) -> str:
+    if png is None:
+        return ""
+    return f"<figure>{_img(png, alt)}<figcaption>{caption}</figcaption></figure>"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], classes: Sequence[str] | None = None,
+           numeric: Sequence[bool] | None = None, row_classes: Sequence[str] | None = None) -> str:
+    """Cells are HTML already (escape before passing)."""
+    numeric = numeric or [False] * len(headers)
+    head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
+    body = []
+    for index, row in enumerate(rows):
+        cls = f' class="{row_classes[index]}"' if row_classes and row_classes[index] else ""
+        cells = []
+        for col, cell in enumerate(row):
+            names = [n for n in ("num" if numeric[col] else "", classes[col] if classes else "") if n]
+            attr = f' class="{" ".join(names)}"' if names else ""
+            cells.append(f"<td{attr}>{cell}</td>")
+        body.append(f"<tr{cls}>{''.join(cells)}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _headline(runs: Sequence[Mapping[str, Any]]) -> _Section:
+    reference = next((r for r in runs if r["name"] == REFERENCE_RUN), None)
+    ref_loss = float(reference["val_loss"]) if reference is not None else None
+    rows, row_classes = [], []
+    for run in runs:
+        val_loss = float(run.get("val_loss", math.nan))
+        gap = gap_to_reference(val_loss, ref_loss)
+        if run["name"] == REFERENCE_RUN:
+            row_classes.append("ref")
+        elif gap is not None and gap <= WITHIN_PERCENT:
+            row_classes.append("good")
+        else:
+            row_classes.append("bad" if gap is not None else "")
+        accuracy = run.get("val_accuracy")
+        rows.append([
+            f"<b>{_esc(run['name'])}</b>", _esc(run.get("plan", "")), _esc(run.get("loss_scaling", "none")),
+            fmt_number(val_loss), fmt_percent(100 * float(accuracy)) if accuracy is not None else "—",
+            "reference" if run["name"] == REFERENCE_RUN else fmt_percent(gap, signed=True),
+            fmt_number(run.get("avg_bits")), fmt_number(int(run.get("skipped_steps", 0))),
+            fmt_seconds(run.get("wall_seconds")),
+        ])
+    headers = ["run", "plan", "loss scaling", "val MLM loss (nats)", "val accuracy", "gap to FP32",
+               "avg bits / GEMM operand", "skipped steps", "wall time"]
+    numeric = [False, False, False, True, True, True, True, True, True]
+    classes = ["", "", "", "", "", "gap", "", "", ""]
+    body = [_table(headers, rows, classes, numeric, row_classes)]
+    if reference is None:
+        body.append('<p class="legend">No run is named <code>fp32</code>, so no gap to FP32 is shown.</p>')
+    else:
+        body.append(
+            '<p class="legend">Gap to FP32 = (val loss − FP32 val loss) / FP32 val loss; green rows are '
+            f"within {WITHIN_PERCENT:g}% of the FP32 run ({fmt_number(ref_loss)} nats). Average bits are "
+            "storage bits per GEMM operand element, weighted by operand size, block scales included "
+            "(— where not known)."
+            "</p>"
+        )
+    return _Section("runs", "Runs", body)
+
+
+def _curves(runs: Sequence[Mapping[str, Any]]) -> _Section | None:
+    body = [
+        _figure(plots.loss_curves(runs), "training and validation loss",
+                "Left: training MLM loss per step, smoothed with an exponential moving average. "
+                "Right: validation MLM loss at each evaluation. Every run starts from the same seed and sees "
+                "the same batches."),
+        _figure(plots.loss_scale_trajectory(runs), "loss scale",
+                "Loss scale of the runs with loss scaling, on a log2 axis: dynamic scaling halves the scale "
+                "on a step whose gradients overflow (that step is skipped) and doubles it after a run of "
+                "clean steps."),
+    ]
+    body = [part for part in body if part]
+    return _Section("curves", "Loss curves", body) if body else None
+
+
+def _plan_section(rows: Sequence[Mapping[str, Any]], view: AnalysisView | None) -> _Section | None:
+    if not rows:
+        return None
+    by_site: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        by_site.setdefault(str(row["site"]), []).append(row)
+    with_metrics = view is not None
+    headers = ["site", "gemm", "operand", "format", "scaling", "bits", "reason"]
+    if with_metrics:
+        headers[6:6] = ["SQNR (dB)", "underflow", "overflow"]
+    table_rows, classes = [], []
+    for site, site_rows in by_site.items():
+        for index, row in enumerate(site_rows):
+            metrics: Mapping[str, float] = {}
+            if view is not None:
+                operand_view = view.operand(site, row["gemm"], row["operand"])
+                if operand_view is not None:
+                    metrics = operand_view.metrics.get(row["format"], {})
+            cells = [
+                _esc(site) if index == 0 else "", _esc(row["gemm"]), _esc(row["operand"]),
+                _format_chip(str(row["format"]), row.get("bits")), _esc(row.get("scaling", "")),
+                fmt_number(row.get("bits")), _esc(row.get("reason", "")),
+            ]
+            if with_metrics:
+                cells[6:6] = [fmt_number(metrics.get(_SQNR)), fmt_percent(metrics.get(_UNDERFLOW)),
+                              fmt_percent(metrics.get(_OVERFLOW))]
+            table_rows.append(cells)
+            classes.append("")
+    numeric = [False] * len(headers)
+    numeric[5] = True
+    if with_metrics:
+        numeric[6:9] = [True, True, True]
+    column_classes = ["site", *[""] * (len(headers) - 1)]
+    legend = ("One row per GEMM operand of each site: the format the plan gives it, its storage bits "
+              "per element (block scales included, 32 for <code>high</code> = left unquantized) and the "
+              "advisor's reason (deciding metric and value).")
+    if with_metrics:
+        legend += (" SQNR, underflow and overflow are the observer's measurements of that format on that "
+                   "operand (mean over sampled steps; — where it was not a candidate).")
+    return _Section("plan", "Recommended plan per site", [
+        f'<p class="legend">{legend}</p>', _table(headers, table_rows, column_classes, numeric),
+    ])
+
+
+def _format_chip(name: str, bits: Any) -> str:
+    """A format name on a background whose warmth grows as bits shrink (32 bits: grey, 4 bits: orange)."""
+    try:
+        value = float(bits)
+    except (TypeError, ValueError):
+        return f'<span class="fmt">{_esc(name)}</span>'
+    share = min(1.0, max(0.0, (32.0 - value) / 28.0))
+    hue = 215 - 185 * share
+    lightness = 92 - 12 * share
+    return f'<span class="fmt" style="background:hsl({hue:.0f},70%,{lightness:.0f}%)">{_esc(name)}</span>'
+
+
+def _heatmap(view: AnalysisView) -> _Section | None:
+    if not view.backward_errors:
+        return None
+    sites = [s for s in view.sites if any(s in cells for cells in view.backward_errors.values())]
+    png = plots.backward_error_heatmap(view.backward_errors, sites, view.backward_error_columns,
+                                       short_site_names(sites))
+    if png is None:
+        return None
+    return _Section("backward-error", "Backward error per site and format", [_figure(
+        png, "backward error heatmap",
+        "Mean over output elements (and sampled steps) of the backward error of each GEMM, "
+        "BE = |L·R − Q(L)·Q(R)| / (|L|·|R|), with both operands quantized to the column's format (per-tensor "
+        "scaling for element formats, the own block scale for block formats); colour on a log10 scale, "
+        "lower is better. Rows are sites (Lk = layer k).",
+    )])
+
+
+def _representative_sites(view: AnalysisView) -> list[OperandView]:
+    """First and last site's wgrad/grad_output, and the one fp16 flushes most of, when that is another."""
+    grads = [v for v in view.operands if v.gemm == "wgrad" and v.operand == "grad_output" and v.histogram]
+    if not grads:
+        grads = [v for v in view.operands if v.operand == "grad_output" and v.histogram]
+    if not grads:
+        return []
+    chosen = [grads[0], grads[-1]]
+    measured = [v for v in grads if _UNDERFLOW in v.metrics.get(UNDERFLOW_FORMAT, {})]
+    if measured:
+        chosen.append(max(measured, key=lambda v: v.metrics[UNDERFLOW_FORMAT][_UNDERFLOW]))
+    unique: dict[tuple[str, str, str], OperandView] = {}
+    for v in chosen:
+        unique.setdefault((v.site, v.gemm, v.operand), v)
+    return list(unique.values())
+
+
+def _histograms(view: AnalysisView) -> _Section | None:
+    representative = _representative_sites(view)
+    body = []
+    fp16_present = UNDERFLOW_FORMAT in view.candidates
+    for operand_view in representative:
+        png = plots.operand_histogram(operand_view.histogram, operand_ranges(operand_view, view.candidates),
+                                      UNDERFLOW_FORMAT)
+        caption = (f"<code>{_esc(operand_view.site)}</code> {operand_view.gemm}/{operand_view.operand}: "
+                   "distribution of log2|x| (all sampled steps together), exact zeros on the left.")
+        body.append(_figure(png, f"histogram {operand_view.site}", caption))
+    for role in ("grad_output", "input", "weight"):
+        gemm = "wgrad" if role != "weight" else "fprop"
+        items = [(v.histogram, operand_ranges(v, view.candidates)) for v in view.operands
+                 if v.operand == role and v.gemm == gemm and v.histogram is not None]
+        labels = short_site_names([v.site for v in view.operands if v.operand == role and v.gemm == gemm])
+        items = [(Histogram(f"{labels.get(h.title.split('  ·  ')[0], h.title)}", h.counts, h.zeros), r)
+                 for h, r in items]
+        png = plots.histogram_grid(items)
+        if png is not None:
+            body.append(f"<details><summary>every site: {gemm}/{role} ({len(items)} histograms)</summary>"
+                        f"{_figure(png, f'{role} histograms', f'{gemm}/{role} of every site, same layout.')}"
+                        "</details>")
+    if not body:
+        return None
+    intro = (
+        "Like Micikevicius et al. (2018), Fig. 3: bars are the fraction of an operand's values per binade "
+        "(bin e holds 2<sup>e</sup> ≤ |x| &lt; 2<sup>e+1</sup>); below, one lane per candidate format shows "
+        "the magnitudes it can hold — dark: normal numbers, light: subnormals. Unscaled formats (fp32, bf16, "
+        "fp16) have a fixed range; per-tensor-scaled formats (fp8, int8…) are drawn after scaling, with "
+        "their largest value mapped onto the tensor's amax (median over sampled steps), so the lane shows "
+        "which binades below the amax survive; block formats (MX, NVFP4) are drawn for one block whose "
+        "amax equals the tensor's — every block shifts this window to its own amax, so a block format "
+        "loses only what lies too far below its block's largest value. Underflow % is the share of nonzero "
+        "values that become 0, overflow % the share that saturate or become inf."
+    )
+    if fp16_present:
+        intro += (" The red region is what fp16 flushes to zero without loss scaling: gradients there are "
+                  "lost, which is why FP16 training needs a loss scale.")
+    return _Section("histograms", "Operand histograms against format ranges",
+                    [f'<p class="legend">{intro}</p>', *body])
+
+
+def _underflow(view: AnalysisView | None, runs: Sequence[Mapping[str, Any]]) -> _Section | None:
+    body = []
+    if view is not None:
+        per_site: dict[str, float] = {}
+        for v in view.operands:
+            value = v.metrics.get(UNDERFLOW_FORMAT, {}).get(_UNDERFLOW)
+            usable = v.operand == "grad_output" and value is not None and not math.isnan(value)
+            if usable and (v.gemm == "wgrad" or v.site not in per_site):
+                per_site[v.site] = value
+        if per_site:
+            sites = sorted(per_site, key=natural_key)
+            png = plots.underflow_by_site(sites, [per_site[s] for s in sites], UNDERFLOW_FORMAT,
+                                          short_site_names(sites))
+            body.append(_figure(
+                png, "fp16 underflow per site",
+                f"Share of each site's nonzero grad_output values (the incoming activation gradient dy) that "
+                f"round to 0 in {UNDERFLOW_FORMAT} with no loss scale, mean over the sampled steps of the "
+                "analysis run.",
+            ))
+    for run in runs:
+        rows = run.get("underflow")
+        if rows:
+            labels = short_site_names([str(row["site"]) for row in rows])
+            png = plots.underflow_before_after(rows, run["name"], labels)
+            body.append(_figure(
+                png, f"underflow before and after loss scaling, {run['name']}",
+                f"{_esc(run['name'])}: per parameter gradient, the share of nonzero values lost to underflow "
+                "when cast unscaled and when multiplied by the loss scale first (the loss scaler's underflow "
+                "report).",
+            ))
+    return _Section("underflow", "Underflow per layer", body) if body else None
+
+
+def _extra(images: Sequence[Any]) -> _Section | None:
+    body = []
+    for item in images:
+        caption, source = (item if isinstance(item, tuple) else (Path(item).stem, item))
+        png = source if isinstance(source, bytes) else Path(source).read_bytes()
+        body.append(_figure(png, caption, _esc(caption)))
+    return _Section("figures", "More figures", body) if body else None
+
+
+def _notes(notes: Sequence[str]) -> _Section | None:
+    if not notes:
+        return None
+    return _Section("notes", "Notes", [f'<div class="note">{_esc(note)}</div>' for note in notes])
+
+
+# ========================================================================================== the writer
+def render_report(
+    *,
+    title: str,
+    runs: Sequence[Mapping[str, Any]],
+    analysis: Any = None,
+    plan: Any = None,
+    plan_rows: Sequence[Mapping[str, Any]] | None = None,
+    notes: Sequence[str] = (),
+    extra_images: Sequence[Any] = (),
+    command: str | None = None,
+) -> str:
+    """The report as one HTML string (see :func:`write_report` for the arguments)."""
+    view = None
+    if analysis is not None:
+        view = analysis if isinstance(analysis, AnalysisView) else analysis_tables(analysis)
+    if plan_rows is None and plan is not None:
+        plan_rows = plan_table(plan, view.sites if view is not None else ())
+    sections = [
+        _headline(runs) if runs else None,
+        _curves(runs) if runs else None,
+        _plan_section(plan_rows or [], view),
+        _heatmap(view) if view is not None else None,
+        _histograms(view) if view is not None else None,
+        _underflow(view, runs),
+        _extra(extra_images),
+        _notes(notes),
+    ]
+    present = [section for section in sections if section is not None]
+    toc = "".join(f'<li><a href="#{s.anchor}">{_esc(s.title)}</a></li>' for s in present)
+    made = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    subtitle = f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
+    if view is not None:
+        subtitle += f" · analysis of {len(view.sites)} sites × {len(view.candidates)} candidate formats"
+    plural = "s" if len(notes) != 1 else ""
+    callout = (f'<div class="callout">{len(notes)} note{plural} on what held and what did not: see '
+               '<a href="#notes">Notes</a></div>') if notes else ""
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>",
+        f"<header><h1>{_esc(title)}</h1><p class=\"sub\">{_esc(subtitle)} · made {made}</p>",
+        f"<nav><b>Contents</b><ol>{toc}</ol></nav>{callout}</header>",
+        "<main>",
+    ]
+    for section in present:
+        parts.append(f'<section id="{section.anchor}"><h2>{_esc(section.title)}</h2>{"".join(section.body)}'
+                     "</section>")
+    how = f"<code>{_esc(command)}</code>" if command else "the Python API"
+    parts += [
+        "</main>",
+        f"<footer>Made by {how} with numscope {_esc(numscope.__version__)} on {made}. "
+        "One self-contained file: figures are embedded PNGs, nothing is loaded from the network.</footer>",
+        "</body></html>",
+    ]
+    return "\n".join(parts)
+
+
+def write_report(
+    path: str | os.PathLike[str],
+    *,
+    title: str,
+    runs: Sequence[Mapping[str, Any]],
+    analysis: Any = None,
+    plan: Any = None,
+    plan_rows: Sequence[Mapping[str, Any]] | None = None,
+    notes: Sequence[str] = (),
+    extra_images: Sequence[Any] = (),
+    command: str | None = None,
+) -> Path:
+    """Write the HTML report to ``path`` atomically (a temporary file, then ``os.replace``) and return it.
+
+    runs: dicts with ``name, plan, loss_scaling, val_loss`` (nats), ``val_accuracy`` (fraction 0..1),
+        ``skipped_steps, wall_seconds, avg_bits`` (float or None), ``curve`` (``[{step, val_loss,
+        val_accuracy}]``), ``train_log`` (``[{step, loss, scale, skipped}]``) and optionally ``underflow``
+        (``[{site, before%, after%}]``). The run named ``fp32`` is the reference of the gap column.
+    analysis: a :class:`numscope.Analysis` (or an :class:`AnalysisView`) for the per-site sections.
+    plan: a :class:`numscope.Plan`, tabulated per site of the analysis (or per rule without one);
+        ``plan_rows`` (dicts ``site, gemm, operand, format, scaling, bits, reason``) replaces that table.
+    notes: sentences shown prominently (what held, what did not, with numbers).
+    extra_images: PNG files or ``(caption, png bytes or path)`` pairs appended as further figures.
+    command: the command line that made the report, for the footer.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = render_report(title=title, runs=runs, analysis=analysis, plan=plan, plan_rows=plan_rows,
+                         notes=notes, extra_images=extra_images, command=command)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, target)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
+    return target

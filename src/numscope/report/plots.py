@@ -1,0 +1,448 @@
+"""The report's figures, drawn with matplotlib (Agg) from plain data and returned as PNG bytes.
+
+Every function takes lists, dicts and the small dataclasses below (never an Analysis or a Plan), so the
+figures do not depend on how the observer or the advisor store things; :mod:`numscope.report.html` turns
+those into these inputs. Units: steps, nats (MLM loss), percent, binades (log2 of a magnitude).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib import colors as mcolors
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+
+DPI = 110
+REFERENCE_RUN = "fp32"
+_REFERENCE_COLOUR = "#222222"
+_PALETTE = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
+    "#7f7f7f",
+)
+_UNDERFLOW_COLOUR = "#d62728"
+_SUBNORMAL_COLOUR = "#f2b134"
+_BAR_COLOUR = "#3b6ea8"
+
+plt.rcParams.update({
+    "font.size": 9,
+    "axes.titlesize": 10,
+    "axes.labelsize": 9,
+    "legend.fontsize": 8,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.alpha": 0.25,
+})
+
+
+def run_colours(names: Sequence[str]) -> dict[str, str]:
+    """A fixed colour per run name: the FP32 reference dark grey, the others from a 10-colour palette."""
+    colours: dict[str, str] = {}
+    others = [name for name in names if name != REFERENCE_RUN]
+    for index, name in enumerate(others):
+        colours[name] = _PALETTE[index % len(_PALETTE)]
+    if REFERENCE_RUN in names:
+        colours[REFERENCE_RUN] = _REFERENCE_COLOUR
+    return colours
+
+
+def _png(fig: Figure) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI, bbox_inches="tight", facecolor="white")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def ema(values: Sequence[float], alpha: float = 0.1) -> list[float]:
+    """Exponential moving average with bias correction (as TensorBoard's smoothing); non-finite values are
+    carried through as NaN without poisoning later points."""
+    smoothed, average, weight = [], 0.0, 0.0
+    for value in values:
+        if not math.isfinite(value):
+            smoothed.append(math.nan)
+            continue
+        average = (1 - alpha) * average + alpha * value
+        weight = (1 - alpha) * weight + alpha
+        smoothed.append(average / weight)
+    return smoothed
+
+
+# ------------------------------------------------------------------------------------------ loss curves
+def loss_curves(runs: Sequence[Mapping], smoothing: float = 0.1) -> bytes | None:
+    """Two panels on shared step axes: training loss (EMA-smoothed, ``smoothing`` = EMA weight of a new
+    step) and validation loss, one line per run. None when no run has either."""
+    have_train = any(run.get("train_log") for run in runs)
+    have_val = any(run.get("curve") for run in runs)
+    if not (have_train or have_val):
+        return None
+    colours = run_colours([run["name"] for run in runs])
+    fig, (train_ax, val_ax) = plt.subplots(1, 2, figsize=(10.5, 3.8), sharex=True)
+    finite_losses: list[float] = []
+    for run in runs:
+        colour = colours[run["name"]]
+        width = 2.0 if run["name"] == REFERENCE_RUN else 1.3
+        log = run.get("train_log") or []
+        if log:
+            steps = [row["step"] for row in log]
+            losses = [float(row["loss"]) for row in log]
+            train_ax.plot(steps, ema(losses, smoothing), color=colour, lw=width, label=run["name"])
+            finite_losses += [v for v in losses if math.isfinite(v)]
+        curve = run.get("curve") or []
+        if curve:
+            val_ax.plot(
+                [p["step"] for p in curve], [float(p["val_loss"]) for p in curve], color=colour, lw=width,
+                marker="o", ms=3, label=run["name"],
+            )
+    train_ax.set_title(f"training loss (EMA, weight {smoothing:g} per step)")
+    val_ax.set_title("validation MLM loss")
+    for ax in (train_ax, val_ax):
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("cross-entropy (nats)")
+    if finite_losses:  # keep a diverging run from flattening everyone else's curve
+        low, high = min(finite_losses), float(np.percentile(finite_losses, 99))
+        train_ax.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
+    handles, labels = _unique_legend(fig)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), frameon=False,
+               bbox_to_anchor=(0.5, -0.06))
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return _png(fig)
+
+
+def _unique_legend(fig: Figure) -> tuple[list, list[str]]:
+    seen: dict[str, object] = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(label, handle)
+    return list(seen.values()), list(seen)
+
+
+def loss_scale_trajectory(runs: Sequence[Mapping]) -> bytes | None:
+    """The loss scale per step (log2 axis) of every run with loss scaling, skipped steps marked with an x.
+    None when no run scales its loss."""
+    scaled = [
+        run for run in runs
+        if run.get("loss_scaling", "none") not in ("none", None, "") and run.get("train_log")
+    ]
+    if not scaled:
+        return None
+    colours = run_colours([run["name"] for run in runs])
+    fig, ax = plt.subplots(figsize=(10.5, 3.2))
+    for run in scaled:
+        log = run["train_log"]
+        steps = [row["step"] for row in log]
+        scales = [float(row["scale"]) for row in log]
+        colour = colours[run["name"]]
+        label = f"{run['name']} ({run['loss_scaling']})"
+        ax.step(steps, scales, where="post", color=colour, lw=1.4, label=label)
+        skipped = [(row["step"], float(row["scale"])) for row in log if int(row.get("skipped", 0))]
+        if skipped:
+            ax.scatter(*zip(*skipped, strict=True), marker="x", color=_UNDERFLOW_COLOUR, s=28, zorder=3,
+                       label=f"{run['name']}: skipped step ({len(skipped)})")
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss scale (log2 axis)")
+    ax.set_title("loss-scale trajectory; × = step skipped because gradients held inf/NaN")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    return _png(fig)
+
+
+# ------------------------------------------------------------------------------------ backward error
+def backward_error_heatmap(
+    panels: Mapping[str, Mapping[str, Mapping[str, float]]], sites: Sequence[str], formats: Sequence[str],
+    site_labels: Mapping[str, str] | None = None,
+) -> bytes | None:
+    """Heatmaps sites × formats of the mean backward error, one panel per GEMM, on a shared log10 colour
+    scale, each cell annotated with its value.
+
+    panels: gemm → site → format label → backward error (dimensionless, |LR − Q(L)Q(R)| / |L||R|).
+    Missing cells are left blank (grey). None when there is no finite positive value.
+    """
+    values = [v for cells in panels.values() for row in cells.values() for v in row.values()]
+    positive = [v for v in values if math.isfinite(v) and v > 0]
+    if not positive or not sites or not formats:
+        return None
+    labels = site_labels or {}
+    low, high = math.floor(math.log10(min(positive))), math.ceil(math.log10(max(positive)))
+    high = max(high, low + 1)
+    norm = mcolors.Normalize(vmin=low, vmax=high)
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#eeeeee")
+    gemms = list(panels)
+    cell_w, cell_h = 0.62, 0.27
+    panel_w = max(2.6, cell_w * len(formats))
+    panel_h = max(1.2, cell_h * len(sites))
+    side_by_side = panel_w * len(gemms) + 3.2 <= 14.0
+    if side_by_side:  # few formats: the GEMMs next to each other, sharing the site axis
+        fig, grid = plt.subplots(1, len(gemms), figsize=(panel_w * len(gemms) + 3.2, panel_h + 1.6),
+                                 sharey=True, squeeze=False)
+        axes = list(grid[0])
+    else:  # many formats: one GEMM under the other, sharing the format axis
+        fig, grid = plt.subplots(len(gemms), 1, figsize=(panel_w + 3.6, (panel_h + 0.5) * len(gemms) + 1.1),
+                                 sharex=True, squeeze=False)
+        axes = list(grid[:, 0])
+    image = None
+    for index, (ax, gemm) in enumerate(zip(axes, gemms, strict=True)):
+        grid_values = np.full((len(sites), len(formats)), np.nan)
+        for i, site in enumerate(sites):
+            for j, fmt in enumerate(formats):
+                value = panels[gemm].get(site, {}).get(fmt)
+                if value is not None and math.isfinite(value):
+                    grid_values[i, j] = math.log10(max(value, 10.0**low))
+        image = ax.imshow(np.ma.masked_invalid(grid_values), cmap=cmap, norm=norm, aspect="auto")
+        for i in range(len(sites)):
+            for j in range(len(formats)):
+                if math.isnan(grid_values[i, j]):
+                    continue
+                shade = cmap(norm(grid_values[i, j]))
+                luminance = 0.299 * shade[0] + 0.587 * shade[1] + 0.114 * shade[2]
+                ax.text(j, i, _short_sci(10.0 ** grid_values[i, j]), ha="center", va="center", fontsize=7,
+                        color="black" if luminance > 0.5 else "white")
+        if side_by_side or index == len(gemms) - 1:
+            ax.set_xticks(range(len(formats)), formats, rotation=50, ha="right", rotation_mode="anchor")
+        else:
+            ax.tick_params(labelbottom=False)
+        ax.set_yticks(range(len(sites)), [labels.get(site, site) for site in sites])
+        ax.set_title(gemm if side_by_side else f"{gemm}", loc="center" if side_by_side else "left")
+        ax.grid(False)
+        ax.tick_params(length=0)
+    fig.tight_layout()
+    bar = fig.colorbar(image, ax=axes, fraction=0.025 if side_by_side else 0.04, pad=0.01,
+                       aspect=30 if not side_by_side else 20)
+    bar.set_label("log10 backward error (mean over outputs)")
+    return _png(fig)
+
+
+def _short_sci(value: float) -> str:
+    """``4.6e-3`` style: two significant digits, compact exponent."""
+    if value == 0:
+        return "0"
+    mantissa, exponent = f"{value:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+# ---------------------------------------------------------------------------------------- histograms
+@dataclass(frozen=True)
+class FormatRange:
+    """One candidate format's representable magnitudes, in binades (log2) of the *tensor's* units.
+
+    For an unscaled format these are log2 of its smallest subnormal, smallest normal and largest value;
+    for per-tensor scaling the same range shifted so that ``high`` sits at the tensor's amax; for block
+    formats the range of one block whose amax equals the tensor's (other blocks shift down with theirs).
+    ``underflow_percent`` / ``overflow_percent``: the observer's measured shares (None when not measured).
+    """
+
+    name: str
+    low: float
+    low_normal: float
+    high: float
+    scaling: str
+    underflow_percent: float | None = None
+    overflow_percent: float | None = None
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """A log2 magnitude histogram: ``counts[e]`` values with 2^e ≤ |x| < 2^(e+1), plus exact ``zeros``."""
+
+    title: str
+    counts: Mapping[int, int]
+    zeros: int = 0
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.counts.values())) + int(self.zeros)
+
+
+def operand_histogram(
+    histogram: Histogram, ranges: Sequence[FormatRange], highlight: str | None = "fp16",
+) -> bytes | None:
+    """Micikevicius et al. (2018), Fig. 3 style: the fraction of values per binade, zeros as a separate
+    bar, and below it one lane per candidate format showing the magnitudes it represents (normal range
+    dark, subnormal range light), annotated with the measured underflow/overflow %.
+
+    highlight: a format (``fp16`` by default) whose flush-to-zero region is shaded red over the histogram
+    and whose smallest subnormal is drawn as a line, when it is among ``ranges`` and unscaled.
+    """
+    fig = _histogram_figure(histogram, ranges, highlight, compact=False)
+    return None if fig is None else _png(fig)
+
+
+def _histogram_figure(
+    histogram: Histogram, ranges: Sequence[FormatRange], highlight: str | None, compact: bool,
+    fig: Figure | None = None, spec=None,
+) -> Figure | None:
+    total = histogram.total
+    if total == 0 or not histogram.counts:
+        return None
+    binades = sorted(histogram.counts)
+    data_low, data_high = binades[0], binades[-1] + 1
+    marked = next((r for r in ranges if r.name == highlight and r.scaling == "none"), None)
+    view_low, view_high = data_low - 3, data_high + 3
+    if marked is not None:  # keep the highlighted format's underflow line in view (within reason)
+        view_low = max(min(view_low, marked.low - 2), data_low - 16)
+        view_high = min(max(view_high, marked.high + 1), data_high + 16)
+    lane_h = 0.17 if compact else 0.24
+    if fig is None:
+        fig = plt.figure(figsize=(9.5, 2.8 + lane_h * len(ranges)))
+        grid = fig.add_gridspec(2, 2, height_ratios=(2.8, max(0.6, lane_h * len(ranges))),
+                                width_ratios=(0.6, 11), hspace=0.12, wspace=0.03)
+    else:
+        grid = spec.subgridspec(2, 2, height_ratios=(2.0, max(0.5, lane_h * len(ranges))),
+                                width_ratios=(0.9, 11), hspace=0.14, wspace=0.04)
+    zero_ax = fig.add_subplot(grid[0, 0])
+    hist_ax = fig.add_subplot(grid[0, 1], sharey=zero_ax)
+    lane_ax = fig.add_subplot(grid[1, 1], sharex=hist_ax)
+    fig.add_subplot(grid[1, 0]).axis("off")
+
+    fractions = [histogram.counts[e] / total for e in binades]
+    hist_ax.bar([e + 0.5 for e in binades], fractions, width=0.92, color=_BAR_COLOUR)
+    zero_fraction = histogram.zeros / total
+    zero_ax.bar([0], [zero_fraction], width=0.7, color="#777777")
+    zero_ax.set_xticks([0], [""] if compact else ["zeros"], fontsize=7.5)
+    zero_ax.set_xlim(-0.6, 0.6)
+    zero_ax.set_ylabel("fraction of values")
+    zero_ax.grid(False)
+    if not compact:
+        zero_ax.text(0, zero_fraction, f"{100 * zero_fraction:.1f}%", ha="center", va="bottom", fontsize=7)
+    hist_ax.tick_params(labelleft=False, labelbottom=False)
+    hist_ax.spines["left"].set_visible(False)
+    hist_ax.set_xlim(view_low, view_high)
+    title = histogram.title if not compact else f"{histogram.title}  (zeros {100 * zero_fraction:.1f}%)"
+    hist_ax.set_title(title, loc="left", fontsize=8.5 if compact else 10)
+    top = max(max(fractions), zero_fraction) * (1.18 if compact else 1.35)
+    zero_ax.set_ylim(0, top)
+    if marked is not None:
+        hist_ax.axvspan(view_low, marked.low, color=_UNDERFLOW_COLOUR, alpha=0.12, lw=0)
+        hist_ax.axvspan(marked.low, marked.low_normal, color=_SUBNORMAL_COLOUR, alpha=0.15, lw=0)
+        hist_ax.axvline(marked.low, color=_UNDERFLOW_COLOUR, lw=1.2, ls="--")
+        nonzero = max(1, total - histogram.zeros)
+        lost = sum(histogram.counts[e] for e in binades if e + 1 <= marked.low) / nonzero
+        if not compact:
+            text = f"{marked.name}: values left of 2^{marked.low:g} become 0"
+            if marked.underflow_percent is not None:
+                text += f"\nmeasured underflow: {marked.underflow_percent:.2f}% of nonzeros"
+            else:
+                text += f"\n≥ {100 * lost:.2f}% of nonzeros by the histogram"
+            hist_ax.text(0.01, 0.97, text, transform=hist_ax.transAxes, ha="left", va="top",
+                         fontsize=7.5, color=_UNDERFLOW_COLOUR,
+                         bbox={"facecolor": "white", "alpha": 0.8, "lw": 0, "pad": 2})
+
+    _draw_lanes(lane_ax, ranges, view_low, view_high, compact)
+    lane_ax.set_xlabel("log2 |x|  (binades; bin e holds 2^e ≤ |x| < 2^(e+1))" if not compact else "log2 |x|")
+    return fig
+
+
+def _draw_lanes(ax, ranges: Sequence[FormatRange], view_low: float, view_high: float, compact: bool) -> None:
+    colours = {"none": "#4c72b0", "tensor": "#55a868", "block": "#8172b2"}
+    for lane, fmt in enumerate(ranges):
+        colour = colours.get(fmt.scaling, "#999999")
+        low, low_normal, high = (max(v, view_low - 1) for v in (fmt.low, fmt.low_normal, fmt.high))
+        high = min(high, view_high + 1)
+        ax.barh(lane, low_normal - low, left=low, height=0.62, color=colour, alpha=0.35, lw=0)
+        ax.barh(lane, high - low_normal, left=low_normal, height=0.62, color=colour, alpha=0.85, lw=0)
+        if not compact:
+            parts = []
+            if fmt.underflow_percent is not None:
+                parts.append(f"underflow {fmt.underflow_percent:.2f}%")
+            if fmt.overflow_percent is not None:
+                parts.append(f"overflow {fmt.overflow_percent:.2f}%")
+            if parts:
+                ax.text(1.005, lane, "  ·  ".join(parts), transform=ax.get_yaxis_transform(), va="center",
+                        fontsize=7, clip_on=False)
+    names = [r.name if compact else f"{r.name} ({r.scaling})" for r in ranges]
+    ax.set_yticks(range(len(ranges)), names, fontsize=6.5 if compact else 7.5)
+    ax.set_ylim(len(ranges) - 0.5, -0.5)
+    ax.grid(axis="y", visible=False)
+    ax.spines["left"].set_visible(False)
+    if not compact:
+        ax.figure.legend(
+            handles=[
+                Patch(color=colours["none"], label="unscaled: fixed range"),
+                Patch(color=colours["tensor"], label="per-tensor scaled: top at tensor amax"),
+                Patch(color=colours["block"], label="block scaled: one block whose amax = tensor amax"),
+                Patch(color="#999999", alpha=0.35, label="light: subnormal range"),
+            ],
+            loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=4, frameon=False, fontsize=7.5,
+        )
+
+
+def histogram_grid(items: Sequence[tuple[Histogram, Sequence[FormatRange]]], columns: int = 3,
+                   highlight: str | None = "fp16") -> bytes | None:
+    """Small multiples of :func:`operand_histogram` (no per-lane annotations), ``columns`` per row."""
+    items = [item for item in items if item[0].total and item[0].counts]
+    if not items:
+        return None
+    rows = math.ceil(len(items) / columns)
+    lanes = max(len(r) for _, r in items)
+    fig = plt.figure(figsize=(4.4 * columns, rows * (2.2 + 0.17 * lanes)))
+    outer = fig.add_gridspec(rows, columns, hspace=0.5, wspace=0.32)
+    for index, (histogram, ranges) in enumerate(items):
+        _histogram_figure(histogram, ranges, highlight, compact=True, fig=fig, spec=outer[index // columns,
+                                                                                          index % columns])
+    return _png(fig)
+
+
+# ---------------------------------------------------------------------------------------- underflow
+def underflow_by_site(
+    sites: Sequence[str], underflow_percent: Sequence[float], fmt: str = "fp16",
+    site_labels: Mapping[str, str] | None = None,
+) -> bytes | None:
+    """Horizontal bars: the share (%) of each site's nonzero grad_output values that ``fmt`` flushes to 0."""
+    if not sites:
+        return None
+    labels = site_labels or {}
+    fig, ax = plt.subplots(figsize=(8.5, max(2.2, 0.26 * len(sites) + 1.0)))
+    positions = np.arange(len(sites))
+    ax.barh(positions, underflow_percent, color=_UNDERFLOW_COLOUR, alpha=0.8, height=0.7)
+    for y, value in zip(positions, underflow_percent, strict=True):
+        ax.text(value, y, f" {value:.2f}%", va="center", fontsize=7)
+    ax.set_yticks(positions, [labels.get(site, site) for site in sites])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"{fmt} underflow (% of nonzero grad_output values that become 0)")
+    ax.set_title(f"grad_output underflow in {fmt} without loss scaling, per site")
+    ax.set_xlim(0, max(1.0, max(underflow_percent) * 1.2))
+    ax.grid(axis="y", visible=False)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def underflow_before_after(
+    rows: Sequence[Mapping[str, float | str]], run_name: str, labels: Mapping[str, str] | None = None,
+) -> bytes | None:
+    """Grouped bars per site/parameter: underflow % without (before) and with (after) loss scaling.
+
+    rows: dicts with ``site``, ``before%`` and ``after%``; labels: optional short names for the sites.
+    """
+    if not rows:
+        return None
+    names = [str(row["site"]) for row in rows]
+    before = [float(row["before%"]) for row in rows]
+    after = [float(row["after%"]) for row in rows]
+    fig, ax = plt.subplots(figsize=(8.5, max(2.2, 0.3 * len(rows) + 1.2)))
+    positions = np.arange(len(rows))
+    ax.barh(positions - 0.2, before, height=0.38, color=_UNDERFLOW_COLOUR, alpha=0.8, label="unscaled")
+    ax.barh(positions + 0.2, after, height=0.38, color="#2ca02c", alpha=0.85, label="× loss scale")
+    for y, value in zip(positions, before, strict=True):
+        ax.text(value, y - 0.2, f" {value:.2f}%", va="center", fontsize=6.5)
+    for y, value in zip(positions, after, strict=True):
+        ax.text(value, y + 0.2, f" {value:.2f}%", va="center", fontsize=6.5)
+    ax.set_yticks(positions, [(labels or {}).get(name, name) for name in names])
+    ax.invert_yaxis()
+    ax.set_xlabel("underflow (% of nonzero gradient values that become 0)")
+    ax.set_title(f"{run_name}: gradient underflow before vs after loss scaling")
+    ax.set_xlim(0, max(1.0, max(before + after) * 1.15))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.grid(axis="y", visible=False)
+    fig.tight_layout()
+    return _png(fig)
+

@@ -1,0 +1,279 @@
+"""The HTML report: structure, embedded figures, the numbers it prints, and that it stays offline."""
+
+from __future__ import annotations
+
+import base64
+import math
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+
+import numscope
+from numscope.report import analysis_tables, gap_to_reference, plan_table, write_report
+from numscope.report.html import format_range, short_site_names
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+VOID_TAGS = {"meta", "img", "br", "hr", "link", "input", "col", "source", "wbr"}
+CANDIDATES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "mxfp8_e4m3", "mxfp4_e2m1")
+SITES = (
+    "bert.encoder.layer.0.attention.self.query",
+    "bert.encoder.layer.0.output.dense",
+    "bert.encoder.layer.1.attention.self.query",
+    "bert.encoder.layer.1.output.dense",
+    "cls.predictions.decoder",
+)
+
+
+def synthetic_runs() -> list[dict]:
+    """Five runs with known final losses; the fp32 run's is 2.0 nats."""
+    finals = {"fp32": 2.0, "bf16": 2.01, "fp16": 2.5, "fp16+scaling": 2.004, "mxfp4": 2.3}
+    runs = []
+    for index, (name, final) in enumerate(finals.items()):
+        scaling = "dynamic" if name == "fp16+scaling" else "none"
+        train_log = []
+        scale = 2.0**16
+        for step in range(1, 61):
+            skipped = int(scaling == "dynamic" and step in (3, 4, 30))
+            if skipped:
+                scale /= 2
+            elif scaling == "dynamic" and step % 20 == 0:
+                scale *= 2
+            loss = final + 4.0 * math.exp(-step / 15) + 0.05 * math.sin(step * (index + 1))
+            train_log.append({"step": step, "loss": loss, "scale": scale if scaling != "none" else 1.0,
+                              "skipped": skipped})
+        curve = [{"step": s, "val_loss": final + 4.0 * math.exp(-s / 15), "val_accuracy": 0.3 + s / 400}
+                 for s in (20, 40)] + [{"step": 60, "val_loss": final, "val_accuracy": 0.45}]
+        run = {"name": name, "plan": "fp16" if name.startswith("fp16") else name, "loss_scaling": scaling,
+               "val_loss": final, "val_accuracy": 0.45, "skipped_steps": sum(r["skipped"] for r in train_log),
+               "wall_seconds": 12.5 + index, "avg_bits": {"fp32": 32.0, "mxfp4": 4.25}.get(name),
+               "curve": curve, "train_log": train_log}
+        if name == "fp16+scaling":
+            run["underflow"] = [{"site": f"{site}.weight", "before%": 20.0 + i, "after%": 0.5}
+                                for i, site in enumerate(SITES)]
+        runs.append(run)
+    return runs
+
+
+def _backward_error(left: torch.Tensor, right: torch.Tensor, fmt: str) -> float:
+    """Mean over outputs of |L·R − Q(L)·Q(R)| / (|L|·|R|) against a float64 product."""
+    q_left, q_right = (_quantized(t, fmt, axis) for t, axis in ((left, 1), (right, 0)))
+    exact = left.double() @ right.double()
+    error = (exact - q_left.double() @ q_right.double()).abs()
+    return float((error / (left.double().abs() @ right.double().abs())).mean())
+
+
+def _quantized(tensor: torch.Tensor, fmt: str, axis: int) -> torch.Tensor:
+    from numscope.plan import default_scaling
+
+    scaling = default_scaling(numscope.format(fmt))
+    if scaling is not None and scaling.kind == "block":
+        scaling = numscope.Scaling("block", axis=axis)
+    return numscope.quantize(tensor, fmt, scaling=scaling)
+
+
+def synthetic_analysis():
+    """A real :class:`numscope.Analysis` built through its constructor from real tensors and real casts.
+
+    Every site's grad_output is tiny (log-normal magnitudes around 2^-26, the regime where fp16 flushes
+    to zero); inputs and weights are O(1). Metrics are measured with ``numscope.quantize``.
+    """
+    analysis_module = pytest.importorskip("numscope.analysis", reason="numscope.analysis has not landed")
+    stats = pytest.importorskip("numscope.metrics.stats", reason="numscope.metrics.stats has not landed")
+    generator = torch.Generator().manual_seed(0)
+    analysis = analysis_module.Analysis(candidates=CANDIDATES)
+    tensors: dict[tuple[str, str], torch.Tensor] = {}
+    for index, site in enumerate(SITES):
+        grad = torch.randn(64, 48, generator=generator) * 2.0 ** (-26 + 2 * index)
+        grad[grad.abs() < grad.abs().quantile(0.02)] = 0.0
+        tensors[(site, "grad_output")] = grad
+        tensors[(site, "input")] = torch.randn(64, 32, generator=generator)
+        tensors[(site, "weight")] = torch.randn(48, 32, generator=generator) * 0.05
+    for site in SITES:
+        for gemm, operands in (("fprop", ("input", "weight")), ("dgrad", ("grad_output", "weight")),
+                               ("wgrad", ("grad_output", "input"))):
+            for operand in operands:
+                tensor = tensors[(site, operand)]
+                key = (site, gemm, operand)
+                metrics = {}
+                for fmt in CANDIDATES:
+                    quantized = _quantized(tensor, fmt, -1)
+                    nonzero = tensor != 0
+                    noise = (tensor - quantized).double().pow(2).sum().clamp_min(1e-300)
+                    metrics[fmt] = {
+                        "underflow%": 100.0 * float(((quantized == 0) & nonzero).sum() / nonzero.sum()),
+                        "overflow%": 0.0,
+                        "sqnr_db": float(10 * torch.log10(tensor.double().pow(2).sum() / noise)),
+                    }
+                record = analysis_module.OperandRecord(stats.tensor_stats(tensor), metrics, tensor.numel(),
+                                                       tensor.numel())
+                analysis.operands[key] = {10: record}
+                analysis.histograms[key] = stats.log2_histogram(tensor)
+                analysis.elements[key] = tensor.numel()
+        grad, inputs, weight = (tensors[(site, name)] for name in ("grad_output", "input", "weight"))
+        products = {"fprop": (inputs, weight.T), "dgrad": (grad, weight), "wgrad": (grad.T, inputs)}
+        for gemm, (left, right) in products.items():
+            analysis.backward_errors[(site, gemm)] = {
+                (fmt, fmt): {10: {"mean": _backward_error(left, right, fmt), "p99": 0.0, "max": 0.0}}
+                for fmt in CANDIDATES
+            }
+    return analysis
+
+
+class _TagChecker(HTMLParser):
+    """Collects attributes and checks that every non-void tag is closed in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[str] = []
+        self.errors: list[str] = []
+        self.attributes: list[tuple[str, str, str]] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.attributes += [(tag, name, value or "") for name, value in attrs]
+        if tag not in VOID_TAGS:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack[-1] != tag:
+            self.errors.append(f"</{tag}> closes {self.stack[-1] if self.stack else 'nothing'}")
+        else:
+            self.stack.pop()
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def _parse(text: str) -> _TagChecker:
+    checker = _TagChecker()
+    checker.feed(text)
+    checker.close()
+    assert not checker.errors, checker.errors[:5]
+    assert not checker.stack, f"unclosed tags: {checker.stack}"
+    return checker
+
+
+def _images(checker: _TagChecker) -> list[bytes]:
+    sources = [value for tag, name, value in checker.attributes if tag == "img" and name == "src"]
+    images = []
+    for source in sources:
+        assert source.startswith("data:image/png;base64,"), source[:60]
+        images.append(base64.b64decode(source.split(",", 1)[1], validate=True))
+    return images
+
+
+def _offline(text: str, checker: _TagChecker) -> None:
+    for _tag, name, value in checker.attributes:
+        if name in ("src", "href"):
+            assert not value.lower().startswith(("http://", "https://", "//")), value
+    assert "<script" not in text.lower()
+
+
+def test_runs_only_report_is_valid_offline_html_with_gap_figures(tmp_path: Path) -> None:
+    runs = synthetic_runs()
+    note = "claim X did not hold at this scale: 2.5 vs 2.0 nats"
+    path = write_report(tmp_path / "report.html", title="runs only", runs=runs, notes=[note],
+                        command="numscope demo")
+    text = path.read_text(encoding="utf-8")
+    checker = _parse(text)
+    _offline(text, checker)
+    images = _images(checker)
+    assert len(images) >= 2 and all(image.startswith(PNG_SIGNATURE) for image in images)
+    for run in runs:
+        assert f"<b>{run['name']}</b>" in text
+    # fp16 2.5 vs fp32 2.0 → +25.00%; bf16 2.01 → +0.50% (highlighted); fp16+scaling 2.004 → +0.20%
+    assert re.search(r'<tr class="bad">.*?<b>fp16</b>.*?\+25\.00%', text)
+    assert re.search(r'<tr class="good">.*?<b>bf16</b>.*?\+0\.50%', text)
+    assert re.search(r'<tr class="good">.*?<b>fp16\+scaling</b>.*?\+0\.20%', text)
+    assert re.search(r'<tr class="bad">.*?<b>mxfp4</b>.*?\+15\.00%', text)
+    assert "claim X did not hold at this scale" in text and "numscope demo" in text
+    assert numscope.__version__ in text
+    assert not list(tmp_path.glob(".*tmp")), "the temporary file must be renamed away"
+
+
+def test_gap_to_reference() -> None:
+    assert gap_to_reference(2.02, 2.0) == pytest.approx(1.0)
+    assert gap_to_reference(1.9, 2.0) == pytest.approx(-5.0)
+    assert gap_to_reference(float("nan"), 2.0) is None
+    assert gap_to_reference(2.0, None) is None
+
+
+def test_no_fp32_run_says_so_and_empty_inputs_skip_sections(tmp_path: Path) -> None:
+    runs = [{"name": "bf16", "plan": "bf16", "loss_scaling": "none", "val_loss": 2.0, "val_accuracy": 0.4,
+             "skipped_steps": 0, "wall_seconds": 1.0, "avg_bits": 16.0}]
+    text = write_report(tmp_path / "r.html", title="t", runs=runs).read_text()
+    checker = _parse(text)
+    assert "No run is named <code>fp32</code>" in text
+    assert _images(checker) == []  # no curves, no analysis: no figures, and nothing breaks
+    assert 'id="curves"' not in text and 'id="histograms"' not in text
+
+
+def test_plan_table_per_site_carries_formats_bits_and_reasons() -> None:
+    from numscope.plan import OperandSpec, Plan, SiteSpec
+
+    spec = SiteSpec({("wgrad", "grad_output"): OperandSpec("fp8_e5m2")})
+    plan = Plan.uniform("mxfp8").with_rule("*.decoder", spec, {"wgrad/grad_output": "underflow 0.10% <= 1%"})
+    rows = plan_table(plan, SITES)
+    assert len(rows) == 6 * len(SITES)
+    decoder = {(r["gemm"], r["operand"]): r for r in rows if r["site"] == "cls.predictions.decoder"}
+    assert decoder[("wgrad", "grad_output")]["format"] == "fp8_e5m2"
+    assert decoder[("wgrad", "grad_output")]["bits"] == 8.0
+    assert decoder[("wgrad", "grad_output")]["reason"] == "underflow 0.10% <= 1%"
+    assert decoder[("fprop", "input")]["format"] == "high" and decoder[("fprop", "input")]["bits"] == 32.0
+    query = [r for r in rows if r["site"] == SITES[0]]
+    assert {r["bits"] for r in query} == {8.25}
+    by_rule = plan_table(plan)
+    assert {r["site"] for r in by_rule} == {"(default)", "*.decoder"}
+
+
+def test_format_ranges_follow_the_scaling() -> None:
+    fp16 = format_range("fp16", 1e-3, {"underflow%": 12.5})
+    assert (fp16.low, fp16.low_normal, fp16.high, fp16.scaling) == (-24, -14, math.log2(65504), "none")
+    assert fp16.underflow_percent == 12.5
+    e4m3 = format_range("fp8_e4m3", 2.0**-20)  # per-tensor scaled: max 448 lands on amax
+    assert e4m3.high == -20 and e4m3.low == pytest.approx(-20 - math.log2(448) - 9)
+    int8 = format_range("int8", 1.0)
+    assert int8.low == int8.low_normal == pytest.approx(-math.log2(127))
+    block = format_range("mxfp4_e2m1", 4.0)
+    assert (block.scaling, block.high, block.low) == ("block", 2.0, pytest.approx(2.0 - math.log2(6) - 1))
+    assert format_range("plan", 1.0) is None and format_range("fp8_e4m3", None) is None
+
+
+def test_short_site_names() -> None:
+    short = short_site_names(SITES)
+    assert short[SITES[0]] == "L0.attention.self.query"
+    assert short["cls.predictions.decoder"] == "cls.predictions.decoder"
+    assert short_site_names(["a.layer.0.x", "b.layer.0.x"]) == {"a.layer.0.x": "a.layer.0.x",
+                                                                "b.layer.0.x": "b.layer.0.x"}
+
+
+def test_full_report_with_analysis_and_plan(tmp_path: Path) -> None:
+    analysis = synthetic_analysis()
+    view = analysis_tables(analysis)
+    assert view.sites == SITES
+    assert set(view.backward_errors) == {"fprop", "dgrad", "wgrad"}
+    assert view.backward_error_columns == CANDIDATES
+    first = view.operand(SITES[0], "wgrad", "grad_output")
+    assert first.metrics["fp16"]["underflow%"] > 50  # magnitudes ~2^-26 sit below fp16's 2^-24
+    assert first.metrics["bf16"]["underflow%"] == 0
+    from numscope.plan import Plan
+
+    runs = synthetic_runs()
+    path = write_report(tmp_path / "full.html", title="full", runs=runs, analysis=analysis,
+                        plan=Plan.uniform("fp8"), extra_images=[("extra figure", _images(
+                            _parse(write_report(tmp_path / "x.html", title="x", runs=runs).read_text()))[0])])
+    text = path.read_text()
+    checker = _parse(text)
+    _offline(text, checker)
+    images = _images(checker)
+    # curves, loss scale, heatmap, 3 representative histograms, 3 grids, 2 underflow charts, 1 extra
+    assert len(images) >= 11
+    assert all(image.startswith(PNG_SIGNATURE) for image in images)
+    for anchor in ("runs", "curves", "plan", "backward-error", "histograms", "underflow", "figures"):
+        assert f'id="{anchor}"' in text and f'href="#{anchor}"' in text
+    for site in SITES:
+        assert site in text
+    assert text.count("fp8_e5m2") >= len(SITES) * 2  # the hybrid plan's grad_output format, per site
