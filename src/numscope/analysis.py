@@ -370,7 +370,7 @@ def merge(analyses: Iterable[Analysis], reduce: Reduce = default_reduce) -> Anal
         merged_steps = {}
         for step in steps:
             records = [a.operands[key][step] for a in parts if step in a.operands.get(key, {})]
-            merged_steps[step] = _merge_records(records, reduce)
+            merged_steps[step] = merge_records(records, reduce)
         out.operands[key] = merged_steps
         out.elements[key] = sum(a.elements.get(key, 0) for a in parts)
         hists = [a.histograms[key] for a in parts if key in a.histograms]
@@ -402,7 +402,8 @@ def merge(analyses: Iterable[Analysis], reduce: Reduce = default_reduce) -> Anal
     return out
 
 
-def _merge_records(records: list[OperandRecord], reduce: Reduce) -> OperandRecord:
+def merge_records(records: list[OperandRecord], reduce: Reduce = default_reduce) -> OperandRecord:
+    """Combine records of one operand at one step (ranks, or several calls of a site in one step)."""
     if len(records) == 1:
         return records[0]
     stats = {
