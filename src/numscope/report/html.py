@@ -240,6 +240,13 @@ def fmt_number(value: Any, digits: int = 4) -> str:
     return f"{value:.{digits}g}"
 
 
+def fmt_loss(value: float | None) -> str:
+    """A loss with 4 significant digits, trailing zeros kept (``2.000``) so columns line up."""
+    if value is None or not math.isfinite(value):
+        return fmt_number(value)
+    return f"{value:#.4g}"
+
+
 def fmt_percent(value: float | None, signed: bool = False) -> str:
     """A percentage with 2 decimals (``+0.37%`` when ``signed``); ``—`` for None or nan."""
     if value is None or math.isnan(value):
@@ -269,8 +276,9 @@ body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sa
  max-width:1180px;margin:0 auto;padding:24px 28px 60px;background:#fbfbfa}
 h1{font-size:26px;margin:0 0 4px}
 h2{font-size:19px;margin:38px 0 8px;padding-top:8px;border-top:1px solid #e2e2e0}
-h3{font-size:15px;margin:22px 0 6px}.sub{color:#5b6472;margin:0 0 18px}
-nav{background:#fff;border:1px solid #e2e2e0;border-radius:8px;padding:10px 18px;display:inline-block}
+h3{font-size:15px;margin:22px 0 6px}.sub{color:#5b6472;margin:0 0 10px}
+nav{background:#fff;border:1px solid #e2e2e0;border-radius:8px;padding:10px 18px;margin-top:12px;
+ width:fit-content}
 nav ol{margin:4px 0;padding-left:20px}
 nav a{color:#2a5db0;text-decoration:none}nav a:hover{text-decoration:underline}
 table{border-collapse:collapse;margin:8px 0 4px;background:#fff;font-size:13px}
@@ -286,7 +294,9 @@ figcaption{color:#4a5361;font-size:13px;margin-top:4px;max-width:980px}
 .legend{color:#4a5361;font-size:13px}.note{background:#fff8e1;border-left:4px solid #f0b400;padding:8px 12px;
  margin:8px 0;border-radius:0 6px 6px 0}
 .callout{background:#fff8e1;border:1px solid #f3d27a;border-radius:6px;
- padding:6px 12px;display:inline-block;margin-top:10px}
+ padding:6px 12px;margin:12px 0 0;width:fit-content}
+tr.first td{border-top:2px solid #c9ccd2}
+table.matrix td{text-align:center}table.matrix td.site{text-align:left}
 details{margin:8px 0}summary{cursor:pointer;color:#2a5db0}
 footer{margin-top:46px;padding-top:10px;border-top:1px solid #e2e2e0;color:#5b6472;font-size:12.5px}
 """
@@ -347,7 +357,7 @@ def _headline(runs: Sequence[Mapping[str, Any]]) -> _Section:
         accuracy = run.get("val_accuracy")
         rows.append([
             f"<b>{_esc(run['name'])}</b>", _esc(run.get("plan", "")), _esc(run.get("loss_scaling", "none")),
-            fmt_number(val_loss), fmt_percent(100 * float(accuracy)) if accuracy is not None else "—",
+            fmt_loss(val_loss), fmt_percent(100 * float(accuracy)) if accuracy is not None else "—",
             "reference" if run["name"] == REFERENCE_RUN else fmt_percent(gap, signed=True),
             fmt_number(run.get("avg_bits")), fmt_number(int(run.get("skipped_steps", 0))),
             fmt_seconds(run.get("wall_seconds")),
@@ -362,7 +372,7 @@ def _headline(runs: Sequence[Mapping[str, Any]]) -> _Section:
     else:
         body.append(
             '<p class="legend">Gap to FP32 = (val loss − FP32 val loss) / FP32 val loss; green rows are '
-            f"within {WITHIN_PERCENT:g}% of the FP32 run ({fmt_number(ref_loss)} nats). Average bits are "
+            f"within {WITHIN_PERCENT:g}% of the FP32 run ({fmt_loss(ref_loss)} nats). Average bits are "
             "storage bits per GEMM operand element, weighted by operand size, block scales included "
             "(— where not known)."
             "</p>"
@@ -395,7 +405,7 @@ def _plan_section(rows: Sequence[Mapping[str, Any]], view: AnalysisView | None) 
     headers = ["site", "gemm", "operand", "format", "scaling", "bits", "reason"]
     if with_metrics:
         headers[6:6] = ["SQNR (dB)", "underflow", "overflow"]
-    table_rows, classes = [], []
+    table_rows, row_classes = [], []
     for site, site_rows in by_site.items():
         for index, row in enumerate(site_rows):
             metrics: Mapping[str, float] = {}
@@ -412,7 +422,7 @@ def _plan_section(rows: Sequence[Mapping[str, Any]], view: AnalysisView | None) 
                 cells[6:6] = [fmt_number(metrics.get(_SQNR)), fmt_percent(metrics.get(_UNDERFLOW)),
                               fmt_percent(metrics.get(_OVERFLOW))]
             table_rows.append(cells)
-            classes.append("")
+            row_classes.append("first" if index == 0 else "")
     numeric = [False] * len(headers)
     numeric[5] = True
     if with_metrics:
@@ -424,9 +434,29 @@ def _plan_section(rows: Sequence[Mapping[str, Any]], view: AnalysisView | None) 
     if with_metrics:
         legend += (" SQNR, underflow and overflow are the observer's measurements of that format on that "
                    "operand (mean over sampled steps; — where it was not a candidate).")
+    detail = _table(headers, table_rows, column_classes, numeric, row_classes)
     return _Section("plan", "Recommended plan per site", [
-        f'<p class="legend">{legend}</p>', _table(headers, table_rows, column_classes, numeric),
+        '<p class="legend">At a glance: the format of every operand of every site (colour: fewer bits are '
+        "warmer).</p>",
+        _plan_matrix(by_site),
+        f"<h3>Per operand, with the reasons</h3><p class=\"legend\">{legend}</p>",
+        f"<details open><summary>{len(table_rows)} operands</summary>{detail}</details>",
     ])
+
+
+def _plan_matrix(by_site: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
+    """Sites × the six GEMM operands, each cell the chosen format as a coloured chip."""
+    headers = ["site", *(f"{gemm} {operand}" for gemm, operand in OPERAND_ORDER)]
+    rows = []
+    for site, site_rows in by_site.items():
+        chosen = {(row["gemm"], row["operand"]): row for row in site_rows}
+        cells = [_esc(site)]
+        for key in OPERAND_ORDER:
+            row = chosen.get(key)
+            cells.append(_format_chip(str(row["format"]), row.get("bits")) if row is not None else "—")
+        rows.append(cells)
+    table = _table(headers, rows, ["site", *[""] * len(OPERAND_ORDER)])
+    return table.replace("<table>", '<table class="matrix">', 1)
 
 
 def _format_chip(name: str, bits: Any) -> str:
@@ -452,9 +482,9 @@ def _heatmap(view: AnalysisView) -> _Section | None:
     return _Section("backward-error", "Backward error per site and format", [_figure(
         png, "backward error heatmap",
         "Mean over output elements (and sampled steps) of the backward error of each GEMM, "
-        "BE = |L·R − Q(L)·Q(R)| / (|L|·|R|), with both operands quantized to the column's format (per-tensor "
-        "scaling for element formats, the own block scale for block formats); colour on a log10 scale, "
-        "lower is better. Rows are sites (Lk = layer k).",
+        "BE = |L·R − Q(L)·Q(R)| / (|L|·|R|), with both operands quantized to the column's format (fp32, "
+        "bf16 and fp16 as plain casts, other element formats with per-tensor scaling, block formats with "
+        "their own block scales); colour on a log10 scale, lower is better. Rows are sites (Lk = layer k).",
     )])
 
 
@@ -608,7 +638,7 @@ def render_report(
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>",
         f"<header><h1>{_esc(title)}</h1><p class=\"sub\">{_esc(subtitle)} · made {made}</p>",
-        f"<nav><b>Contents</b><ol>{toc}</ol></nav>{callout}</header>",
+        f"{callout}<nav><b>Contents</b><ol>{toc}</ol></nav></header>",
         "<main>",
     ]
     for section in present:

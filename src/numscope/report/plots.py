@@ -305,7 +305,7 @@ def _histogram_figure(
     fig.add_subplot(grid[1, 0]).axis("off")
 
     fractions = [histogram.counts[e] / total for e in binades]
-    hist_ax.bar([e + 0.5 for e in binades], fractions, width=0.92, color=_BAR_COLOUR)
+    hist_ax.bar([e + 0.5 for e in binades], fractions, width=0.92, color=_BAR_COLOUR, zorder=3)
     zero_fraction = histogram.zeros / total
     zero_ax.bar([0], [zero_fraction], width=0.7, color="#777777")
     zero_ax.set_xticks([0], [""] if compact else ["zeros"], fontsize=7.5)
@@ -322,9 +322,9 @@ def _histogram_figure(
     top = max(max(fractions), zero_fraction) * (1.18 if compact else 1.35)
     zero_ax.set_ylim(0, top)
     if marked is not None:
-        hist_ax.axvspan(view_low, marked.low, color=_UNDERFLOW_COLOUR, alpha=0.12, lw=0)
-        hist_ax.axvspan(marked.low, marked.low_normal, color=_SUBNORMAL_COLOUR, alpha=0.15, lw=0)
-        hist_ax.axvline(marked.low, color=_UNDERFLOW_COLOUR, lw=1.2, ls="--")
+        hist_ax.axvspan(view_low, marked.low, color=_UNDERFLOW_COLOUR, alpha=0.12, lw=0, zorder=0)
+        hist_ax.axvspan(marked.low, marked.low_normal, color=_SUBNORMAL_COLOUR, alpha=0.15, lw=0, zorder=0)
+        hist_ax.axvline(marked.low, color=_UNDERFLOW_COLOUR, lw=1.2, ls="--", zorder=4)
         nonzero = max(1, total - histogram.zeros)
         lost = sum(histogram.counts[e] for e in binades if e + 1 <= marked.low) / nonzero
         if not compact:
