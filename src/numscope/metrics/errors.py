@@ -1,0 +1,499 @@
+"""What a format does to a tensor: quantization error metrics and the backward error of a quantized GEMM.
+
+Pure tensor functions (no modules, no I/O). ``x`` is the high-precision tensor, ``q`` what it becomes in
+a format (``numscope.quantize``). Fractions are returned as fractions in [0, 1] by the functions named
+``*_fraction``; :func:`operand_metrics` reports the same quantities in percent under keys ending in ``%``
+(``underflow%``), as logs and tables show them.
+
+Scaling arguments take what ``numscope.quantize`` takes, plus the default ``"auto"``: per-tensor current
+scaling (``Scaling("tensor")``) for element formats, the format's own block scaling for block formats
+(blocks along the last axis, or along the contraction axis in :func:`backward_error`). ``None`` means no
+scaling at all, as in ``quantize``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from numscope.formats.quantize import ScalingArg, encode, quantize
+from numscope.formats.scaling import DelayedScaler, Scaling
+from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
+from numscope.formats.spec import format as get_format
+
+AUTO = "auto"
+"""The default scaling: per-tensor current scaling for element formats, own blocks for block formats."""
+
+ScalingChoice = ScalingArg | str
+
+
+def _flat_pair(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(x, torch.Tensor) or not isinstance(q, torch.Tensor):
+        raise TypeError(f"expected two torch.Tensors, got {type(x).__name__} and {type(q).__name__}")
+    if x.shape != q.shape:
+        raise ValueError(f"x and q must have the same shape, got {tuple(x.shape)} and {tuple(q.shape)}")
+    dtype = torch.float64 if torch.float64 in (x.dtype, q.dtype) else torch.float32
+    return x.detach().reshape(-1).to(dtype), q.detach().reshape(-1).to(dtype)
+
+
+def _sums(x: torch.Tensor, q: torch.Tensor) -> tuple[float, float, float, float]:
+    """(Σx², Σ(x−q)², Σx·q, Σq²) computed on values divided by a common power of two (no overflow)."""
+    x, q = _flat_pair(x, q)
+    amax = float(torch.maximum(x.abs().max(), q.abs().max())) if x.numel() else 0.0
+    if not math.isfinite(amax):
+        raise ValueError("x and q must be finite (the error of an inf or NaN is undefined)")
+    exponent = math.frexp(amax)[1] if amax > 0 else 0
+    x, q = torch.ldexp(x, torch.tensor(-exponent)), torch.ldexp(q, torch.tensor(-exponent))
+    error = x - q
+    scale = 4.0**exponent
+    return (
+        float((x * x).sum()) * scale,
+        float((error * error).sum()) * scale,
+        float((x * q).sum()) * scale,
+        float((q * q).sum()) * scale,
+    )
+
+
+def sqnr_db(x: torch.Tensor, q: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio 10·log10(Σx² / Σ(x−q)²), in dB; +inf when q equals x.
+
+    −inf when x is all zero and q is not.
+    """
+    signal, noise, _, _ = _sums(x, q)
+    return _sqnr(signal, noise)
+
+
+def _sqnr(signal: float, noise: float) -> float:
+    if noise == 0:
+        return math.inf
+    if signal == 0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def relative_error(x: torch.Tensor, q: torch.Tensor) -> float:
+    """‖x − q‖₂ / ‖x‖₂ (dimensionless); 0 when q equals x, inf when x is all zero and q is not."""
+    signal, noise, _, _ = _sums(x, q)
+    return _relative(signal, noise)
+
+
+def _relative(signal: float, noise: float) -> float:
+    if noise == 0:
+        return 0.0
+    if signal == 0:
+        return math.inf
+    return math.sqrt(noise / signal)
+
+
+def cosine_similarity(x: torch.Tensor, q: torch.Tensor) -> float:
+    """x·q / (‖x‖‖q‖) over the flattened tensors; 1.0 when both are all zero, 0.0 when only one is."""
+    signal, _, dot, power = _sums(x, q)
+    return _cosine(signal, dot, power)
+
+
+def _cosine(signal: float, dot: float, power: float) -> float:
+    if signal == 0 or power == 0:
+        return 1.0 if signal == power else 0.0
+    return dot / math.sqrt(signal * power)
+
+
+def underflow_fraction(x: torch.Tensor, q: torch.Tensor) -> float:
+    """Fraction (0–1) of the nonzero finite elements of x that q holds as zero; 0.0 when x has none."""
+    x, q = _flat_pair(x, q)
+    nonzero = (x != 0) & torch.isfinite(x)
+    count = int(nonzero.sum())
+    if count == 0:
+        return 0.0
+    return int((nonzero & (q == 0)).sum()) / count
+
+
+# -- quantization with the scaled values kept -----------------------------------------------------------
+
+
+def _resolve_scaling(spec: Format, scaling: ScalingChoice, axis: int) -> ScalingArg:
+    if isinstance(scaling, str) and scaling == AUTO:
+        if isinstance(spec, BlockFormat):
+            return Scaling("block", axis=axis)
+        return Scaling("tensor")
+    if isinstance(spec, BlockFormat) and not isinstance(scaling, DelayedScaler):
+        parsed = Scaling.parse(scaling)  # type: ignore[arg-type]
+        if parsed is not None and parsed.kind != "block":
+            raise ValueError(
+                f"block format {spec.name!r} brings its own block scaling; scaling {parsed.kind!r} "
+                "does not apply (use scaling='auto' or Scaling('block', axis=...))"
+            )
+    return scaling  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=64)
+def _code_of_one(element: FloatFormat | IntFormat) -> int:
+    return int(encode(torch.ones(1), element).codes[0])
+
+
+@dataclass(frozen=True)
+class _Quantized:
+    q: torch.Tensor  # what x becomes (float32, shape of x)
+    scaled: torch.Tensor | None  # x in the element format's units (what the cast sees); None if unknown
+    unit: torch.Tensor | None  # block formats: each element's decode scale (its block's scale)
+    spec: Format
+    axis: int
+
+
+def _quantize_kept(
+    x: torch.Tensor, spec: Format, scaling: ScalingArg, rounding: str, generator: torch.Generator | None
+) -> _Quantized:
+    """Quantize ``x`` and keep what the cast saw, to tell rounding from overflow."""
+    parsed = scaling.scaling if isinstance(scaling, DelayedScaler) else Scaling.parse(scaling)  # type: ignore[arg-type]
+    axis = parsed.axis if parsed is not None else -1
+    xf = x.detach().float()
+    if not isinstance(spec, BlockFormat) and parsed is not None and parsed.kind == "block":
+        q = quantize(xf, spec, scaling=scaling, rounding=rounding, generator=generator)
+        return _Quantized(q, None, None, spec, axis)
+    encoded = encode(xf, spec, scaling=scaling, rounding=rounding, generator=generator)
+    q = encoded.decode()
+    if isinstance(spec, BlockFormat):
+        ones = torch.full_like(encoded.codes, _code_of_one(spec.element))
+        unit = dataclasses.replace(encoded, codes=ones).decode()
+        return _Quantized(q, xf / unit, unit, spec, axis)
+    scaled = xf if encoded.scales is None else xf * encoded.scales
+    return _Quantized(q, scaled, None, spec, axis)
+
+
+def _overflows(scaled: torch.Tensor, element: FloatFormat | IntFormat) -> torch.Tensor:
+    """Where nearest rounding would carry the scaled value past the element format's max."""
+    if isinstance(element, IntFormat):
+        threshold, tie_overflows = element.max + 0.5 * element.min_normal, True
+    else:
+        threshold, tie_overflows = element.overflow_threshold, element.max_mantissa_is_odd
+    magnitude = scaled.abs()
+    beyond = magnitude > threshold
+    return (beyond | (magnitude == threshold)) if tie_overflows else beyond
+
+
+def _element_of(spec: Format) -> FloatFormat | IntFormat:
+    return spec.element if isinstance(spec, BlockFormat) else spec
+
+
+def _overflow_of(x: torch.Tensor, kept: _Quantized) -> float:
+    finite = torch.isfinite(x)
+    count = int(finite.sum())
+    if count == 0:
+        return 0.0
+    if kept.scaled is None:
+        return math.nan
+    return int((_overflows(kept.scaled, _element_of(kept.spec)) & finite).sum()) / count
+
+
+def overflow_fraction(
+    x: torch.Tensor, fmt: str | Format, *, scaling: ScalingChoice = AUTO, rounding: str = "nearest"
+) -> float:
+    """Fraction (0–1) of the finite elements of x that overflow ``fmt`` under ``scaling``.
+
+    An element overflows when its scaled value |x·scale| lies beyond the format's overflow threshold (the
+    midpoint between max and the next grid step; ties counted where round-to-even goes up): these are
+    the values saturation clips to ±max and that ``overflow="propagate"`` turns into inf or NaN. With
+    per-tensor current scaling nothing overflows; it matters without scaling, with delayed scaling and
+    inside blocks (MX's floor scale rule lets a block's amax exceed the element max). NaN for tile
+    scaling (``Scaling("block", block_shape=...)``) of element formats, whose scales are not exposed.
+    """
+    spec = get_format(fmt)
+    kept = _quantize_kept(x, spec, _resolve_scaling(spec, scaling, -1), rounding, None)
+    return _overflow_of(x, kept)
+
+
+# -- block formats --------------------------------------------------------------------------------------
+
+
+def _blocked(t: torch.Tensor, axis: int, block: int) -> torch.Tensor:
+    """(blocks, block) view of ``t`` with blocks of consecutive elements along ``axis``, zero-padded."""
+    if t.dim() == 0:
+        t = t.reshape(1)
+    moved = t.movedim(axis, -1)
+    pad = (-moved.shape[-1]) % block
+    if pad:
+        moved = F.pad(moved, (0, pad))
+    return moved.reshape(-1, block)
+
+
+def _require_block(spec: Format) -> BlockFormat:
+    if not isinstance(spec, BlockFormat):
+        raise ValueError(
+            f"{spec.name!r} is an element format; block metrics need a block format (mxfp8_e4m3, nvfp4, …)"
+        )
+    return spec
+
+
+def _saturated_blocks_of(x: torch.Tensor, kept: _Quantized) -> float:
+    spec = _require_block(kept.spec)
+    assert kept.scaled is not None
+    over = _overflows(kept.scaled, spec.element) & torch.isfinite(x.detach())
+    blocks = _blocked(over, kept.axis, spec.block_size)
+    return float(blocks.any(dim=-1).float().mean()) if blocks.shape[0] else 0.0
+
+
+def saturated_block_fraction(x: torch.Tensor, fmt: str | Format, *, axis: int = -1) -> float:
+    """Fraction (0–1) of the blocks of x (along ``axis``) in which some element overflows the block format.
+
+    Overflow as in :func:`overflow_fraction`, measured on the element values after the block scale.
+    """
+    spec = _require_block(get_format(fmt))
+    kept = _quantize_kept(x, spec, Scaling("block", axis=axis), "nearest", None)
+    return _saturated_blocks_of(x, kept)
+
+
+@dataclass(frozen=True)
+class BlockScaleSpread:
+    """How far apart the block scales of a tensor lie.
+
+    range_binades: max − min of log2(block scale) over the nonzero blocks, in binades.
+    std_binades: standard deviation (population) of log2(block scale), in binades.
+    blocks: nonzero blocks measured. flushed: nonzero blocks whose scale decoded to 0 (every element
+    lost; NVFP4's E4M3 scale can underflow) or NaN (a non-finite element), left out of the spread.
+    """
+
+    range_binades: float
+    std_binades: float
+    blocks: int
+    flushed: int
+
+    @property
+    def flushed_fraction(self) -> float:
+        """Fraction (0–1) of the nonzero blocks that were flushed."""
+        total = self.blocks + self.flushed
+        return self.flushed / total if total else 0.0
+
+
+def _spread_of(x: torch.Tensor, kept: _Quantized) -> BlockScaleSpread:
+    spec = _require_block(kept.spec)
+    assert kept.unit is not None
+    amax = _blocked(x.detach().float().abs(), kept.axis, spec.block_size).amax(dim=-1)
+    scale = _blocked(kept.unit, kept.axis, spec.block_size)[:, 0]
+    nonzero = amax > 0
+    usable = nonzero & (scale > 0) & torch.isfinite(scale)
+    count = int(usable.sum())
+    flushed = int(nonzero.sum()) - count
+    if count == 0:
+        return BlockScaleSpread(0.0, 0.0, 0, flushed)
+    exponents = torch.log2(scale[usable].double())
+    return BlockScaleSpread(
+        float(exponents.max() - exponents.min()), float(exponents.std(correction=0)), count, flushed
+    )
+
+
+def block_scale_spread(x: torch.Tensor, fmt: str | Format, *, axis: int = -1) -> BlockScaleSpread:
+    """The spread of the decode scales of a block format over the blocks of x along ``axis``."""
+    spec = _require_block(get_format(fmt))
+    kept = _quantize_kept(x, spec, Scaling("block", axis=axis), "nearest", None)
+    return _spread_of(x, kept)
+
+
+def operand_metrics(
+    x: torch.Tensor,
+    fmt: str | Format,
+    scaling: ScalingChoice = AUTO,
+    *,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> dict[str, float]:
+    """Every quantization metric of ``x`` in ``fmt`` from one quantization, keyed by legible names.
+
+    Keys: ``sqnr_db`` (dB), ``rel_error``, ``cosine``, ``mse`` (units of x²), ``underflow%``, ``overflow%``;
+    for block formats also ``saturated_blocks%``, ``flushed_blocks%`` and ``block_scale_range`` /
+    ``block_scale_std`` (binades; see :class:`BlockScaleSpread`). Percentages are of the finite elements
+    (of the nonzero ones for underflow, of the blocks for the block keys). Non-finite elements of x are
+    set to zero first (count them with ``tensor_stats``'s ``nonfinite%``). A :class:`DelayedScaler`
+    passed as ``scaling`` records this tensor's amax, as it would in training.
+    """
+    spec = get_format(fmt)
+    resolved = _resolve_scaling(spec, scaling, -1)
+    x = x.detach()
+    finite = torch.isfinite(x)
+    clean = x if bool(finite.all()) else torch.where(finite, x, torch.zeros_like(x))
+    kept = _quantize_kept(clean, spec, resolved, rounding, generator)
+    signal, noise, dot, power = _sums(clean, kept.q)
+    out = {
+        "sqnr_db": _sqnr(signal, noise),
+        "rel_error": _relative(signal, noise),
+        "cosine": _cosine(signal, dot, power),
+        "mse": noise / max(clean.numel(), 1),
+        "underflow%": 100.0 * underflow_fraction(clean, kept.q),
+        "overflow%": 100.0 * _overflow_of(clean, kept),
+    }
+    if isinstance(spec, BlockFormat):
+        spread = _spread_of(clean, kept)
+        out["saturated_blocks%"] = 100.0 * _saturated_blocks_of(clean, kept)
+        out["flushed_blocks%"] = 100.0 * spread.flushed_fraction
+        out["block_scale_range"] = spread.range_binades
+        out["block_scale_std"] = spread.std_binades
+    return out
+
+
+# -- backward error of a quantized product --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BackwardError:
+    """Componentwise backward error of a quantized product over its output entries (dimensionless).
+
+    BE_ij = |(a·b)_ij − (Q(a)·Q(b))_ij| / (|a|·|b|)_ij. ``mean``, ``median``, ``p99`` (99th percentile,
+    linear interpolation) and ``max`` are over the ``count`` entries measured; ``excluded`` entries had a
+    zero denominator. ``sampled`` says the entries were a random subset (see :func:`product_reference`):
+    then ``mean`` and ``median`` estimate the full product's, while ``max`` is a lower bound of it. All
+    four are NaN when no entry has a nonzero denominator.
+    """
+
+    mean: float
+    median: float
+    p99: float
+    max: float
+    count: int
+    excluded: int = 0
+    sampled: bool = False
+
+
+@dataclass(frozen=True)
+class ProductReference:
+    """The float64 exact product a·b and its magnitude |a|·|b| on the measured output entries.
+
+    rows / cols: indices of the sampled rows of a and columns of b (``None``: all). Build it once with
+    :func:`product_reference` and reuse it for every pair of candidate formats of one GEMM.
+    """
+
+    exact: torch.Tensor
+    magnitude: torch.Tensor
+    rows: torch.Tensor | None
+    cols: torch.Tensor | None
+    shape: tuple[int, int, int]
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        raise TypeError(f"a and b must be torch.Tensors, got {type(a).__name__} and {type(b).__name__}")
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(
+            f"backward_error takes 2-D operands a (m×k) and b (k×n), got shapes {tuple(a.shape)} and "
+            f"{tuple(b.shape)}; flatten leading dims first (e.g. x.reshape(-1, x.shape[-1]))"
+        )
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"contraction sizes differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} "
+            "(a's axis 1 must equal b's axis 0)"
+        )
+
+
+def _sample(
+    size: int, wanted: int | None, generator: torch.Generator | None, name: str
+) -> torch.Tensor | None:
+    if wanted is None or wanted >= size:
+        return None
+    if wanted < 1:
+        raise ValueError(f"{name} must be a positive number of entries or None, got {wanted}")
+    order = torch.randperm(size, generator=generator)
+    return order[:wanted].sort().values
+
+
+def product_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    sample_rows: int | None = None,
+    sample_cols: int | None = None,
+    generator: torch.Generator | None = None,
+) -> ProductReference:
+    """The float64 reference of a (m×k) · b (k×n), on all output entries or a uniform random subset.
+
+    ``sample_rows`` rows of a and ``sample_cols`` columns of b, drawn uniformly without replacement from
+    ``generator``, select a grid of output entries in which every entry is equally likely to appear: the
+    mean over them is an unbiased estimate of the mean over the full product (for a fixed set of
+    excluded entries), at (rows·cols·k) instead of (m·n·k) float64 work.
+    """
+    _check_operands(a, b)
+    rows = _sample(a.shape[0], sample_rows, generator, "sample_rows")
+    cols = _sample(b.shape[1], sample_cols, generator, "sample_cols")
+    left = a.detach() if rows is None else a.detach()[rows.to(a.device)]
+    right = b.detach() if cols is None else b.detach()[:, cols.to(b.device)]
+    left, right = left.double(), right.double()
+    return ProductReference(
+        left @ right, left.abs() @ right.abs(), rows, cols, (a.shape[0], a.shape[1], b.shape[1])
+    )
+
+
+def _quantile(values: torch.Tensor, level: float) -> float:
+    ordered = values.sort().values
+    position = level * (ordered.numel() - 1)
+    below = math.floor(position)
+    above = min(below + 1, ordered.numel() - 1)
+    weight = position - below
+    return float(ordered[below] * (1 - weight) + ordered[above] * weight)
+
+
+def backward_error_from(reference: ProductReference, qa: torch.Tensor, qb: torch.Tensor) -> BackwardError:
+    """The backward error of Q(a)·Q(b) against a :class:`ProductReference` of a·b.
+
+    ``qa`` and ``qb`` are the full quantized operands (shapes m×k and k×n, as ``numscope.quantize``
+    returns them); the reference's sampled rows and columns are taken from them here.
+    """
+    m, k, n = reference.shape
+    if tuple(qa.shape) != (m, k) or tuple(qb.shape) != (k, n):
+        raise ValueError(
+            f"quantized operands {tuple(qa.shape)} and {tuple(qb.shape)} do not match the reference "
+            f"product ({m}×{k})·({k}×{n})"
+        )
+    left = qa.detach() if reference.rows is None else qa.detach()[reference.rows.to(qa.device)]
+    right = qb.detach() if reference.cols is None else qb.detach()[:, reference.cols.to(qb.device)]
+    quantized = left.double() @ right.double()
+    magnitude = reference.magnitude.to(quantized.device)
+    usable = magnitude > 0
+    difference = (reference.exact.to(quantized.device) - quantized).abs()
+    errors = (difference[usable] / magnitude[usable]).reshape(-1)
+    excluded = int(usable.numel() - errors.numel())
+    sampled = reference.rows is not None or reference.cols is not None
+    if errors.numel() == 0:
+        return BackwardError(math.nan, math.nan, math.nan, math.nan, 0, excluded, sampled)
+    return BackwardError(
+        float(errors.mean()), _quantile(errors, 0.5), _quantile(errors, 0.99), float(errors.max()),
+        int(errors.numel()), excluded, sampled,
+    )
+
+
+def backward_error(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    format_a: str | Format,
+    format_b: str | Format,
+    *,
+    scaling_a: ScalingChoice = AUTO,
+    scaling_b: ScalingChoice = AUTO,
+    rounding: str = "nearest",
+    sample_rows: int | None = None,
+    sample_cols: int | None = None,
+    generator: torch.Generator | None = None,
+) -> BackwardError:
+    """Backward error of the product a (m×k) · b (k×n) when both operands are quantized.
+
+    BE_ij = |(a·b)_ij − (Q(a)·Q(b))_ij| / Σ_k |a_ik||b_kj|, both products in float64 (entries with a zero
+    denominator are excluded). It is the relative perturbation of the operands that explains the
+    quantized result, so it compares formats independently of the data's scale (bf16 gives ≈ 2^-9).
+
+    Axis convention: k is a's axis 1 and b's axis 0. With ``"auto"`` scaling an element format uses one
+    current scale per tensor; a block format runs its blocks along k (``Scaling("block", axis=1)`` for a,
+    ``axis=0`` for b), as hardware does. Per-channel integer scaling along k is ``scaling_a="row"``,
+    ``scaling_b="column"``. ``None`` quantizes without scaling.
+
+    Each operand is quantized whole (its scales see the whole tensor); ``sample_rows``/``sample_cols``
+    then measure a uniform random grid of output entries (see :func:`product_reference`). ``generator``
+    draws the sample and, for ``rounding="stochastic"``, the rounding.
+    """
+    _check_operands(a, b)
+    spec_a, spec_b = get_format(format_a), get_format(format_b)
+    qa = quantize(a.detach().float(), spec_a, scaling=_resolve_scaling(spec_a, scaling_a, 1),
+                  rounding=rounding, generator=generator)
+    qb = quantize(b.detach().float(), spec_b, scaling=_resolve_scaling(spec_b, scaling_b, 0),
+                  rounding=rounding, generator=generator)
+    reference = product_reference(a, b, sample_rows=sample_rows, sample_cols=sample_cols, generator=generator)
+    return backward_error_from(reference, qa, qb)
