@@ -872,7 +872,11 @@ def sites(model: nn.Module, example_inputs: dict | tuple | torch.Tensor | None =
     """
     runtime = _runtime(model)
     if example_inputs is None:
-        return _Runtime(model).all_sites() if runtime is None else runtime.all_sites()
+        if runtime is not None:
+            return runtime.all_sites()
+        runtime = _Runtime(model)
+        runtime.remove()
+        return runtime.all_sites()
     temporary = runtime is None
     runtime = _Runtime(model) if runtime is None else runtime
     try:

@@ -1,0 +1,259 @@
+"""Site discovery and the one autograd function: real tiny transformers models, exact comparisons."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+
+import numscope
+from numscope.sites import Site, accumulate_matmul, attach, attached, sdpa_reference, sites
+
+IDS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def bert(impl: str) -> BertForMaskedLM:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        attn_implementation=impl,
+    )
+    return BertForMaskedLM(config)
+
+
+def gpt2(impl: str) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=100,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=32,
+        attn_implementation=impl,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def identity(site, gemm, operand, tensor, axis):
+    return tensor
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_bert_sites_match_the_structure(impl: str) -> None:
+    model = bert(impl)
+    found = sites(model, {"input_ids": IDS})
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert (
+        len(linears) == 2 * 6 + 2
+    )  # per layer q, k, v, attention out, intermediate, output; head dense, decoder
+    names = [s.name for s in found]
+    assert len(names) == 2 * (6 + 2) + 2 == len(set(names))
+    assert set(linears) <= set(names)
+    for layer in range(2):
+        prefix = f"bert.encoder.layer.{layer}.attention.self"
+        assert f"{prefix}.scores" in names and f"{prefix}.context" in names
+        assert (
+            names.index(f"{prefix}.value")
+            < names.index(f"{prefix}.scores")
+            < names.index(f"{prefix}.context")
+        )
+    kinds = {s.name: s.kind for s in found}
+    assert kinds["bert.encoder.layer.0.attention.self.scores"] == ("sdpa" if impl == "sdpa" else "matmul")
+    assert sites(model)[0] == Site(
+        "bert.encoder.layer.0.attention.self.query", "bert.encoder.layer.0.attention.self.query", "linear"
+    )
+    assert attached(model) == [] and not model._forward_hooks and not model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_gpt2_sites_match_the_structure(impl: str) -> None:
+    found = sites(gpt2(impl), {"input_ids": IDS})
+    names = [s.name for s in found]
+    per_layer = ["attn.c_attn", "attn.scores", "attn.context", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
+    assert names == [f"transformer.h.{i}.{n}" for i in range(2) for n in per_layer] + ["lm_head"]
+    assert {s.kind for s in found if s.name.endswith("c_fc")} == {"conv1d"}
+
+
+@pytest.mark.parametrize("make,impl", [(bert, "eager"), (bert, "sdpa"), (gpt2, "eager"), (gpt2, "sdpa")])
+def test_identity_handlers_are_bit_identical(make, impl) -> None:
+    reference, routed = make(impl), make(impl)
+    seen: list[tuple[str, str, str]] = []
+
+    def record(site, gemm, operand, tensor, axis):
+        seen.append((site.name, gemm, operand))
+        return tensor
+
+    handle = attach(routed, record, name="record")
+    results = []
+    for model in (reference, routed):
+        torch.manual_seed(1)
+        out = model(input_ids=IDS, labels=IDS)
+        out.loss.backward()
+        results.append((out.logits, {n: p.grad for n, p in model.named_parameters()}))
+    assert torch.equal(results[0][0], results[1][0])
+    for name, grad in results[0][1].items():
+        assert torch.equal(grad, results[1][1][name]), name
+    site_count = len(sites(routed))
+    assert len(seen) == 6 * site_count  # two operands of each of three GEMMs
+    handle.remove()
+    assert attached(routed) == [] and not routed._forward_pre_hooks
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) @ other
+
+
+def test_gemms_against_hand_computation() -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    x = torch.randn(5, 8, requires_grad=True)
+    other = torch.randn(6, 3, requires_grad=True)
+    grad = torch.randn(5, 3)
+    fmt = "fp8_e4m3"
+    calls: list[tuple[str, str, str, int]] = []
+
+    def quantizer(site, gemm, operand, tensor, axis):
+        calls.append((site.name, gemm, operand, axis))
+        return numscope.quantize(tensor, fmt, scaling="tensor")
+
+    attach(model, quantizer, name="q")
+    y = model(x, other)
+    y.backward(grad)
+    q = lambda t: numscope.quantize(t, fmt, scaling="tensor")  # noqa: E731
+    w, b = model.proj.weight.detach(), model.proj.bias.detach()
+    h = q(x.detach()) @ q(w).t() + b
+    assert torch.equal(y, q(h) @ q(other.detach()))
+    dh = q(grad) @ q(other.detach()).t()
+    assert torch.allclose(other.grad, q(h).t() @ q(grad), rtol=0, atol=1e-6)
+    assert torch.allclose(model.proj.weight.grad, q(dh).t() @ q(x.detach()), rtol=0, atol=1e-6)
+    assert torch.allclose(x.grad, q(dh) @ q(w), rtol=0, atol=1e-6)
+    assert torch.allclose(model.proj.bias.grad, dh.sum(0), rtol=0, atol=1e-6)  # unquantized grad_output
+    assert ("proj", "dgrad", "weight", 0) in calls and ("proj", "wgrad", "input", 0) in calls
+    assert ("matmul0", "fprop", "weight", 0) in calls and ("matmul0", "wgrad", "input", 0) in calls
+
+
+def test_mx_wgrad_blocks_run_along_tokens() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3, bias=False))
+    x = torch.randn(64, 4, requires_grad=True)
+    x.data[0] = 1000.0  # one huge token: along tokens it shares a block with 31 others, along features not
+    seen = {}
+
+    def mx(site, gemm, operand, tensor, axis):
+        seen[(gemm, operand)] = (tuple(tensor.shape), axis)
+        return numscope.quantize(tensor, "mxfp4", scaling=numscope.Scaling("block", axis=axis))
+
+    attach(model, mx, name="mx")
+    model(x).backward(torch.ones(64, 3))
+    assert seen[("wgrad", "input")] == ((64, 4), 0)
+    along_tokens = numscope.quantize(x.detach(), "mxfp4", scaling=numscope.Scaling("block", axis=0))
+    along_features = numscope.quantize(x.detach(), "mxfp4", scaling=numscope.Scaling("block", axis=-1))
+    assert not torch.equal(along_tokens, along_features)
+    assert torch.allclose(model[0].weight.grad, torch.ones(64, 3).t() @ along_tokens, rtol=0, atol=1e-4)
+
+
+def test_sdpa_reference_matches_torch() -> None:
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 7, 8), torch.randn(2, 4, 9, 8), torch.randn(2, 4, 9, 5)
+    bool_mask = torch.rand(7, 9) > 0.3
+    bool_mask[:, 0] = True
+    additive = torch.randn(2, 1, 7, 9)
+    for kwargs in ({}, {"attn_mask": bool_mask}, {"attn_mask": additive}, {"scale": 0.3}):
+        assert torch.allclose(
+            sdpa_reference(q, k, v, **kwargs), F.scaled_dot_product_attention(q, k, v, **kwargs), atol=1e-5
+        )
+    q2, k2 = torch.randn(2, 4, 9, 8), torch.randn(2, 4, 9, 8)
+    assert torch.allclose(
+        sdpa_reference(q2, k2, v, is_causal=True),
+        F.scaled_dot_product_attention(q2, k2, v, is_causal=True),
+        atol=1e-5,
+    )
+    kg, vg = torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 5)
+    expected = F.scaled_dot_product_attention(q, kg, vg, enable_gqa=True)
+    assert torch.allclose(sdpa_reference(q, kg, vg, enable_gqa=True), expected, atol=1e-5)
+    torch.manual_seed(3)
+    dropped = sdpa_reference(q, k, v, dropout_p=0.5)
+    assert not torch.allclose(dropped, sdpa_reference(q, k, v))
+    assert torch.allclose(dropped.mean(), sdpa_reference(q, k, v).mean(), atol=0.2)
+
+
+def test_accumulation_error_grows_with_length_in_bf16_and_fp16_only() -> None:
+    torch.manual_seed(0)
+    errors: dict[str, list[float]] = {"fp32": [], "bf16": [], "fp16": []}
+    for length in (64, 4096):
+        a = torch.rand(8, length)
+        b = torch.rand(length, 8)
+        exact = a.double() @ b.double()
+        for acc in errors:
+            relative = ((accumulate_matmul(a, b, acc).double() - exact).abs() / exact).max().item()
+            errors[acc].append(relative)
+    assert errors["fp32"][1] < 1e-5
+    for acc in ("bf16", "fp16"):
+        assert errors[acc][1] > 4 * errors[acc][0]
+        assert errors[acc][1] > 100 * errors["fp32"][1]
+    with pytest.raises(ValueError, match="unknown accumulate 'fp8'; allowed: fp32, bf16, fp16"):
+        accumulate_matmul(a, b, "fp8")
+
+
+def test_accumulate_option_reaches_every_gemm() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(256, 4)
+    x = torch.rand(3, 256, requires_grad=True)
+
+    class Bf16Sum:
+        def __call__(self, site, gemm, operand, tensor, axis):
+            return tensor
+
+        def accumulate(self, site):
+            return "bf16"
+
+    attach(model, Bf16Sum(), name="acc")
+    y = model(x)
+    expected = accumulate_matmul(x.detach(), model.weight.detach().t(), "bf16") + model.bias.detach()
+    assert torch.equal(y, expected)
+    assert not torch.equal(y, F.linear(x, model.weight, model.bias))
+    y.backward(torch.ones(3, 4))
+    assert torch.equal(x.grad, accumulate_matmul(torch.ones(3, 4), model.weight.detach(), "bf16"))
+
+
+def test_attach_errors_and_chain_order() -> None:
+    model = nn.Sequential(nn.Linear(2, 2))
+    order: list[str] = []
+
+    def named(tag: str):
+        def handler(site, gemm, operand, tensor, axis):
+            order.append(tag)
+            return tensor
+
+        return handler
+
+    first = attach(model, named("a"), name="a")
+    attach(model, named("b"), name="b")
+    with pytest.raises(ValueError, match="already attached"):
+        attach(model, identity, name="a")
+    with pytest.raises(ValueError, match="unknown storage 'fp8'"):
+        attach(model, identity, name="c", storage="fp8")
+    model(torch.ones(1, 2))
+    assert order[:2] == ["a", "b"]
+    first.remove()
+    assert attached(model) == ["b"]
+    assert list(model.state_dict()) == ["0.weight", "0.bias"]
