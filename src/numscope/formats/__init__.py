@@ -1,8 +1,7 @@
 """Number formats, their exact casts, scaling schemes and fake-quantization."""
 
-import sys
-import types
-
+from numscope._callable import make_callable as _make_callable
+from numscope.formats.fast import fast_enabled, set_fast
 from numscope.formats.quantize import Encoded, encode, quantize
 from numscope.formats.scaling import DelayedScaler, Scaling
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat, format, formats
@@ -16,22 +15,12 @@ __all__ = [
     "IntFormat",
     "Scaling",
     "encode",
+    "fast_enabled",
     "format",
     "formats",
     "quantize",
+    "set_fast",
 ]
 
 
-class _FormatsModule(types.ModuleType):
-    """``numscope.formats`` is both this package and the function that lists the formats.
-
-    The package attribute of ``numscope`` named ``formats`` is bound to this module as soon as any of its
-    submodules is imported, which would shadow the public function ``numscope.formats()``; calling the
-    module therefore lists the formats, so both spellings work.
-    """
-
-    def __call__(self) -> list[Format]:
-        return formats()
-
-
-sys.modules[__name__].__class__ = _FormatsModule
+_make_callable(__name__, "formats")  # numscope.formats() lists every format

@@ -20,11 +20,13 @@ padding is dropped from the result.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from numscope.formats import fast
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS, cast, cast_float
 from numscope.formats.scaling import (
     DelayedScaler,
@@ -65,18 +67,14 @@ def _resolve_scaling(scaling: ScalingArg) -> tuple[Scaling | None, DelayedScaler
     return parsed, None
 
 
-def _blocks_along(x: torch.Tensor, axis: int, block: int) -> tuple[torch.Tensor, int, int]:
-    """Move ``axis`` last, zero-pad it to a multiple of ``block`` and split it: (..., nblocks, block)."""
+def _axis_last_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Size]:
+    """``x`` with ``axis`` moved last and the other axes flattened: (rows, length), plus the moved shape."""
     if x.dim() == 0:
         x = x.reshape(1)
-    if not -x.dim() <= axis < x.dim():
-        raise ValueError(f"block axis {axis} is out of range for a tensor of shape {tuple(x.shape)}")
+    if not isinstance(axis, int) or not -x.dim() <= axis < x.dim():
+        raise ValueError(f"block axis {axis!r} is out of range for a tensor of shape {tuple(x.shape)}")
     moved = x.movedim(axis, -1)
-    length = moved.shape[-1]
-    pad = (-length) % block
-    if pad:
-        moved = F.pad(moved, (0, pad))
-    return moved.reshape(*moved.shape[:-1], -1, block), length, pad
+    return moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1]), moved.shape
 
 
 def _unblock(blocks: torch.Tensor, shape: torch.Size, axis: int, length: int) -> torch.Tensor:
@@ -87,7 +85,9 @@ def _unblock(blocks: torch.Tensor, shape: torch.Size, axis: int, length: int) ->
 
 
 @dataclass(frozen=True)
-class _BlockParts:
+class BlockParts:
+    """A block-format tensor taken apart: element values and per-block scales, blocks along the last axis."""
+
     elements: torch.Tensor  # float32 element values, (..., nblocks, block)
     scales: torch.Tensor  # float32 decode scale per block, (..., nblocks, 1)
     stored: torch.Tensor  # the scale as the scale format holds it (E8M0 X, or NVFP4's E4M3 s_b)
@@ -95,30 +95,27 @@ class _BlockParts:
     length: int
 
 
-def _mx_parts(x: torch.Tensor, fmt: BlockFormat, axis: int, rounding: str, generator) -> _BlockParts:
-    blocks, length, _ = _blocks_along(x, axis, fmt.block_size)
+def _mx_parts(blocks: torch.Tensor, fmt: BlockFormat, rounding: str, generator) -> tuple[torch.Tensor, ...]:
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     element = fmt.element
     if fmt.scale_rule == "rceil":
         ratio = amax / element.max
-        mantissa, exponent = torch.frexp(ratio)
-        shared = torch.where(mantissa == 0.5, exponent - 1, exponent).to(torch.int32)
+        below = log2_floor(ratio)
+        shared = below + (exact_pow2(below) != ratio).to(torch.int32)  # ceil(log2 ratio)
         shared = torch.where(amax > 0, shared, torch.full_like(shared, -127))
     else:
         shared = log2_floor(amax) - element.emax
     shared = shared.clamp(-127, 127)
     scale = exact_pow2(shared)
     elements = cast(blocks * exact_pow2(-shared), element, rounding, "saturate", False, generator)
-    bad = ~torch.isfinite(amax)
-    scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
-    return _BlockParts(elements, scale, scale, None, length)
+    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
+    return elements, scale, scale
 
 
-def _nvfp4_parts(x: torch.Tensor, fmt: BlockFormat, axis: int, rounding: str, generator) -> _BlockParts:
+def _nvfp4_parts(
+    blocks: torch.Tensor, fmt: BlockFormat, encode_scale: torch.Tensor, rounding: str, generator
+) -> tuple[torch.Tensor, ...]:
     element, scale_format = fmt.element, fmt.scale_format
-    tensor_amax = reduce_amax_(x.abs().amax().float().reshape(1))[0]
-    encode_scale = scale_from_amax(tensor_amax, scale_format.max * element.max)
-    blocks, length, _ = _blocks_along(x, axis, fmt.block_size)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     stored = cast_float(amax / element.max * encode_scale, scale_format, "nearest", "saturate")  # type: ignore[arg-type]
     decode = stored / encode_scale
@@ -126,13 +123,44 @@ def _nvfp4_parts(x: torch.Tensor, fmt: BlockFormat, axis: int, rounding: str, ge
     elements = cast(blocks / safe, element, rounding, "saturate", False, generator)
     elements = torch.where(decode > 0, elements, elements * 0.0)
     decode = torch.where(torch.isfinite(amax), decode, torch.full_like(decode, float("nan")))
-    return _BlockParts(elements, decode, stored, encode_scale, length)
+    return elements, decode, stored
 
 
-def _block_parts(x: torch.Tensor, fmt: BlockFormat, axis: int, rounding: str, generator) -> _BlockParts:
+def block_parts_2d(
+    x: torch.Tensor, fmt: BlockFormat, tensor_amax: torch.Tensor | None, rounding: str, generator
+) -> BlockParts:
+    """Quantize a 2-D float32 tensor to ``fmt`` with blocks along its last axis (zero-padded to whole blocks).
+
+    ``tensor_amax`` is NVFP4's amax of the whole tensor (already reduced across ranks); ignored for MX.
+    Shared by the eager path and the compiled fast path (:mod:`numscope.formats.fast`).
+    """
+    length = x.shape[-1]
+    pad = (-length) % fmt.block_size
+    if pad:
+        x = F.pad(x, (0, pad))
+    blocks = x.reshape(x.shape[0], -1, fmt.block_size)
     if fmt.tensor_scale:
-        return _nvfp4_parts(x, fmt, axis, rounding, generator)
-    return _mx_parts(x, fmt, axis, rounding, generator)
+        assert tensor_amax is not None
+        encode_scale = scale_from_amax(tensor_amax, fmt.scale_format.max * fmt.element.max)
+        elements, scales, stored = _nvfp4_parts(blocks, fmt, encode_scale, rounding, generator)
+        return BlockParts(elements, scales, stored, encode_scale, length)
+    elements, scales, stored = _mx_parts(blocks, fmt, rounding, generator)
+    return BlockParts(elements, scales, stored, None, length)
+
+
+def _block_parts(x: torch.Tensor, fmt: BlockFormat, axis: int, rounding: str, generator) -> BlockParts:
+    """Block parts of ``x`` with blocks along ``axis``, shaped (..., nblocks, block) with that axis last."""
+    x2d, moved = _axis_last_2d(x, axis)
+    tensor_amax = reduce_amax_(x.abs().amax().float().reshape(1))[0] if fmt.tensor_scale else None
+    parts = block_parts_2d(x2d, fmt, tensor_amax, rounding, generator)
+    lead = tuple(moved[:-1])
+    return BlockParts(
+        parts.elements.reshape(*lead, -1, fmt.block_size),
+        parts.scales.reshape(*lead, -1, 1),
+        parts.stored.reshape(*lead, -1, 1),
+        parts.tensor_scale,
+        parts.length,
+    )
 
 
 def _tiles(x: torch.Tensor, block_shape: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
@@ -223,23 +251,60 @@ def quantize(
     spec = get_format(fmt)
     parsed, delayed = _resolve_scaling(scaling)
     xf = x.detach().float() if x.dtype != torch.float32 else x.detach()
-    if isinstance(spec, BlockFormat):
-        if parsed is not None and parsed.kind != "block":
-            raise ValueError(
-                f"block format {spec.name!r} brings its own block scaling; "
-                f"scaling {parsed.kind!r} does not apply "
-                "(use scaling=None or Scaling('block', axis=...))"
-            )
-        if parsed is not None and parsed.block_shape is not None:
-            raise ValueError(
-                f"block format {spec.name!r} has a fixed block of {spec.block_size}; drop block_shape"
-            )
-        axis = parsed.axis if parsed is not None else -1
+    kind = None if parsed is None else parsed.kind
+    if fast.fast_enabled() and xf.numel() > 0 and fast.supports(spec, kind, rounding):
+        out = _quantize_fast(xf, spec, parsed, delayed, overflow, flush_subnormals)
+    elif isinstance(spec, BlockFormat):
+        axis = _block_axis(spec, parsed)
         parts = _block_parts(xf, spec, axis, rounding, generator)
         out = _unblock(parts.elements * parts.scales, xf.shape, axis, parts.length)
     else:
         out = _quantize_element(xf, spec, parsed, delayed, rounding, overflow, flush_subnormals, generator)
     return out.to(x.dtype)
+
+
+def _block_axis(spec: BlockFormat, parsed: Scaling | None) -> int:
+    """The axis the blocks of ``spec`` run along, after checking that ``parsed`` fits a block format."""
+    if parsed is not None and parsed.kind != "block":
+        raise ValueError(
+            f"block format {spec.name!r} brings its own block scaling; "
+            f"scaling {parsed.kind!r} does not apply "
+            "(use scaling=None or Scaling('block', axis=...))"
+        )
+    if parsed is not None and parsed.block_shape is not None:
+        raise ValueError(
+            f"block format {spec.name!r} has a fixed block of {spec.block_size}; drop block_shape"
+        )
+    return parsed.axis if parsed is not None else -1
+
+
+def _quantize_fast(
+    xf: torch.Tensor,
+    spec: Format,
+    parsed: Scaling | None,
+    delayed: DelayedScaler | None,
+    overflow: str,
+    flush_subnormals: bool,
+) -> torch.Tensor:
+    """Nearest rounding through the compiled kernels of :mod:`numscope.formats.fast` (same results)."""
+    if isinstance(spec, BlockFormat):
+        axis = _block_axis(spec, parsed)
+        x2d, moved = _axis_last_2d(xf, axis)
+        tensor_amax = None
+        if spec.tensor_scale:
+            tensor_amax = reduce_amax_(fast.abs_amax(x2d, "tensor").reshape(1))[0]
+        out = fast.block(x2d, tensor_amax, spec).reshape(moved)
+        return out.reshape(xf.shape) if xf.dim() == 0 else out.movedim(-1, axis)
+    x2d = xf.reshape(-1, xf.shape[-1]) if xf.dim() > 0 else xf.reshape(1, 1)
+    scale = None
+    if delayed is not None:
+        scale = delayed.scale_for(xf, spec.max)
+    elif parsed is not None:
+        amax = fast.abs_amax(x2d, parsed.kind)
+        if parsed.kind == "tensor":
+            amax = reduce_amax_(amax.reshape(1), parsed.reduce_amax)[0]
+        scale = scale_from_amax(amax, spec.max, parsed.margin, parsed.power_of_two)
+    return fast.element(x2d, scale, spec, overflow, flush_subnormals).reshape(xf.shape)
 
 
 # -- raw codes ----------------------------------------------------------------------------------------
@@ -390,7 +455,7 @@ def encode(
     parsed, delayed = _resolve_scaling(scaling)
     xf = x.detach().float()
     if isinstance(spec, BlockFormat):
-        axis = parsed.axis if parsed is not None else -1
+        axis = _block_axis(spec, parsed)
         parts = _block_parts(xf, spec, axis, rounding, generator)
         scale_codes = _float_codes(parts.stored, spec.scale_format).to(torch.uint8)
         return Encoded(

@@ -180,14 +180,23 @@ class DelayedScaler:
 
 
 def log2_floor(x: torch.Tensor) -> torch.Tensor:
-    """floor(log2 x) as int32 for positive finite float32 (subnormals included); -127 for zero."""
-    _, exponent = torch.frexp(x)
-    return torch.where(x > 0, exponent - 1, torch.full_like(exponent, -127)).to(torch.int32)
+    """floor(log2 x) as int32 for positive finite float32 (subnormals included); -127 for zero.
+
+    Read from the exponent field (subnormals after an exact scaling by 2^64), so it fuses under
+    ``torch.compile``.
+    """
+    field = (x.view(torch.int32) >> 23) & 0xFF
+    lifted = ((x * 2.0**64).view(torch.int32) >> 23) & 0xFF
+    small = torch.where(x > 0, lifted - (127 + 64), torch.full_like(lifted, -127))
+    return torch.where(field > 0, field - 127, small)
 
 
 def exact_pow2(exponent: torch.Tensor) -> torch.Tensor:
-    """2^exponent as float32, exactly, for integer exponents in [-149, 127]."""
-    return torch.ldexp(torch.ones(exponent.shape, dtype=torch.float32, device=exponent.device), exponent)
+    """2^exponent as float32, exactly, for int32 exponents in [-149, 127], built from its bit pattern."""
+    exponent = exponent.to(torch.int32)
+    normal = ((exponent.clamp(-126, 127) + 127) << 23).view(torch.float32)
+    subnormal = (1 << (exponent + 149).clamp(0, 22)).view(torch.float32)
+    return torch.where(exponent >= -126, normal, subnormal)
 
 
 def is_power_of_two(value: float) -> bool:
