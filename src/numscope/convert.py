@@ -1,0 +1,277 @@
+"""Apply a :class:`numscope.Plan` to a model: every site operand quantized as the plan says, in place.
+
+``convert(model, plan)`` attaches one quantizing handler (:mod:`numscope.sites`): for each (site, gemm,
+operand) whose :class:`OperandSpec` is not ``high`` the operand becomes ``numscope.quantize(tensor,
+format, scaling=..., rounding=..., overflow=..., flush_subnormals=...)``; block formats get
+``Scaling("block", axis=<the GEMM's contraction axis>)``; delayed scaling keeps one
+:class:`numscope.DelayedScaler` per (site, gemm, operand), exported with the stochastic-rounding generator
+state by :func:`numerics_state_dict`. Products accumulate as the site spec's ``accumulate`` says.
+
+A weight quantized for fprop is reused for dgrad when both use the same spec, the spec's result does not
+depend on the axis (no scaling or per-tensor current scaling) and the rounding is deterministic, and the
+parameter has not changed since (same storage, same version); likewise a grad_output quantized for dgrad
+is reused for wgrad of the same backward. Each reuse is bit-identical to quantizing again. Element casts
+with nearest rounding and saturation go through torch's native fp16/bf16/fp8 conversion, which equals
+``numscope.quantize`` bit for bit (checked in the tests).
+
+``unconvert(model)`` detaches it; parameters and ``state_dict`` are never touched.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from numscope.formats.cast import native_dtype
+from numscope.formats.quantize import quantize
+from numscope.formats.scaling import DelayedScaler, Scaling, reduce_amax_, scale_from_amax
+from numscope.formats.spec import BlockFormat, FloatFormat
+from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec
+from numscope.sites import Handle, Site, attach, is_discovered, on_discovered, operand_sizes, sites
+
+HANDLER_NAME = "numscope.convert"
+_HANDLES: dict[int, tuple[Any, Handle, _Quantizer]] = {}
+
+
+class _Quantizer:
+    """The operand handler of :func:`convert`."""
+
+    def __init__(self, plan: Plan, generator: torch.Generator | None) -> None:
+        self.plan = plan
+        self.generator = generator
+        self.scalers: dict[str, DelayedScaler] = {}
+        self._specs: dict[str, SiteSpec] = {}
+        self._weights: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self._grad: tuple[torch.Tensor, tuple, torch.Tensor] | None = None
+
+    def spec(self, site: Site) -> SiteSpec:
+        found = self._specs.get(site.name)
+        if found is None:
+            found = self._specs[site.name] = self.plan.for_site(site.name)
+        return found
+
+    def wants(self, site: Site) -> bool:
+        spec = self.spec(site)
+        return not spec.is_high or spec.accumulate != "fp32"
+
+    def accumulate(self, site: Site) -> str:
+        return self.spec(site).accumulate
+
+    def scaler(self, key: str, scaling: Scaling) -> DelayedScaler:
+        scaler = self.scalers.get(key)
+        if scaler is None:
+            scaler = self.scalers[key] = DelayedScaler(scaling)
+        return scaler
+
+    def __call__(self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        spec = self.spec(site)
+        operand_spec = spec.operand(gemm, operand)
+        if operand_spec.is_high:
+            return tensor
+        reusable = (
+            operand == "weight"
+            and isinstance(tensor, nn.Parameter)
+            and _axis_independent(operand_spec)
+            and spec.operand("fprop", "weight") == spec.operand("dgrad", "weight")
+        )
+        if reusable and gemm == "dgrad":
+            cached = self._weights.get(site.name)
+            if cached is not None and cached[0] == _identity(tensor):
+                return cached[1]
+        shared_grad = (
+            operand == "grad_output"
+            and _axis_independent(operand_spec)
+            and spec.operand("dgrad", "grad_output") == spec.operand("wgrad", "grad_output")
+        )
+        if shared_grad and gemm == "wgrad":
+            cached = self._grad
+            if cached is not None and cached[0] is tensor and cached[1] == _identity(tensor):
+                self._grad = None
+                return cached[2]
+        result = self.quantize(site.key(gemm, operand), operand_spec, tensor, axis)
+        if reusable and gemm == "fprop":
+            self._weights[site.name] = (_identity(tensor), result)
+        if shared_grad and gemm == "dgrad":
+            self._grad = (tensor, _identity(tensor), result)
+        return result
+
+    def quantize(self, key: str, spec: OperandSpec, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        fmt = spec.format_spec()
+        scaling = spec.effective_scaling()
+        native = _native_cast(spec, fmt, scaling)
+        if native is not None:
+            xf = tensor.detach().float()
+            if scaling is None:
+                return _cast_native(xf, native, fmt).to(tensor.dtype)  # type: ignore[union-attr]
+            if scaling.kind == "delayed":
+                scale = self.scaler(key, scaling).scale_for(xf, fmt.max)  # type: ignore[union-attr]
+            else:
+                amax = reduce_amax_(xf.abs().amax().reshape(1), scaling.reduce_amax)[0]
+                scale = scale_from_amax(amax, fmt.max, scaling.margin, scaling.power_of_two)  # type: ignore[union-attr]
+            return (_cast_native(xf * scale, native, fmt) * (1.0 / scale)).to(tensor.dtype)  # type: ignore[union-attr]
+        if isinstance(fmt, BlockFormat):
+            scaling_arg: Any = Scaling("block", axis=axis)
+        elif scaling is not None and scaling.kind == "delayed":
+            scaling_arg = self.scaler(key, scaling)
+        else:
+            scaling_arg = scaling
+        return quantize(
+            tensor,
+            fmt,  # type: ignore[arg-type]
+            scaling=scaling_arg,
+            rounding=spec.rounding,
+            overflow=spec.overflow,
+            flush_subnormals=spec.flush_subnormals,
+            generator=self.generator,
+        )
+
+
+def _native_cast(spec: OperandSpec, fmt: Any, scaling: Scaling | None) -> torch.dtype | None:
+    """The torch dtype whose conversion equals ``numscope.quantize`` for this spec, where there is one.
+
+    Nearest rounding, saturation, no flushing, no scaling or tensor/delayed scaling: torch's float32 →
+    fp16/bf16/fp8 conversion rounds to nearest even with subnormals, like :mod:`numscope.formats.cast`;
+    saturation is a clamp that leaves ±inf alone (so inf stays inf, or NaN where the format has no inf).
+    """
+    if spec.rounding != "nearest" or spec.overflow != "saturate" or spec.flush_subnormals:
+        return None
+    if scaling is not None and scaling.kind not in ("tensor", "delayed"):
+        return None
+    return native_dtype(fmt) if isinstance(fmt, FloatFormat) and fmt.name != "fp32" else None
+
+
+def _cast_native(values: torch.Tensor, dtype: torch.dtype, fmt: FloatFormat) -> torch.Tensor:
+    clamped = values.clamp(-fmt.max, fmt.max)
+    infinite = values if fmt.has_inf else torch.full_like(values, float("nan"))
+    return torch.where(values.isinf(), infinite, clamped).to(dtype).float()
+
+
+def _axis_independent(spec: OperandSpec) -> bool:
+    if spec.rounding == "stochastic" or isinstance(spec.format_spec(), BlockFormat):
+        return False
+    scaling = spec.effective_scaling()
+    return scaling is None or scaling.kind == "tensor"
+
+
+def _identity(tensor: torch.Tensor) -> tuple:
+    return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor._version, tensor.dtype)
+
+
+def _entry(model: nn.Module) -> tuple[Any, Handle, _Quantizer] | None:
+    entry = _HANDLES.get(id(model))
+    if entry is None or entry[0]() is not model or not entry[1].attached:
+        return None
+    return entry
+
+
+def _quantizer(model: nn.Module) -> _Quantizer:
+    entry = _entry(model)
+    if entry is None:
+        raise ValueError("the model is not converted (numscope.convert(model, plan) first)")
+    return entry[2]
+
+
+def convert(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    example_inputs: Mapping[str, Any] | tuple | torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+    storage: str | None = None,
+) -> nn.Module:
+    """Apply ``plan`` to ``model`` in place and return it (see the module docstring).
+
+    example_inputs: used to find the matmul sites now (:func:`numscope.sites`), so that the plan is checked
+        against every site before returning; without them the check runs at the first forward, which
+        raises :class:`numscope.plan.PlanError` if a rule's pattern matches no site.
+    generator: the random source of stochastic rounding (its state is part of :func:`numerics_state_dict`).
+    storage: ``"fp16"``/``"bf16"``: the dtype site activations are kept in for backward (None: as they are).
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"convert expects a numscope.Plan, got {type(plan).__name__}")
+    if _entry(model) is not None:
+        raise ValueError(
+            "the model is already converted; call numscope.unconvert(model) before converting again"
+        )
+    quantizer = _Quantizer(plan, generator)
+    handle = attach(model, quantizer, name=HANDLER_NAME, storage=storage)
+    try:
+        if example_inputs is not None:
+            plan.check_sites(s.name for s in sites(model, example_inputs))
+        elif is_discovered(model):
+            plan.check_sites(s.name for s in sites(model))
+        on_discovered(
+            model, lambda found: plan.check_sites(s.name for s in found) if handle.attached else None
+        )
+    except PlanError:
+        handle.remove()
+        raise
+    _HANDLES[id(model)] = (weakref.ref(model), handle, quantizer)
+    return model
+
+
+def unconvert(model: nn.Module) -> nn.Module:
+    """Undo :func:`convert` (the model computes exactly as before it); returns the model."""
+    entry = _entry(model)
+    if entry is None:
+        raise ValueError("the model is not converted; nothing to undo")
+    entry[1].remove()
+    del _HANDLES[id(model)]
+    return model
+
+
+def converted_plan(model: nn.Module) -> Plan:
+    """The plan a converted model runs under."""
+    return _quantizer(model).plan
+
+
+def site_sizes(model: nn.Module) -> dict[str, dict[tuple[str, str], int]]:
+    """Per site, ``(gemm, operand)`` → element count from the latest forward (for ``Plan.average_bits``)."""
+    _quantizer(model)
+    return operand_sizes(model)
+
+
+def numerics_state_dict(model: nn.Module) -> dict[str, Any]:
+    """The converted model's numerics state: plan, delayed-scaling amax histories, generator state."""
+    quantizer = _quantizer(model)
+    return {
+        "plan": quantizer.plan.to_dict(),
+        "scalers": {key: scaler.state_dict() for key, scaler in sorted(quantizer.scalers.items())},
+        "generator": None if quantizer.generator is None else quantizer.generator.get_state(),
+    }
+
+
+def load_numerics_state_dict(model: nn.Module, state: Mapping[str, Any]) -> None:
+    """Restore :func:`numerics_state_dict` into a model converted with the same plan."""
+    quantizer = _quantizer(model)
+    missing = {"plan", "scalers", "generator"} - set(state)
+    if missing:
+        raise ValueError(f"numerics state lacks {sorted(missing)}; expected keys: plan, scalers, generator")
+    if Plan.from_dict(state["plan"]) != quantizer.plan:
+        raise ValueError(
+            "numerics state was saved under a different plan than the one this model is converted with"
+        )
+    for key, scaler_state in state["scalers"].items():
+        site_name, gemm, operand = key.rsplit("/", 2)
+        scaling = quantizer.plan.for_site(site_name).operand(gemm, operand).effective_scaling()
+        if scaling is None or scaling.kind != "delayed":
+            raise ValueError(
+                f"numerics state has a delayed scaler for {key!r}, which the plan does not scale delayed"
+            )
+        quantizer.scaler(key, scaling).load_state_dict(scaler_state)
+    generator_state = state["generator"]
+    if generator_state is not None:
+        if quantizer.generator is None:
+            raise ValueError(
+                "numerics state holds a generator state but the model was converted without a generator"
+            )
+        quantizer.generator.set_state(generator_state)
+
+
+from numscope._callable import make_callable as _make_callable  # noqa: E402
+
+_make_callable(__name__, "convert")
