@@ -51,12 +51,16 @@ _EXPORTS: dict[str, str] = {
     "recommend": "numscope.advisor",
 }
 
-__all__ = sorted([*_EXPORTS, "formats"])
+_CALLABLE_MODULES = ("formats", "sites", "convert", "observe")
+for _name in _CALLABLE_MODULES:
+    _EXPORTS.pop(_name, None)
+
+__all__ = sorted([*_EXPORTS, *_CALLABLE_MODULES])
 
 
 def __getattr__(name: str) -> Any:
-    if name == "formats":  # the subpackage, callable: numscope.formats() lists every format
-        return importlib.import_module("numscope.formats")
+    if name in _CALLABLE_MODULES:  # modules that are also their function: see numscope._callable
+        return importlib.import_module(f"numscope.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'numscope' has no attribute {name!r}")

@@ -15,8 +15,8 @@ Every one of those reductions is a collective: all ranks must quantize the same 
 This module adds what needs an explicit call:
 
 * :func:`merge_analysis` / :func:`save_analysis`: combine each rank's :class:`numscope.Analysis` exactly
-  (histograms and element counts add, maxima and minima reduce, fractions and means weight by sample size)
-  and write it once, on rank 0;
+  (histograms and element counts add, maxima and minima reduce, fractions and means weight by sample size;
+  parameters, the same on every rank, are counted once) and write it once, on rank 0;
 * :func:`all_gather_tensor`, :func:`broadcast_tensor_`: collectives that accept fp8 dtypes on every backend
   (gloo rejects ``torch.float8_*``; the bytes travel as ``uint8`` views);
 * :func:`all_gather_quantized`: a low-precision all-gather (each rank sends the 1-byte codes of its shard
@@ -29,29 +29,36 @@ Every function works outside distributed runs too (a world of one rank), so code
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Container, Iterable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from numscope.analysis import Analysis, merge
+from numscope.analysis import Analysis, OperandKey, OperandRecord, merge
 from numscope.formats.quantize import Encoded, ScalingArg, encode
 from numscope.formats.scaling import DelayedScaler, Scaling
 from numscope.formats.spec import BlockFormat, Format
 from numscope.formats.spec import format as get_format
+from numscope.sites import Site
 
 __all__ = [
     "WIRE_DTYPES",
     "all_gather_quantized",
     "all_gather_tensor",
+    "all_reduce_found_inf",
     "broadcast_tensor_",
+    "data_parallel_mesh",
     "from_wire",
     "is_distributed",
     "is_rank_zero",
     "merge_analysis",
     "parameter_divergence",
+    "parameter_operands",
     "rank",
     "save_analysis",
     "to_wire",
@@ -89,30 +96,104 @@ def is_rank_zero(group: Group = None) -> bool:
 
 
 # -- analyses ---------------------------------------------------------------------------------------
-def merge_analysis(analysis: Analysis, group: Group = None) -> Analysis:
+def parameter_operands(sites: Iterable[Site]) -> frozenset[OperandKey]:
+    """The operand keys that hold a parameter, replicated on every data-parallel rank.
+
+    The ``weight`` operand of every ``linear`` and ``conv1d`` site in every GEMM (``fprop``, ``dgrad``);
+    a matmul site's ``weight`` (the right factor, e.g. attention's keys) is an activation, split with the
+    batch. Pass ``numscope.sites(model)`` (with ``example_inputs`` to include matmul sites, which add
+    nothing here).
+    """
+    return frozenset(
+        (site.name, gemm, "weight")
+        for site in sites
+        if site.kind in ("linear", "conv1d")
+        for gemm in ("fprop", "dgrad")
+    )
+
+
+def _rms(parts: list[OperandRecord]) -> float:
+    weighted = [(r.stats["rms"], r.sampled) for r in parts if not math.isnan(r.stats.get("rms", math.nan))]
+    total = sum(n for _, n in weighted)
+    return math.sqrt(sum(n * value * value for value, n in weighted) / total) if total else math.nan
+
+
+def _dynamic_range(parts: list[OperandRecord]) -> float:
+    """log2(largest amax) − log2(smallest nonzero magnitude), the latter recovered per rank from its stats."""
+    smallest, largest = math.inf, 0.0
+    for record in parts:
+        amax, binades = record.stats.get("amax", math.nan), record.stats.get("dynamic_range", math.nan)
+        if math.isnan(amax) or math.isnan(binades) or amax <= 0:
+            continue
+        largest = max(largest, amax)
+        smallest = min(smallest, math.log2(amax) - binades)
+    return math.log2(largest) - smallest if largest > 0 else 0.0
+
+
+def _merge_data_parallel(parts: list[Analysis], replicated: Container[OperandKey]) -> Analysis:
+    sharded = [Analysis(a.candidates, {k: v for k, v in a.operands.items() if k not in replicated},
+                        {k: v for k, v in a.histograms.items() if k not in replicated}, a.backward_errors,
+                        {k: v for k, v in a.elements.items() if k not in replicated},
+                        {k: v for k, v in a.plan_formats.items() if k not in replicated}, a.meta)
+               for a in parts]
+    merged = merge(sharded)
+    for key, per_step in merged.operands.items():
+        for step, record in per_step.items():
+            records = [a.operands[key][step] for a in sharded if step in a.operands.get(key, {})]
+            if len(records) > 1 and "rms" in record.stats:
+                record.stats["rms"] = _rms(records)
+            if len(records) > 1 and "dynamic_range" in record.stats:
+                record.stats["dynamic_range"] = _dynamic_range(records)
+    first = parts[0]
+    for key in first.operands:
+        if key in replicated:
+            merged.operands[key] = dict(first.operands[key])
+            for table, source in ((merged.histograms, first.histograms), (merged.elements, first.elements),
+                                  (merged.plan_formats, first.plan_formats)):
+                if key in source:
+                    table[key] = source[key]  # type: ignore[index]
+    merged.meta = {**first.meta, "ranks": len(parts)}
+    return merged
+
+
+def merge_analysis(
+    analysis: Analysis, group: Group = None, *, replicated: Container[OperandKey] = frozenset()
+) -> Analysis:
     """Every rank's analysis combined into one, returned on every rank (a collective: call it on all ranks).
 
     The analyses travel as Python objects (no float rounding on the way) and combine through
-    :func:`numscope.analysis.merge`: histograms and element counts add, maxima (``amax``…) and minima
-    (``min_nonzero``…) reduce, fractions and means (``underflow%``, ``overflow%``, ``rel_error``) are
-    weighted by each rank's sample size — all exact, so the result equals the analysis of one process that
-    saw the concatenated batch; nonlinear summaries (``sqnr_db``, kurtosis) are sample-weighted means, an
-    approximation. Ranks combine in rank order. Outside distributed runs returns ``analysis`` unchanged.
+    :func:`numscope.analysis.merge`: histograms and element counts add, maxima (``amax``) and minima
+    reduce, fractions and means (``zeros%``, ``nonfinite%``, ``underflow%``, ``overflow%``) are weighted by
+    each rank's sample size, ``rms`` combines as the root of the weighted mean square and
+    ``dynamic_range`` from each rank's amax and smallest magnitude. All of these are exact when every rank
+    measured its tensors whole (tensors of at most the observer's ``max_elements``), so the result equals
+    the analysis of one process that saw the concatenated batch. Nonlinear summaries (``sqnr_db``,
+    ``kurtosis``, ``t_dof``) and backward errors are weighted means, an approximation.
+
+    replicated: operand keys whose tensor is the same on every rank (parameters under DDP, or FSDP2's
+    unsharded parameters: see :func:`parameter_operands`); they are taken from rank 0 instead of being
+    counted once per rank. Ranks combine in rank order. Outside distributed runs returns ``analysis``.
     """
     if world_size(group) == 1:
         return analysis
     gathered: list[Analysis | None] = [None] * world_size(group)
     dist.all_gather_object(gathered, analysis, group=group)
-    return merge(part for part in gathered if part is not None)
+    return _merge_data_parallel([part for part in gathered if part is not None], replicated)
 
 
-def save_analysis(analysis: Analysis, directory: str | os.PathLike[str], group: Group = None) -> Path | None:
+def save_analysis(
+    analysis: Analysis,
+    directory: str | os.PathLike[str],
+    group: Group = None,
+    *,
+    replicated: Container[OperandKey] = frozenset(),
+) -> Path | None:
     """Merge every rank's analysis (:func:`merge_analysis`) and write it once, on rank 0.
 
     Returns the directory written on rank 0 and ``None`` on the other ranks; all ranks return only after
-    rank 0 has finished writing (a barrier), so a rank may read the files right after.
+    rank 0 has finished writing (a barrier), so any rank may read the files right after.
     """
-    merged = merge_analysis(analysis, group)
+    merged = merge_analysis(analysis, group, replicated=replicated)
     written = merged.save(directory) if is_rank_zero(group) else None
     if is_distributed():
         dist.barrier(group)
@@ -225,6 +306,36 @@ def all_gather_quantized(
     shape = (shard.shape[0] * world_size(), *shard.shape[1:])
     whole = Encoded(spec, codes, scales, local.tensor_scale, shape, local.axis, local.length)
     return whole.decode()
+
+
+# -- FSDP2 -------------------------------------------------------------------------------------------------
+def data_parallel_mesh(device_type: str = "cpu") -> DeviceMesh:
+    """A 1-D device mesh over every rank on a process group of its own, for ``fully_shard(..., mesh=)``.
+
+    numscope's amax reductions (current and delayed scaling, NVFP4) all-reduce on the default group inside
+    forward and backward. FSDP2 on a mesh from ``init_device_mesh`` shares that group, and the two streams
+    of collectives then reach the group in different orders on different ranks (observed with gloo and
+    torch 2.13: "Received data size doesn't match expected size"); on a group of its own they cannot
+    collide. Call it on every rank (it creates a group: a collective).
+    """
+    group = dist.new_group(list(range(world_size())))
+    return DeviceMesh.from_group(group, device_type)
+
+
+# -- loss scaling ----------------------------------------------------------------------------------------
+def all_reduce_found_inf(found_inf: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """A :attr:`numscope.LossScaler.found_inf_reduce` for FSDP2: the largest found-inf flag over ``group``.
+
+    Like the scaler's default (:func:`numscope.train.loss_scaler.all_reduce_max_if_distributed`), but the
+    flag may be a ``DTensor`` (FSDP2's sharded gradients make it one, and ``all_reduce`` rejects DTensors):
+    its local value is reduced and a plain one-element tensor returned. Pass it as
+    ``LossScaler(found_inf_reduce=numscope.distributed.all_reduce_found_inf)``.
+    """
+    local = found_inf.to_local() if hasattr(found_inf, "to_local") else found_inf
+    flag = local.detach().float().reshape(1).clone()
+    if is_distributed():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return flag
 
 
 # -- checks ----------------------------------------------------------------------------------------------

@@ -948,3 +948,8 @@ def is_discovered(model: nn.Module) -> bool:
     """Whether an attached ``model``'s matmul sites have been found by a forward pass."""
     runtime = _runtime(model)
     return runtime is not None and runtime.discovered
+
+
+from numscope._callable import make_callable as _make_callable  # noqa: E402
+
+_make_callable(__name__, "sites")

@@ -34,8 +34,9 @@ def tiny_bert(seed: int = 0) -> nn.Module:
     """A tiny BERT MLM (hidden 32, 2 layers, no dropout) built from a config: deterministic given ``seed``."""
     from numscope.demo.model import make_bert_mlm
 
-    return make_bert_mlm(VOCAB, hidden=32, layers=2, heads=2, intermediate=64, max_position=SEQUENCE,
-                         dropout=0.0, seed=seed)
+    return make_bert_mlm(
+        VOCAB, hidden=32, layers=2, heads=2, intermediate=64, max_position=SEQUENCE, dropout=0.0, seed=seed
+    )
 
 
 def mlm_batch(step: int, rows: int) -> dict[str, torch.Tensor]:
@@ -51,7 +52,7 @@ def mlm_batch(step: int, rows: int) -> dict[str, torch.Tensor]:
 def shard(batch: dict[str, torch.Tensor], rank: int, world_size: int) -> dict[str, torch.Tensor]:
     """This rank's contiguous slice of a batch (the rows DDP's sampler would give it)."""
     rows = batch["input_ids"].shape[0] // world_size
-    return {name: value[rank * rows:(rank + 1) * rows] for name, value in batch.items()}
+    return {name: value[rank * rows : (rank + 1) * rows] for name, value in batch.items()}
 
 
 def mean_mlm_loss(model: nn.Module, batch: dict[str, torch.Tensor], total_labels: int) -> torch.Tensor:
@@ -61,8 +62,12 @@ def mean_mlm_loss(model: nn.Module, batch: dict[str, torch.Tensor], total_labels
     global mean loss; so DDP's averaging over ranks (times the world size) gives one process's gradient.
     """
     logits = model(input_ids=batch["input_ids"]).logits
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1),
-                                       ignore_index=-100, reduction="sum") / total_labels
+    return (
+        nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), batch["labels"].reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        / total_labels
+    )
 
 
 def convert_fp8(model: nn.Module, reduce_amax: bool = True) -> nn.Module:
@@ -118,8 +123,12 @@ def scenario_loss_scaler(rank: int, world_size: int, args: dict[str, Any]) -> di
         scaler.step(optimizer)
         scaler.update()
         changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
-        out[case] = {"changed": changed, "skipped_steps": scaler.skipped_steps, "scale": scaler.get_scale(),
-                     "overflow": scaler.last_overflow}
+        out[case] = {
+            "changed": changed,
+            "skipped_steps": scaler.skipped_steps,
+            "scale": scaler.get_scale(),
+            "overflow": scaler.last_overflow,
+        }
     return out
 
 
@@ -136,10 +145,16 @@ def scenario_collectives(rank: int, world_size: int, args: dict[str, Any]) -> di
         raw_error = f"{type(error).__name__}: {error}"
     gathered = distributed.all_gather_tensor(local)
     broadcast = distributed.broadcast_tensor_(
-        torch.tensor([float(rank + 2)] * 2, dtype=torch.float8_e5m2), src=1)
-    return {"raw_error": raw_error, "gathered": gathered.view(torch.uint8),
-            "gathered_dtype": str(gathered.dtype), "broadcast": broadcast.float(),
-            "rank": distributed.rank(), "world_size": distributed.world_size()}
+        torch.tensor([float(rank + 2)] * 2, dtype=torch.float8_e5m2), src=1
+    )
+    return {
+        "raw_error": raw_error,
+        "gathered": gathered.view(torch.uint8),
+        "gathered_dtype": str(gathered.dtype),
+        "broadcast": broadcast.float(),
+        "rank": distributed.rank(),
+        "world_size": distributed.world_size(),
+    }
 
 
 def scenario_amax(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -164,6 +179,100 @@ def scenario_amax(rank: int, world_size: int, args: dict[str, Any]) -> dict[str,
     }
 
 
+STEPS = 3
+ROWS = 8  # the global batch: each of 2 ranks gets 4 sequences
+LR = 0.5
+
+
+def train_fp8(
+    model: nn.Module,
+    steps: int,
+    rank: int,
+    world_size: int,
+    fixed_batch: bool = False,
+    found_inf_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """SGD with a LossScaler on the global batch of :func:`mlm_batch` split over ranks; losses are global.
+
+    One process (``world_size`` 1, no process group) trains on the whole batch; under DDP or FSDP2 each
+    rank trains on its shard, and its loss is multiplied by the world size so that the averaged gradient
+    is the whole batch's. The returned losses are the whole batch's mean loss at each step.
+    """
+    from numscope.train.loss_scaler import LossScaler, all_reduce_max_if_distributed
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = LossScaler(
+        init_scale=2.0**10, found_inf_reduce=found_inf_reduce or all_reduce_max_if_distributed
+    )
+    losses = []
+    for step in range(steps):
+        batch = mlm_batch(0 if fixed_batch else step, ROWS)
+        total = int((batch["labels"] != -100).sum())
+        local = shard(batch, rank, world_size)
+        loss = mean_mlm_loss(model, local, total)
+        scaler.scale(loss * world_size).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        global_loss = loss.detach().clone()
+        if world_size > 1:
+            dist.all_reduce(global_loss)
+        losses.append(float(global_loss))
+    return {"losses": losses, "skipped_steps": scaler.skipped_steps}
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a plain full tensor (FSDP2's DTensor shards gathered)."""
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def run_ddp(
+    rank: int, world_size: int, steps: int, reduce_amax: bool = True, fixed_batch: bool = False
+) -> dict[str, Any]:
+    """The fp8-converted tiny BERT under DDP (amax reduction as asked)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from numscope import distributed
+
+    model = convert_fp8(tiny_bert(), reduce_amax=reduce_amax)
+    result = train_fp8(DistributedDataParallel(model), steps, rank, world_size, fixed_batch)
+    result["parameters"] = full_parameters(model)
+    result["divergence"] = distributed.parameter_divergence(model)
+    return result
+
+
+def run_fsdp2(rank: int, world_size: int, steps: int, fixed_batch: bool = False) -> dict[str, Any]:
+    """The fp8-converted tiny BERT with every encoder layer and the root under ``fully_shard``."""
+    from torch.distributed.fsdp import fully_shard
+
+    from numscope import distributed
+
+    model = convert_fp8(tiny_bert())
+    mesh = distributed.data_parallel_mesh("cpu")
+    for layer in model.bert.encoder.layer:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    result = train_fp8(model, steps, rank, world_size, fixed_batch, distributed.all_reduce_found_inf)
+    result["parameters"] = full_parameters(model)
+    return result
+
+
+TRAIN_STEPS = 6  # the FSDP2-versus-DDP runs: a fixed batch, so the loss must fall
+
+
+def scenario_bert(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Every tiny-BERT run of the tests in one world (each rank imports transformers once)."""
+    return {
+        "ddp": run_ddp(rank, world_size, STEPS),
+        "ddp_local_amax": run_ddp(rank, world_size, STEPS, reduce_amax=False),
+        "ddp_fixed": run_ddp(rank, world_size, TRAIN_STEPS, fixed_batch=True),
+        "fsdp2_fixed": run_fsdp2(rank, world_size, TRAIN_STEPS, fixed_batch=True),
+    }
+
+
 def whole_tensor() -> torch.Tensor:
     """A (8, 64) tensor whose two halves have very different amax (so local scales would differ)."""
     values = torch.randn(8, 64, generator=torch.Generator().manual_seed(7))
@@ -183,6 +292,7 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], dict[str, Any]]] = {
     "loss_scaler": scenario_loss_scaler,
     "collectives": scenario_collectives,
     "amax": scenario_amax,
+    "bert": scenario_bert,
 }
 
 
@@ -194,8 +304,9 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def launch(scenario: str, directory: Path, world_size: int = 2, timeout: float = TIMEOUT_S,
-           **args: Any) -> list[dict[str, Any]]:
+def launch(
+    scenario: str, directory: Path, world_size: int = 2, timeout: float = TIMEOUT_S, **args: Any
+) -> list[dict[str, Any]]:
     """Run ``scenario`` on ``world_size`` local ranks and return each rank's saved result, in rank order.
 
     Raises ``RuntimeError`` with every rank's stderr tail when a rank fails or the world outlives
@@ -208,14 +319,25 @@ def launch(scenario: str, directory: Path, world_size: int = 2, timeout: float =
     processes: list[tuple[subprocess.Popen[bytes], Path]] = []
     try:
         for rank in range(world_size):
-            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                   "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": _loopback_interface()}
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": "1",
+                "HF_HUB_OFFLINE": "1",
+                "GLOO_SOCKET_IFNAME": _loopback_interface(),
+            }
             log = directory / f"rank{rank}.log"
             with log.open("wb") as handle:
                 process = subprocess.Popen(
                     [sys.executable, __file__, scenario, str(directory), json.dumps(args)],
-                    env=env, stdout=handle, stderr=subprocess.STDOUT)
+                    env=env,
+                    stdout=handle,
+                    stderr=subprocess.STDOUT,
+                )
             processes.append((process, log))
         deadline = time.monotonic() + timeout
         while any(process.poll() is None for process, _ in processes):
@@ -223,11 +345,16 @@ def launch(scenario: str, directory: Path, world_size: int = 2, timeout: float =
             if crashed or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        failed = [(rank, process.returncode) for rank, (process, _) in enumerate(processes)
-                  if process.returncode != 0]
+        failed = [
+            (rank, process.returncode)
+            for rank, (process, _) in enumerate(processes)
+            if process.returncode != 0
+        ]
         if failed:
-            tails = "\n".join(f"--- rank {rank} (exit {process.returncode}):\n{log.read_text()[-3000:]}"
-                              for rank, (process, log) in enumerate(processes))
+            tails = "\n".join(
+                f"--- rank {rank} (exit {process.returncode}):\n{log.read_text()[-3000:]}"
+                for rank, (process, log) in enumerate(processes)
+            )
             reason = "timed out" if time.monotonic() > deadline else "failed"
             raise RuntimeError(f"scenario {scenario!r} {reason}: ranks {failed}\n{tails}")
     finally:

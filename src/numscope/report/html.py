@@ -90,8 +90,10 @@ def natural_key(name: str) -> list[Any]:
 
 def analysis_tables(analysis: Any) -> AnalysisView:
     """The adapter from a :class:`numscope.Analysis` to the report's plain :class:`AnalysisView`."""
+    sites = _site_order(analysis)
+    position = {site: index for index, site in enumerate(sites)}
     operands = []
-    for key in sorted(analysis.operands, key=lambda k: (natural_key(k[0]), k[1], k[2])):
+    for key in sorted(analysis.operands, key=lambda k: (position.get(k[0], len(position)), k[1], k[2])):
         site, gemm, operand = key
         per_step = analysis.operands[key]
         amaxes = [r.stats["amax"] for r in per_step.values() if math.isfinite(r.stats.get("amax", math.nan))]
@@ -127,11 +129,19 @@ def analysis_tables(analysis: Any) -> AnalysisView:
     ordered_errors = {gemm: errors[gemm] for gemm in ("fprop", "dgrad", "wgrad") if gemm in errors}
     return AnalysisView(
         candidates=tuple(analysis.candidates),
-        sites=tuple(sorted(analysis.sites(), key=natural_key)),
+        sites=sites,
         operands=tuple(operands),
         backward_errors=ordered_errors,
         backward_error_columns=columns,
     )
+
+
+def _site_order(analysis: Any) -> tuple[str, ...]:
+    """Sites in model order when the analysis records it (``meta["sites"]``), else in natural name order."""
+    found = set(analysis.sites())
+    recorded = [site for site in analysis.meta.get("sites", ()) if site in found]
+    rest = sorted(found - set(recorded), key=natural_key)
+    return (*recorded, *rest)
 
 
 def _candidate_order(candidates: Sequence[str]):
@@ -557,7 +567,7 @@ def _underflow(view: AnalysisView | None, runs: Sequence[Mapping[str, Any]]) -> 
             if usable and (v.gemm == "wgrad" or v.site not in per_site):
                 per_site[v.site] = value
         if per_site:
-            sites = sorted(per_site, key=natural_key)
+            sites = [site for site in view.sites if site in per_site]
             png = plots.underflow_by_site(sites, [per_site[s] for s in sites], UNDERFLOW_FORMAT,
                                           short_site_names(sites))
             body.append(_figure(

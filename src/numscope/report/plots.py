@@ -26,23 +26,33 @@ DPI = 110
 REFERENCE_RUN = "fp32"
 _REFERENCE_COLOUR = "#222222"
 _PALETTE = (
-    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#17becf",
+    "#bcbd22",
     "#7f7f7f",
 )
 _UNDERFLOW_COLOUR = "#d62728"
 _SUBNORMAL_COLOUR = "#f2b134"
 _BAR_COLOUR = "#3b6ea8"
 
-plt.rcParams.update({
-    "font.size": 9,
-    "axes.titlesize": 10,
-    "axes.labelsize": 9,
-    "legend.fontsize": 8,
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-    "axes.grid": True,
-    "grid.alpha": 0.25,
-})
+plt.rcParams.update(
+    {
+        "font.size": 9,
+        "axes.titlesize": 10,
+        "axes.labelsize": 9,
+        "legend.fontsize": 8,
+        "axes.spines.top": False,
+        "axes.spines.right": False,
+        "axes.grid": True,
+        "grid.alpha": 0.25,
+    }
+)
 
 
 def run_colours(names: Sequence[str]) -> dict[str, str]:
@@ -100,8 +110,13 @@ def loss_curves(runs: Sequence[Mapping], smoothing: float = 0.1) -> bytes | None
         curve = run.get("curve") or []
         if curve:
             val_ax.plot(
-                [p["step"] for p in curve], [float(p["val_loss"]) for p in curve], color=colour, lw=width,
-                marker="o", ms=3, label=run["name"],
+                [p["step"] for p in curve],
+                [float(p["val_loss"]) for p in curve],
+                color=colour,
+                lw=width,
+                marker="o",
+                ms=3,
+                label=run["name"],
             )
     train_ax.set_title(f"training loss (EMA, weight {smoothing:g} per step)")
     val_ax.set_title("validation MLM loss")
@@ -112,8 +127,14 @@ def loss_curves(runs: Sequence[Mapping], smoothing: float = 0.1) -> bytes | None
         low, high = min(finite_losses), float(np.percentile(finite_losses, 99))
         train_ax.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
     handles, labels = _unique_legend(fig)
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 8), frameon=False,
-               bbox_to_anchor=(0.5, -0.06))
+    fig.legend(
+        handles,
+        labels,
+        loc="lower center",
+        ncol=min(len(labels), 8),
+        frameon=False,
+        bbox_to_anchor=(0.5, -0.06),
+    )
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return _png(fig)
 
@@ -130,7 +151,8 @@ def loss_scale_trajectory(runs: Sequence[Mapping]) -> bytes | None:
     """The loss scale per step (log2 axis) of every run with loss scaling, skipped steps marked with an x.
     None when no run scales its loss."""
     scaled = [
-        run for run in runs
+        run
+        for run in runs
         if run.get("loss_scaling", "none") not in ("none", None, "") and run.get("train_log")
     ]
     if not scaled:
@@ -146,8 +168,14 @@ def loss_scale_trajectory(runs: Sequence[Mapping]) -> bytes | None:
         ax.step(steps, scales, where="post", color=colour, lw=1.4, label=label)
         skipped = [(row["step"], float(row["scale"])) for row in log if int(row.get("skipped", 0))]
         if skipped:
-            ax.scatter(*zip(*skipped, strict=True), marker="x", color=_UNDERFLOW_COLOUR, s=28, zorder=3,
-                       label=f"{run['name']}: skipped step ({len(skipped)})")
+            ax.scatter(
+                *zip(*skipped, strict=True),
+                marker="x",
+                color=_UNDERFLOW_COLOUR,
+                s=28,
+                zorder=3,
+                label=f"{run['name']}: skipped step ({len(skipped)})",
+            )
     ax.set_yscale("log", base=2)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss scale (log2 axis)")
@@ -159,7 +187,9 @@ def loss_scale_trajectory(runs: Sequence[Mapping]) -> bytes | None:
 
 # ------------------------------------------------------------------------------------ backward error
 def backward_error_heatmap(
-    panels: Mapping[str, Mapping[str, Mapping[str, float]]], sites: Sequence[str], formats: Sequence[str],
+    panels: Mapping[str, Mapping[str, Mapping[str, float]]],
+    sites: Sequence[str],
+    formats: Sequence[str],
     site_labels: Mapping[str, str] | None = None,
 ) -> bytes | None:
     """Heatmaps sites × formats of the mean backward error, one panel per GEMM, on a shared log10 colour
@@ -183,12 +213,18 @@ def backward_error_heatmap(
     panel_h = max(1.2, cell_h * len(sites))
     side_by_side = panel_w * len(gemms) + 3.2 <= 14.0
     if side_by_side:  # few formats: the GEMMs next to each other, sharing the site axis
-        fig, grid = plt.subplots(1, len(gemms), figsize=(panel_w * len(gemms) + 3.2, panel_h + 1.6),
-                                 sharey=True, squeeze=False)
+        fig, grid = plt.subplots(
+            1, len(gemms), figsize=(panel_w * len(gemms) + 3.2, panel_h + 1.6), sharey=True, squeeze=False
+        )
         axes = list(grid[0])
     else:  # many formats: one GEMM under the other, sharing the format axis
-        fig, grid = plt.subplots(len(gemms), 1, figsize=(panel_w + 3.6, (panel_h + 0.5) * len(gemms) + 1.1),
-                                 sharex=True, squeeze=False)
+        fig, grid = plt.subplots(
+            len(gemms),
+            1,
+            figsize=(panel_w + 3.6, (panel_h + 0.5) * len(gemms) + 1.1),
+            sharex=True,
+            squeeze=False,
+        )
         axes = list(grid[:, 0])
     image = None
     for index, (ax, gemm) in enumerate(zip(axes, gemms, strict=True)):
@@ -205,8 +241,15 @@ def backward_error_heatmap(
                     continue
                 shade = cmap(norm(grid_values[i, j]))
                 luminance = 0.299 * shade[0] + 0.587 * shade[1] + 0.114 * shade[2]
-                ax.text(j, i, _short_sci(10.0 ** grid_values[i, j]), ha="center", va="center", fontsize=7,
-                        color="black" if luminance > 0.5 else "white")
+                ax.text(
+                    j,
+                    i,
+                    _short_sci(10.0 ** grid_values[i, j]),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="black" if luminance > 0.5 else "white",
+                )
         if side_by_side or index == len(gemms) - 1:
             ax.set_xticks(range(len(formats)), formats, rotation=50, ha="right", rotation_mode="anchor")
         else:
@@ -216,8 +259,12 @@ def backward_error_heatmap(
         ax.grid(False)
         ax.tick_params(length=0)
     fig.tight_layout()
-    bar = fig.colorbar(image, ax=axes, fraction=0.025 if side_by_side else 0.04, pad=0.01,
-                       aspect=30 if not side_by_side else 20)
+    if side_by_side:
+        bar = fig.colorbar(image, ax=axes, fraction=0.025, pad=0.01)
+    else:
+        bar = fig.colorbar(
+            image, ax=axes, location="top", fraction=0.5 / fig.get_figheight(), pad=0.01, aspect=45
+        )
     bar.set_label("log10 backward error (mean over outputs)")
     return _png(fig)
 
@@ -264,7 +311,9 @@ class Histogram:
 
 
 def operand_histogram(
-    histogram: Histogram, ranges: Sequence[FormatRange], highlight: str | None = "fp16",
+    histogram: Histogram,
+    ranges: Sequence[FormatRange],
+    highlight: str | None = "fp16",
 ) -> bytes | None:
     """Micikevicius et al. (2018), Fig. 3 style: the fraction of values per binade, zeros as a separate
     bar, and below it one lane per candidate format showing the magnitudes it represents (normal range
@@ -273,128 +322,178 @@ def operand_histogram(
     highlight: a format (``fp16`` by default) whose flush-to-zero region is shaded red over the histogram
     and whose smallest subnormal is drawn as a line, when it is among ``ranges`` and unscaled.
     """
-    fig = _histogram_figure(histogram, ranges, highlight, compact=False)
-    return None if fig is None else _png(fig)
-
-
-def _histogram_figure(
-    histogram: Histogram, ranges: Sequence[FormatRange], highlight: str | None, compact: bool,
-    fig: Figure | None = None, spec=None,
-) -> Figure | None:
-    total = histogram.total
-    if total == 0 or not histogram.counts:
+    if histogram.total == 0 or not histogram.counts:
         return None
+    marked = _marked(ranges, highlight)
+    view_low, view_high = _view(histogram, marked)
     binades = sorted(histogram.counts)
-    data_low, data_high = binades[0], binades[-1] + 1
-    marked = next((r for r in ranges if r.name == highlight and r.scaling == "none"), None)
-    view_low, view_high = data_low - 3, data_high + 3
-    if marked is not None:  # keep the highlighted format's underflow line in view (within reason)
-        view_low = max(min(view_low, marked.low - 2), data_low - 16)
-        view_high = min(max(view_high, marked.high + 1), data_high + 16)
-    lane_h = 0.17 if compact else 0.24
-    if fig is None:
-        fig = plt.figure(figsize=(9.5, 2.8 + lane_h * len(ranges)))
-        grid = fig.add_gridspec(2, 2, height_ratios=(2.8, max(0.6, lane_h * len(ranges))),
-                                width_ratios=(0.6, 11), hspace=0.12, wspace=0.03)
-    else:
-        grid = spec.subgridspec(2, 2, height_ratios=(2.0, max(0.5, lane_h * len(ranges))),
-                                width_ratios=(0.9, 11), hspace=0.14, wspace=0.04)
+    total = histogram.total
+    fig = plt.figure(figsize=(9.5, 2.8 + 0.24 * len(ranges)))
+    grid = fig.add_gridspec(
+        2,
+        2,
+        height_ratios=(2.8, max(0.6, 0.24 * len(ranges))),
+        width_ratios=(0.6, 11),
+        hspace=0.12,
+        wspace=0.03,
+    )
     zero_ax = fig.add_subplot(grid[0, 0])
     hist_ax = fig.add_subplot(grid[0, 1], sharey=zero_ax)
     lane_ax = fig.add_subplot(grid[1, 1], sharex=hist_ax)
-    fig.add_subplot(grid[1, 0]).axis("off")
 
     fractions = [histogram.counts[e] / total for e in binades]
     hist_ax.bar([e + 0.5 for e in binades], fractions, width=0.92, color=_BAR_COLOUR, zorder=3)
     zero_fraction = histogram.zeros / total
     zero_ax.bar([0], [zero_fraction], width=0.7, color="#777777")
-    zero_ax.set_xticks([0], [""] if compact else ["zeros"], fontsize=7.5)
+    zero_ax.set_xticks([0], ["zeros"], fontsize=7.5)
     zero_ax.set_xlim(-0.6, 0.6)
     zero_ax.set_ylabel("fraction of values")
     zero_ax.grid(False)
-    if not compact:
-        zero_ax.text(0, zero_fraction, f"{100 * zero_fraction:.1f}%", ha="center", va="bottom", fontsize=7)
+    zero_ax.text(0, zero_fraction, f"{100 * zero_fraction:.1f}%", ha="center", va="bottom", fontsize=7)
     hist_ax.tick_params(labelleft=False, labelbottom=False)
     hist_ax.spines["left"].set_visible(False)
     hist_ax.set_xlim(view_low, view_high)
-    title = histogram.title if not compact else f"{histogram.title}  (zeros {100 * zero_fraction:.1f}%)"
-    hist_ax.set_title(title, loc="left", fontsize=8.5 if compact else 10)
-    top = max(max(fractions), zero_fraction) * (1.18 if compact else 1.35)
-    zero_ax.set_ylim(0, top)
+    hist_ax.set_title(histogram.title, loc="left")
+    zero_ax.set_ylim(0, max(max(fractions), zero_fraction) * 1.35)
     if marked is not None:
-        hist_ax.axvspan(view_low, marked.low, color=_UNDERFLOW_COLOUR, alpha=0.12, lw=0, zorder=0)
-        hist_ax.axvspan(marked.low, marked.low_normal, color=_SUBNORMAL_COLOUR, alpha=0.15, lw=0, zorder=0)
-        hist_ax.axvline(marked.low, color=_UNDERFLOW_COLOUR, lw=1.2, ls="--", zorder=4)
-        nonzero = max(1, total - histogram.zeros)
-        lost = sum(histogram.counts[e] for e in binades if e + 1 <= marked.low) / nonzero
-        if not compact:
-            text = f"{marked.name}: values left of 2^{marked.low:g} become 0"
-            if marked.underflow_percent is not None:
-                text += f"\nmeasured underflow: {marked.underflow_percent:.2f}% of nonzeros"
-            else:
-                text += f"\n≥ {100 * lost:.2f}% of nonzeros by the histogram"
-            hist_ax.text(0.01, 0.97, text, transform=hist_ax.transAxes, ha="left", va="top",
-                         fontsize=7.5, color=_UNDERFLOW_COLOUR,
-                         bbox={"facecolor": "white", "alpha": 0.8, "lw": 0, "pad": 2})
-
-    _draw_lanes(lane_ax, ranges, view_low, view_high, compact)
-    lane_ax.set_xlabel("log2 |x|  (binades; bin e holds 2^e ≤ |x| < 2^(e+1))" if not compact else "log2 |x|")
-    return fig
-
-
-def _draw_lanes(ax, ranges: Sequence[FormatRange], view_low: float, view_high: float, compact: bool) -> None:
-    colours = {"none": "#4c72b0", "tensor": "#55a868", "block": "#8172b2"}
-    for lane, fmt in enumerate(ranges):
-        colour = colours.get(fmt.scaling, "#999999")
-        low, low_normal, high = (max(v, view_low - 1) for v in (fmt.low, fmt.low_normal, fmt.high))
-        high = min(high, view_high + 1)
-        ax.barh(lane, low_normal - low, left=low, height=0.62, color=colour, alpha=0.35, lw=0)
-        ax.barh(lane, high - low_normal, left=low_normal, height=0.62, color=colour, alpha=0.85, lw=0)
-        if not compact:
-            parts = []
-            if fmt.underflow_percent is not None:
-                parts.append(f"underflow {fmt.underflow_percent:.2f}%")
-            if fmt.overflow_percent is not None:
-                parts.append(f"overflow {fmt.overflow_percent:.2f}%")
-            if parts:
-                ax.text(1.005, lane, "  ·  ".join(parts), transform=ax.get_yaxis_transform(), va="center",
-                        fontsize=7, clip_on=False)
-    names = [r.name if compact else f"{r.name} ({r.scaling})" for r in ranges]
-    ax.set_yticks(range(len(ranges)), names, fontsize=6.5 if compact else 7.5)
-    ax.set_ylim(len(ranges) - 0.5, -0.5)
-    ax.grid(axis="y", visible=False)
-    ax.spines["left"].set_visible(False)
-    if not compact:
-        ax.figure.legend(
-            handles=[
-                Patch(color=colours["none"], label="unscaled: fixed range"),
-                Patch(color=colours["tensor"], label="per-tensor scaled: top at tensor amax"),
-                Patch(color=colours["block"], label="block scaled: one block whose amax = tensor amax"),
-                Patch(color="#999999", alpha=0.35, label="light: subnormal range"),
-            ],
-            loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=4, frameon=False, fontsize=7.5,
+        _shade_flush_region(hist_ax, marked, view_low)
+        text = f"{marked.name}: values left of 2^{marked.low:g} become 0"
+        if marked.underflow_percent is not None:
+            text += f"\nmeasured underflow: {marked.underflow_percent:.2f}% of nonzeros"
+        else:
+            lost = sum(histogram.counts[e] for e in binades if e + 1 <= marked.low)
+            text += f"\n≥ {100 * lost / max(1, total - histogram.zeros):.2f}% of nonzeros by the histogram"
+        hist_ax.text(
+            0.01,
+            0.97,
+            text,
+            transform=hist_ax.transAxes,
+            ha="left",
+            va="top",
+            fontsize=7.5,
+            color=_UNDERFLOW_COLOUR,
+            zorder=5,
+            bbox={"facecolor": "white", "alpha": 0.9, "lw": 0, "pad": 2},
         )
+    for lane, fmt in enumerate(ranges):
+        _lane(lane_ax, lane, fmt, view_low, view_high, height=0.62)
+        parts = []
+        if fmt.underflow_percent is not None:
+            parts.append(f"underflow {fmt.underflow_percent:.2f}%")
+        if fmt.overflow_percent is not None:
+            parts.append(f"overflow {fmt.overflow_percent:.2f}%")
+        if parts:
+            lane_ax.text(
+                1.005,
+                lane,
+                "  ·  ".join(parts),
+                transform=lane_ax.get_yaxis_transform(),
+                va="center",
+                fontsize=7,
+                clip_on=False,
+            )
+    lane_ax.set_yticks(range(len(ranges)), [f"{r.name} ({r.scaling})" for r in ranges], fontsize=7.5)
+    lane_ax.set_ylim(len(ranges) - 0.5, -0.5)
+    lane_ax.grid(axis="y", visible=False)
+    lane_ax.spines["left"].set_visible(False)
+    lane_ax.set_xlabel("log2 |x|  (binades; bin e holds 2^e ≤ |x| < 2^(e+1))")
+    fig.legend(
+        handles=[
+            Patch(color=_LANE_COLOURS["none"], label="unscaled: fixed range"),
+            Patch(color=_LANE_COLOURS["tensor"], label="per-tensor scaled: top at tensor amax"),
+            Patch(color=_LANE_COLOURS["block"], label="block scaled: one block whose amax = tensor amax"),
+            Patch(color="#999999", alpha=0.35, label="light: subnormal range"),
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.0),
+        ncol=4,
+        frameon=False,
+        fontsize=7.5,
+    )
+    return _png(fig)
 
 
-def histogram_grid(items: Sequence[tuple[Histogram, Sequence[FormatRange]]], columns: int = 3,
-                   highlight: str | None = "fp16") -> bytes | None:
-    """Small multiples of :func:`operand_histogram` (no per-lane annotations), ``columns`` per row."""
+_LANE_COLOURS = {"none": "#4c72b0", "tensor": "#55a868", "block": "#8172b2"}
+
+
+def _marked(ranges: Sequence[FormatRange], highlight: str | None) -> FormatRange | None:
+    return next((r for r in ranges if r.name == highlight and r.scaling == "none"), None)
+
+
+def _view(histogram: Histogram, marked: FormatRange | None) -> tuple[float, float]:
+    """The x range: the data ±3 binades, widened to show ``marked``'s underflow line (at most 16 binades)."""
+    binades = sorted(histogram.counts)
+    data_low, data_high = binades[0], binades[-1] + 1
+    view_low, view_high = data_low - 3, data_high + 3
+    if marked is not None:
+        view_low = max(min(view_low, marked.low - 2), data_low - 16)
+        view_high = min(max(view_high, marked.high + 1), data_high + 16)
+    return view_low, view_high
+
+
+def _shade_flush_region(ax, marked: FormatRange, view_low: float, ymin: float = 0.0) -> None:
+    """Red: magnitudes ``marked`` flushes to zero; amber: its subnormals; dashed: its smallest subnormal."""
+    ax.axvspan(view_low - 1, marked.low, ymin=ymin, color=_UNDERFLOW_COLOUR, alpha=0.12, lw=0, zorder=0)
+    ax.axvspan(marked.low, marked.low_normal, ymin=ymin, color=_SUBNORMAL_COLOUR, alpha=0.15, lw=0, zorder=0)
+    ax.axvline(marked.low, ymin=ymin, color=_UNDERFLOW_COLOUR, lw=1.2, ls="--", zorder=4)
+
+
+def _lane(ax, y: float, fmt: FormatRange, view_low: float, view_high: float, height: float) -> None:
+    """One format's range as a horizontal bar at ``y``: light over subnormals, dark over normals."""
+    colour = _LANE_COLOURS.get(fmt.scaling, "#999999")
+    low, low_normal, high = (
+        min(max(v, view_low - 1), view_high + 1) for v in (fmt.low, fmt.low_normal, fmt.high)
+    )
+    ax.barh(y, low_normal - low, left=low, height=height, color=colour, alpha=0.35, lw=0)
+    ax.barh(y, high - low_normal, left=low_normal, height=height, color=colour, alpha=0.85, lw=0)
+
+
+def histogram_grid(
+    items: Sequence[tuple[Histogram, Sequence[FormatRange]]], columns: int = 3, highlight: str | None = "fp16"
+) -> bytes | None:
+    """Small multiples of :func:`operand_histogram`, ``columns`` per row, one axes each: bars above the
+    zero line (fraction of all values; exact zeros in the title), format lanes below it."""
     items = [item for item in items if item[0].total and item[0].counts]
     if not items:
         return None
     rows = math.ceil(len(items) / columns)
     lanes = max(len(r) for _, r in items)
-    fig = plt.figure(figsize=(4.4 * columns, rows * (2.2 + 0.17 * lanes)))
-    outer = fig.add_gridspec(rows, columns, hspace=0.5, wspace=0.32)
-    for index, (histogram, ranges) in enumerate(items):
-        _histogram_figure(histogram, ranges, highlight, compact=True, fig=fig, spec=outer[index // columns,
-                                                                                          index % columns])
+    fig, axes = plt.subplots(
+        rows, columns, figsize=(4.4 * columns, rows * (1.9 + 0.16 * lanes)), squeeze=False
+    )
+    for ax in axes.flat[len(items) :]:
+        ax.axis("off")
+    for ax, (histogram, ranges) in zip(axes.flat, items, strict=False):
+        marked = _marked(ranges, highlight)
+        view_low, view_high = _view(histogram, marked)
+        binades = sorted(histogram.counts)
+        fractions = [histogram.counts[e] / histogram.total for e in binades]
+        peak = max(fractions)
+        lane_step = peak * 0.14
+        lane_centres = [-(index + 0.8) * lane_step for index in range(len(ranges))]
+        bottom = -(len(ranges) + 0.3) * lane_step
+        ax.bar([e + 0.5 for e in binades], fractions, width=0.92, color=_BAR_COLOUR, zorder=3)
+        for centre, fmt in zip(lane_centres, ranges, strict=True):
+            _lane(ax, centre, fmt, view_low, view_high, height=lane_step * 0.7)
+        ax.set_xlim(view_low, view_high)
+        ax.set_ylim(bottom, peak * 1.12)
+        if marked is not None:
+            _shade_flush_region(ax, marked, view_low, ymin=-bottom / (peak * 1.12 - bottom))
+        ax.axhline(0, color="#444444", lw=0.6)
+        ax.set_yticks([*lane_centres, 0, peak], [*(r.name for r in ranges), "0", f"{peak:.2f}"], fontsize=6.5)
+        ax.grid(axis="y", visible=False)
+        zeros = 100 * histogram.zeros / histogram.total
+        ax.set_title(f"{histogram.title}  (zeros {zeros:.1f}%)", loc="left", fontsize=8.5)
+        ax.set_xlabel("log2 |x|", fontsize=8)
+    fig.tight_layout(h_pad=1.2, w_pad=1.0)
     return _png(fig)
 
 
 # ---------------------------------------------------------------------------------------- underflow
 def underflow_by_site(
-    sites: Sequence[str], underflow_percent: Sequence[float], fmt: str = "fp16",
+    sites: Sequence[str],
+    underflow_percent: Sequence[float],
+    fmt: str = "fp16",
     site_labels: Mapping[str, str] | None = None,
 ) -> bytes | None:
     """Horizontal bars: the share (%) of each site's nonzero grad_output values that ``fmt`` flushes to 0."""
@@ -417,7 +516,9 @@ def underflow_by_site(
 
 
 def underflow_before_after(
-    rows: Sequence[Mapping[str, float | str]], run_name: str, labels: Mapping[str, str] | None = None,
+    rows: Sequence[Mapping[str, float | str]],
+    run_name: str,
+    labels: Mapping[str, str] | None = None,
 ) -> bytes | None:
     """Grouped bars per site/parameter: underflow % without (before) and with (after) loss scaling.
 
@@ -445,4 +546,3 @@ def underflow_before_after(
     ax.grid(axis="y", visible=False)
     fig.tight_layout()
     return _png(fig)
-

@@ -1,0 +1,183 @@
+"""Quantization error metrics and the backward error, against hand-computed values and float64 loops."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import numscope
+from numscope.metrics import (
+    backward_error,
+    backward_error_from,
+    block_scale_spread,
+    cosine_similarity,
+    operand_metrics,
+    overflow_fraction,
+    product_reference,
+    relative_error,
+    saturated_block_fraction,
+    sqnr_db,
+    underflow_fraction,
+)
+
+
+def test_sqnr_relative_error_and_cosine_of_a_known_error():
+    x, q = torch.tensor([3.0, 4.0]), torch.tensor([3.0, 3.0])
+    assert sqnr_db(x, q) == pytest.approx(10 * math.log10(25.0))
+    assert relative_error(x, q) == pytest.approx(0.2)
+    assert cosine_similarity(x, q) == pytest.approx(21 / (5 * math.sqrt(18)))
+    assert sqnr_db(x, x) == math.inf and relative_error(x, x) == 0.0
+
+
+def test_error_metrics_do_not_overflow_on_large_values():
+    x = torch.tensor([3e30, 4e30])
+    assert sqnr_db(x, torch.tensor([3e30, 3e30])) == pytest.approx(10 * math.log10(25.0))
+
+
+def test_cosine_of_zero_vectors():
+    zero = torch.zeros(3)
+    assert cosine_similarity(zero, zero) == 1.0
+    assert cosine_similarity(torch.ones(3), zero) == 0.0
+
+
+def test_underflow_fraction_counts_nonzeros_that_became_zero():
+    x = torch.tensor([0.0, 1e-10, 1.0, 2.0])
+    q = torch.tensor([0.0, 0.0, 1.0, 2.0])
+    assert underflow_fraction(x, q) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="same shape"):
+        underflow_fraction(x, q[:2])
+
+
+def test_overflow_fraction_uses_the_rounding_threshold():
+    # E4M3: max 448, next step would be 480, so nearest rounding overflows above 464 (464 ties to 448)
+    x = torch.tensor([1.0, 460.0, 464.0, 465.0, 1000.0])
+    assert overflow_fraction(x, "fp8_e4m3", scaling=None) == pytest.approx(2 / 5)
+    # int8: 127.5 ties to 128 (even), which is out of range
+    ints = torch.tensor([127.4, 127.5, 200.0])
+    assert overflow_fraction(ints, "int8", scaling=None) == pytest.approx(2 / 3)
+    # current per-tensor scaling maps amax onto max: nothing overflows
+    assert overflow_fraction(x, "fp8_e4m3") == 0.0
+
+
+def test_block_saturation_and_scale_spread():
+    # two MXFP8 blocks of 32; block 0 amax 500 has scale 2^(8-8) = 1, so 500 > 464 saturates
+    x = torch.ones(64)
+    x[0] = 500.0
+    x[32:] = 2.0**-10
+    assert saturated_block_fraction(x, "mxfp8_e4m3") == pytest.approx(0.5)
+    assert overflow_fraction(x, "mxfp8_e4m3") == pytest.approx(1 / 64)
+    spread = block_scale_spread(x, "mxfp8_e4m3")
+    # block scales 2^0 and 2^(-10 - 8)
+    assert spread.range_binades == pytest.approx(18.0)
+    assert spread.std_binades == pytest.approx(9.0)
+    assert (spread.blocks, spread.flushed) == (2, 0)
+
+
+def test_block_metrics_follow_the_axis():
+    x = torch.ones(32, 2)
+    x[0, 0] = 500.0
+    assert saturated_block_fraction(x, "mxfp8_e4m3", axis=0) == pytest.approx(0.5)
+    assert saturated_block_fraction(x, "mxfp8_e4m3", axis=-1) == pytest.approx(1 / 32)
+
+
+def test_block_metrics_reject_element_formats():
+    with pytest.raises(ValueError, match="element format"):
+        saturated_block_fraction(torch.ones(4), "fp8_e4m3")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "nvfp4", "bf16"])
+def test_operand_metrics_agree_with_the_single_metrics(fmt):
+    x = torch.tensor(np.random.default_rng(0).standard_t(3, (64, 96)), dtype=torch.float32)
+    spec = numscope.format(fmt)
+    q = numscope.quantize(x, fmt, scaling=None if spec.kind == "block" else "tensor")
+    metrics = operand_metrics(x, fmt)
+    assert metrics["sqnr_db"] == pytest.approx(sqnr_db(x, q), rel=1e-6)
+    assert metrics["rel_error"] == pytest.approx(relative_error(x, q), rel=1e-6)
+    assert metrics["cosine"] == pytest.approx(cosine_similarity(x, q), rel=1e-6)
+    assert metrics["underflow%"] == pytest.approx(100 * underflow_fraction(x, q))
+    assert metrics["overflow%"] == pytest.approx(100 * overflow_fraction(x, fmt))
+    if spec.kind == "block":
+        assert metrics["saturated_blocks%"] == pytest.approx(100 * saturated_block_fraction(x, fmt))
+        assert metrics["block_scale_range"] == pytest.approx(block_scale_spread(x, fmt).range_binades)
+    else:
+        assert "saturated_blocks%" not in metrics
+
+
+def test_operand_metrics_reject_element_scaling_for_block_formats():
+    with pytest.raises(ValueError, match="brings its own block scaling"):
+        operand_metrics(torch.ones(32), "mxfp8_e4m3", scaling="tensor")
+
+
+def test_operand_metrics_ignore_nonfinite_elements():
+    x = torch.tensor([1.0, 2.0, float("inf"), 3.0])
+    metrics = operand_metrics(x, "int8")
+    assert math.isfinite(metrics["sqnr_db"])
+
+
+def test_backward_error_is_zero_for_exactly_representable_operands():
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(-8, 9, (16, 64), generator=generator).float()
+    b = torch.randint(-8, 9, (64, 8), generator=generator).float()
+    for fmt in ("fp8_e4m3", "int8", "mxfp8_e4m3"):
+        result = backward_error(a, b, fmt, fmt, scaling_a=None, scaling_b=None)
+        assert result.max == 0.0 and result.count > 0
+
+
+def test_backward_error_matches_a_float64_loop():
+    rng = np.random.default_rng(4)
+    a = torch.tensor(rng.standard_t(3, (5, 40)), dtype=torch.float32)
+    b = torch.tensor(rng.standard_t(3, (40, 3)), dtype=torch.float32)
+    a[0] = 0.0  # a zero row: its entries have a zero denominator and are excluded
+    qa = numscope.quantize(a, "fp8_e4m3", scaling="tensor").double().numpy()
+    qb = numscope.quantize(b, "fp8_e5m2", scaling="tensor").double().numpy()
+    A, B = a.double().numpy(), b.double().numpy()
+    expected = []
+    for i in range(5):
+        for j in range(3):
+            denominator = sum(abs(A[i, k]) * abs(B[k, j]) for k in range(40))
+            if denominator > 0:
+                exact = sum(A[i, k] * B[k, j] for k in range(40))
+                quantized = sum(qa[i, k] * qb[k, j] for k in range(40))
+                expected.append(abs(exact - quantized) / denominator)
+    result = backward_error(a, b, "fp8_e4m3", "fp8_e5m2")
+    assert result.count == 12 and result.excluded == 3
+    assert result.mean == pytest.approx(np.mean(expected), rel=1e-9)
+    assert result.max == pytest.approx(np.max(expected), rel=1e-9)
+    assert result.p99 == pytest.approx(np.quantile(expected, 0.99), rel=1e-9)
+    assert result.median == pytest.approx(np.median(expected), rel=1e-9)
+
+
+def test_block_formats_run_their_blocks_along_the_contraction_dim():
+    rng = np.random.default_rng(5)
+    # columns of a (and rows of b) differ in scale by 2^12: blocks across k would mix them
+    spread = np.logspace(0, 12, 64, base=2)
+    a = torch.tensor(rng.standard_normal((64, 64)) * spread[None, :], dtype=torch.float32)
+    b = torch.tensor(rng.standard_normal((64, 64)) * spread[:, None], dtype=torch.float32)
+    fmt = "mxfp4_e2m1"
+    qa = numscope.quantize(a, fmt, scaling=numscope.Scaling("block", axis=1))
+    qb = numscope.quantize(b, fmt, scaling=numscope.Scaling("block", axis=0))
+    expected = backward_error_from(product_reference(a, b), qa, qb)
+    assert backward_error(a, b, fmt, fmt) == expected
+    across = backward_error(a, b, fmt, fmt, scaling_a=numscope.Scaling("block", axis=0),
+                            scaling_b=numscope.Scaling("block", axis=1))
+    assert across.mean != expected.mean
+
+
+def test_sampled_backward_error_estimates_the_full_mean():
+    rng = np.random.default_rng(6)
+    a = torch.tensor(rng.standard_t(4, (256, 128)), dtype=torch.float32)
+    b = torch.tensor(rng.standard_t(4, (128, 256)), dtype=torch.float32)
+    full = backward_error(a, b, "int8", "int8")
+    sampled = backward_error(a, b, "int8", "int8", sample_rows=64, sample_cols=64,
+                             generator=torch.Generator().manual_seed(0))
+    assert sampled.sampled and not full.sampled and sampled.count == 64 * 64
+    assert sampled.mean == pytest.approx(full.mean, rel=0.1)
+    assert sampled.max <= full.max
+
+
+def test_backward_error_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="contraction sizes differ"):
+        backward_error(torch.ones(2, 3), torch.ones(4, 2), "int8", "int8")
+    with pytest.raises(ValueError, match="2-D operands"):
+        backward_error(torch.ones(2, 3, 4), torch.ones(4, 2), "int8", "int8")

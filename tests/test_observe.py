@@ -1,0 +1,189 @@
+"""The observer on a real tiny BERT masked LM and on a large Linear."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+from transformers import BertConfig, BertForMaskedLM
+
+import numscope
+from numscope.advisor import recommend
+from numscope.analysis import Analysis
+from numscope.metrics import operand_metrics
+from numscope.observe import Observer, observe
+from numscope.plan import OPERANDS, Plan
+from numscope.sites import sites
+
+CANDIDATES = ("bf16", "fp8_e4m3", "fp8_e5m2", "int8", "mxfp8_e4m3", "nvfp4")
+BATCH, SEQ, VOCAB = 4, 16, 100
+
+
+def tiny_bert(seed: int = 0) -> BertForMaskedLM:
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=SEQ,
+        attn_implementation="eager",
+    )
+    return BertForMaskedLM(config)
+
+
+def batches(count: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=generator)
+        masked = torch.rand(BATCH, SEQ, generator=generator) < 0.3
+        labels = torch.where(masked, ids, torch.full_like(ids, -100))
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def train(model: nn.Module, data: list[dict[str, torch.Tensor]], observer: Observer | None = None) -> None:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    torch.manual_seed(123)  # dropout draws from here: both runs must see the same stream
+    for batch in data:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if observer is not None:
+            observer.step()
+
+
+@pytest.fixture(scope="module")
+def observed() -> tuple[BertForMaskedLM, BertForMaskedLM, Analysis, list[str]]:
+    data = batches(3)
+    plain, watched = tiny_bert(), tiny_bert()
+    names = [s.name for s in sites(watched, {"input_ids": data[0]["input_ids"]})]
+    train(plain, data)
+    with observe(watched, CANDIDATES, every=1, generator=torch.Generator().manual_seed(0)) as obs:
+        train(watched, data, obs)
+    return plain, watched, obs.analysis(), names
+
+
+def test_every_site_gemm_and_operand_is_recorded(observed):
+    _, _, analysis, names = observed
+    assert any(name.endswith("attention.self.scores") for name in names)
+    expected = {(name, gemm, operand) for name in names for gemm, ops in OPERANDS.items() for operand in ops}
+    assert set(analysis.operands) == expected
+    assert analysis.steps == [0, 1, 2]
+    for key in expected:
+        record = analysis.record(key, 1)
+        assert set(record.metrics) == set(CANDIDATES)
+        assert math.isfinite(record.metrics["fp8_e4m3"]["sqnr_db"])
+        assert record.stats["amax"] > 0 and analysis.elements[key] == record.elements
+        assert analysis.histograms[key].total == 3 * record.sampled
+    for name in names:
+        for gemm in OPERANDS:
+            pairs = analysis.backward_errors[(name, gemm)]
+            for label in CANDIDATES:
+                assert {(label, "fp32"), ("fp32", label), (label, label)} <= set(pairs)
+            be = pairs[("fp8_e5m2", "fp32")][0]
+            assert 0 < be["mean"] <= be["p99"] <= be["max"] < 1
+
+
+def test_backward_error_orders_formats_by_precision(observed):
+    _, _, analysis, names = observed
+    site = next(n for n in names if n.endswith("intermediate.dense"))
+    for gemm in OPERANDS:
+        mean = {c: analysis.be_values((site, gemm), (c, c))[0] for c in ("bf16", "fp8_e4m3", "fp8_e5m2")}
+        assert mean["bf16"] < mean["fp8_e4m3"] < mean["fp8_e5m2"]
+
+
+def test_observing_changes_nothing(observed):
+    plain, watched, _, _ = observed
+    for (name, a), (_, b) in zip(plain.named_parameters(), watched.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert numscope.sites.attached(watched) == []  # the with-block detached the observer
+
+
+def test_every_n_samples_only_those_steps():
+    data = batches(3)
+    model = tiny_bert()
+    with observe(model, ("bf16", "fp8_e4m3"), every=2) as obs:
+        train(model, data, obs)
+        assert obs.current_step == 3 and not obs.sampling
+    analysis = obs.analysis()
+    assert analysis.steps == [0, 2]
+    assert analysis.meta["every"] == 2
+
+
+def test_memory_is_bounded_on_a_large_tensor():
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(512, 64))
+    x = torch.distributions.StudentT(4.0).sample((2048, 512)).requires_grad_()
+    limit = 4096
+    with observe(layer, ("bf16", "fp8_e4m3", "mxfp8_e4m3", "nvfp4"), max_elements=limit, be_rows=32) as obs:
+        layer(x).square().mean().backward()
+    analysis = obs.analysis()
+    key = next(k for k in analysis.operands if k[1:] == ("fprop", "input"))
+    record = analysis.record(key, 0)
+    assert record.elements == x.numel() and record.sampled == limit
+    assert analysis.histograms[key].total == limit
+    # the sampled estimates agree with the metrics of the whole tensor
+    full = operand_metrics(x.detach(), "fp8_e4m3", scaling="tensor")
+    # 4096 samples of a Student-t(4) tensor: SQNR, a ratio of heavy-tailed sums, is estimated within ~2 dB
+    assert record.metrics["fp8_e4m3"]["sqnr_db"] == pytest.approx(full["sqnr_db"], abs=2.0)
+    full_mx = operand_metrics(x.detach(), "mxfp8_e4m3", scaling=numscope.Scaling("block", axis=-1))
+    assert record.metrics["mxfp8_e4m3"]["sqnr_db"] == pytest.approx(full_mx["sqnr_db"], abs=2.0)
+    be = analysis.be_values((key[0], "fprop"), ("fp8_e4m3", "fp32"))[0]
+    assert 0 < be < 0.05
+
+
+def test_monitoring_under_a_plan_sees_high_precision_operands():
+    data = batches(2)
+    model = tiny_bert()
+    plan = Plan.uniform("fp8")
+    with observe(model, ("bf16", "fp8_e4m3", "fp8_e5m2")) as obs:
+        numscope.convert(model, plan)
+        train(model, data, obs)
+        numscope.unconvert(model)
+    analysis = obs.analysis()
+    key = next(k for k in analysis.operands if k[1:] == ("dgrad", "grad_output"))
+    assert analysis.plan_formats[key] == "fp8_e5m2"
+    record = analysis.record(key, 0)
+    assert record.metrics["plan"] == record.metrics["fp8_e5m2"]
+    assert math.isfinite(record.metrics["plan"]["sqnr_db"])  # the tensor seen was not already quantized
+
+
+def _same_numbers(a: dict, b: dict) -> bool:
+    """Equal nested dicts of floats, NaN equal to NaN (a metric undefined on a tensor is stored as NaN)."""
+    if a.keys() != b.keys():
+        return False
+    return all(
+        _same_numbers(a[k], b[k])
+        if isinstance(a[k], dict)
+        else (a[k] == b[k] or (a[k] != a[k] and b[k] != b[k]))
+        for k in a
+    )
+
+
+def test_observed_analysis_round_trips_and_recommends_a_convertible_plan(observed, tmp_path):
+    _, watched, analysis, names = observed
+    analysis.save(tmp_path / "analysis")
+    again = Analysis.load(tmp_path / "analysis")
+    assert _same_numbers(again.flat(), analysis.flat())
+    plan = recommend(again)
+    assert {rule.pattern for rule in plan.rules} == set(names)
+    model = copy.deepcopy(watched)
+    numscope.convert(model, plan)
+    batch = batches(1)[0]
+    assert torch.isfinite(model(**batch).loss)
+    numscope.unconvert(model)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="unknown format 'fp8_e4m4'"):
+        observe(nn.Linear(2, 2), ("fp8_e4m4",))
+    with pytest.raises(ValueError, match="every must be a positive int, got 0"):
+        observe(nn.Linear(2, 2), every=0)
