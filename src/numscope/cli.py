@@ -90,7 +90,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = []
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from numscope.demo.corpus import CorpusError, CorpusNotFoundError
+    from numscope.demo.main import DemoConfig, quick_config, run_demo, summary_table
+
+    config = quick_config(args.steps) if args.quick else DemoConfig()
+    if args.steps and not args.quick:
+        from dataclasses import replace
+
+        config = replace(config, train=replace(config.train, steps=args.steps))
+    out = Path(args.out or ("runs/demo-quick" if args.quick else "runs/demo"))
+    for path in args.text or ():
+        if not Path(path).is_file():
+            raise CLIError(f"--text {path}: no such file")
+    try:
+        summary = run_demo(out, config, text_paths=[Path(p) for p in args.text] if args.text else None)
+    except (CorpusNotFoundError, CorpusError) as error:
+        raise CLIError(str(error)) from error
+    print()
+    print(render_table(summary_table(summary)))
+    print(f"\nreport: {summary['report']}")
+    return 0
+
+
+def _register_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="BERT masked LM end to end: fp32, bf16, fp16 (±loss scaling), fp8, mxfp4, "
+        "and numscope's recommended plan, with report.html",
+    )
+    p.add_argument("--quick", action="store_true", help="the same stages with fewer steps (about 2 minutes)")
+    p.add_argument("--out", help="output folder (default runs/demo or runs/demo-quick); reruns resume there")
+    p.add_argument("--steps", type=int, help="training steps per run (default 300, quick 40)")
+    p.add_argument(
+        "--text", nargs="+", metavar="PATH", help="your own text files instead of the Wikipedia corpus"
+    )
+    p.set_defaults(func=_cmd_demo)
+
+
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_register_demo]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -167,6 +167,8 @@ def train_run(
     model = bert_mlm_from_config(model_config)
     plan = spec.load_plan()
     plan.save(out_dir / "plan.yaml")
+    # the observer attaches first, so that it sees each operand before the plan quantizes it
+    observer = observer_factory(model) if observer_factory is not None else None
     convert(model, plan, generator=torch.Generator().manual_seed(cfg.seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scaler = LossScaler(
@@ -187,7 +189,6 @@ def train_run(
         _truncate_log(log_path, start)
     elif log_path.exists():
         log_path.unlink()
-    observer = observer_factory(model) if observer_factory is not None else None
 
     new_log = not log_path.exists()
     with log_path.open("a", newline="") as log_file:
