@@ -1,0 +1,47 @@
+"""`numscope demo --quick` end to end, as a user runs it (slow: about two minutes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_demo_quick_end_to_end(tmp_path: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NUMSCOPE_CACHE": str(tmp_path / "cache")}
+    out = tmp_path / "demo"
+    result = subprocess.run(
+        [sys.executable, "-m", "numscope.cli", "demo", "--quick", "--steps", "20", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| recommended " in result.stdout and "| mxfp4 " in result.stdout
+    report = (out / "report.html").read_text()
+    assert "data:image/png;base64," in report
+    assert (out / "plan.yaml").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    runs = {run["name"]: run for run in summary["runs"]}
+    assert set(runs) == {"fp32", "recommended", "bf16", "fp16", "fp16+scaling", "fp8", "mxfp4"}
+    vocab = 4000  # DemoConfig.quick(): an untrained model's loss is about ln(vocab)
+    assert runs["fp32"]["val_loss"] < math.log(vocab) - 0.5
+    assert runs["recommended"]["avg_bits"] < 32
+
+
+def test_demo_rejects_a_missing_text_file(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "numscope.cli", "demo", "--quick", "--text", str(tmp_path / "nope.txt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "nope.txt: no such file" in result.stderr
