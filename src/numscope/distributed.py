@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from numscope.analysis import Analysis, OperandKey, OperandRecord, merge
 from numscope.formats.quantize import Encoded, ScalingArg, encode
@@ -52,7 +51,6 @@ __all__ = [
     "all_gather_tensor",
     "all_reduce_found_inf",
     "broadcast_tensor_",
-    "data_parallel_mesh",
     "from_wire",
     "is_distributed",
     "is_rank_zero",
@@ -306,20 +304,6 @@ def all_gather_quantized(
     shape = (shard.shape[0] * world_size(), *shard.shape[1:])
     whole = Encoded(spec, codes, scales, local.tensor_scale, shape, local.axis, local.length)
     return whole.decode()
-
-
-# -- FSDP2 -------------------------------------------------------------------------------------------------
-def data_parallel_mesh(device_type: str = "cpu") -> DeviceMesh:
-    """A 1-D device mesh over every rank on a process group of its own, for ``fully_shard(..., mesh=)``.
-
-    numscope's amax reductions (current and delayed scaling, NVFP4) all-reduce on the default group inside
-    forward and backward. FSDP2 on a mesh from ``init_device_mesh`` shares that group, and the two streams
-    of collectives then reach the group in different orders on different ranks (observed with gloo and
-    torch 2.13: "Received data size doesn't match expected size"); on a group of its own they cannot
-    collide. Call it on every rank (it creates a group: a collective).
-    """
-    group = dist.new_group(list(range(world_size())))
-    return DeviceMesh.from_group(group, device_type)
 
 
 # -- loss scaling ----------------------------------------------------------------------------------------

@@ -244,14 +244,16 @@ def run_ddp(
     return result
 
 
-def run_fsdp2(rank: int, world_size: int, steps: int, fixed_batch: bool = False) -> dict[str, Any]:
+def run_fsdp2(rank: int, world_size: int, steps: int, fixed_batch: bool = False, reduce_amax: bool = True
+              ) -> dict[str, Any]:
     """The fp8-converted tiny BERT with every encoder layer and the root under ``fully_shard``."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from numscope import distributed
 
-    model = convert_fp8(tiny_bert())
-    mesh = distributed.data_parallel_mesh("cpu")
+    model = convert_fp8(tiny_bert(), reduce_amax=reduce_amax)
+    mesh = init_device_mesh("cpu", (world_size,))
     for layer in model.bert.encoder.layer:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -269,8 +271,45 @@ def scenario_bert(rank: int, world_size: int, args: dict[str, Any]) -> dict[str,
         "ddp": run_ddp(rank, world_size, STEPS),
         "ddp_local_amax": run_ddp(rank, world_size, STEPS, reduce_amax=False),
         "ddp_fixed": run_ddp(rank, world_size, TRAIN_STEPS, fixed_batch=True),
-        "fsdp2_fixed": run_fsdp2(rank, world_size, TRAIN_STEPS, fixed_batch=True),
+        "fsdp2_fixed": run_fsdp2(rank, world_size, TRAIN_STEPS, fixed_batch=True, reduce_amax=False),
     }
+
+
+OBSERVED_CANDIDATES = ("bf16", "fp8_e4m3", "fp8_e5m2")
+
+
+def observed_analysis(rank: int, world_size: int) -> Any:
+    """An observer's analysis of one forward/backward of the (unconverted) tiny BERT on this rank's rows.
+
+    The loss is the global batch's mean (local sum / global label count), so every activation and
+    gradient row equals the one a single process computes on the whole batch; tensors are measured whole.
+    """
+    import numscope
+
+    model = tiny_bert()
+    batch = mlm_batch(0, ROWS)
+    total = int((batch["labels"] != -100).sum())
+    with numscope.observe(model, OBSERVED_CANDIDATES, max_elements=1 << 20, backward_error=False) as observer:
+        mean_mlm_loss(model, shard(batch, rank, world_size), total).backward()
+        observer.step()
+    return observer.analysis(), model
+
+
+def scenario_observer(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Each rank observes its rows; the analyses are merged and saved once, by rank 0."""
+    import numscope
+    from numscope import distributed
+
+    analysis, model = observed_analysis(rank, world_size)
+    replicated = distributed.parameter_operands(numscope.sites(model))
+    merged = distributed.merge_analysis(analysis, replicated=replicated)
+    written = distributed.save_analysis(analysis, args["analysis_directory"], replicated=replicated)
+    return {"merged": merged.to_dict(), "written": None if written is None else str(written)}
+
+
+def scenario_fsdp2_reduced_amax(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
+    """FSDP2 with numscope's default amax reduction: collides with FSDP2's collectives (see the tests)."""
+    return run_fsdp2(rank, world_size, 2, fixed_batch=True)
 
 
 def whole_tensor() -> torch.Tensor:
@@ -293,6 +332,8 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], dict[str, Any]]] = {
     "collectives": scenario_collectives,
     "amax": scenario_amax,
     "bert": scenario_bert,
+    "fsdp2_reduced_amax": scenario_fsdp2_reduced_amax,
+    "observer": scenario_observer,
 }
 
 
