@@ -116,7 +116,8 @@ def scale_from_amax(
 ) -> torch.Tensor:
     """The multiplier that maps ``amax`` onto ``fmt_max / 2^margin``; 1 where amax is zero or not finite."""
     amax = amax.float()
-    scale = (fmt_max / amax) / float(2**margin)
+    # a true division (``fmt_max / amax`` would be ``amax.reciprocal() * fmt_max``: rounded twice)
+    scale = torch.div(torch.full_like(amax, fmt_max), amax) / float(2**margin)
     if power_of_two:
         mantissa, exponent = torch.frexp(scale)
         scale = torch.ldexp(torch.full_like(scale, 0.5), exponent)
