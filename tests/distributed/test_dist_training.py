@@ -33,16 +33,19 @@ def test_ddp_two_ranks_equal_one_process_on_the_whole_batch(ranks: list[dict], o
         run = result["ddp"]
         assert run["divergence"] == 0.0
         assert run["skipped_steps"] == one_process["skipped_steps"] == 0
-        # Only fp32 summation order differs (DDP's all-reduce): measured 6e-8 after 3 steps.
-        assert _largest_difference(run["parameters"], one_process["parameters"]) < 1e-5
-        assert run["losses"] == pytest.approx(one_process["losses"], rel=1e-6)
+        # Only fp32 rounding differs (DDP's all-reduce order; a rank's mean over its own masked tokens is not
+        # exactly half of the whole batch's), but an fp8 element sitting on a rounding boundary can then flip:
+        # measured 6e-8 and, after a change of the scale's rounding, 7e-4 after 3 steps. Rank-local amax
+        # (below) is 3e-2, so the bound still separates the two.
+        assert _largest_difference(run["parameters"], one_process["parameters"]) < 5e-3
+        assert run["losses"] == pytest.approx(one_process["losses"], rel=1e-4)  # same flips, measured 4e-6
 
 
 def test_rank_local_amax_breaks_the_equality(ranks: list[dict], one_process: dict) -> None:
     # Scaling(reduce_amax=False): each rank scales its own half; measured 3e-2 after 3 steps.
     run = ranks[0]["ddp_local_amax"]
     assert run["divergence"] == 0.0  # DDP still keeps replicas identical; they just differ from one process
-    assert _largest_difference(run["parameters"], one_process["parameters"]) > 1e-3
+    assert _largest_difference(run["parameters"], one_process["parameters"]) > 1e-2
 
 
 def test_fsdp2_trains_and_matches_ddp(ranks: list[dict]) -> None:
