@@ -277,3 +277,25 @@ def test_full_report_with_analysis_and_plan(tmp_path: Path) -> None:
     for site in SITES:
         assert site in text
     assert text.count("fp8_e5m2") >= len(SITES) * 2  # the hybrid plan's grad_output format, per site
+
+
+def test_report_from_a_real_observer_on_a_tiny_bert(tmp_path: Path) -> None:
+    observe = pytest.importorskip("numscope.observe", reason="the observer has not landed").observe
+    from numscope.demo.model import make_bert_mlm
+
+    model = make_bert_mlm(vocab_size=64, hidden=16, layers=1, heads=2, intermediate=32, max_position=16)
+    ids = torch.randint(5, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with observe(model, candidates=["bf16", "fp16", "fp8_e5m2", "mxfp4_e2m1"], every=1) as observer:
+        model(input_ids=ids, labels=ids).loss.backward()
+        observer.step()
+    analysis = observer.analysis()
+    text = write_report(tmp_path / "observed.html", title="observed", runs=[], analysis=analysis,
+                        plan=numscope.Plan.uniform("mxfp8")).read_text()
+    checker = _parse(text)
+    _offline(text, checker)
+    images = _images(checker)
+    assert len(images) >= 5 and all(image.startswith(PNG_SIGNATURE) for image in images)
+    for anchor in ("plan", "backward-error", "histograms", "underflow"):
+        assert f'id="{anchor}"' in text
+    for site in analysis.sites():
+        assert site in text

@@ -66,9 +66,10 @@ def run_colours(names: Sequence[str]) -> dict[str, str]:
     return colours
 
 
-def _png(fig: Figure) -> bytes:
+def _png(fig: Figure, tight: bool = True) -> bytes:
+    """The figure as PNG bytes; ``tight=False`` keeps the figure's own margins (one draw instead of two)."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI, bbox_inches="tight", facecolor="white")
+    fig.savefig(buffer, format="png", dpi=DPI, bbox_inches="tight" if tight else None, facecolor="white")
     plt.close(fig)
     return buffer.getvalue()
 
@@ -262,9 +263,9 @@ def backward_error_heatmap(
     if side_by_side:
         bar = fig.colorbar(image, ax=axes, fraction=0.025, pad=0.01)
     else:
-        bar = fig.colorbar(
-            image, ax=axes, location="top", fraction=0.5 / fig.get_figheight(), pad=0.01, aspect=45
-        )
+        inches = fig.get_figheight()
+        bar = fig.colorbar(image, ax=axes, location="top", fraction=0.5 / inches,
+                           pad=0.4 / inches, aspect=40)
     bar.set_label("log10 backward error (mean over outputs)")
     return _png(fig)
 
@@ -485,8 +486,10 @@ def histogram_grid(
         zeros = 100 * histogram.zeros / histogram.total
         ax.set_title(f"{histogram.title}  (zeros {zeros:.1f}%)", loc="left", fontsize=8.5)
         ax.set_xlabel("log2 |x|", fontsize=8)
-    fig.tight_layout(h_pad=1.2, w_pad=1.0)
-    return _png(fig)
+    width, height = fig.get_size_inches()  # fixed margins in inches: small multiples are costly to lay out
+    fig.subplots_adjust(left=0.75 / width, right=1 - 0.15 / width, bottom=0.5 / height, top=1 - 0.3 / height,
+                        wspace=0.3, hspace=0.45)
+    return _png(fig, tight=False)
 
 
 # ---------------------------------------------------------------------------------------- underflow
