@@ -194,6 +194,17 @@ def test_runs_only_report_is_valid_offline_html_with_gap_figures(tmp_path: Path)
     assert not list(tmp_path.glob(".*tmp")), "the temporary file must be renamed away"
 
 
+def test_a_diverged_run_shows_nan_and_no_gap(tmp_path: Path) -> None:
+    runs = synthetic_runs()
+    runs[2]["val_loss"] = float("nan")
+    runs[2]["train_log"][-5:] = [{"step": s, "loss": float("nan"), "scale": 1.0, "skipped": 0}
+                                 for s in range(56, 61)]
+    text = write_report(tmp_path / "r.html", title="t", runs=runs).read_text()
+    _parse(text)
+    row = re.search(r"<tr[^>]*>(?:(?!</tr>).)*<b>fp16</b>.*?</tr>", text).group(0)
+    assert "<td class=\"num\">nan</td>" in row and "<td class=\"num gap\">—</td>" in row
+
+
 def test_gap_to_reference() -> None:
     assert gap_to_reference(2.02, 2.0) == pytest.approx(1.0)
     assert gap_to_reference(1.9, 2.0) == pytest.approx(-5.0)

@@ -104,14 +104,14 @@ def loss_curves(runs: Sequence[Mapping], smoothing: float = 0.1) -> bytes | None
         width = 2.0 if run["name"] == REFERENCE_RUN else 1.3
         log = run.get("train_log") or []
         if log:
-            steps = [row["step"] for row in log]
+            steps = [float(row["step"]) for row in log]
             losses = [float(row["loss"]) for row in log]
             train_ax.plot(steps, ema(losses, smoothing), color=colour, lw=width, label=run["name"])
             finite_losses += [v for v in losses if math.isfinite(v)]
         curve = run.get("curve") or []
         if curve:
             val_ax.plot(
-                [p["step"] for p in curve],
+                [float(p["step"]) for p in curve],
                 [float(p["val_loss"]) for p in curve],
                 color=colour,
                 lw=width,
@@ -162,12 +162,12 @@ def loss_scale_trajectory(runs: Sequence[Mapping]) -> bytes | None:
     fig, ax = plt.subplots(figsize=(10.5, 3.2))
     for run in scaled:
         log = run["train_log"]
-        steps = [row["step"] for row in log]
+        steps = [float(row["step"]) for row in log]
         scales = [float(row["scale"]) for row in log]
         colour = colours[run["name"]]
         label = f"{run['name']} ({run['loss_scaling']})"
         ax.step(steps, scales, where="post", color=colour, lw=1.4, label=label)
-        skipped = [(row["step"], float(row["scale"])) for row in log if int(row.get("skipped", 0))]
+        skipped = [(float(row["step"]), float(row["scale"])) for row in log if int(row.get("skipped", 0))]
         if skipped:
             ax.scatter(
                 *zip(*skipped, strict=True),
