@@ -113,17 +113,32 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
-def _batch_at(data: DemoData, cfg: TrainConfig, step: int) -> dict[str, torch.Tensor]:
-    """The batch of a global step: a pure function of (seed, step), so a resumed run sees the same data."""
-    per_epoch = num_batches(data.train_blocks.shape[0], cfg.batch_size, drop_last=True)
-    epoch, index = divmod(step, per_epoch)
-    iterator = batches(
-        data.train_blocks, cfg.batch_size, data.tokenizer, seed=cfg.seed, epoch=epoch, drop_last=True
-    )
-    for position, batch in enumerate(iterator):
-        if position == index:
-            return batch
-    raise AssertionError("unreachable: index < batches per epoch")
+class _Batches:
+    """The batch of a global step: a pure function of (seed, step), so a resumed run sees the same data.
+
+    One epoch of masked batches is built at a time and kept until the next epoch starts.
+    """
+
+    def __init__(self, data: DemoData, cfg: TrainConfig) -> None:
+        self.data, self.cfg = data, cfg
+        self.per_epoch = num_batches(data.train_blocks.shape[0], cfg.batch_size, drop_last=True)
+        self.epoch, self.batches = -1, []
+
+    def at(self, step: int) -> dict[str, torch.Tensor]:
+        epoch, index = divmod(step, self.per_epoch)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self.batches = list(
+                batches(
+                    self.data.train_blocks,
+                    self.cfg.batch_size,
+                    self.data.tokenizer,
+                    seed=self.cfg.seed,
+                    epoch=epoch,
+                    drop_last=True,
+                )
+            )
+        return self.batches[index]
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -196,11 +211,12 @@ def train_run(
         if new_log:
             log.writeheader()
         began = time.perf_counter() - elapsed
+        data_batches = _Batches(data, cfg)
         model.train()
         for step in range(start, cfg.steps):
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr_at(step)
-            loss = model(**_batch_at(data, cfg, step)).loss
+            loss = model(**data_batches.at(step)).loss
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
