@@ -246,11 +246,15 @@ def test_flush_subnormals_zeroes_exactly_the_subnormals(name: str) -> None:
     assert np.array_equal(np.signbit(y[sub]), np.signbit(codes[sub]))
 
 
-def test_e8m0_below_2_pow_minus_126_matches_ml_dtypes() -> None:
-    """float32 subnormals: 2^-127 itself stays 2^-127 (was rounded up to 2^-126), anything above goes up."""
+def test_e8m0_below_2_pow_minus_126_rounds_to_nearest_by_value() -> None:
+    """float32 subnormals: nearest of 2^-127 and 2^-126 by value, the tie 1.5 * 2^-127 upward (as in every
+    binade above), everything below 2^-127 to 2^-127 (E8M0 has no zero); ml_dtypes >= 0.7.0 agrees."""
     patterns = np.concatenate(
-        [np.arange(1, 0x800000, 7, dtype=np.uint32), np.array([0x400000, 0x400001], np.uint32)]
+        [np.arange(1, 0x800000, 7, dtype=np.uint32), np.array([0x400000, 0x5FFFFF, 0x600000], np.uint32)]
     )
     x = patterns.view(np.float32)
+    expected = np.where(x.astype(np.float64) >= 1.5 * 2.0**-127, 2.0**-126, 2.0**-127).astype(np.float32)
+    assert_bits_equal(x, ours(x, "e8m0"), expected)
     assert_bits_equal(x, ours(x, "e8m0"), reference_cast(x, "e8m0"))
-    assert ours(np.array([2.0**-127], np.float32), "e8m0").tolist() == [2.0**-127]
+    normal = np.array([1.0, 1.5 * 2.0**-126, np.nextafter(np.float32(1.5), np.float32(0)), 1.5], np.float32)
+    assert ours(normal, "e8m0").tolist() == [1.0, 2.0**-125, 1.0, 2.0]

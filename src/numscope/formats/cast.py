@@ -99,15 +99,22 @@ def _grid_small(
 def _e8m0(x: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
     """Round to E8M0 (powers of two 2^-127..2^127). Zero, negative and non-finite inputs give NaN.
 
-    E8M0's field has float32's bias, so nearest rounding rounds the float32 bit pattern to its exponent
-    field, ties upward, as ``ml_dtypes`` does. Between 2^-127 (field 0) and 2^-126 float32 is subnormal;
-    there ``ml_dtypes`` gives 2^-127 up to and including 2^-127 itself and 2^-126 above it, and so do we.
-    Stochastic rounding there rounds up with probability (x − 2^-127) / 2^-127.
+    The OCP MX v1.0 spec defines E8M0 (bias 127, exponents -127..127, 0xFF NaN, no zero, no inf) but no
+    rule for rounding an arbitrary float to it: its MX scale is built from an exponent
+    (2^(floor(log2 amax) - emax_elem)), never rounded from a value. numscope's rule for the ``e8m0``
+    element format is therefore plain round-to-nearest by value with ties upward, the same in every
+    binade: x in [2^k, 2^(k+1)) goes up from 1.5 * 2^k on. E8M0's field has float32's bias, so for
+    normal float32 that is adding half the mantissa range to the bit pattern. Below 2^-126 float32 is
+    subnormal and 2^-127 (field 0) is the mantissa 0x400000, so the midpoint to 2^-126 is 0x600000;
+    everything below 2^-127 gives 2^-127 (there is no zero). This is ``ml_dtypes`` >= 0.7.0's cast;
+    0.6.0 rounded every value strictly between 2^-127 and 1.5 * 2^-127 up to 2^-126, which is not
+    nearest (``tests/formats/test_formats_exact.py`` checks both the rule and ml_dtypes).
+    Stochastic rounding there rounds up with probability (x - 2^-127) / 2^-127.
     """
     bits = x.view(torch.int32)
     subnormal = (bits > 0) & (bits < 0x800000)
     if rounding == "nearest":
-        bits = bits + 0x400000 - subnormal.to(torch.int32)
+        bits = bits + 0x400000 - (subnormal.to(torch.int32) << 21)  # half a binade; 0x200000 below 2^-126
     elif rounding == "stochastic":
         noise = torch.randint(0, 1 << 23, x.shape, generator=generator, dtype=torch.int32, device=x.device)
         above = ((bits - 0x400000) * 2).clamp(min=0)  # the position between 2^-127 and 2^-126, in 2^-23 units
