@@ -9,7 +9,7 @@ state by :func:`numerics_state_dict`. Products accumulate as the site spec's ``a
 
 A weight quantized for fprop is reused for dgrad when both use the same spec, the spec's result does not
 depend on the axis (no scaling or per-tensor current scaling) and the rounding is deterministic, and the
-parameter has not changed since (same storage, same version); likewise a grad_output quantized for dgrad
+parameter has not changed since (same object, same version); likewise a grad_output quantized for dgrad
 is reused for wgrad of the same backward. Each reuse is bit-identical to quantizing again. Element casts
 with nearest rounding and saturation go through torch's native fp16/bf16/fp8 conversion, which equals
 ``numscope.quantize`` bit for bit (checked in the tests).
@@ -45,7 +45,7 @@ class _Quantizer:
         self.generator = generator
         self.scalers: dict[str, DelayedScaler] = {}
         self._specs: dict[str, SiteSpec] = {}
-        self._weights: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self._weights: dict[str, tuple[weakref.ref, tuple, torch.Tensor]] = {}
         self._grad: tuple[torch.Tensor, tuple, torch.Tensor] | None = None
 
     def spec(self, site: Site) -> SiteSpec:
@@ -80,8 +80,8 @@ class _Quantizer:
         )
         if reusable and gemm == "dgrad":
             cached = self._weights.get(site.name)
-            if cached is not None and cached[0] == _identity(tensor):
-                return cached[1]
+            if cached is not None and cached[0]() is tensor and cached[1] == _identity(tensor):
+                return cached[2]
         shared_grad = (
             operand == "grad_output"
             and _axis_independent(operand_spec)
@@ -94,7 +94,7 @@ class _Quantizer:
                 return cached[2]
         result = self.quantize(site.key(gemm, operand), operand_spec, tensor, axis)
         if reusable and gemm == "fprop":
-            self._weights[site.name] = (_identity(tensor), result)
+            self._weights[site.name] = (weakref.ref(tensor), _identity(tensor), result)
         if shared_grad and gemm == "dgrad":
             self._grad = (tensor, _identity(tensor), result)
         return result
@@ -158,7 +158,13 @@ def _axis_independent(spec: OperandSpec) -> bool:
 
 
 def _identity(tensor: torch.Tensor) -> tuple:
-    return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor._version, tensor.dtype)
+    """What must not change for a quantized tensor to be reused (callers also check it is the same object).
+
+    Not its address: FSDP2 frees an unsharded parameter's storage after forward and gathers the same values
+    into a new one for backward (keeping the version), and a reuse decided by the allocator would differ
+    between ranks, and with it the number of amax all-reduces, which every rank must issue alike.
+    """
+    return (tuple(tensor.shape), tensor.stride(), tensor._version, tensor.dtype)
 
 
 def _entry(model: nn.Module) -> tuple[Any, Handle, _Quantizer] | None:
