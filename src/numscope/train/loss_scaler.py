@@ -48,13 +48,23 @@ def all_reduce_max_if_distributed(found_inf: Tensor) -> Tensor:
     default process group, so that every rank skips the same steps: one all-reduce of 4 bytes per
     optimizer per step. This matters whenever ranks hold different gradients (sharded optimizers such as
     ZeRO/FSDP, tensor or pipeline parallelism); with plain data parallelism the gradients are already
-    identical after their all-reduce and the flag agrees anyway. Outside distributed runs returns the flag
-    unchanged. The flag must live on a device the backend accepts (CUDA for NCCL); it lives on the
-    gradients' device.
+    identical after their all-reduce and the flag agrees anyway. Under FSDP2 each rank checks only its own
+    shards (the gradients' local tensors), so this is the step's only collective. Outside distributed runs
+    returns the flag unchanged. The flag must live on a device the backend accepts (CUDA for NCCL); it lives
+    on the gradients' device.
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
     return found_inf
+
+
+def _local_shard(grad: Tensor) -> Tensor:
+    """This rank's part of a gradient: the local tensor of a ``DTensor`` (FSDP2's sharded gradients), else
+    ``grad``. Unscaling and checking it in place touch only local memory; on the ``DTensor`` itself every
+    parameter's finiteness check would be a collective of its own, and the reduced flag a ``DTensor`` that
+    ``all_reduce`` rejects."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad
 
 
 @dataclass(frozen=True)
@@ -243,7 +253,7 @@ class LossScaler:
                         param.grad = param.grad.coalesce()
                         grad = param.grad.values()
                     else:
-                        grad = param.grad
+                        grad = _local_shard(param.grad)
                     if grad.dtype in (torch.float32, torch.float64):
                         grad.mul_(inv_scale.to(device=grad.device, dtype=grad.dtype))
                     else:
