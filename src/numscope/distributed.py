@@ -7,7 +7,8 @@ What already happens without this module, by default, whenever a process group i
   so every rank quantizes with the same scale and N data-parallel ranks match one process on the
   concatenated batch. ``Scaling(reduce_amax=False)`` keeps each rank's own amax;
 * :class:`numscope.LossScaler` all-reduces (MAX) its one-element found-inf flag, so an overflow on any rank
-  skips the step on every rank and the scale stays the same everywhere.
+  skips the step on every rank and the scale stays the same everywhere (under FSDP2 too: each rank checks
+  its own gradient shards, then one all-reduce).
 
 Every one of those reductions is a collective: all ranks must quantize the same tensors in the same order
 (as they do when they run the same model), or the run hangs.
@@ -49,7 +50,6 @@ __all__ = [
     "WIRE_DTYPES",
     "all_gather_quantized",
     "all_gather_tensor",
-    "all_reduce_found_inf",
     "broadcast_tensor_",
     "from_wire",
     "is_distributed",
@@ -304,22 +304,6 @@ def all_gather_quantized(
     shape = (shard.shape[0] * world_size(), *shard.shape[1:])
     whole = Encoded(spec, codes, scales, local.tensor_scale, shape, local.axis, local.length)
     return whole.decode()
-
-
-# -- loss scaling ----------------------------------------------------------------------------------------
-def all_reduce_found_inf(found_inf: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """A :attr:`numscope.LossScaler.found_inf_reduce` for FSDP2: the largest found-inf flag over ``group``.
-
-    Like the scaler's default (:func:`numscope.train.loss_scaler.all_reduce_max_if_distributed`), but the
-    flag may be a ``DTensor`` (FSDP2's sharded gradients make it one, and ``all_reduce`` rejects DTensors):
-    its local value is reduced and a plain one-element tensor returned. Pass it as
-    ``LossScaler(found_inf_reduce=numscope.distributed.all_reduce_found_inf)``.
-    """
-    local = found_inf.to_local() if hasattr(found_inf, "to_local") else found_inf
-    flag = local.detach().float().reshape(1).clone()
-    if is_distributed():
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return flag
 
 
 # -- checks ----------------------------------------------------------------------------------------------

@@ -60,8 +60,9 @@ def mean_mlm_loss(model: nn.Module, batch: dict[str, torch.Tensor], total_labels
 
     With ``total_labels`` the label count of the *global* batch, the sum over ranks of this loss is the
     global mean loss; so DDP's averaging over ranks (times the world size) gives one process's gradient.
+    The loss is computed in fp32 whatever dtype the logits come in (bf16 under FSDP2's ``param_dtype``).
     """
-    logits = model(input_ids=batch["input_ids"]).logits
+    logits = model(input_ids=batch["input_ids"]).logits.float()
     return (
         nn.functional.cross_entropy(
             logits.reshape(-1, VOCAB), batch["labels"].reshape(-1), ignore_index=-100, reduction="sum"
@@ -99,37 +100,54 @@ def _without_amax_reduction(plan: Any, site_spec: type) -> Any:
 
 # -- scenarios (run on every rank, the default process group initialised) ----------------------------
 def scenario_loss_scaler(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
-    """One step of a small model where only rank 1 sees an overflow; with and without DDP and reduction."""
+    """One step of a small model where only rank 1 sees an overflow: plain, DDP, FSDP2, with and without the
+    found-inf reduction; counts the collectives of `unscale_`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
     from torch.nn.parallel import DistributedDataParallel
 
     from numscope.train.loss_scaler import LossScaler, all_reduce_max_if_distributed
 
     out: dict[str, Any] = {}
-    for case in ("plain", "plain_no_reduce", "ddp"):
+    for case in ("plain", "plain_no_reduce", "ddp", "fsdp2", "fsdp2_no_reduce"):
         torch.manual_seed(0)
         model: nn.Module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
         if case == "ddp":
             model = DistributedDataParallel(model)
+        if case.startswith("fsdp2"):
+            fully_shard(model, mesh=init_device_mesh("cpu", (world_size,)))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        reduce = None if case == "plain_no_reduce" else all_reduce_max_if_distributed
+        reduce = None if case.endswith("no_reduce") else all_reduce_max_if_distributed
         scaler = LossScaler(init_scale=2.0**8, found_inf_reduce=reduce).track(model)
-        before = [p.detach().clone() for p in model.parameters()]
+        before = [_full(p).detach().clone() for p in model.parameters()]
         inputs = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
         if case == "ddp" and rank == 1:
             inputs[0, 0] = float("inf")  # the overflow arises in rank 1's forward; DDP all-reduces it
         scaler.scale(model(inputs).square().mean()).backward()
         if case != "ddp" and rank == 1:
-            next(model.parameters()).grad[0, 0] = float("inf")  # a rank-local overflow, grads never reduced
+            # a rank-local overflow: plain gradients are never reduced; under FSDP2 it lands in rank 1's shard
+            # after the reduce-scatter, so rank 0's shard of the same gradient stays finite
+            grad = next(model.parameters()).grad
+            (grad.to_local() if case.startswith("fsdp2") else grad)[0, 0] = float("inf")
+        with CommDebugMode() as collectives:
+            scaler.unscale_(optimizer)
         scaler.step(optimizer)
         scaler.update()
-        changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+        after = [_full(p) for p in model.parameters()]
         out[case] = {
-            "changed": changed,
+            "changed": any(not torch.equal(b, p) for b, p in zip(before, after, strict=True)),
             "skipped_steps": scaler.skipped_steps,
             "scale": scaler.get_scale(),
             "overflow": scaler.last_overflow,
+            "collectives": {str(op): count for op, count in collectives.get_comm_counts().items()},
         }
     return out
+
+
+def _full(parameter: torch.Tensor) -> torch.Tensor:
+    """A parameter as one plain tensor (FSDP2's sharded DTensor gathered: a collective)."""
+    return parameter.full_tensor() if hasattr(parameter, "full_tensor") else parameter
 
 
 def scenario_collectives(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
@@ -190,7 +208,6 @@ def train_fp8(
     rank: int,
     world_size: int,
     fixed_batch: bool = False,
-    found_inf_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """SGD with a LossScaler on the global batch of :func:`mlm_batch` split over ranks; losses are global.
 
@@ -201,9 +218,7 @@ def train_fp8(
     from numscope.train.loss_scaler import LossScaler, all_reduce_max_if_distributed
 
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    scaler = LossScaler(
-        init_scale=2.0**10, found_inf_reduce=found_inf_reduce or all_reduce_max_if_distributed
-    )
+    scaler = LossScaler(init_scale=2.0**10, found_inf_reduce=all_reduce_max_if_distributed)
     losses = []
     for step in range(steps):
         batch = mlm_batch(0 if fixed_batch else step, ROWS)
@@ -244,21 +259,28 @@ def run_ddp(
     return result
 
 
-def run_fsdp2(rank: int, world_size: int, steps: int, fixed_batch: bool = False, reduce_amax: bool = True
-              ) -> dict[str, Any]:
-    """The fp8-converted tiny BERT with every encoder layer and the root under ``fully_shard``."""
+def run_fsdp2(
+    rank: int, world_size: int, steps: int, fixed_batch: bool = False, param_dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """The fp8-converted tiny BERT (amax reduced, the default) with every encoder layer and the root under
+    ``fully_shard``; ``param_dtype`` is FSDP2's ``MixedPrecisionPolicy`` all-gather and compute dtype (None:
+    fp32). Records the dtype of a weight as its GEMM receives it."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from numscope import distributed
-
-    model = convert_fp8(tiny_bert(), reduce_amax=reduce_amax)
+    model = convert_fp8(tiny_bert())
     mesh = init_device_mesh("cpu", (world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in model.bert.encoder.layer:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    result = train_fp8(model, steps, rank, world_size, fixed_batch, distributed.all_reduce_found_inf)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    seen: list[torch.dtype] = []
+    query = model.bert.encoder.layer[0].attention.self.query
+    hook = query.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+    result = train_fp8(model, steps, rank, world_size, fixed_batch)
+    hook.remove()
     result["parameters"] = full_parameters(model)
+    result["weight_dtypes"] = [str(dtype) for dtype in seen]
     return result
 
 
@@ -271,7 +293,8 @@ def scenario_bert(rank: int, world_size: int, args: dict[str, Any]) -> dict[str,
         "ddp": run_ddp(rank, world_size, STEPS),
         "ddp_local_amax": run_ddp(rank, world_size, STEPS, reduce_amax=False),
         "ddp_fixed": run_ddp(rank, world_size, TRAIN_STEPS, fixed_batch=True),
-        "fsdp2_fixed": run_fsdp2(rank, world_size, TRAIN_STEPS, fixed_batch=True, reduce_amax=False),
+        "fsdp2_fixed": run_fsdp2(rank, world_size, TRAIN_STEPS, fixed_batch=True),
+        "fsdp2_bf16": run_fsdp2(rank, world_size, TRAIN_STEPS, fixed_batch=True, param_dtype=torch.bfloat16),
     }
 
 
@@ -307,9 +330,34 @@ def scenario_observer(rank: int, world_size: int, args: dict[str, Any]) -> dict[
     return {"merged": merged.to_dict(), "written": None if written is None else str(written)}
 
 
-def scenario_fsdp2_reduced_amax(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
-    """FSDP2 with numscope's default amax reduction: collides with FSDP2's collectives (see the tests)."""
-    return run_fsdp2(rank, world_size, 2, fixed_batch=True)
+def scenario_moved_weight(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
+    """An fp8-converted MLP whose second weight, on rank 1 only, moves to new memory between forward and
+    backward with its values and version kept: what FSDP2 does to every unsharded parameter (it frees the
+    storage after forward and all-gathers into a new one for backward), with an address each rank's
+    allocator picks. Every rank must still issue the same amax all-reduces."""
+    import numscope
+
+    torch.manual_seed(0)
+    model = numscope.convert(
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)), numscope.Plan.uniform("fp8")
+    )
+    inputs = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+    loss = model(inputs).square().mean()
+    weight = model[2].weight  # the first layer computes no dgrad (its input needs no gradient)
+    address = weight.data_ptr()
+    if rank == 1:
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(weight):
+            weight.set_(weight.detach().clone())
+    loss.backward()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return {"moved": weight.data_ptr() != address, "grads": grads, "all_grads": gather_stacked(grads)}
+
+
+def gather_stacked(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked in rank order (one all-gather)."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor)
+    return torch.stack(parts)
 
 
 def whole_tensor() -> torch.Tensor:
@@ -332,7 +380,7 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], dict[str, Any]]] = {
     "collectives": scenario_collectives,
     "amax": scenario_amax,
     "bert": scenario_bert,
-    "fsdp2_reduced_amax": scenario_fsdp2_reduced_amax,
+    "moved_weight": scenario_moved_weight,
     "observer": scenario_observer,
 }
 

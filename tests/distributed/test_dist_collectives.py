@@ -35,15 +35,42 @@ def test_overflow_on_one_rank_skips_the_step_on_both(loss_scaler_ranks: list[dic
 
 
 def test_without_the_reduction_the_ranks_diverge(loss_scaler_ranks: list[dict]) -> None:
-    rank0, rank1 = (result["plain_no_reduce"] for result in loss_scaler_ranks)
-    assert rank0["changed"] and rank0["skipped_steps"] == 0 and rank0["scale"] == 2.0**8
-    assert not rank1["changed"] and rank1["skipped_steps"] == 1 and rank1["scale"] == 2.0**7
+    for case in ("plain_no_reduce", "fsdp2_no_reduce"):
+        rank0, rank1 = (result[case] for result in loss_scaler_ranks)
+        assert rank0["changed"] and rank0["skipped_steps"] == 0 and rank0["scale"] == 2.0**8, case
+        assert rank1["skipped_steps"] == 1 and rank1["scale"] == 2.0**7, case
+    assert not loss_scaler_ranks[1]["plain_no_reduce"]["changed"]
+
+
+def test_default_found_inf_reduction_under_fsdp2(loss_scaler_ranks: list[dict]) -> None:
+    # The gradients are sharded DTensors; only rank 1's shard holds the inf. The default reduction skips the
+    # step on both ranks with one all-reduce: each rank checks its local shards, no per-parameter collective.
+    for rank, result in enumerate(loss_scaler_ranks):
+        outcome = result["fsdp2"]
+        assert not outcome["changed"] and outcome["skipped_steps"] == 1, f"rank {rank} stepped"
+        assert outcome["scale"] == 2.0**7
+        assert outcome["collectives"] == {"c10d.allreduce_": 1}
+    assert loss_scaler_ranks[0]["fsdp2"]["overflow"].parameters == ()
+    assert loss_scaler_ranks[1]["fsdp2"]["overflow"].parameters == ("0.weight",)
+    # Without the reduction there is no collective at all.
+    assert loss_scaler_ranks[0]["fsdp2_no_reduce"]["collectives"] == {}
+
+
+def test_a_weight_moved_in_memory_on_one_rank_keeps_the_collectives_in_step(tmp_path: Path) -> None:
+    # As FSDP2 re-gathers each unsharded parameter into new memory for backward: whether convert reuses the
+    # fprop-quantized weight for dgrad (and so skips one amax all-reduce) must not depend on the address.
+    ranks = launch("moved_weight", tmp_path, timeout=45)
+    assert not ranks[0]["moved"] and ranks[1]["moved"]
+    for result in ranks:
+        assert torch.equal(result["all_grads"][0], ranks[0]["grads"])
+        assert torch.equal(result["all_grads"][1], ranks[1]["grads"])
 
 
 def test_fp8_tensors_cross_gloo_as_uint8_views(tmp_path: Path) -> None:
     ranks = launch("collectives", tmp_path)
-    expected = torch.cat([torch.tensor([1.0 + rank, -0.5, 448.0], dtype=torch.float8_e4m3fn)
-                          for rank in (0, 1)])
+    expected = torch.cat(
+        [torch.tensor([1.0 + rank, -0.5, 448.0], dtype=torch.float8_e4m3fn) for rank in (0, 1)]
+    )
     for rank, result in enumerate(ranks):
         assert result["raw_error"] is not None, "gloo accepted fp8: the uint8 detour may be unneeded"
         assert result["gathered_dtype"] == "torch.float8_e4m3fn"
@@ -85,8 +112,10 @@ def test_helpers_outside_distributed_runs_are_a_world_of_one() -> None:
     assert (distributed.rank(), distributed.world_size(), distributed.is_rank_zero()) == (0, 1, True)
     assert distributed.all_gather_tensor(values) is values
     assert torch.equal(distributed.to_wire(values), values.view(torch.uint8))
-    assert torch.equal(distributed.all_gather_quantized(whole_tensor(), "fp8_e4m3"),
-                       numscope.quantize(whole_tensor(), "fp8_e4m3", scaling="tensor"))
+    assert torch.equal(
+        distributed.all_gather_quantized(whole_tensor(), "fp8_e4m3"),
+        numscope.quantize(whole_tensor(), "fp8_e4m3", scaling="tensor"),
+    )
 
 
 def test_low_precision_all_gather_rejects_what_it_cannot_gather() -> None:

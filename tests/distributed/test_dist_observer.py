@@ -39,9 +39,11 @@ def test_merged_statistics_equal_one_process(merged: tuple, one_process: Analysi
         for candidate in OBSERVED_CANDIDATES:
             for name in EXACT_METRICS:
                 assert found.metrics[candidate][name] == pytest.approx(
-                    expected.metrics[candidate][name], rel=1e-9, abs=1e-9), (key, candidate, name)
+                    expected.metrics[candidate][name], rel=1e-9, abs=1e-9
+                ), (key, candidate, name)
             assert found.metrics[candidate]["mse"] == pytest.approx(
-                expected.metrics[candidate]["mse"], rel=1e-5, abs=1e-30), (key, candidate)
+                expected.metrics[candidate]["mse"], rel=1e-5, abs=1e-30
+            ), (key, candidate)
 
 
 def test_parameters_are_counted_once(merged: tuple, one_process: Analysis) -> None:
