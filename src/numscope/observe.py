@@ -53,6 +53,15 @@ measured whole. A larger one is measured on a sample of ``max_elements`` element
   batched matmul (both operands with the same leading batch shape) the rows are drawn within up to four
   random batch entries shared by both operands.
 
+**Under torch.distributed** (a process group initialised, ``reduce_ranks=True``, the default) each rank
+measures its own operands and :meth:`Observer.step` merges a sampled step's records across the default
+process group in one ``all_gather_object`` (:func:`numscope.distributed.merge_analysis`): histograms and
+element counts add, ``amax`` takes the maximum, fractions and means weigh by sample size, so every rank then
+holds the analysis one process would have measured on the concatenated batch (exactly, for tensors measured
+whole); the weights of Linear and Conv1D sites, the same on every rank, are counted once. Every rank must
+call ``step()`` alike (it is a collective on sampled steps); write the result once with
+:func:`numscope.distributed.save_analysis`.
+
 Operands whose partner never arrives (a GEMM the runtime does not route through the handler) simply get no
 backward error. If the same operand of a GEMM arrives twice before its partner, the later one replaces the
 earlier one. A site called several times in one step has its records of that step merged (sample-weighted,
@@ -73,6 +82,7 @@ from torch import nn
 from numscope.analysis import PLAN_LABEL, Analysis, OperandKey, OperandRecord, default_reduce, merge_records
 from numscope.convert import HANDLER_NAME as CONVERT_HANDLER
 from numscope.convert import converted_plan
+from numscope.distributed import is_parameter_operand, merge_analysis, world_size
 from numscope.formats.quantize import quantize
 from numscope.formats.scaling import Scaling
 from numscope.formats.spec import BlockFormat, Format
@@ -101,6 +111,8 @@ class ObserveConfig:
     max_elements: the most elements measured per operand and sampled step (see the module docstring).
     be_rows: rows of each operand in the backward-error sub-product (``be_rows × be_rows`` inner products).
     backward_error: whether to compute backward errors at all.
+    reduce_ranks: under ``torch.distributed``, merge each sampled step across the ranks at
+        :meth:`Observer.step`.
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -108,6 +120,7 @@ class ObserveConfig:
     max_elements: int = 1 << 16
     be_rows: int = 64
     backward_error: bool = True
+    reduce_ranks: bool = True
 
     def __post_init__(self) -> None:
         names = tuple(dict.fromkeys(get_format(c).name for c in self.candidates))
@@ -155,10 +168,13 @@ class Observer:
         self._pending: dict[tuple[str, str], dict[str, _Half]] = {}
         self._records: dict[OperandKey, dict[int, OperandRecord]] = {}
         self._histograms: dict[OperandKey, Any] = {}
+        self._step_histograms: dict[OperandKey, Any] = {}  # the current step's, added at step()
+        self._replicated: set[OperandKey] = set()  # the same on every rank: counted once when merged
         self._elements: dict[OperandKey, int] = {}
         self._plan_formats: dict[OperandKey, str] = {}
         self._be: dict[tuple[str, str], dict[tuple[str, str], dict[int, dict[str, float]]]] = {}
         self._be_counts: dict[tuple[str, str, int], int] = {}
+        self._ranks = 1  # how many ranks the sampled steps were merged over
 
     # -- lifecycle --------------------------------------------------------------------------------
     def attach(self) -> Observer:
@@ -196,16 +212,54 @@ class Observer:
         return self._step % self.config.every == 0
 
     def step(self) -> None:
-        """Advance to the next optimizer step (call once per optimizer step)."""
+        """Advance to the next optimizer step (call once per optimizer step); on a sampled step under
+        ``torch.distributed``, first merge its records across the ranks (a collective: see the module
+        docstring)."""
+        if self.sampling and self.config.reduce_ranks and world_size() > 1:
+            self._merge_ranks()
+        for key, histogram in self._step_histograms.items():
+            previous = self._histograms.get(key)
+            self._histograms[key] = histogram if previous is None else previous + histogram
+        self._step_histograms.clear()
         self._pending.clear()
         self._step += 1
 
+    def _merge_ranks(self) -> None:
+        """Replace this step's records, histograms, element counts and backward errors by all ranks'."""
+        step = self._step
+        local = Analysis(
+            candidates=self.config.candidates,
+            operands={k: {step: v[step]} for k, v in self._records.items() if step in v},
+            histograms=dict(self._step_histograms),
+            backward_errors={
+                g: {p: {step: s[step]} for p, s in pairs.items() if step in s}
+                for g, pairs in self._be.items()
+            },
+            elements={k: v[step].elements for k, v in self._records.items() if step in v},
+            plan_formats=dict(self._plan_formats),
+        )
+        merged = merge_analysis(local, replicated=self._replicated)
+        for key, per_step in merged.operands.items():
+            self._records.setdefault(key, {})[step] = per_step[step]
+            self._elements[key] = max(self._elements.get(key, 0), per_step[step].elements)
+        self._step_histograms = dict(merged.histograms)
+        self._plan_formats.update(merged.plan_formats)
+        for gemm_key, pairs in merged.backward_errors.items():
+            for pair, per_step_be in pairs.items():
+                if step in per_step_be:
+                    self._be.setdefault(gemm_key, {}).setdefault(pair, {})[step] = per_step_be[step]
+        self._ranks = world_size()
+
     def analysis(self) -> Analysis:
-        """A snapshot of everything recorded so far."""
+        """A snapshot of everything recorded so far (the current step's records as this rank measured them
+        until :meth:`step` merges them across ranks)."""
+        histograms = dict(self._histograms)
+        for key, histogram in self._step_histograms.items():
+            histograms[key] = histogram if key not in histograms else histograms[key] + histogram
         return Analysis(
             candidates=self.config.candidates + ((PLAN_LABEL,) if self._plan_formats else ()),
             operands={k: dict(v) for k, v in self._records.items()},
-            histograms=dict(self._histograms),
+            histograms=histograms,
             backward_errors={g: {p: dict(s) for p, s in pairs.items()} for g, pairs in self._be.items()},
             elements=dict(self._elements),
             plan_formats=dict(self._plan_formats),
@@ -214,12 +268,15 @@ class Observer:
                 "max_elements": self.config.max_elements,
                 "be_rows": self.config.be_rows,
                 "steps_seen": self._step,
+                **({"ranks": self._ranks} if self._ranks > 1 else {}),
             },
         )
 
     # -- the handler ------------------------------------------------------------------------------
     def _observe(self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         if self.sampling and tensor.is_floating_point() and tensor.numel() > 0:
+            if is_parameter_operand(site, operand):
+                self._replicated.add((site.name, gemm, operand))
             with torch.no_grad():
                 self._measure(site, gemm, operand, tensor.detach(), axis)
         return tensor
@@ -250,8 +307,8 @@ class Observer:
         per_step[step] = record
         self._elements[key] = max(self._elements.get(key, 0), record.elements)
         histogram = log2_histogram(sample)
-        previous = self._histograms.get(key)
-        self._histograms[key] = histogram if previous is None else previous + histogram
+        previous = self._step_histograms.get(key)
+        self._step_histograms[key] = histogram if previous is None else previous + histogram
         if self.config.backward_error:
             self._pair(site.name, gemm, operand, tensor, axis, flat_argmax, step)
 
@@ -480,6 +537,7 @@ def observe(
     backward_error: bool = True,
     plan: Plan | None = None,
     generator: torch.Generator | None = None,
+    reduce_ranks: bool = True,
 ) -> Observer:
     """An :class:`Observer` of ``model`` (use it as a context manager; see the module docstring).
 
@@ -487,8 +545,9 @@ def observe(
     every: measure every ``every``-th optimizer step. max_elements: per operand and step. be_rows: rows of
     each operand in the backward-error sub-product. plan: the plan the model runs under (monitoring).
     generator: the random source of the samples (default: a CPU generator seeded with 0).
+    reduce_ranks: under ``torch.distributed``, merge each sampled step across the ranks at ``step()``.
     """
-    config = ObserveConfig(tuple(candidates), every, max_elements, be_rows, backward_error)
+    config = ObserveConfig(tuple(candidates), every, max_elements, be_rows, backward_error, reduce_ranks)
     return Observer(model, config, plan=plan, generator=generator)
 
 
