@@ -53,6 +53,7 @@ __all__ = [
     "broadcast_tensor_",
     "from_wire",
     "is_distributed",
+    "is_parameter_operand",
     "is_rank_zero",
     "merge_analysis",
     "parameter_divergence",
@@ -105,9 +106,15 @@ def parameter_operands(sites: Iterable[Site]) -> frozenset[OperandKey]:
     return frozenset(
         (site.name, gemm, "weight")
         for site in sites
-        if site.kind in ("linear", "conv1d")
+        if is_parameter_operand(site, "weight")
         for gemm in ("fprop", "dgrad")
     )
+
+
+def is_parameter_operand(site: Site, operand: str) -> bool:
+    """Whether ``operand`` of ``site`` is a parameter, the same on every data-parallel rank: the ``weight``
+    of a ``linear`` or ``conv1d`` site (under FSDP2 the unsharded parameter it all-gathered)."""
+    return operand == "weight" and site.kind in ("linear", "conv1d")
 
 
 def _rms(parts: list[OperandRecord]) -> float:
@@ -128,12 +135,52 @@ def _dynamic_range(parts: list[OperandRecord]) -> float:
     return math.log2(largest) - smallest if largest > 0 else 0.0
 
 
+def _signal_and_noise(record: OperandRecord, candidate: str) -> tuple[float, float] | None:
+    """(Σx², Σ(x−q)²) of one rank's sample for ``candidate``, recovered from its ``mse`` and ``sqnr_db``
+    (or, where the noise is zero, from ``rms``); None when they were not measured."""
+    metrics = record.metrics.get(candidate, {})
+    mse, sqnr = metrics.get("mse", math.nan), metrics.get("sqnr_db", math.nan)
+    if math.isnan(mse) or math.isnan(sqnr):
+        return None
+    noise = mse * record.sampled
+    if sqnr == -math.inf:
+        return 0.0, noise
+    if noise > 0 and math.isfinite(sqnr):
+        return noise * 10.0 ** (sqnr / 10.0), noise
+    rms = record.stats.get("rms", math.nan)
+    if math.isnan(rms):
+        return None
+    return record.sampled * (1.0 - record.stats.get("nonfinite%", 0.0) / 100.0) * rms * rms, noise
+
+
+def _merge_signal_to_noise(metrics: dict[str, float], parts: list[tuple[float, float] | None]) -> None:
+    """``sqnr_db`` and ``rel_error`` of the union of the ranks' samples: ratios of summed signal and noise
+    powers (a mean of the ranks' decibels or ratios would not be)."""
+    if any(part is None for part in parts):
+        return
+    signal = sum(part[0] for part in parts if part is not None)
+    noise = sum(part[1] for part in parts if part is not None)
+    if "sqnr_db" in metrics:
+        metrics["sqnr_db"] = (
+            math.inf if noise == 0 else -math.inf if signal == 0 else 10 * math.log10(signal / noise)
+        )
+    if "rel_error" in metrics:
+        metrics["rel_error"] = 0.0 if noise == 0 else math.inf if signal == 0 else math.sqrt(noise / signal)
+
+
 def _merge_data_parallel(parts: list[Analysis], replicated: Container[OperandKey]) -> Analysis:
-    sharded = [Analysis(a.candidates, {k: v for k, v in a.operands.items() if k not in replicated},
-                        {k: v for k, v in a.histograms.items() if k not in replicated}, a.backward_errors,
-                        {k: v for k, v in a.elements.items() if k not in replicated},
-                        {k: v for k, v in a.plan_formats.items() if k not in replicated}, a.meta)
-               for a in parts]
+    sharded = [
+        Analysis(
+            a.candidates,
+            {k: v for k, v in a.operands.items() if k not in replicated},
+            {k: v for k, v in a.histograms.items() if k not in replicated},
+            a.backward_errors,
+            {k: v for k, v in a.elements.items() if k not in replicated},
+            {k: v for k, v in a.plan_formats.items() if k not in replicated},
+            a.meta,
+        )
+        for a in parts
+    ]
     merged = merge(sharded)
     for key, per_step in merged.operands.items():
         for step, record in per_step.items():
@@ -142,12 +189,18 @@ def _merge_data_parallel(parts: list[Analysis], replicated: Container[OperandKey
                 record.stats["rms"] = _rms(records)
             if len(records) > 1 and "dynamic_range" in record.stats:
                 record.stats["dynamic_range"] = _dynamic_range(records)
+            if len(records) > 1:
+                for candidate, metrics in record.metrics.items():
+                    _merge_signal_to_noise(metrics, [_signal_and_noise(r, candidate) for r in records])
     first = parts[0]
     for key in first.operands:
         if key in replicated:
             merged.operands[key] = dict(first.operands[key])
-            for table, source in ((merged.histograms, first.histograms), (merged.elements, first.elements),
-                                  (merged.plan_formats, first.plan_formats)):
+            for table, source in (
+                (merged.histograms, first.histograms),
+                (merged.elements, first.elements),
+                (merged.plan_formats, first.plan_formats),
+            ):
                 if key in source:
                     table[key] = source[key]  # type: ignore[index]
     merged.meta = {**first.meta, "ranks": len(parts)}
@@ -170,9 +223,11 @@ def merge_analysis(
 
     replicated: operand keys whose tensor is the same on every rank (parameters under DDP, or FSDP2's
     unsharded parameters: see :func:`parameter_operands`); they are taken from rank 0 instead of being
-    counted once per rank. Ranks combine in rank order. Outside distributed runs returns ``analysis``.
+    counted once per rank. Ranks combine in rank order. Outside distributed runs, and for an analysis
+    already merged over as many ranks (``meta["ranks"]``, as an observer's that merged at ``step()``),
+    returns ``analysis``.
     """
-    if world_size(group) == 1:
+    if world_size(group) == 1 or analysis.meta.get("ranks") == world_size(group):
         return analysis
     gathered: list[Analysis | None] = [None] * world_size(group)
     dist.all_gather_object(gathered, analysis, group=group)
@@ -239,8 +294,10 @@ def broadcast_tensor_(tensor: torch.Tensor, src: int = 0, group: Group = None) -
 # -- low-precision all-gather ----------------------------------------------------------------------------
 def _gatherable_scaling(fmt: Format, scaling: ScalingArg) -> Scaling | None:
     if isinstance(scaling, DelayedScaler):
-        raise ValueError("all_gather_quantized cannot use delayed scaling (a per-rank history); allowed: "
-                         "none, tensor, row, or a block format's own scaling")
+        raise ValueError(
+            "all_gather_quantized cannot use delayed scaling (a per-rank history); allowed: "
+            "none, tensor, row, or a block format's own scaling"
+        )
     parsed = Scaling.parse(scaling)
     if isinstance(fmt, BlockFormat):
         axis = parsed.axis if parsed is not None else -1

@@ -299,35 +299,76 @@ def scenario_bert(rank: int, world_size: int, args: dict[str, Any]) -> dict[str,
 
 
 OBSERVED_CANDIDATES = ("bf16", "fp8_e4m3", "fp8_e5m2")
+OBSERVED_STEPS = 3
+OBSERVED_EVERY = 2  # steps 0 and 2 are sampled (and merged across ranks at step()); step 1 is not
 
 
-def observed_analysis(rank: int, world_size: int) -> Any:
-    """An observer's analysis of one forward/backward of the (unconverted) tiny BERT on this rank's rows.
+def observed_analysis(rank: int, world_size: int, reduce_ranks: bool = True) -> tuple[Any, nn.Module, list]:
+    """An observer's analysis of the (unconverted) tiny BERT, 3 forward/backward passes on this rank's rows.
 
     The loss is the global batch's mean (local sum / global label count), so every activation and
     gradient row equals the one a single process computes on the whole batch; tensors are measured whole.
+    No backward errors (their row samples differ from one process's anyway; see :func:`observed_mlp`).
+    Also returns the collectives each ``observer.step()`` issued (op name → count).
     """
+    from torch.distributed.tensor.debug import CommDebugMode
+
     import numscope
 
     model = tiny_bert()
-    batch = mlm_batch(0, ROWS)
-    total = int((batch["labels"] != -100).sum())
-    with numscope.observe(model, OBSERVED_CANDIDATES, max_elements=1 << 20, backward_error=False) as observer:
-        mean_mlm_loss(model, shard(batch, rank, world_size), total).backward()
+    per_step = []
+    with numscope.observe(
+        model,
+        OBSERVED_CANDIDATES,
+        every=OBSERVED_EVERY,
+        max_elements=1 << 20,
+        backward_error=False,
+        reduce_ranks=reduce_ranks,
+    ) as observer:
+        for step in range(OBSERVED_STEPS):
+            batch = mlm_batch(step, ROWS)
+            total = int((batch["labels"] != -100).sum())
+            mean_mlm_loss(model, shard(batch, rank, world_size), total).backward()
+            model.zero_grad(set_to_none=True)
+            with CommDebugMode() as collectives:
+                observer.step()
+            per_step.append({str(op): count for op, count in collectives.get_comm_counts().items()})
+    return observer.analysis(), model, per_step
+
+
+def observed_mlp(rank: int, reduce_ranks: bool) -> Any:
+    """An observer's analysis, backward errors included, of one forward/backward of a small MLP on this
+    rank's own data."""
+    import numscope
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    inputs = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    with numscope.observe(model, OBSERVED_CANDIDATES, be_rows=4, reduce_ranks=reduce_ranks) as observer:
+        model(inputs).square().mean().backward()
         observer.step()
-    return observer.analysis(), model
+    return observer.analysis()
 
 
 def scenario_observer(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
-    """Each rank observes its rows; the analyses are merged and saved once, by rank 0."""
+    """Each rank observes its rows. Merged at step() (the default) and saved once by rank 0; and, observed
+    without the step-time merge, merged afterwards with merge_analysis."""
     import numscope
     from numscope import distributed
 
-    analysis, model = observed_analysis(rank, world_size)
+    analysis, _, collectives = observed_analysis(rank, world_size)
+    written = distributed.save_analysis(analysis, args["analysis_directory"])
+    local, model, _ = observed_analysis(rank, world_size, reduce_ranks=False)
     replicated = distributed.parameter_operands(numscope.sites(model))
-    merged = distributed.merge_analysis(analysis, replicated=replicated)
-    written = distributed.save_analysis(analysis, args["analysis_directory"], replicated=replicated)
-    return {"merged": merged.to_dict(), "written": None if written is None else str(written)}
+    return {
+        "analysis": analysis.to_dict(),
+        "collectives": collectives,
+        "written": None if written is None else str(written),
+        "plan": numscope.recommend(analysis, max_be_ratio=None).to_dict(),
+        "merged_afterwards": distributed.merge_analysis(local, replicated=replicated).to_dict(),
+        "mlp": observed_mlp(rank, reduce_ranks=True).to_dict(),
+        "mlp_local": observed_mlp(rank, reduce_ranks=False).to_dict(),
+    }
 
 
 def scenario_moved_weight(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
