@@ -16,6 +16,7 @@ import numscope
 from numscope.convert import (
     _Quantizer,
     _quantizer,
+    _rounds_to_max,
     convert,
     converted_plan,
     load_numerics_state_dict,
@@ -23,6 +24,8 @@ from numscope.convert import (
     site_sizes,
     unconvert,
 )
+from numscope.formats.cast import native_dtype
+from numscope.formats.scaling import DelayedScaler
 from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec
 from numscope.sites import Site
 
@@ -159,22 +162,39 @@ def test_delayed_scaling_and_generator_state_round_trip() -> None:
         load_numerics_state_dict(convert(bert(), Plan.uniform("fp8")), saved[1])
 
 
-@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp16", "bf16"])
-def test_native_cast_path_equals_quantize(fmt: str) -> None:
+def _grid_and_ties(fmt: str) -> torch.Tensor:
+    """Every finite value of ``fmt``, the midpoints between neighbours and their float32 neighbours."""
+    dtype = native_dtype(numscope.format(fmt))
+    bits = 8 if dtype.itemsize == 1 else 16
+    codes = torch.arange(-(2 ** (bits - 1)), 2 ** (bits - 1), dtype=torch.int32)
+    codes = codes.to(torch.int8 if bits == 8 else torch.int16)
+    grid = codes.view(dtype).double()
+    grid = grid[grid.isfinite()].unique()
+    mids = ((grid[1:] + grid[:-1]) / 2).float()
+    return torch.cat([grid.float(), mids, mids.nextafter(mids + 1), mids.nextafter(mids - 1)])
+
+
+@pytest.mark.parametrize("overflow", ["saturate", "propagate"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp16", "bf16", "fp8_e4m3fnuz", "fp8_e5m2fnuz"])
+def test_native_cast_path_equals_quantize(fmt: str, overflow: str) -> None:
     torch.manual_seed(0)
     x = torch.randn(4096) * torch.logspace(-20, 20, 4096) ** 0.5
     special = x.clone()
     special[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 7e4])
-    spec = OperandSpec(fmt)
-    scaling = spec.effective_scaling()
-    quantizer = _Quantizer(Plan(SiteSpec.uniform(spec)), None)
-    site = Site("s", "s", "linear")
-    for values in (x, special, x * 1e-6):
-        expected = numscope.quantize(values, fmt, scaling=scaling)
-        got = quantizer(site, "fprop", "input", values, -1)
-        assert torch.equal(got.isnan(), expected.isnan())
-        assert torch.equal(got.nan_to_num(1.5), expected.nan_to_num(1.5))
-        assert torch.equal(torch.signbit(got), torch.signbit(expected))
+    ties = _grid_and_ties(fmt)
+    big = numscope.format(fmt).max
+    above_max = torch.linspace(big, _rounds_to_max(numscope.format(fmt)), 64)[:-1]  # round down to max
+    for scaling in (None, numscope.Scaling("tensor"), numscope.Scaling("delayed", history_len=2)):
+        spec = OperandSpec(fmt, scaling=scaling if scaling is not None else "none", overflow=overflow)
+        quantizer = _Quantizer(Plan(SiteSpec.uniform(spec)), None)
+        reference = DelayedScaler(scaling) if scaling is not None and scaling.kind == "delayed" else scaling
+        site = Site("s", "s", "linear")
+        for values in (x, special, x * 1e-6, ties, torch.cat([ties, ties * 1.5 + big]), above_max):
+            expected = numscope.quantize(values, fmt, scaling=reference, overflow=overflow)
+            got = quantizer(site, "fprop", "input", values, -1)
+            assert torch.equal(got.isnan(), expected.isnan())
+            assert torch.equal(got.nan_to_num(1.5), expected.nan_to_num(1.5)), (fmt, overflow, scaling)
+            assert torch.equal(torch.signbit(got), torch.signbit(expected))
 
 
 def test_weight_and_grad_reuse_is_bit_identical() -> None:

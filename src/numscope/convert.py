@@ -19,6 +19,7 @@ with nearest rounding and saturation go through torch's native fp16/bf16/fp8 con
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -103,16 +104,17 @@ class _Quantizer:
         fmt = spec.format_spec()
         scaling = spec.effective_scaling()
         native = _native_cast(spec, fmt, scaling)
-        if native is not None:
+        if native is not None and tensor.numel() > 0:
             xf = tensor.detach().float()
+            amax = _amax(xf)
             if scaling is None:
-                return _cast_native(xf, native, fmt).to(tensor.dtype)  # type: ignore[union-attr]
-            if scaling.kind == "delayed":
-                scale = self.scaler(key, scaling).scale_for(xf, fmt.max)  # type: ignore[union-attr]
+                scale = None
+            elif scaling.kind == "delayed":
+                scale = self.scaler(key, scaling).scale_for(xf, fmt.max, amax=amax)  # type: ignore[union-attr]
             else:
-                amax = reduce_amax_(xf.abs().amax().reshape(1), scaling.reduce_amax)[0]
+                amax = reduce_amax_(amax.reshape(1), scaling.reduce_amax)[0]
                 scale = scale_from_amax(amax, fmt.max, scaling.margin, scaling.power_of_two)  # type: ignore[union-attr]
-            return (_cast_native(xf * scale, native, fmt) * (1.0 / scale)).to(tensor.dtype)  # type: ignore[union-attr]
+            return _fake_cast(xf, native, fmt, scale, amax, spec.overflow).to(tensor.dtype)  # type: ignore[arg-type]
         if isinstance(fmt, BlockFormat):
             scaling_arg: Any = Scaling("block", axis=axis)
         elif scaling is not None and scaling.kind == "delayed":
@@ -133,21 +135,70 @@ class _Quantizer:
 def _native_cast(spec: OperandSpec, fmt: Any, scaling: Scaling | None) -> torch.dtype | None:
     """The torch dtype whose conversion equals ``numscope.quantize`` for this spec, where there is one.
 
-    Nearest rounding, saturation, no flushing, no scaling or tensor/delayed scaling: torch's float32 →
-    fp16/bf16/fp8 conversion rounds to nearest even with subnormals, like :mod:`numscope.formats.cast`;
-    saturation is a clamp that leaves ±inf alone (so inf stays inf, or NaN where the format has no inf).
+    Nearest rounding, no flushing, no scaling or tensor/delayed scaling: torch's float32 → fp16/bf16/fp8
+    conversion rounds to nearest even with subnormals, like :mod:`numscope.formats.cast`. With
+    ``overflow="saturate"`` a clamp that leaves ±inf alone is added where a value is out of range (so inf
+    stays inf, or NaN where the format has no inf); ``overflow="propagate"`` is torch's own overflow to
+    inf, used for the formats that have an inf (fp16, bf16, fp8_e5m2).
     """
-    if spec.rounding != "nearest" or spec.overflow != "saturate" or spec.flush_subnormals:
+    if spec.rounding != "nearest" or spec.flush_subnormals:
         return None
     if scaling is not None and scaling.kind not in ("tensor", "delayed"):
         return None
-    return native_dtype(fmt) if isinstance(fmt, FloatFormat) and fmt.name != "fp32" else None
+    if not isinstance(fmt, FloatFormat) or fmt.name == "fp32":
+        return None
+    if spec.overflow == "propagate" and not (fmt.has_inf and fmt.name in _PROPAGATING_CASTS):
+        return None
+    if spec.overflow not in ("saturate", "propagate"):
+        return None
+    return native_dtype(fmt)
+
+
+_PROPAGATING_CASTS = ("fp16", "bf16", "fp8_e5m2")
+"""Formats whose torch conversion overflows to inf exactly as ``overflow="propagate"`` does."""
 
 
 def _cast_native(values: torch.Tensor, dtype: torch.dtype, fmt: FloatFormat) -> torch.Tensor:
     clamped = values.clamp(-fmt.max, fmt.max)
     infinite = values if fmt.has_inf else torch.full_like(values, float("nan"))
     return torch.where(values.isinf(), infinite, clamped).to(dtype).float()
+
+
+def _amax(values: torch.Tensor) -> torch.Tensor:
+    """max |values| in one pass without a temporary (NaN if any value is NaN), as ``abs().amax()``."""
+    low, high = torch.aminmax(values)
+    return torch.maximum(low.abs(), high.abs())
+
+
+def _rounds_to_max(fmt: FloatFormat) -> float:
+    """The least magnitude that nearest-even rounding takes beyond ``fmt.max``: max + ulp(max) / 2."""
+    return fmt.max + 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits - 1)
+
+
+def _fake_cast(
+    values: torch.Tensor,
+    dtype: torch.dtype,
+    fmt: FloatFormat,
+    scale: torch.Tensor | None,
+    amax: torch.Tensor,
+    overflow: str,
+) -> torch.Tensor:
+    """float32 ``cast(values · scale) · (1 / scale)`` through torch's ``dtype`` (see :func:`_native_cast`).
+
+    ``amax`` bounds ``|values|``: where ``amax · scale`` is below the format's max plus half its unit in
+    the last place (every scaled value then rounds to at most the max: rounding is monotone), the clamp
+    of saturation changes nothing and the scaled copy is cast and descaled in place: one fresh float32
+    buffer instead of one per operation, the same bits.
+    """
+    scaled = values if scale is None else values * scale
+    bound = amax if scale is None else amax * scale
+    if overflow == "saturate" and not (bool(torch.isfinite(bound)) and bound.item() < _rounds_to_max(fmt)):
+        quantized = _cast_native(scaled, dtype, fmt)
+        return quantized if scale is None else quantized * (1.0 / scale)
+    rounded = scaled.to(dtype)
+    if scale is None:
+        return rounded.float()
+    return scaled.copy_(rounded).mul_(1.0 / scale)
 
 
 def _axis_independent(spec: OperandSpec) -> bool:

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from tokenizers import Tokenizer
+from transformers import BertForMaskedLM
 
 from numscope.demo.data import batches, make_blocks
 from numscope.demo.model import ModelConfig, bert_mlm_from_config, make_bert_mlm
@@ -62,7 +63,8 @@ def test_forward_backward_at_init_gives_log_vocab_loss(
     batch = next(batches(blocks, 8, small_info, seed=0))
     model = make_bert_mlm(small_info.vocab_size, **TINY)
     output = model(**batch)
-    assert output.logits.shape == (8, 64, small_info.vocab_size)
+    masked = int((batch["labels"] != -100).sum())
+    assert output.logits.shape == (masked, small_info.vocab_size)  # the head runs on masked positions only
     assert math.isfinite(output.loss.item())
     assert abs(output.loss.item() - math.log(small_info.vocab_size)) < 0.3
     output.loss.backward()
@@ -92,3 +94,26 @@ def test_eager_and_sdpa_attention_agree() -> None:
         reference = eager(input_ids=input_ids, attention_mask=attention_mask).logits
         fused = sdpa(input_ids=input_ids, attention_mask=attention_mask).logits
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_head_gives_the_full_heads_loss_and_gradients(
+    small_train: list[str], small_tokenizer: Tokenizer, small_info: TokenizerInfo
+) -> None:
+    blocks = make_blocks(small_train[:40], small_tokenizer, seq_len=64)
+    batch = next(batches(blocks, 8, small_info, seed=0))
+    tiny = {**TINY, "dropout": 0.0}
+    masked, full = (make_bert_mlm(small_info.vocab_size, **tiny, mlm_head=head) for head in ("masked", "all"))
+    assert type(full) is BertForMaskedLM and isinstance(masked, BertForMaskedLM)
+    losses = []
+    for model in (masked, full):
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    for (name, a), b in zip(masked.named_parameters(), full.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-7, msg=name)
+    unlabelled = {key: value for key, value in batch.items() if key != "labels"}
+    with torch.no_grad():  # without labels both score every position
+        torch.testing.assert_close(masked(**unlabelled).logits, full(**unlabelled).logits)
+    with pytest.raises(ValueError, match=r"unknown mlm_head 'some'; known: \['masked', 'all'\]"):
+        ModelConfig(vocab_size=10, mlm_head="some")
