@@ -44,6 +44,10 @@ _EXPORTS: dict[str, str] = {
     "load_checkpoint": "numscope.train.checkpoint",
     "CheckpointError": "numscope.train.checkpoint",
     "underflow_report": "numscope.train.loss_scaler",
+    "Recipe": "numscope.train.recipe",
+    "FP32_OPS": "numscope.train.fp32_ops",
+    "keep_fp32_ops": "numscope.train.fp32_ops",
+    "store_activations": "numscope.train.activations",
     # measurement
     "observe": "numscope.observe",
     "Observer": "numscope.observe",

@@ -1,6 +1,8 @@
 """The training recipe of Micikevicius et al., "Mixed Precision Training": loss scaling, fp32 master
-weights and crash-safe checkpoints for exact resume."""
+weights, ops kept in fp32, activation storage, the :class:`Recipe` that ties them to a plan, and
+crash-safe checkpoints for exact resume."""
 
+from numscope.train.activations import ActivationStore, store_activations
 from numscope.train.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -8,19 +10,26 @@ from numscope.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from numscope.train.fp32_ops import FP32_OPS, keep_fp32_ops
 from numscope.train.loss_scaler import LossScaler, Overflow, UnderflowRow, underflow_report
 from numscope.train.master import DEFAULT_FP32_MODULES, MasterWeights
+from numscope.train.recipe import Recipe
 
 __all__ = [
     "DEFAULT_FP32_MODULES",
+    "FP32_OPS",
+    "ActivationStore",
     "CheckpointError",
     "LossScaler",
     "MasterWeights",
     "Overflow",
+    "Recipe",
     "UnderflowRow",
+    "keep_fp32_ops",
     "load_checkpoint",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
+    "store_activations",
     "underflow_report",
 ]

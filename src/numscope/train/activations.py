@@ -1,0 +1,97 @@
+"""The precision in which autograd keeps the activations it saves for backward.
+
+Micikevicius et al., "Mixed Precision Training" (2018) store activations in FP16: every tensor a layer
+keeps for its backward pass costs half the memory of FP32, and backward computes from the rounded value.
+:func:`store_activations` does that for every floating activation autograd saves during a model's forward
+(through ``torch.autograd.graph.saved_tensors_hooks``): each float32 tensor saved for backward is kept as
+an fp16 (or bf16) copy and handed back to backward as float32 again. Tensors already in 16 bits,
+integer tensors and the model's parameters and buffers (whose storage is shared, not copied) are kept as
+they are. A tensor saved by several ops is copied once per version.
+
+This covers more than ``numscope.convert(..., storage=...)``, which rounds only the GEMM inputs that the
+site function saves: here the inputs of softmax, GELU, layer norm, losses and every other op are
+rounded too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from numscope.train._forward_context import ForwardContext
+
+__all__ = ["STORAGE_DTYPES", "ActivationStore", "store_activations"]
+
+STORAGE_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
+"""The storage dtypes by name."""
+
+
+class ActivationStore:
+    """The saved-tensor hooks of :func:`store_activations`, for one model and one storage dtype.
+
+    ``stored_bytes`` counts the bytes of the copies made during the latest forward (what autograd keeps
+    for those tensors instead of their float32 originals), ``stored_tensors`` their number.
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.stored_bytes = 0
+        self.stored_tensors = 0
+        self._shared: set[int] = set()
+        self._copies: dict[int, tuple[Any, int, tuple[Tensor, torch.dtype]]] = {}
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        """The context of one forward: which storages belong to the model, fresh counts, the hooks."""
+        self._shared = {
+            t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())
+        }
+        self.stored_bytes = self.stored_tensors = 0
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                yield
+        finally:
+            self._copies.clear()  # the graph holds the copies it needs; this forward's index is done
+
+    def _pack(self, tensor: Tensor) -> Any:
+        if tensor.dtype != torch.float32 or tensor.untyped_storage().data_ptr() in self._shared:
+            return tensor
+        key = id(tensor)
+        known = self._copies.get(key)
+        if known is not None and known[0]() is tensor and known[1] == tensor._version:
+            return known[2]
+        packed = (tensor.detach().to(self.dtype), tensor.dtype)
+        self._copies[key] = (weakref.ref(tensor, lambda _, key=key: self._copies.pop(key, None)),
+                             tensor._version, packed)  # fmt: skip
+        self.stored_bytes += packed[0].numel() * packed[0].element_size()
+        self.stored_tensors += 1
+        return packed
+
+
+def _unpack(packed: Any) -> Tensor:
+    if isinstance(packed, tuple):
+        stored, dtype = packed
+        return stored.to(dtype)
+    return packed
+
+
+def store_activations(model: nn.Module, dtype: torch.dtype | str) -> tuple[ForwardContext, ActivationStore]:
+    """Keep every float32 activation that autograd saves during ``model``'s forward in ``dtype``.
+
+    dtype: ``torch.float16``/``"fp16"`` or ``torch.bfloat16``/``"bf16"``. Returns the handle (its
+    ``remove()`` ends it) and the :class:`ActivationStore` with the latest forward's counts.
+    """
+    resolved = STORAGE_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if resolved not in STORAGE_DTYPES.values():
+        raise ValueError(
+            f"activation storage dtype must be one of {', '.join(STORAGE_DTYPES)} "
+            f"(or torch.float16, torch.bfloat16), got {dtype!r}"
+        )
+    store = ActivationStore(model, resolved)
+    return ForwardContext(model, store.hooks), store

@@ -1,0 +1,127 @@
+"""Ops kept in FP32 while a model computes in fp16/bf16.
+
+Micikevicius et al., "Mixed Precision Training" (2018), §3.3: large reductions (sums over a vector, as in
+softmax and normalisation statistics) must accumulate in FP32, and point-wise ops whose results leave
+fp16's range (exp, log, pow…) lose everything in fp16. ``torch.autocast`` encodes the same rule as its
+list of CUDA ops that "autocast to float32" (``AT_FORALL_FP32`` and ``AT_FORALL_FP32_SET_OPT_DTYPE`` in
+``aten/src/ATen/autocast_mode.h``). :data:`FP32_OPS` is that list at the Python level, grouped, plus the
+reductions CUDA kernels accumulate in fp32 anyway (``mean``, ``var``, ``std``) and ``rms_norm``.
+
+:func:`keep_fp32_ops` applies it during a model's forward with ``torch.autocast``'s rules:
+
+* an op of :data:`FP32_OPS` whose floating tensor arguments include fp16/bf16 runs on fp32 copies of them
+  and returns its fp32 result (ops called with an explicit ``dtype=`` are left alone, as autocast does);
+* a GEMM (``F.linear``, ``matmul``/``@``, ``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``einsum``, ``conv``,
+  ``F.scaled_dot_product_attention``) whose floating operands mix fp32 with the working dtype runs with
+  the fp32 ones cast to the working dtype, so an fp32 result flows on into the next fp16/bf16 GEMM;
+* every other op runs as called (torch's type promotion).
+
+The casts are ordinary autograd ops: backward runs each kept op in fp32 too, and the gradient returns to
+the working dtype at the cast. The casts happen inside any :mod:`numscope.sites` interception, so GEMM
+sites see operands in the working dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree
+
+from numscope.train._forward_context import ForwardContext
+
+__all__ = ["FP32_OPS", "GEMM_OPS", "Fp32Ops", "keep_fp32_ops"]
+
+_T = torch.Tensor
+
+FP32_OPS: dict[str, tuple[Callable[..., Any], ...]] = {
+    "softmax": (torch.softmax, _T.softmax, F.softmax, F.softmin, torch.log_softmax, _T.log_softmax,
+                F.log_softmax),
+    "normalisation": (F.layer_norm, torch.layer_norm, F.group_norm, torch.group_norm, F.rms_norm,
+                      torch.rms_norm, F.normalize),
+    "loss": (F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.kl_div,
+             F.binary_cross_entropy_with_logits, F.poisson_nll_loss, F.cosine_embedding_loss,
+             F.hinge_embedding_loss, F.margin_ranking_loss, F.multilabel_margin_loss, F.soft_margin_loss,
+             F.triplet_margin_loss, F.multi_margin_loss),
+    "reduction": (torch.sum, _T.sum, torch.mean, _T.mean, torch.var, _T.var, torch.std, _T.std, torch.prod,
+                  _T.prod, torch.cumsum, _T.cumsum, torch.cumprod, _T.cumprod, torch.norm, _T.norm,
+                  torch.linalg.vector_norm, torch.linalg.matrix_norm, torch.linalg.norm, torch.logsumexp,
+                  _T.logsumexp, torch.dist, _T.dist, torch.cdist, F.pdist, torch.renorm, _T.renorm),
+    "pointwise": (torch.exp, _T.exp, torch.expm1, _T.expm1, torch.log, _T.log, torch.log2, _T.log2,
+                  torch.log10, _T.log10, torch.log1p, _T.log1p, torch.pow, _T.pow, _T.__pow__, _T.__rpow__,
+                  torch.reciprocal, _T.reciprocal, _T.__rtruediv__, torch.rsqrt, _T.rsqrt, torch.acos,
+                  _T.acos, torch.asin, _T.asin, torch.cosh, _T.cosh, torch.sinh, _T.sinh, torch.tan, _T.tan,
+                  torch.erfinv, _T.erfinv, F.softplus, F.cosine_similarity),
+}  # fmt: skip
+"""The ops kept in fp32, by group (the torch callables a ``TorchFunctionMode`` sees)."""
+
+GEMM_OPS: frozenset[Callable[..., Any]] = frozenset(
+    {F.linear, torch.matmul, _T.matmul, _T.__matmul__, _T.__rmatmul__, torch.mm, _T.mm, torch.bmm, _T.bmm,
+     torch.addmm, _T.addmm, torch.baddbmm, _T.baddbmm, torch.addbmm, _T.addbmm, torch.einsum, F.conv1d,
+     F.conv2d, F.conv3d, F.scaled_dot_product_attention}
+)  # fmt: skip
+"""Ops whose fp32 operands are cast to the working dtype when they meet working-dtype operands."""
+
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _floating(values: Any) -> list[Tensor]:
+    return [v for v in _pytree.tree_leaves(values) if isinstance(v, Tensor) and v.is_floating_point()]
+
+
+def _cast(values: Any, source: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
+    return _pytree.tree_map(
+        lambda v: v.to(target) if isinstance(v, Tensor) and v.dtype in source else v, values
+    )
+
+
+class Fp32Ops(TorchFunctionMode):
+    """The ``TorchFunctionMode`` of :func:`keep_fp32_ops` (see the module docstring for its rules).
+
+    dtype: the working dtype (``torch.float16`` or ``torch.bfloat16``). ops: the ops kept in fp32.
+    """
+
+    def __init__(self, dtype: torch.dtype, ops: Iterable[Callable[..., Any]]) -> None:
+        super().__init__()
+        if dtype not in _LOW:
+            raise ValueError(f"the working dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
+        self.dtype = dtype
+        self.ops = frozenset(ops)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.ops and kwargs.get("dtype") is None:
+            if any(t.dtype in _LOW for t in _floating((args, kwargs))):
+                args, kwargs = _cast((args, kwargs), _LOW, torch.float32)
+        elif func in GEMM_OPS:
+            dtypes = {t.dtype for t in _floating((args, kwargs))}
+            if torch.float32 in dtypes and self.dtype in dtypes:
+                args, kwargs = _cast((args, kwargs), (torch.float32,), self.dtype)
+        return func(*args, **kwargs)
+
+
+def _resolve_ops(ops: Iterable[Callable[..., Any]] | None) -> frozenset[Callable[..., Any]]:
+    if ops is None:
+        return frozenset(op for group in FP32_OPS.values() for op in group)
+    resolved = frozenset(ops)
+    for op in resolved:
+        if not callable(op):
+            raise TypeError(f"fp32 ops must be torch callables such as torch.softmax, got {op!r}")
+    return resolved
+
+
+def keep_fp32_ops(
+    model: nn.Module, dtype: torch.dtype, ops: Iterable[Callable[..., Any]] | None = None
+) -> ForwardContext:
+    """Keep ``ops`` (default: every op of :data:`FP32_OPS`) in fp32 during each forward of ``model``.
+
+    dtype: the model's working dtype (fp16 or bf16), to which fp32 GEMM operands are cast when they meet
+    working-dtype ones. Returns a handle whose ``remove()`` ends it.
+    """
+    resolved = _resolve_ops(ops)
+    Fp32Ops(dtype, resolved)  # validate now, not at the first forward
+    return ForwardContext(model, lambda: Fp32Ops(dtype, resolved))

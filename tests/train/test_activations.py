@@ -1,0 +1,69 @@
+"""Activation storage: what autograd saves is really kept in fp16/bf16, parameters are not copied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from numscope.train import store_activations
+
+
+class Sine(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x)  # saves x; its backward is grad · cos(saved x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backward_computes_from_the_rounded_activation(dtype: torch.dtype) -> None:
+    x = torch.linspace(-3, 3, 1001, dtype=torch.float32) + 1e-3
+    model = Sine()
+    handle, store = store_activations(model, dtype)
+    leaf = x.clone().requires_grad_()
+    model(leaf).backward(torch.ones_like(x))
+    assert torch.equal(leaf.grad, torch.cos(x.to(dtype).float()))  # cos of the stored value, exactly
+    assert not torch.equal(leaf.grad, torch.cos(x))
+    assert store.stored_tensors == 1 and store.stored_bytes == x.numel() * 2
+    handle.remove()
+    leaf.grad = None
+    model(leaf).backward(torch.ones_like(x))
+    assert torch.equal(leaf.grad, torch.cos(x))
+
+
+def test_parameters_are_not_copied_and_a_tensor_saved_twice_is_stored_once() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    handle, store = store_activations(model, "fp16")
+    x = torch.randn(32, 64, requires_grad=True)
+    model(x).sum().backward()
+    # saved: x by the first Linear; Tanh's output by Tanh and again, as its input, by the second Linear:
+    # two copies, not three; the weights are saved as themselves
+    assert store.stored_tensors == 2
+    assert store.stored_bytes == 2 * 32 * 64 * 2
+    handle.remove()
+
+
+def test_in_place_change_between_saves_gets_a_new_copy() -> None:
+    class Twice(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 1.0
+            first = torch.sin(y)
+            y.mul_(2.0)
+            return first + torch.sin(y)
+
+    model = Twice()
+    _, store = store_activations(model, torch.float16)
+    x = torch.linspace(0.1, 1.0, 100, requires_grad=True)
+    model(x).sum().backward()
+    assert store.stored_tensors == 2
+    expected = torch.cos(x.detach().half().float()) + 2 * torch.cos((x.detach() * 2).half().float())
+    assert torch.allclose(x.grad, expected, rtol=0, atol=1e-6)
+
+
+def test_bad_dtype_is_named() -> None:
+    with pytest.raises(
+        ValueError, match=r"must be one of fp16, bf16 \(or torch.float16, torch.bfloat16\), got 'fp8'"
+    ):
+        store_activations(nn.Linear(2, 2), "fp8")
+    with pytest.raises(ValueError, match=r"got torch\.float32"):
+        store_activations(nn.Linear(2, 2), torch.float32)
