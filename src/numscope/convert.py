@@ -247,6 +247,8 @@ def convert(
         raises :class:`numscope.plan.PlanError` if a rule's pattern matches no site.
     generator: the random source of stochastic rounding (its state is part of :func:`numerics_state_dict`).
     storage: ``"fp16"``/``"bf16"``: the dtype site activations are kept in for backward (None: as they are).
+        Only the GEMM inputs the site function saves; :func:`numscope.store_activations` (or
+        ``numscope.Recipe(activations=...)``) keeps every activation autograd saves in 16 bits, as the paper.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"convert expects a numscope.Plan, got {type(plan).__name__}")

@@ -372,3 +372,23 @@ def test_two_optimizers_skip_independently_and_back_off_once():
     assert torch.equal(model[2].weight, second_before)
     assert scaler.get_scale() == 2.0**9
     assert scaler.last_overflow.parameters == ("2.bias",)
+
+
+def test_underflow_per_layer_of_a_tiny_bert_before_and_after_scaling():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    model = BertForMaskedLM(config)
+    ids = torch.randint(5, 100, (4, 16), generator=torch.Generator().manual_seed(0))
+    (model(input_ids=ids, labels=ids).loss * 2.0**-20).backward()  # gradients as small as late in training
+    rows = {row.parameter: row for row in underflow_report(model, scale=2.0**20, working_dtype=torch.float16)}
+    assert len(rows) == sum(1 for p in model.parameters() if p.grad is not None)
+    unscaled = {name: row.underflow_percent_unscaled for name, row in rows.items()}
+    assert max(unscaled.values()) > 10.0 and min(unscaled.values()) < max(unscaled.values())  # per layer
+    for name, row in rows.items():
+        assert row.underflow_percent_scaled <= row.underflow_percent_unscaled, name
+        assert row.overflow_percent_scaled == 0.0, name
+    assert sum(row.underflow_percent_scaled for row in rows.values()) < 0.1 * sum(unscaled.values())
