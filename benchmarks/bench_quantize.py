@@ -1,16 +1,23 @@
 """Throughput of numscope.quantize, eager and compiled, against clone() and peer libraries.
 
-Run: ``.venv/bin/python benchmarks/bench_quantize.py`` (16M float32 elements) or ``--quick``.
-Every row is elements per second (median of several timed runs after a warm-up) and its ratio to
-``x.clone()`` (the memory-bandwidth limit of this machine), timed alternately with the row so that the
-load of a shared machine affects both alike. Compile time of the fast path is its first
-call (per configuration), reported separately.
+Run: ``.venv/bin/python benchmarks/bench_quantize.py`` (16M float32 elements) or ``--quick`` (1M).
+Each row is timed alternately with ``x.clone()`` (the memory-bandwidth limit: one read, one fresh
+output), so that the load of a shared machine falls on both alike; the row prints its own median, the
+median of the clones timed beside it, and the ratio of the two (``vs clone`` = clone ms / row ms, so the
+columns can be checked against each other), in elapsed time and in this process's CPU time. On a machine
+shared with other jobs, CPU time with ``--threads 1`` is the steadiest measure (elapsed time then also
+counts other jobs' turns, and a multi-threaded op waits for its slowest thread). With ``--quick`` the
+input fits in the last-level cache, so clone there is a cache, not a memory, figure. The first call of
+a fast-path row (its compile) is reported separately and not timed. torchao and qtorch rows appear
+where those are installed (``pip install -e '.[bench]'``); qtorch builds its C++ extension on first
+import (a minute, once).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -32,22 +39,37 @@ CASES: list[tuple[str, str, str | None]] = [
 
 def paired_seconds(
     function: Callable[[], object], reference: Callable[[], object], runs: int
-) -> tuple[float, float]:
-    """Median seconds of ``function`` and of ``reference``, timed alternately so that load affects both."""
+) -> tuple[float, float, float, float]:
+    """Median wall and CPU seconds of ``function`` and of ``reference``, timed alternately.
+
+    Returns (wall, reference wall, cpu, reference cpu). CPU time is this process's (all its threads,
+    user and system): on a machine shared with other jobs it counts the work, not the waiting.
+    """
     function()
     reference()
-    times: tuple[list[float], list[float]] = ([], [])
+    wall: tuple[list[float], list[float]] = ([], [])
+    cpu: tuple[list[float], list[float]] = ([], [])
     for _ in range(runs):
-        for timed, bucket in ((function, times[0]), (reference, times[1])):
-            start = time.perf_counter()
+        for index, timed in enumerate((function, reference)):
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
             timed()
-            bucket.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+            cpu[index].append(time.process_time() - start_cpu)
+            wall[index].append(time.perf_counter() - start_wall)
+    medians = [statistics.median(times) for times in (*wall, *cpu)]
+    return medians[0], medians[1], medians[2], medians[3]
 
 
-def peers(x: torch.Tensor) -> list[tuple[str, Callable[[], object]]]:
-    rows: list[tuple[str, Callable[[], object]]] = [
-        ("torch x.to(float8_e4m3fn).float()", lambda: x.to(torch.float8_e4m3fn).float()),
+def peers(x: torch.Tensor) -> list[tuple[str, Callable[[], object] | None, str]]:
+    """(name, function or None, note) of every peer row; None where the peer is not installed."""
+
+    def torch_tensor_fp8(values: torch.Tensor) -> torch.Tensor:
+        scale = 448.0 / values.abs().amax()
+        return (values * scale).to(torch.float8_e4m3fn).float() / scale
+
+    compiled_fp8 = torch.compile(torch_tensor_fp8)
+    rows: list[tuple[str, Callable[[], object] | None, str]] = [
+        ("torch x.to(float8_e4m3fn).float()", lambda: x.to(torch.float8_e4m3fn).float(), ""),
+        ("torch.compile'd per-tensor fp8 round trip", lambda: compiled_fp8(x), "amax, scale, .to(fp8)"),
     ]
     if importlib.util.find_spec("torchao") is not None:
         from torchao.prototype.mx_formats.mx_tensor import MXTensor
@@ -55,44 +77,72 @@ def peers(x: torch.Tensor) -> list[tuple[str, Callable[[], object]]]:
         def to_mx(dtype: torch.dtype) -> Callable[[], object]:
             return lambda: MXTensor.to_mx(x, dtype, 32).dequantize(torch.float32)
 
-        rows.append(("torchao MXTensor mxfp8_e4m3", to_mx(torch.float8_e4m3fn)))
-        rows.append(("torchao MXTensor mxfp4_e2m1", to_mx(torch.float4_e2m1fn_x2)))
+        rows.append(("torchao MXTensor mxfp8_e4m3", to_mx(torch.float8_e4m3fn), ""))
+        rows.append(("torchao MXTensor mxfp4_e2m1", to_mx(torch.float4_e2m1fn_x2), ""))
+    else:
+        rows.append(("torchao MXTensor", None, "not installed"))
     if importlib.util.find_spec("qtorch") is not None:
         from qtorch.quant import float_quantize
 
         rows.append(
-            ("qtorch float_quantize e4m3", lambda: float_quantize(x, exp=4, man=3, rounding="nearest"))
+            (
+                "qtorch float_quantize e4m3",
+                lambda: float_quantize(x, exp=4, man=3, rounding="nearest"),
+                "no scaling",
+            )
         )
+    else:
+        rows.append(("qtorch float_quantize", None, "not installed"))
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 1M-element input and fewer runs")
-    parser.add_argument("--runs", type=int, default=None, help="timed runs per row (default 7, quick 3)")
+    parser.add_argument("--runs", type=int, default=None, help="timed runs per row (default 9, quick 5)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--only", default="", help="run only rows whose name contains this text")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     rows, cols = (1024, 1024) if args.quick else (4096, 4096)
-    runs = args.runs or (3 if args.quick else 7)
+    runs = args.runs or (5 if args.quick else 9)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
     elements = x.numel()
-    table: list[tuple[str, str, str, str]] = []
+    load_before = os.getloadavg()[0]
+    table: list[tuple[str, ...]] = []
 
     def clone() -> torch.Tensor:
         return x.clone()
 
     def row(name: str, function: Callable[[], object] | None, note: str = "") -> None:
-        if function is None:
-            table.append((name, "-", "-", note))
+        if args.only not in name:
             return
-        seconds, clone_seconds = paired_seconds(function, clone, runs)
-        table.append((name, f"{elements / seconds / 1e9:.3f}", f"{clone_seconds / seconds:.2f}x", note))
-
-    row("x.clone()", clone)
-    for name, function in peers(x):
+        if function is None:
+            table.append((name, *["-"] * 7, note))
+            return
         try:
-            row(name, function)
+            wall, clone_wall, cpu, clone_cpu = paired_seconds(function, clone, runs)
         except Exception as error:  # a peer that fails on this machine is reported, not fatal
-            row(name, None, f"failed: {type(error).__name__}")
+            table.append((name, *["-"] * 7, f"failed: {type(error).__name__}"))
+            return
+        table.append(
+            (
+                name,
+                f"{elements / wall / 1e9:.3f}",
+                f"{wall * 1e3:.1f}",
+                f"{clone_wall * 1e3:.1f}",
+                f"{clone_wall / wall:.2f}x",
+                f"{cpu * 1e3:.1f}",
+                f"{clone_cpu * 1e3:.1f}",
+                f"{clone_cpu / cpu:.2f}x",
+                note,
+            )
+        )
+
+    row("x.clone()", clone, "against itself: the noise")
+    for name, function, note in peers(x):
+        row(name, function, note)
     for label, fmt, scaling in CASES:
 
         def run(fmt: str = fmt, scaling: str | None = scaling) -> torch.Tensor:
@@ -101,15 +151,22 @@ def main() -> None:
         set_fast(False)
         row(f"numscope {label} (eager)", run)
         set_fast(True)
-        start = time.perf_counter()
-        run()
-        compile_seconds = time.perf_counter() - start
-        row(f"numscope {label} (fast)", run, f"first call {compile_seconds:.1f} s")
+        if args.only in f"numscope {label} (fast)":
+            start = time.perf_counter()
+            run()
+            row(f"numscope {label} (fast)", run, f"first call {time.perf_counter() - start:.1f} s")
     set_fast(False)
 
-    header = ("what", "Gelem/s", "vs clone", "note")
-    widths = [max(len(r[i]) for r in [header, *table]) for i in range(4)]
-    print(f"{elements:,} float32 elements, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    header = ("what", "Gelem/s", "wall ms", "clone", "vs clone", "cpu ms", "clone", "vs clone", "note")
+    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
+    print(
+        f"{elements:,} float32 elements, median of {runs} runs each, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+    )
+    print(
+        "Gelem/s and wall ms: elapsed time; cpu ms: this process's CPU time (all threads). clone: the "
+        "clones timed alternately with that row; vs clone = clone / row (wall, then cpu)"
+    )
     for line in [header, tuple("-" * w for w in widths), *table]:
         print("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip())
 

@@ -6,14 +6,20 @@ column and delayed scaling) and of the block formats (MX, NVFP4); everything els
 toward-zero rounding, tile scaling, ``e8m0``) runs eagerly.
 
 The compiled kernels call the very functions the eager path calls (:func:`numscope.formats.cast.cast`,
-the MX and NVFP4 block arithmetic), so they compute the same float32 operations; the tests check the
-two agree bit for bit. Amaxes are taken by a compiled reduction, then reduced across ranks eagerly
-(:func:`numscope.formats.scaling.reduce_amax_`), so distributed runs stay identical across ranks.
+:func:`numscope.formats.scaling.scale_from_amax`, the MX and NVFP4 block arithmetic), so they compute the
+same float32 operations; the tests check the two agree bit for bit. One compiled function does the whole
+job of one call: the amax reduction, the scale and the cast, so a per-tensor scaled cast is two passes
+over memory (amax, then cast) and a block format one pass (each block's amax is taken where its elements
+are cast). Only where an amax must first be reduced across ``torch.distributed`` ranks is it taken by its
+own compiled reduction and reduced eagerly (:func:`numscope.formats.scaling.reduce_amax_`), so that every
+rank quantizes identically.
 
-Each configuration (format, overflow rule, scaling kind) gets its own compiled function with dynamic
-tensor sizes, so new shapes do not recompile; compiling one takes a few seconds of CPU (the
-benchmark reports it). Tensors are flattened to two dimensions first, so that tensors of different
-rank share one compiled kernel.
+Each configuration (format, overflow rule, scaling) gets its own compiled function with dynamic tensor
+sizes, so new shapes do not recompile (only sizes 1 are specialised; block formats see whole blocks, padded
+before the kernel). Compiling one takes seconds of CPU (the benchmark
+reports the first call). Tensors are flattened to two dimensions first, so that tensors of different rank
+share one compiled kernel. Should compiling fail (no C++ compiler, say), the configuration warns once and
+runs the same kernel eagerly, with the same results.
 """
 
 from __future__ import annotations
@@ -21,12 +27,15 @@ from __future__ import annotations
 import functools
 import os
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from numscope.formats.cast import cast
+from numscope.formats.scaling import Scaling, reduce_amax_, scale_from_amax
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
 
 _enabled = os.environ.get("NUMSCOPE_FAST", "0").strip().lower() not in ("", "0", "false", "no", "off")
@@ -68,14 +77,38 @@ def _own_copy(function: Callable[..., Any], tag: str, static: dict[str, Any]) ->
     return copy
 
 
+class _Kernel:
+    """One configuration's kernel: compiled, or run eagerly after compiling it failed (same results)."""
+
+    def __init__(self, kernel: Callable[..., torch.Tensor], description: str) -> None:
+        self.kernel = kernel
+        self.description = description
+        # emulate_precision_casts: keep x.to(bfloat16).float() a rounding (inductor drops it otherwise)
+        self.compiled: Callable[..., torch.Tensor] | None = torch.compile(
+            kernel, options={"emulate_precision_casts": True, "cpp.dynamic_threads": True}
+        )
+
+    def __call__(self, *args: torch.Tensor | None) -> torch.Tensor:
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as error:  # compiling failed: this configuration runs eagerly from now on
+                self.compiled = None
+                warnings.warn(
+                    f"numscope fast path: compiling {self.description} failed ({type(error).__name__}: "
+                    f"{str(error).splitlines()[0] if str(error) else ''}); it runs eagerly instead",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        return self.kernel(*args)
+
+
 @functools.cache
-def _compiled(kernel_name: str, **static: Any) -> Callable[..., torch.Tensor]:
+def _compiled(kernel_name: str, **static: Any) -> _Kernel:
     tag = f"{len(_COMPILED_TAGS)}"
     _COMPILED_TAGS.append((kernel_name, static))
-    # emulate_precision_casts: keep x.to(bfloat16).float() a rounding (inductor drops it otherwise)
-    return torch.compile(
-        _own_copy(_KERNELS[kernel_name], tag, static), options={"emulate_precision_casts": True}
-    )
+    description = f"{kernel_name} kernel {static}"
+    return _Kernel(_own_copy(_KERNELS[kernel_name], tag, static), description)
 
 
 def _dynamic(*tensors: torch.Tensor | None) -> None:
@@ -98,6 +131,11 @@ def compiled_configurations() -> list[tuple[str, dict[str, Any]]]:
 _COMPILED_TAGS: list[tuple[str, dict[str, Any]]] = []
 
 
+def _distributed_reduction(enabled: bool) -> bool:
+    """Whether an amax must be reduced across ranks before it is used (``torch.distributed`` is up)."""
+    return enabled and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 # -- kernels (plain tensor code; compiled per configuration) --------------------------------------------
 
 
@@ -110,8 +148,21 @@ def _abs_amax_kernel(x: torch.Tensor, *, mode: str) -> torch.Tensor:
 
 
 def _element_kernel(
-    x: torch.Tensor, scale: torch.Tensor | None, *, fmt: FloatFormat | IntFormat, overflow: str, flush: bool
+    x: torch.Tensor,
+    amax: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    *,
+    fmt: FloatFormat | IntFormat,
+    overflow: str,
+    flush: bool,
+    mode: str | None,
+    margin: int,
+    power_of_two: bool,
 ) -> torch.Tensor:
+    if scale is None and mode is not None:
+        if amax is None:
+            amax = _abs_amax_kernel(x, mode=mode)
+        scale = scale_from_amax(amax, fmt.max, margin, power_of_two)
     if scale is None:
         return cast(x, fmt, "nearest", overflow, flush)
     return cast(x * scale, fmt, "nearest", overflow, flush) * (1.0 / scale)
@@ -120,8 +171,10 @@ def _element_kernel(
 def _block_kernel(x: torch.Tensor, tensor_amax: torch.Tensor | None, *, fmt: BlockFormat) -> torch.Tensor:
     from numscope.formats.quantize import block_parts_2d
 
+    if fmt.tensor_scale and tensor_amax is None:
+        tensor_amax = x.abs().amax()
     parts = block_parts_2d(x, fmt, tensor_amax, "nearest", None)
-    return (parts.elements * parts.scales).reshape(x.shape[0], -1)[:, : x.shape[1]]
+    return (parts.elements * parts.scales).reshape(x.shape[0], -1)
 
 
 _KERNELS: dict[str, Callable[..., torch.Tensor]] = {
@@ -141,14 +194,48 @@ def abs_amax(x: torch.Tensor, mode: str) -> torch.Tensor:
 
 
 def element(
-    x: torch.Tensor, scale: torch.Tensor | None, fmt: FloatFormat | IntFormat, overflow: str, flush: bool
+    x: torch.Tensor,
+    fmt: FloatFormat | IntFormat,
+    overflow: str,
+    flush: bool,
+    scaling: Scaling | None = None,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Nearest-rounded ``cast(x · scale) / scale`` of a 2-D float32 tensor (``scale`` broadcastable)."""
+    """Nearest-rounded ``cast(x · s) / s`` of a 2-D float32 tensor.
+
+    ``s`` is ``scale`` where given (delayed scaling), else the scale of ``scaling`` (``tensor``, ``row`` or
+    ``column``: computed in the same compiled function as the cast), else no scaling at all.
+    """
+    mode = None if scale is not None or scaling is None else scaling.kind
+    amax = None
+    if mode == "tensor" and _distributed_reduction(scaling.reduce_amax):  # type: ignore[union-attr]
+        amax = reduce_amax_(abs_amax(x, "tensor").reshape(1))[0]
     _dynamic(x, scale)
-    return _compiled("element", fmt=fmt, overflow=overflow, flush=flush)(x, scale)
+    margin, power_of_two = (scaling.margin, scaling.power_of_two) if mode is not None else (0, False)  # type: ignore[union-attr]
+    kernel = _compiled(
+        "element",
+        fmt=fmt,
+        overflow=overflow,
+        flush=flush,
+        mode=mode,
+        margin=margin,
+        power_of_two=power_of_two,
+    )
+    return kernel(x, amax, scale)
 
 
-def block(x: torch.Tensor, tensor_amax: torch.Tensor | None, fmt: BlockFormat) -> torch.Tensor:
-    """A 2-D float32 tensor (blocks along its last axis) quantized to the block format ``fmt``."""
-    _dynamic(x)
-    return _compiled("block", fmt=fmt)(x, tensor_amax)
+def block(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """A 2-D float32 tensor (blocks along its last axis) quantized to the block format ``fmt``.
+
+    A last axis that does not divide the block is zero-padded here, before the compiled kernel, so that
+    one kernel (which sees whole blocks only) serves every shape; the result is a view without the padding.
+    """
+    length = x.shape[1]
+    pad = (-length) % fmt.block_size
+    padded = F.pad(x, (0, pad)) if pad else x
+    tensor_amax = None
+    if fmt.tensor_scale and _distributed_reduction(True):
+        tensor_amax = reduce_amax_(abs_amax(padded, "tensor").reshape(1))[0]
+    _dynamic(padded)
+    out = _compiled("block", fmt=fmt)(padded, tensor_amax)
+    return out[:, :length] if pad else out

@@ -290,21 +290,15 @@ def _quantize_fast(
     if isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
         x2d, moved = _axis_last_2d(xf, axis)
-        tensor_amax = None
-        if spec.tensor_scale:
-            tensor_amax = reduce_amax_(fast.abs_amax(x2d, "tensor").reshape(1))[0]
-        out = fast.block(x2d, tensor_amax, spec).reshape(moved)
+        out = fast.block(x2d, spec).reshape(moved)
         return out.reshape(xf.shape) if xf.dim() == 0 else out.movedim(-1, axis)
     x2d = xf.reshape(-1, xf.shape[-1]) if xf.dim() > 0 else xf.reshape(1, 1)
-    scale = None
     if delayed is not None:
-        scale = delayed.scale_for(xf, spec.max)
-    elif parsed is not None:
-        amax = fast.abs_amax(x2d, parsed.kind)
-        if parsed.kind == "tensor":
-            amax = reduce_amax_(amax.reshape(1), parsed.reduce_amax)[0]
-        scale = scale_from_amax(amax, spec.max, parsed.margin, parsed.power_of_two)
-    return fast.element(x2d, scale, spec, overflow, flush_subnormals).reshape(xf.shape)
+        scale = delayed.scale_for(xf, spec.max, amax=fast.abs_amax(x2d, "tensor"))
+        out = fast.element(x2d, spec, overflow, flush_subnormals, scale=scale)
+    else:
+        out = fast.element(x2d, spec, overflow, flush_subnormals, scaling=parsed)
+    return out.reshape(xf.shape)
 
 
 # -- raw codes ----------------------------------------------------------------------------------------

@@ -151,9 +151,14 @@ class DelayedScaler:
             return self.amax_history[0]
         return self.amax_history.max()
 
-    def scale_for(self, x: torch.Tensor, fmt_max: float) -> torch.Tensor:
-        """The scale to use for ``x`` now; records ``amax(x)`` into the history."""
-        current = reduce_amax_(x.detach().abs().amax().float().reshape(1), self.scaling.reduce_amax)
+    def scale_for(self, x: torch.Tensor, fmt_max: float, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """The scale to use for ``x`` now; records ``amax(x)`` into the history.
+
+        amax: ``amax(|x|)`` where the caller has it already (this rank's; it is reduced here).
+        """
+        if amax is None:
+            amax = x.detach().abs().amax()
+        current = reduce_amax_(amax.float().reshape(1).clone(), self.scaling.reduce_amax)
         used = self.history_amax() if self.steps > 0 else current[0]
         scale = scale_from_amax(used, fmt_max, self.scaling.margin, self.scaling.power_of_two)
         if torch.isfinite(current).all():
