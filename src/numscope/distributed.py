@@ -8,7 +8,9 @@ What already happens without this module, by default, whenever a process group i
   concatenated batch. ``Scaling(reduce_amax=False)`` keeps each rank's own amax;
 * :class:`numscope.LossScaler` all-reduces (MAX) its one-element found-inf flag, so an overflow on any rank
   skips the step on every rank and the scale stays the same everywhere (under FSDP2 too: each rank checks
-  its own gradient shards, then one all-reduce).
+  its own gradient shards, then one all-reduce);
+* :class:`numscope.Observer` merges each sampled step across the ranks at ``step()`` (one gather with
+  :func:`merge_analysis`), so every rank holds one process's analysis of the concatenated batch.
 
 Every one of those reductions is a collective: all ranks must quantize the same tensors in the same order
 (as they do when they run the same model), or the run hangs.
@@ -216,10 +218,11 @@ def merge_analysis(
     :func:`numscope.analysis.merge`: histograms and element counts add, maxima (``amax``) and minima
     reduce, fractions and means (``zeros%``, ``nonfinite%``, ``underflow%``, ``overflow%``) are weighted by
     each rank's sample size, ``rms`` combines as the root of the weighted mean square and
-    ``dynamic_range`` from each rank's amax and smallest magnitude. All of these are exact when every rank
-    measured its tensors whole (tensors of at most the observer's ``max_elements``), so the result equals
-    the analysis of one process that saw the concatenated batch. Nonlinear summaries (``sqnr_db``,
-    ``kurtosis``, ``t_dof``) and backward errors are weighted means, an approximation.
+    ``dynamic_range`` from each rank's amax and smallest magnitude, ``sqnr_db`` and ``rel_error`` from the
+    summed signal and noise powers. All of these are exact when every rank measured its tensors whole
+    (tensors of at most the observer's ``max_elements``), so the result equals the analysis of one process
+    that saw the concatenated batch. ``cosine``, ``kurtosis``, ``t_dof`` and backward errors are weighted
+    means, an approximation.
 
     replicated: operand keys whose tensor is the same on every rank (parameters under DDP, or FSDP2's
     unsharded parameters: see :func:`parameter_operands`); they are taken from rank 0 instead of being
