@@ -213,11 +213,24 @@ def test_native_cast_path_equals_quantize(fmt: str, overflow: str) -> None:
             assert torch.equal(torch.signbit(got), torch.signbit(expected))
 
 
-def test_weight_and_grad_reuse_is_bit_identical() -> None:
+def test_weight_grad_and_input_reuse_is_bit_identical() -> None:
     model = bert(dropout=0.0)
     convert(model, Plan.uniform("fp8"))
+    quantizer = _quantizer(model)
+    quantized = quantizer.quantize
+    keys: list[str] = []
+
+    def counting(key, spec, tensor, axis):
+        keys.append(key)
+        return quantized(key, spec, tensor, axis)
+
+    quantizer.quantize = counting
     reused = run(model)
-    assert len(_quantizer(model)._weights) == 14  # every Linear site kept its fprop weight for dgrad
+    assert len(quantizer._weights) == 14  # every Linear site kept its fprop weight for dgrad
+    site_count = len(numscope.sites(model))
+    assert sum(key.endswith("/fprop/input") for key in keys) == site_count
+    assert not any(key.endswith("/wgrad/input") for key in keys)  # fprop's quantized input is kept
+    assert len(keys) == 4 * site_count - 14  # dgrad weight reused on Linear sites, grad_output shared
     quantizer = _Quantizer(Plan.uniform("fp8"), None)
     unconvert(model)
     model = bert(dropout=0.0)

@@ -10,9 +10,12 @@ state by :func:`numerics_state_dict`. Products accumulate as the site spec's ``a
 A weight quantized for fprop is reused for dgrad when both use the same spec, the spec's result does not
 depend on the axis (no scaling or per-tensor current scaling) and the rounding is deterministic, and the
 parameter has not changed since (same object, same version); likewise a grad_output quantized for dgrad
-is reused for wgrad of the same backward. Each reuse is bit-identical to quantizing again. Element casts
-with nearest rounding and saturation go through torch's native fp16/bf16/fp8 conversion, which equals
-``numscope.quantize`` bit for bit (checked in the tests).
+is reused for wgrad of the same backward, and an input quantized for fprop is kept for wgrad (instead of
+the raw input) under the same conditions. Each reuse is bit-identical to quantizing again. Element casts
+with nearest rounding go through torch's native fp16/bf16/fp8 conversion, which equals
+``numscope.quantize`` bit for bit (checked in the tests); with the ``torch.compile`` fast path on
+(``numscope.formats.set_fast(True)`` or ``NUMSCOPE_FAST=1``) they go through ``numscope.quantize`` and its
+fused kernels instead, the same bits in two passes over memory instead of five.
 
 ``unconvert(model)`` detaches it; parameters and ``state_dict`` are never touched.
 """
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 from numscope.formats.cast import native_dtype
+from numscope.formats.fast import fast_enabled
 from numscope.formats.quantize import quantize
 from numscope.formats.scaling import DelayedScaler, Scaling, reduce_amax_, scale_from_amax
 from numscope.formats.spec import BlockFormat, FloatFormat
@@ -61,6 +65,12 @@ class _Quantizer:
 
     def accumulate(self, site: Site) -> str:
         return self.spec(site).accumulate
+
+    def shares_input(self, site: Site) -> bool:
+        """Whether wgrad's input is fprop's, quantized the same whatever the axis (then it is kept)."""
+        spec = self.spec(site)
+        fprop = spec.operand("fprop", "input")
+        return fprop == spec.operand("wgrad", "input") and (fprop.is_high or _axis_independent(fprop))
 
     def scaler(self, key: str, scaling: Scaling) -> DelayedScaler:
         scaler = self.scalers.get(key)
@@ -103,7 +113,7 @@ class _Quantizer:
     def quantize(self, key: str, spec: OperandSpec, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         fmt = spec.format_spec()
         scaling = spec.effective_scaling()
-        native = _native_cast(spec, fmt, scaling)
+        native = None if fast_enabled() else _native_cast(spec, fmt, scaling)
         if native is not None and tensor.numel() > 0:
             xf = tensor.detach().float()
             amax = _amax(xf)

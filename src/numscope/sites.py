@@ -34,7 +34,10 @@ those of the unconverted model: the products are the ones autograd itself issues
 ``addmm``, ``mm`` and ``matmul`` (for a 2-D @ ≥3-D matmul, and ≥3-D matmuls whose batch of 1 broadcasts,
 the batched decomposition is used: equal in value, not guaranteed in bits). A handler may define
 ``wants(site) -> bool`` (sites nobody wants run the original op untouched: an unwanted SDPA stays the
-fused kernel) and ``accumulate(site) -> str | None`` (``fp32``, ``bf16``, ``fp16``).
+fused kernel), ``accumulate(site) -> str | None`` (``fp32``, ``bf16``, ``fp16``) and
+``shares_input(site) -> bool``: when every handler of a site says True (its wgrad input would be its
+fprop input, handled identically), the function saves the handled fprop input for backward instead of
+the raw one and passes it to wgrad without calling the chain again.
 
 Accumulation in bf16/fp16 is emulated: the reduction dimension is split into chunks of
 :data:`ACCUMULATE_CHUNK` (32) products; each chunk's partial sum is computed in fp32 and rounded to the
@@ -166,6 +169,7 @@ class _Call:
     storage: torch.dtype | None
     weight_axes: tuple[int, int] = (-1, 0)  # (fprop, dgrad) axes of b
     meta: dict[str, Any] = field(default_factory=dict)
+    share_input: bool = False  # wgrad takes fprop's handled input (every handler said shares_input)
 
     def chain(self, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         for handler in self.handlers:
@@ -234,7 +238,7 @@ class SiteGemm(torch.autograd.Function):
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(
-            _store(a, call.storage) if need_b else None,
+            _store(a_q if call.share_input else a, call.storage) if need_b else None,
             _store(b, call.storage) if need_a else None,
         )
         return out
@@ -265,7 +269,8 @@ class SiteGemm(torch.autograd.Function):
                     grad_a = accumulate_matmul(dy, mat2.t(), acc).reshape(a_shape)
             if need_b:
                 dy = call.chain("wgrad", "grad_output", grad_2d, 0)
-                x = call.chain("wgrad", "input", a.reshape(-1, a_shape[-1]), 0)
+                x = a.reshape(-1, a_shape[-1])
+                x = x if call.share_input else call.chain("wgrad", "input", x, 0)
                 if acc != "fp32":
                     product = accumulate_matmul(x.t(), dy, acc)
                     grad_b = product.t() if layout == "linear" else product
@@ -285,7 +290,7 @@ class SiteGemm(torch.autograd.Function):
                     grad_a = accumulate_matmul(dy, w.t(), acc)
             if need_b:
                 dy = call.chain("wgrad", "grad_output", grad_output, 0)
-                x = call.chain("wgrad", "input", a, 0)
+                x = a if call.share_input else call.chain("wgrad", "input", a, 0)
                 grad_b = (
                     _mm_mat2_backward(dy, x, b_shape, b_stride)
                     if acc == "fp32"
@@ -306,7 +311,8 @@ class SiteGemm(torch.autograd.Function):
                 grad_a = product.reshape(*batch, n, m).sum_to_size(a_shape)
             if need_b:
                 dy = call.chain("wgrad", "grad_output", grad_output, -2).reshape(count, n, p)
-                x = call.chain("wgrad", "input", a, -2).expand(*batch, n, m).reshape(count, n, m)
+                x = a if call.share_input else call.chain("wgrad", "input", a, -2)
+                x = x.expand(*batch, n, m).reshape(count, n, m)
                 product = (
                     x.transpose(1, 2).bmm(dy)
                     if acc == "fp32"
@@ -665,7 +671,12 @@ class _Runtime:
         storage = self.storage
         if not handlers and storage is None:
             return None
-        return _Call(site, layout, handlers, accumulate, storage, _WEIGHT_AXES[(site.kind, layout)])
+        share_input = bool(handlers) and all(
+            getattr(handler, "shares_input", None) is not None and handler.shares_input(site)
+            for handler in handlers
+        )
+        axes = _WEIGHT_AXES[(site.kind, layout)]
+        return _Call(site, layout, handlers, accumulate, storage, axes, share_input=share_input)
 
     def gemm_call(self, func, args: tuple, kwargs: dict):
         frame = self.stack[-1]
