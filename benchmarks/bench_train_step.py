@@ -2,17 +2,25 @@
 
 Model: BertForMaskedLM, hidden 128, 2 layers, 2 heads, intermediate 512, vocab 8192, seq 128, batch 32,
 eager attention. Rows: fp32; bf16 autocast (``torch.autocast("cpu", torch.bfloat16)``); the plans
-``fp16`` (+ ``numscope.LossScaler``), ``fp8``, ``mxfp8``, ``mxfp4`` through ``numscope.convert``; torchao's
-``convert_to_float8_training`` (emulated) where torchao is installed. Each is printed as a ratio to the
-fp32 step, all in one run.
+``fp16`` (+ ``numscope.LossScaler``), ``fp8``, ``mxfp8``, ``mxfp4`` through ``numscope.convert``, and
+``fp8``, ``mxfp8`` again with numscope's ``torch.compile`` fast path (``set_fast(True)``, bit-identical;
+the compile happens in the warm-up steps); the
+paper's whole recipe (``numscope.Recipe``: fp16 model with fp32 masters, fp32 ops, fp16 activations,
+dynamic loss scaling); torchao's ``convert_to_float8_training(emulate=True)`` where torchao is installed
+(``pip install -e '.[bench]'``). Each is printed as a ratio to the fp32 step, all in one run.
 
-Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_train_step.py [--steps N] [--warmup W]``
+On a shared machine the load drifts: every row is built first, then the rows take one step each in turn,
+round after round, so that drift touches all rows alike; the median per row is over its rounds. The load
+average before and after is printed. ``--profile ROW`` prints torch.profiler's table for that row instead.
+
+Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_train_step.py [--rounds N] [--warmup W] [--rows a,b]``
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +30,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 import numscope
 from numscope.convert import convert
+from numscope.formats.fast import set_fast
 
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH = 8192, 128, 2, 128, 32
 
@@ -47,7 +56,11 @@ def batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-def step_fn(model: torch.nn.Module, context: Callable[[], contextlib.AbstractContextManager], scaler=None):
+def step_fn(
+    model: torch.nn.Module,
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    scaler: numscope.LossScaler | None = None,
+) -> Callable[[], None]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     inputs = batch()
 
@@ -66,77 +79,128 @@ def step_fn(model: torch.nn.Module, context: Callable[[], contextlib.AbstractCon
     return step
 
 
-def median_time(step: Callable[[], None], warmup: int, steps: int) -> float:
+def recipe_step() -> Callable[[], None]:
+    model = make_model()
+    recipe = numscope.Recipe(model)
+    optimizer = torch.optim.AdamW(recipe.parameters(), lr=1e-4)
+    inputs = batch()
+
+    def step() -> None:
+        recipe.backward(model(**inputs).loss)
+        recipe.step(optimizer)
+
+    return step
+
+
+def plan_step(name: str, scaler: numscope.LossScaler | None = None) -> Callable[[], None]:
+    return step_fn(convert(make_model(), numscope.Plan.uniform(name)), scaler=scaler)
+
+
+def compiled(build: Callable[[], Callable[[], None]]) -> Callable[[], Callable[[], None]]:
+    """The row with numscope's torch.compile fast path on during its steps (and off for the others)."""
+
+    def build_compiled() -> Callable[[], None]:
+        step = build()
+
+        def step_compiled() -> None:
+            set_fast(True)
+            try:
+                step()
+            finally:
+                set_fast(False)
+
+        return step_compiled
+
+    return build_compiled
+
+
+def torchao_step() -> Callable[[], None]:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    return step_fn(convert_to_float8_training(make_model(), config=Float8LinearConfig(emulate=True)))
+
+
+def rows() -> dict[str, Callable[[], Callable[[], None]] | str]:
+    """Row name → builder of its step function, or the reason the row cannot run here."""
+    out: dict[str, Callable[[], Callable[[], None]] | str] = {
+        "fp32": lambda: step_fn(make_model()),
+        "bf16 autocast": lambda: step_fn(make_model(), lambda: torch.autocast("cpu", torch.bfloat16)),
+        "fp16 plan + LossScaler": lambda: plan_step("fp16", numscope.LossScaler()),
+        "fp8 plan": lambda: plan_step("fp8"),
+        "mxfp8 plan": lambda: plan_step("mxfp8"),
+        "mxfp4 plan": lambda: plan_step("mxfp4"),
+        "fp8 plan (compiled)": compiled(lambda: plan_step("fp8")),
+        "mxfp8 plan (compiled)": compiled(lambda: plan_step("mxfp8")),
+        "fp16 Recipe (paper)": recipe_step,
+    }
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        out["torchao float8 emulate"] = "torchao not installed (pip install -e '.[bench]')"
+    else:
+        out["torchao float8 emulate"] = torchao_step
+    return out
+
+
+def profile(name: str, build: Callable[[], Callable[[], None]], warmup: int) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step = build()
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def rows() -> list[tuple[str, Callable[[], Callable[[], None]] | None, str]]:
-    plain = contextlib.nullcontext
-    out: list[tuple[str, Callable[[], Callable[[], None]] | None, str]] = [
-        ("fp32", lambda: step_fn(make_model(), plain), ""),
-        ("bf16 autocast", lambda: step_fn(make_model(), lambda: torch.autocast("cpu", torch.bfloat16)), ""),
-    ]
-    try:
-        loss_scaler = numscope.LossScaler
-    except (AttributeError, ImportError):
-        out.append(("fp16 plan + LossScaler", None, "numscope.LossScaler not available"))
-    else:
-        out.append(
-            (
-                "fp16 plan + LossScaler",
-                lambda: step_fn(convert(make_model(), numscope.Plan.uniform("fp16")), plain, loss_scaler()),
-                "",
-            )
-        )
-    for name in ("fp8", "mxfp8", "mxfp4"):
-        out.append(
-            (
-                f"{name} plan",
-                lambda name=name: step_fn(convert(make_model(), numscope.Plan.uniform(name)), plain),
-                "",
-            )
-        )
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError:
-        out.append(("torchao float8 emulate", None, "torchao not installed"))
-    else:
-        out.append(
-            (
-                "torchao float8 emulate",
-                lambda: step_fn(
-                    convert_to_float8_training(make_model(), config=Float8LinearConfig(emulate=True)), plain
-                ),
-                "",
-            )
-        )
-    return out
+    print(f"profile of one '{name}' step")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row before the rounds")
+    parser.add_argument("--rounds", type=int, default=5, help="timed steps per row, taken in turn")
+    parser.add_argument("--rows", help="comma-separated row names (default: all; fp32 is always first)")
+    parser.add_argument("--profile", metavar="ROW", help="profile one step of ROW instead of timing")
     args = parser.parse_args()
+    available = rows()
+    if args.profile is not None:
+        build = available.get(args.profile)
+        if not callable(build):
+            raise SystemExit(f"--profile: unknown or unavailable row {args.profile!r}; rows: {[*available]}")
+        profile(args.profile, build, args.warmup)
+        return
+    chosen = list(available) if args.rows is None else ["fp32", *args.rows.split(",")]
+    unknown = [name for name in chosen if name not in available]
+    if unknown:
+        raise SystemExit(f"--rows: unknown rows {unknown}; rows: {list(available)}")
+    chosen = list(dict.fromkeys(chosen))
+    load_before = os.getloadavg()[0]
     print(
         f"tiny BERT MLM: hidden {HIDDEN}, {LAYERS} layers, seq {SEQ}, batch {BATCH}, vocab {VOCAB}; "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.steps} steps"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
+        f"{args.warmup} warm-up steps, median of {args.rounds} interleaved rounds"
     )
-    baseline = None
-    for name, build, note in rows():
-        if build is None:
-            print(f"{name:28s}  skipped: {note}")
+    steps: dict[str, Callable[[], None]] = {}
+    for name in chosen:
+        build = available[name]
+        if callable(build):
+            steps[name] = build()
+            for _ in range(args.warmup):
+                steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(args.rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    baseline = statistics.median(times["fp32"])
+    for name in chosen:
+        if name not in steps:
+            print(f"{name:26s}  skipped: {available[name]}")
             continue
-        seconds = median_time(build(), args.warmup, args.steps)
-        baseline = seconds if baseline is None else baseline
-        print(f"{name:28s}  {seconds * 1e3:8.1f} ms  {seconds / baseline:5.2f}x fp32")
+        seconds = statistics.median(times[name])
+        print(f"{name:26s}  {seconds * 1e3:8.1f} ms  {seconds / baseline:5.2f}x fp32")
+    print(f"load average (1 min): {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
 
 
 if __name__ == "__main__":
