@@ -59,6 +59,11 @@ def paired_seconds(
     return medians[0], medians[1], medians[2], medians[3]
 
 
+def _ms(seconds: float) -> str:
+    """Milliseconds with three significant digits (at least a whole number of them)."""
+    return f"{seconds * 1e3:.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.3g}"
+
+
 def peers(x: torch.Tensor) -> list[tuple[str, Callable[[], object] | None, str]]:
     """(name, function or None, note) of every peer row; None where the peer is not installed."""
 
@@ -101,11 +106,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a 1M-element input and fewer runs")
     parser.add_argument("--runs", type=int, default=None, help="timed runs per row (default 9, quick 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--shape", default=None, help="input shape ROWSxCOLS (default 4096x4096)")
     parser.add_argument("--only", default="", help="run only rows whose name contains this text")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     rows, cols = (1024, 1024) if args.quick else (4096, 4096)
+    if args.shape:
+        try:
+            rows, cols = (int(n) for n in args.shape.lower().split("x"))
+        except ValueError:
+            parser.error(f"--shape {args.shape!r}: expected ROWSxCOLS, e.g. 64x128")
     runs = args.runs or (5 if args.quick else 9)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
     elements = x.numel()
@@ -130,11 +141,11 @@ def main() -> None:
             (
                 name,
                 f"{elements / wall / 1e9:.3f}",
-                f"{wall * 1e3:.1f}",
-                f"{clone_wall * 1e3:.1f}",
+                _ms(wall),
+                _ms(clone_wall),
                 f"{clone_wall / wall:.2f}x",
-                f"{cpu * 1e3:.1f}",
-                f"{clone_cpu * 1e3:.1f}",
+                _ms(cpu),
+                _ms(clone_cpu),
                 f"{clone_cpu / cpu:.2f}x",
                 note,
             )

@@ -10,6 +10,8 @@ lightly below.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -151,3 +153,21 @@ def test_delayed_scaling_matches_and_keeps_the_same_history() -> None:
         compiled = numscope.quantize(x, "fp8_e4m3", scaling=scalers[1])
         assert_bits_equal(compiled, eager)
     assert torch.equal(scalers[0].amax_history, scalers[1].amax_history)
+
+
+@pytest.mark.slow  # traces and fails to compile one configuration (~15 s)
+def test_a_failed_compile_warns_and_runs_the_same_kernel_eagerly() -> None:
+    x = torch.from_numpy(spread((16, 40), seed=20))
+    set_fast(False)
+    expected = numscope.quantize(x, "fp6_e2m3", scaling="row")
+    set_fast(True)
+    broken = {"cpp.cxx": (None, "/nonexistent/g++"), "force_disable_caches": True}
+    with torch._inductor.config.patch(broken), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = numscope.quantize(x, "fp6_e2m3", scaling="row")
+        second = numscope.quantize(x * 2, "fp6_e2m3", scaling="row")
+    messages = [str(w.message) for w in caught if "numscope fast path" in str(w.message)]
+    assert len(messages) == 1 and "fmt=fp6_e2m3" in messages[0] and "runs eagerly" in messages[0]
+    assert_bits_equal(first, expected)
+    set_fast(False)
+    assert_bits_equal(second, numscope.quantize(x * 2, "fp6_e2m3", scaling="row"))

@@ -5,6 +5,14 @@ variable ``NUMSCOPE_FAST=1``. It covers nearest rounding of element formats (no 
 column and delayed scaling) and of the block formats (MX, NVFP4); everything else (stochastic and
 toward-zero rounding, tile scaling, ``e8m0``) runs eagerly.
 
+Why off by default: the results are the same bits either way, so the choice is only about time, and the
+first call of each configuration compiles. On a shared 2-core machine that took 2-20 s per configuration
+from a cold cache and 0.3-3 s from inductor's on-disk cache, after a one-time inductor set-up of about
+35 s per machine; it also needs a C++ compiler at run time. Once compiled it is 4-25x faster than eager
+on 16M elements, but on 8K elements from 0.4x (bf16: the call's own overhead) to 6x (nvfp4)
+(``benchmarks/bench_quantize.py``, ``--shape 64x128``). Tests, the quick demo and small models spend more
+on compiling than they save; long runs on large tensors should turn it on.
+
 The compiled kernels call the very functions the eager path calls (:func:`numscope.formats.cast.cast`,
 :func:`numscope.formats.scaling.scale_from_amax`, the MX and NVFP4 block arithmetic), so they compute the
 same float32 operations; the tests check the two agree bit for bit. One compiled function does the whole
@@ -107,7 +115,8 @@ class _Kernel:
 def _compiled(kernel_name: str, **static: Any) -> _Kernel:
     tag = f"{len(_COMPILED_TAGS)}"
     _COMPILED_TAGS.append((kernel_name, static))
-    description = f"{kernel_name} kernel {static}"
+    settings = ", ".join(f"{key}={getattr(value, 'name', value)}" for key, value in static.items())
+    description = f"the {kernel_name} kernel ({settings})"
     return _Kernel(_own_copy(_KERNELS[kernel_name], tag, static), description)
 
 
