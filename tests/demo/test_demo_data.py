@@ -171,3 +171,16 @@ def test_evaluation_uses_fixed_masks_and_restores_the_mode(
     assert 0.0 <= first.accuracy <= 1.0
     other = evaluate_mlm(model, blocks, small_info, batch_size=16, seed=1)
     assert other.masked_tokens != first.masked_tokens or other.loss != first.loss
+
+
+def test_evaluation_scores_a_masked_only_head_like_a_full_one(
+    small_info: TokenizerInfo, blocks: torch.Tensor
+) -> None:
+    blocks = blocks[:24]
+    full = make_bert_mlm(small_info.vocab_size, **TINY, mlm_head="all")
+    masked = make_bert_mlm(small_info.vocab_size, **TINY, mlm_head="masked")
+    masked.load_state_dict(full.state_dict())
+    first = evaluate_mlm(full, blocks, small_info, batch_size=8, seed=0)
+    second = evaluate_mlm(masked, blocks, small_info, batch_size=8, seed=0)
+    assert first.masked_tokens == second.masked_tokens and first.accuracy == second.accuracy
+    assert abs(first.loss - second.loss) < 1e-5

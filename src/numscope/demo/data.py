@@ -243,7 +243,9 @@ def evaluate_mlm(
     The masks depend only on ``val_blocks`` and ``seed`` (not on ``batch_size``, the device or the global
     RNG), so every run and every format is scored on exactly the same masked tokens. The model runs in eval
     mode under ``torch.no_grad`` on the device of its parameters; its train/eval mode is restored after.
-    ``model(input_ids=…, attention_mask=…)`` must return an object with ``logits`` ``[batch, seq, vocab]``.
+    ``model(input_ids=…, attention_mask=…, labels=…)`` must return an object with ``logits``, either
+    ``[batch, seq, vocab]`` or, for a head that runs on labelled positions only (the demo's BERT), the
+    labelled positions' rows ``[labelled, vocab]`` in row-major order.
 
     Raises:
         ValueError: ``val_blocks`` has no maskable token, or ``batch_size`` is not a positive integer.
@@ -268,8 +270,11 @@ def evaluate_mlm(
                 logits = model(
                     input_ids=masked[start : start + batch_size].to(device),
                     attention_mask=attention_mask[start : start + batch_size].to(device),
+                    labels=batch_labels,
                 ).logits
-                chosen, targets = logits[selected].float(), batch_labels[selected]
+                targets = batch_labels[selected]
+                # a model whose head runs on the labelled positions only returns just their rows
+                chosen = (logits if logits.dim() == 2 else logits[selected]).float()
                 total_loss += torch.nn.functional.cross_entropy(chosen, targets, reduction="sum").item()
                 correct += int((chosen.argmax(dim=-1) == targets).sum().item())
                 count += int(selected.sum().item())

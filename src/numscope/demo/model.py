@@ -27,7 +27,7 @@ ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
 """``eager`` computes attention with explicit matmuls (visible to GEMM-site discovery); ``sdpa`` calls
 ``torch.nn.functional.scaled_dot_product_attention`` (a fused kernel where the device has one)."""
 MLM_HEADS = ("masked", "all")
-"""Where the MLM head runs when labels are given: ``masked`` positions only (BERT's pre-training), or ``all``."""
+"""Where the MLM head runs given labels: ``masked`` positions only (BERT's pre-training), or ``all``."""
 IGNORE_INDEX = -100
 
 
