@@ -1,10 +1,16 @@
-"""One training run of the BERT masked-LM demo under a precision plan, resumable and logged.
+"""One training run of a language model under a precision plan, resumable and logged.
 
 The loop is the Micikevicius et al. recipe made switchable: the plan quantizes each GEMM operand (FP32
 accumulation, FP32 master weights: the model's parameters stay FP32 and only GEMM operands are rounded),
 softmax/layer norm/loss run in FP32, and an optional loss scaler protects small gradients. Every run writes
 ``log.csv`` (one row per step), ``checkpoint.pt`` (atomic) and, once finished, ``result.json``; a run whose
 ``result.json`` exists is not repeated, and an interrupted one resumes from its checkpoint bit for bit.
+
+The model is the demo's BERT (a :class:`ModelConfig`) or any ``transformers``-style language model from a
+factory; the *objective* is masked LM (BERT's 15% masking) or causal LM (next token). When
+``torch.distributed`` is initialised with more than one rank the run is data-parallel (DDP): every rank
+builds the same global batch and trains on its slice, the loss is weighted so that the gradient equals one
+process's on the whole batch, and only rank 0 writes files.
 """
 
 from __future__ import annotations
@@ -13,24 +19,26 @@ import csv
 import json
 import math
 import os
-import random
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
+import torch.distributed as dist
 
-from numscope.convert import convert, load_numerics_state_dict, numerics_state_dict
-from numscope.demo.data import batches, evaluate_mlm, num_batches
-from numscope.demo.model import ModelConfig, bert_mlm_from_config
+from numscope import distributed
+from numscope.convert import convert, load_numerics_state_dict, numerics_state_dict, site_sizes
+from numscope.demo.data import IGNORE_INDEX, MLMEvaluation, batches, derive_seed, evaluate_mlm, num_batches
 from numscope.demo.tokenizer import TokenizerInfo
 from numscope.plan import Plan
-from numscope.train.checkpoint import load_checkpoint, save_checkpoint
+from numscope.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from numscope.train.loss_scaler import LossScaler
+
+if TYPE_CHECKING:  # the model module imports transformers; train_run imports it when it needs it
+    from numscope.demo.model import ModelConfig
 
 LOSS_SCALING = ("none", "static", "dynamic")
 
@@ -91,6 +99,9 @@ class RunResult:
     steps: int
     curve: list[dict[str, float]] = field(default_factory=list)  # eval points: step, val_loss, val_accuracy
     final_scale: float = 1.0
+    avg_bits: float | None = None  # bits per GEMM operand element, weighted by a training step's sizes
+    world_size: int = 1  # data-parallel ranks that trained the run
+    rank_divergence: float | None = None  # largest parameter difference between ranks at the end (DDP only)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,25 +114,125 @@ class DemoData:
     tokenizer: TokenizerInfo
 
 
-def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+class Objective:
+    """What a language model learns from token blocks: its batches, its loss's label count, its evaluation."""
+
+    name = ""
+    description = ""
+
+    def batches(
+        self, blocks: torch.Tensor, batch_size: int, tokenizer: TokenizerInfo, seed: int, epoch: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """One epoch of ``input_ids``, ``attention_mask``, ``labels`` batches, a function of (seed, epoch)."""
+        raise NotImplementedError
+
+    def label_count(self, batch: dict[str, torch.Tensor]) -> int:
+        """How many tokens of ``batch`` the model's mean loss averages over."""
+        raise NotImplementedError
+
+    def evaluate(
+        self, model: torch.nn.Module, val_blocks: torch.Tensor, tokenizer: TokenizerInfo, seed: int
+    ) -> MLMEvaluation:
+        """Mean loss (nats per scored token) and top-1 accuracy on the same validation tokens every call."""
+        raise NotImplementedError
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+class MaskedLM(Objective):
+    """BERT's masked LM: 15% of tokens selected (80% [MASK], 10% random, 10% kept) and predicted."""
+
+    name = "mlm"
+    description = "masked language modelling (BERT: predict 15% masked tokens)"
+
+    def batches(
+        self, blocks: torch.Tensor, batch_size: int, tokenizer: TokenizerInfo, seed: int, epoch: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        return batches(blocks, batch_size, tokenizer, seed=seed, epoch=epoch, drop_last=True)
+
+    def label_count(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def evaluate(
+        self, model: torch.nn.Module, val_blocks: torch.Tensor, tokenizer: TokenizerInfo, seed: int
+    ) -> MLMEvaluation:
+        return evaluate_mlm(model, val_blocks, tokenizer, batch_size=64, seed=seed)
+
+
+class CausalLM(Objective):
+    """GPT's causal LM: every token predicts the next one; [PAD] positions are neither input nor target."""
+
+    name = "clm"
+    description = "causal language modelling (GPT: predict each next token)"
+
+    def batches(
+        self, blocks: torch.Tensor, batch_size: int, tokenizer: TokenizerInfo, seed: int, epoch: int
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(derive_seed(seed, "epoch", epoch))
+        order = torch.randperm(blocks.shape[0], generator=generator)
+        count = num_batches(blocks.shape[0], batch_size, drop_last=True)
+        for start in range(0, count * batch_size, batch_size):
+            input_ids = blocks[order[start : start + batch_size]].long()
+            padding = input_ids == tokenizer.pad_id
+            yield {
+                "input_ids": input_ids,
+                "attention_mask": (~padding).long(),
+                "labels": input_ids.masked_fill(padding, IGNORE_INDEX),
+            }
+
+    def label_count(self, batch: dict[str, torch.Tensor]) -> int:
+        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())  # transformers shifts labels by one
+
+    def evaluate(
+        self, model: torch.nn.Module, val_blocks: torch.Tensor, tokenizer: TokenizerInfo, seed: int
+    ) -> MLMEvaluation:
+        device = next(model.parameters()).device
+        total_loss, correct, count = 0.0, 0, 0
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for start in range(0, val_blocks.shape[0], 64):
+                    input_ids = val_blocks[start : start + 64].long().to(device)
+                    attention_mask = (input_ids != tokenizer.pad_id).long()
+                    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+                    targets = input_ids[:, 1:]
+                    scored = targets != tokenizer.pad_id
+                    chosen, wanted = logits[scored].float(), targets[scored]
+                    total_loss += torch.nn.functional.cross_entropy(chosen, wanted, reduction="sum").item()
+                    correct += int((chosen.argmax(dim=-1) == wanted).sum())
+                    count += int(scored.sum())
+        finally:
+            model.train(was_training)
+        if count == 0:
+            raise ValueError(f"the {val_blocks.shape[0]} validation blocks hold no token to predict")
+        return MLMEvaluation(loss=total_loss / count, accuracy=correct / count, masked_tokens=count)
+
+
+OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (MaskedLM(), CausalLM())}
+
+
+def get_objective(name: str | Objective) -> Objective:
+    """The objective called ``name`` (``mlm`` or ``clm``); raises ValueError naming the known ones."""
+    if isinstance(name, Objective):
+        return name
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name]
 
 
 class _Batches:
     """The batch of a global step: a pure function of (seed, step), so a resumed run sees the same data.
 
-    One epoch of masked batches is built at a time and kept until the next epoch starts.
+    One epoch of batches is built at a time and kept until the next epoch starts.
     """
 
-    def __init__(self, data: DemoData, cfg: TrainConfig) -> None:
-        self.data, self.cfg = data, cfg
+    def __init__(self, data: DemoData, cfg: TrainConfig, objective: Objective) -> None:
+        self.data, self.cfg, self.objective = data, cfg, objective
         self.per_epoch = num_batches(data.train_blocks.shape[0], cfg.batch_size, drop_last=True)
+        if self.per_epoch == 0:
+            raise ValueError(
+                f"batch size {cfg.batch_size} exceeds the {data.train_blocks.shape[0]} training blocks; "
+                "use a smaller batch size or more text"
+            )
         self.epoch, self.batches = -1, []
 
     def at(self, step: int) -> dict[str, torch.Tensor]:
@@ -129,13 +240,8 @@ class _Batches:
         if epoch != self.epoch:
             self.epoch = epoch
             self.batches = list(
-                batches(
-                    self.data.train_blocks,
-                    self.cfg.batch_size,
-                    self.data.tokenizer,
-                    seed=self.cfg.seed,
-                    epoch=epoch,
-                    drop_last=True,
+                self.objective.batches(
+                    self.data.train_blocks, self.cfg.batch_size, self.data.tokenizer, self.cfg.seed, epoch
                 )
             )
         return self.batches[index]
@@ -156,20 +262,39 @@ LOG_FIELDS = ["step", "lr", "loss", "scale", "skipped", "val_loss", "val_accurac
 
 def train_run(
     spec: RunSpec,
-    model_config: ModelConfig,
+    model_config: ModelConfig | Callable[[], torch.nn.Module],
     cfg: TrainConfig,
     data: DemoData,
     out_dir: Path,
     on_step: Callable[[int, float], None] | None = None,
     observer_factory: Callable[[torch.nn.Module], Any] | None = None,
+    *,
+    objective: str | Objective = "mlm",
+    save_model: bool = False,
 ) -> RunResult:
     """Train one run (or resume it, or return its finished result) and write its files to ``out_dir``.
 
+    model_config: the demo BERT's :class:`ModelConfig`, or a factory returning a freshly initialised
+        ``transformers``-style model (``model(input_ids=…, attention_mask=…, labels=…)`` returns ``.loss``
+        and ``.logits``); it is called after ``torch.manual_seed(cfg.seed)``.
     on_step(step, loss) is called after every step (for progress bars).
     observer_factory(model) may return an entered observer (``numscope.observe``) whose ``step()`` is called
     once per optimizer step and whose ``analysis()`` is saved to ``out_dir/analysis`` at the end.
+    objective: ``mlm`` (masked LM), ``clm`` (causal LM) or an :class:`Objective`.
+    save_model: also write the trained parameters to ``out_dir/model.pt`` (atomically).
+
+    Under ``torch.distributed`` with more than one rank the run is DDP over the default group (``batch_size``
+    is the global batch and must divide evenly); every rank returns the result, only rank 0 writes.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
+    objective = get_objective(objective)
+    world, rank = distributed.world_size(), distributed.rank()
+    writer = rank == 0
+    if cfg.batch_size % world:
+        raise ValueError(f"batch size {cfg.batch_size} does not divide evenly over {world} ranks")
+    if observer_factory is not None and world > 1:
+        raise ValueError("an observed run trains in one process; numscope.distributed merges ranks' analyses")
+    if writer:
+        out_dir.mkdir(parents=True, exist_ok=True)
     result_path, checkpoint_path, log_path = (
         out_dir / "result.json",
         out_dir / "checkpoint.pt",
@@ -178,10 +303,13 @@ def train_run(
     if result_path.is_file():
         return RunResult(**json.loads(result_path.read_text()))
 
+    from numscope.demo.model import ModelConfig, bert_mlm_from_config
+
     torch.manual_seed(cfg.seed)
-    model = bert_mlm_from_config(model_config)
+    model = bert_mlm_from_config(model_config) if isinstance(model_config, ModelConfig) else model_config()
     plan = spec.load_plan()
-    plan.save(out_dir / "plan.yaml")
+    if writer:
+        plan.save(out_dir / "plan.yaml")
     # the observer attaches first, so that it sees each operand before the plan quantizes it
     observer = observer_factory(model) if observer_factory is not None else None
     convert(model, plan, generator=torch.Generator().manual_seed(cfg.seed))
@@ -199,25 +327,41 @@ def train_run(
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
         load_numerics_state_dict(model, state["numerics"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         start, curve, elapsed = state["step"], state["curve"], state["elapsed"]
-        _truncate_log(log_path, start)
-    elif log_path.exists():
+        if writer:
+            _truncate_log(log_path, start)
+    elif writer and log_path.exists():
         log_path.unlink()
+    if world > 1:
+        dist.barrier()  # every rank has read the checkpoint before rank 0 may replace it
+    trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
 
     new_log = not log_path.exists()
-    with log_path.open("a", newline="") as log_file:
+    avg_bits = None
+    with log_path.open("a", newline="") if writer else open(os.devnull, "w") as log_file:
         log = csv.DictWriter(log_file, fieldnames=LOG_FIELDS)
         if new_log:
             log.writeheader()
         began = time.perf_counter() - elapsed
-        data_batches = _Batches(data, cfg)
+        data_batches = _Batches(data, cfg, objective)
+        rows = cfg.batch_size // world
         model.train()
         for step in range(start, cfg.steps):
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr_at(step)
-            loss = model(**data_batches.at(step)).loss
+            batch = data_batches.at(step)
+            if world > 1:
+                whole = objective.label_count(batch)
+                batch = {name: value[rank * rows : (rank + 1) * rows] for name, value in batch.items()}
+                # the model's loss is a mean over this rank's labels; weighted so that DDP's average over
+                # ranks is the mean over the whole batch's labels, as one process would compute it
+                loss = trained(**batch).loss * (objective.label_count(batch) * world / max(1, whole))
+            else:
+                loss = trained(**batch).loss
             scaler.scale(loss).backward()
+            if avg_bits is None:
+                avg_bits = plan.average_bits(site_sizes(model))
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             skipped_before = scaler.skipped_steps
@@ -227,19 +371,23 @@ def train_run(
             optimizer.zero_grad(set_to_none=True)
             if observer is not None:
                 observer.step()
+            loss_value = loss.item()
+            if world > 1:
+                reported = loss.detach().clone()
+                dist.all_reduce(reported)
+                loss_value = reported.item() / world
             row: dict[str, Any] = {
                 "step": step + 1,
                 "lr": f"{cfg.lr_at(step):.3e}",
-                "loss": f"{loss.item():.5f}",
+                "loss": f"{loss_value:.5f}",
                 "scale": scale,
                 "skipped": int(scaler.skipped_steps > skipped_before),
                 "val_loss": "",
                 "val_accuracy": "",
             }
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                evaluation = evaluate_mlm(
-                    model, data.val_blocks, data.tokenizer, batch_size=64, seed=cfg.seed
-                )
+                # every rank evaluates (amax reductions are collectives): same data, same result
+                evaluation = objective.evaluate(model, data.val_blocks, data.tokenizer, cfg.seed)
                 row["val_loss"], row["val_accuracy"] = f"{evaluation.loss:.5f}", f"{evaluation.accuracy:.5f}"
                 curve.append(
                     {"step": step + 1, "val_loss": evaluation.loss, "val_accuracy": evaluation.accuracy}
@@ -247,8 +395,8 @@ def train_run(
             row["seconds"] = f"{time.perf_counter() - began:.2f}"
             log.writerow(row)
             if on_step is not None:
-                on_step(step + 1, loss.item())
-            if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                on_step(step + 1, loss_value)
+            if writer and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 log_file.flush()
                 save_checkpoint(
                     checkpoint_path,
@@ -258,14 +406,16 @@ def train_run(
                         "optimizer": optimizer.state_dict(),
                         "scaler": scaler.state_dict(),
                         "numerics": numerics_state_dict(model),
-                        "rng": _rng_state(),
+                        "rng": rng_state(),
                         "curve": curve,
                         "elapsed": time.perf_counter() - began,
                     },
                 )
     if observer is not None:
-        observer.analysis().save(out_dir / "analysis")
+        if writer:
+            observer.analysis().save(out_dir / "analysis")
         observer.__exit__(None, None, None)
+    divergence = distributed.parameter_divergence(model) if world > 1 else None  # a collective
     last = curve[-1]
     result = RunResult(
         name=spec.name,
@@ -278,11 +428,33 @@ def train_run(
         steps=cfg.steps,
         curve=curve,
         final_scale=scaler.get_scale(),
+        avg_bits=avg_bits,
+        world_size=world,
+        rank_divergence=divergence,
     )
-    _atomic_write_text(result_path, json.dumps(result.to_dict(), indent=1))
-    if checkpoint_path.exists():
-        checkpoint_path.unlink()
+    if writer:
+        if save_model:
+            save_checkpoint(out_dir / "model.pt", {"model": model.state_dict()})
+        _atomic_write_text(result_path, json.dumps(result.to_dict(), indent=1))
+        if checkpoint_path.exists():
+            checkpoint_path.unlink()
+    if world > 1:
+        dist.barrier()  # no rank leaves before rank 0 has written the result
     return result
+
+
+def read_log(path: Path) -> list[dict[str, float]]:
+    """The training rows of a run's ``log.csv``: ``step, loss, scale, skipped`` as numbers."""
+    with Path(path).open(newline="") as f:
+        return [
+            {
+                "step": int(r["step"]),
+                "loss": float(r["loss"]),
+                "scale": float(r["scale"]),
+                "skipped": int(r["skipped"]),
+            }
+            for r in csv.DictReader(f)
+        ]
 
 
 def _truncate_log(log_path: Path, step: int) -> None:
