@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat, formats
 
@@ -91,8 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from numscope.demo.corpus import CorpusError, CorpusNotFoundError
     from numscope.demo.main import DemoConfig, quick_config, run_demo, summary_table
 
@@ -130,7 +132,574 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_demo)
 
 
-_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_register_demo]
+# ------------------------------------------------------------------ the user's own work (numscope.workflow)
+_MODEL_HELP = (
+    "the model: a built-in tiny config (tiny-bert: masked LM; tiny-gpt2: causal LM), a directory holding a "
+    "transformers config.json or such a .json file, or a Python 'module:factory' / 'file.py:factory' whose "
+    "callable (given vocab_size= if it takes it) returns an nn.Module or a transformers config. Hub names "
+    "(e.g. bert-base-uncased) need network access: only their config is fetched, never weights"
+)
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer ≥ {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer ≥ {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _limit(text: str) -> float | None:
+    """A criterion value: a number, or 'none'/'off' to switch the limit off."""
+    if text.strip().lower() in ("none", "off"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}")
+    return value
+
+
+def _dof(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0 or 'inf', got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"degrees of freedom must be > 0 ('inf' for Gaussian), got {text!r}")
+    return value
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    from numscope.demo.experiment import TrainConfig
+
+    default = TrainConfig()
+    model = p.add_argument_group("model and data")
+    model.add_argument("--model", required=True, metavar="M", help=_MODEL_HELP)
+    model.add_argument(
+        "--objective",
+        choices=("auto", "mlm", "clm"),
+        default="auto",
+        help="mlm: masked LM (15%% of tokens masked, BERT); clm: causal LM (next token, GPT); auto: mlm "
+        "where transformers has a masked-LM head for the config, else clm (default: %(default)s)",
+    )
+    model.add_argument(
+        "--text",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="UTF-8 text files; each blank-line-separated paragraph is one document, 5%% of them held out "
+        "for validation",
+    )
+    model.add_argument(
+        "--vocab-size",
+        type=_int_at_least(6),
+        default=8000,
+        metavar="N",
+        help="most tokens in the WordPiece vocabulary trained (and cached) on your text "
+        "(default: %(default)s)",
+    )
+    model.add_argument(
+        "--seq-len",
+        type=_int_at_least(3),
+        default=64,
+        metavar="N",
+        help="tokens per sequence (default: %(default)s)",
+    )
+    model.add_argument(
+        "--val-blocks",
+        type=_int_at_least(1),
+        default=128,
+        metavar="N",
+        help="most validation sequences scored at each evaluation (default: %(default)s)",
+    )
+    model.add_argument(
+        "--cache",
+        metavar="DIR",
+        help="cache of tokenizers and token blocks (default: $NUMSCOPE_CACHE, else ~/.cache/numscope)",
+    )
+    train = p.add_argument_group("training")
+    train.add_argument(
+        "--steps", type=_int_at_least(1), default=default.steps, help="optimizer steps (default: %(default)s)"
+    )
+    train.add_argument(
+        "--batch-size",
+        type=_int_at_least(1),
+        default=default.batch_size,
+        help="sequences per step, over all processes under torchrun (default: %(default)s)",
+    )
+    train.add_argument(
+        "--lr",
+        type=_positive_float,
+        default=default.lr,
+        help="peak AdamW learning rate (default: %(default)s)",
+    )
+    train.add_argument(
+        "--warmup-steps",
+        type=_int_at_least(0),
+        default=default.warmup_steps,
+        help="linear warm-up steps, then cosine decay to 10%% of --lr (default: %(default)s)",
+    )
+    train.add_argument(
+        "--weight-decay",
+        type=float,
+        default=default.weight_decay,
+        help="AdamW weight decay (default: %(default)s)",
+    )
+    train.add_argument(
+        "--grad-clip",
+        type=_positive_float,
+        default=default.grad_clip,
+        help="clip the gradient's global norm to this, after unscaling (default: %(default)s)",
+    )
+    train.add_argument(
+        "--eval-every",
+        type=_int_at_least(1),
+        default=default.eval_every,
+        help="validate every this many steps, and after the last (default: %(default)s)",
+    )
+    train.add_argument(
+        "--checkpoint-every",
+        type=_int_at_least(1),
+        default=default.checkpoint_every,
+        help="write checkpoint.pt (atomically) every this many steps; a rerun resumes from it "
+        "(default: %(default)s)",
+    )
+    train.add_argument(
+        "--seed",
+        type=int,
+        default=default.seed,
+        help="seed of initialisation, data order and masks (default: 0)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="the run folder; rerunning into it resumes or reuses the run",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
+    from numscope.demo.experiment import TrainConfig
+    from numscope.workflow import DataSettings
+
+    data = DataSettings(
+        text=tuple(args.text),
+        vocab_size=args.vocab_size,
+        seq_len=args.seq_len,
+        val_blocks=args.val_blocks,
+        cache_dir=args.cache,
+    )
+    config = TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip,
+        eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every,
+        seed=args.seed,
+    )
+    return data, config
+
+
+def _print_result(result: Any, out: str) -> None:
+    bits = "—" if result.avg_bits is None else f"{result.avg_bits:.2f}"
+    print(
+        f"{result.name}: val loss {result.val_loss:.4f}, val accuracy {100 * result.val_accuracy:.2f}%, "
+        f"{result.skipped_steps} skipped step(s), {bits} average bits per GEMM operand element, "
+        f"{result.steps} steps in {result.wall_seconds:.0f}s"
+    )
+    if result.world_size > 1:
+        print(
+            f"data-parallel over {result.world_size} processes; largest parameter difference between "
+            f"ranks at the end: {result.rank_divergence:g}"
+        )
+    print(f"run folder: {out}")
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from numscope import workflow
+
+    data, config = _run_inputs(args)
+    result = workflow.analyze(
+        args.model,
+        data,
+        args.out,
+        config=config,
+        candidates=args.candidates,
+        every=args.every,
+        objective=args.objective,
+        progress=not args.no_progress,
+    )
+    _print_result(result, args.out)
+    print(
+        f"analysis: {Path(args.out) / 'analysis'}  (next: numscope recommend {Path(args.out) / 'analysis'})"
+    )
+    return 0
+
+
+def _register_analyze(sub: argparse._SubParsersAction) -> None:
+    from numscope.workflow import DEFAULT_CANDIDATES
+
+    p = sub.add_parser(
+        "analyze",
+        help="train your model in FP32 and measure every GEMM operand in candidate formats",
+        description="Train the model in FP32 on your text while an observer measures every GEMM operand "
+        "(input, weight, grad_output of fprop, dgrad, wgrad) in each candidate format every K steps. Writes "
+        "the run folder (run name fp32) with DIR/analysis, the input of 'numscope recommend'.",
+    )
+    _add_run_flags(p)
+    p.add_argument(
+        "--candidates",
+        nargs="+",
+        default=list(DEFAULT_CANDIDATES),
+        metavar="FORMAT",
+        help="formats to measure (see 'numscope formats'); bf16, the advisor's reference, is always "
+        "measured (default: %(default)s)",
+    )
+    p.add_argument(
+        "--every",
+        type=_int_at_least(1),
+        default=5,
+        metavar="K",
+        help="measure every K-th optimizer step; measuring costs several plain steps (default: %(default)s)",
+    )
+    p.set_defaults(func=_cmd_analyze)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from numscope import workflow
+
+    data, config = _run_inputs(args)
+    result = workflow.train(
+        args.model,
+        data,
+        args.out,
+        plan=args.plan,
+        loss_scaling=args.loss_scaling,
+        init_scale=args.init_scale,
+        config=config,
+        objective=args.objective,
+        name=args.name,
+        progress=not args.no_progress,
+    )
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 prints
+        _print_result(result, args.out)
+    return 0
+
+
+def _register_train(sub: argparse._SubParsersAction) -> None:
+    from numscope.demo.experiment import RunSpec
+    from numscope.plan import Plan
+    from numscope.train.loss_scaler import LossScaler
+
+    growth = inspect.signature(LossScaler).parameters["growth_interval"].default
+
+    p = sub.add_parser(
+        "train",
+        help="train your model under a precision plan (YAML or preset) with loss scaling; torchrun-ready",
+        description="Train the model on your text with every GEMM operand quantized as the plan says (FP32 "
+        "master weights and accumulation). Writes DIR/log.csv, DIR/checkpoint.pt while running (a rerun "
+        "resumes), DIR/result.json and DIR/model.pt. Under 'torchrun --nproc-per-node N' it trains "
+        "data-parallel (DDP over gloo on CPU); only rank 0 writes.",
+    )
+    _add_run_flags(p)
+    p.add_argument(
+        "--plan",
+        required=True,
+        metavar="PLAN",
+        help=f"a plan YAML (e.g. from 'numscope recommend') or a preset: {', '.join(Plan.presets())}",
+    )
+    p.add_argument(
+        "--loss-scaling",
+        choices=("none", "static", "dynamic"),
+        default="none",
+        help="none; static: multiply the loss by --init-scale; dynamic: start there, halve on inf/NaN "
+        f"gradients (the step is skipped), double after {growth} clean steps (default: %(default)s)",
+    )
+    p.add_argument(
+        "--init-scale",
+        type=_positive_float,
+        default=RunSpec.init_scale,
+        help="the (initial) loss scale (default: %(default)g)",
+    )
+    p.add_argument("--name", help="the run's name in compare and report (default: the folder's name)")
+    p.set_defaults(func=_cmd_train)
+
+
+_CRITERIA = (
+    ("max_be_ratio", "max backward error relative to the reference format's"),
+    ("max_underflow_pct", "max %% of nonzeros that become 0"),
+    ("max_overflow_pct", "max %% of elements that saturate or overflow"),
+    ("min_sqnr_db", "min signal-to-quantization-noise ratio in dB"),
+)
+
+
+def _criterion_value(text: str) -> Any:
+    """A criterion's value as given: a number, None for 'none'/'off', else the text itself."""
+    if text.lower() in ("none", "off"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _key_values(text: str, flag: str) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise CLIError(f"{flag} {text!r}: expected KEY=VALUE pairs separated by commas")
+        name = key.strip().replace("-", "_")
+        values[name] = value.split("|") if name == "candidates" else _criterion_value(value.strip())
+    return values
+
+
+def _cmd_recommend(args: argparse.Namespace) -> int:
+    from numscope import workflow
+    from numscope.analysis import Analysis
+
+    criteria: dict[str, Any] = {}
+    for name, _ in _CRITERIA:
+        if hasattr(args, name):  # given on the command line; else the advisor's default applies
+            criteria[name] = getattr(args, name)
+    if args.bit_budget is not None:
+        criteria["bit_budget"] = args.bit_budget
+    if args.candidates:
+        criteria["candidates"] = args.candidates
+    if args.reference:
+        criteria["reference"] = args.reference
+    if args.per_operand:
+        per_operand: dict[str, dict[str, Any]] = {}
+        for item in args.per_operand:
+            pattern, sep, rest = item.partition(":")
+            if not sep or not pattern:
+                raise CLIError(f"--per-operand {item!r}: expected GLOB:KEY=VALUE[,KEY=VALUE...]")
+            per_operand.setdefault(pattern, {}).update(_key_values(rest, "--per-operand"))
+        criteria["per_operand"] = per_operand
+    for item in args.criterion or ():
+        criteria.update(_key_values(item, "--criterion"))
+    analysis = Analysis.load(workflow.find_analysis(args.analysis))
+    plan, rows = workflow.recommend_plan(analysis, args.output, **criteria)
+    print(render_table(rows))
+    print(
+        f"\naverage bits per GEMM operand element (weighted by operand size): "
+        f"{workflow.analysis_average_bits(plan, analysis):.2f}"
+    )
+    print(f"plan: {args.output}  (next: numscope train --plan {args.output} ...)")
+    return 0
+
+
+def _register_recommend(sub: argparse._SubParsersAction) -> None:
+    from numscope.advisor import Limits, recommend
+
+    defaults = Limits()
+    p = sub.add_parser(
+        "recommend",
+        help="recommend a per-operand precision plan (YAML) from an analysis, with reasons",
+        description="Choose a format for every GEMM operand of the analysis: the cheapest candidate that "
+        "meets every limit on every measured step (or, with --bit-budget, the least total noise within the "
+        "budget). Prints the table of choices and reasons and writes the plan YAML.",
+    )
+    p.add_argument("analysis", help="the analysis folder (or the run folder of 'numscope analyze')")
+    p.add_argument(
+        "-o", "--output", default="plan.yaml", help="where to write the plan (default: %(default)s)"
+    )
+    for name, text in _CRITERIA:
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=_limit,
+            default=argparse.SUPPRESS,
+            metavar="X",
+            help=f"{text} (default {getattr(defaults, name):g}); 'none' switches it off",
+        )
+    p.add_argument(
+        "--bit-budget",
+        type=_positive_float,
+        metavar="BITS",
+        help="cap on average bits per operand element (weighted by size), solved for the least total noise",
+    )
+    p.add_argument(
+        "--candidates", nargs="+", metavar="FORMAT", help="choose only among these measured formats"
+    )
+    p.add_argument(
+        "--reference",
+        metavar="FORMAT",
+        help="the format backward errors are compared to (default "
+        f"{inspect.signature(recommend).parameters['reference'].default})",
+    )
+    p.add_argument(
+        "--per-operand",
+        action="append",
+        metavar="GLOB:KEY=VALUE[,...]",
+        help="override criteria for operands whose 'site/gemm/operand' matches GLOB, e.g. "
+        "'*/wgrad/grad_output:max_underflow_pct=5,candidates=bf16|fp8_e5m2' (repeatable)",
+    )
+    p.add_argument(
+        "--criterion",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any other keyword criterion of numscope.recommend, passed as given (repeatable)",
+    )
+    p.set_defaults(func=_cmd_recommend)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from numscope import workflow
+
+    print(render_table(workflow.compare(args.runs, baseline=args.baseline)))
+    print(
+        "\ngap = (val loss − baseline val loss) / baseline val loss; avg bits = storage bits per GEMM "
+        "operand element, weighted by a training step's operand sizes"
+    )
+    return 0
+
+
+def _register_compare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="table of finished runs: val loss/accuracy, gap to a baseline, average bits, skipped steps",
+        description="Compare finished run folders of 'numscope analyze' and 'numscope train'.",
+    )
+    p.add_argument("runs", nargs="+", metavar="DIR", help="run folders")
+    p.add_argument(
+        "--baseline",
+        metavar="RUN",
+        help="run name or folder the gap is measured against (default: the run named fp32, else the first)",
+    )
+    p.set_defaults(func=_cmd_compare)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from numscope import workflow
+
+    command = "numscope report " + " ".join(args.runs)
+    path = workflow.report(
+        args.runs, args.output, analysis=args.analysis, plan=args.plan, title=args.title, command=command
+    )
+    print(f"report: {path}")
+    return 0
+
+
+def _register_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="one self-contained HTML report of finished runs, their analysis and plan",
+        description="Write an HTML file (figures embedded, opens offline): the runs table and loss curves, "
+        "the plan per site, and from the analysis the backward-error heatmap and operand histograms against "
+        "each format's range. The gap column is relative to the run named fp32.",
+    )
+    p.add_argument("runs", nargs="+", metavar="DIR", help="run folders")
+    p.add_argument("-o", "--output", default="report.html", help="the HTML file (default: %(default)s)")
+    p.add_argument(
+        "--analysis", metavar="DIR", help="analysis folder (default: the first run folder holding analysis/)"
+    )
+    p.add_argument(
+        "--plan",
+        metavar="PLAN",
+        help="plan YAML shown per site (default: the first run trained from a plan file)",
+    )
+    p.add_argument("--title", default="numscope report", help="the report's title (default: %(default)s)")
+    p.set_defaults(func=_cmd_report)
+
+
+def _cmd_study(args: argparse.Namespace) -> int:
+    from numscope import workflow
+
+    result = workflow.study(
+        args.out, dofs=args.dofs, formats=args.formats, size=args.size, trials=args.trials, seed=args.seed
+    )
+    print(result.table)
+    if result.crossover is not None:
+        print(f"INT8 (per tensor) beats FP8 E4M3 above ν ≈ {result.crossover:.3g}")
+    print(f"figure: {result.png}\ntable: {result.csv}")
+    return 0
+
+
+def _register_study(sub: argparse._SubParsersAction) -> None:
+    from numscope.study import DOFS, FORMATS
+
+    p = sub.add_parser(
+        "study",
+        help="the Student-t synthetic study: backward error of quantized products vs tail weight",
+        description="Backward error of SIZE×SIZE products of Student-t(ν) matrices quantized in each format "
+        "(Rasquinha & Tabak 2024), from heavy tails to Gaussian: printed as a table, written as a PNG and a "
+        "CSV into --out.",
+    )
+    p.add_argument("--out", default="runs/study", metavar="DIR", help="output folder (default: %(default)s)")
+    p.add_argument(
+        "--dofs",
+        nargs="+",
+        type=_dof,
+        default=list(DOFS),
+        metavar="NU",
+        help="Student-t degrees of freedom, 'inf' for Gaussian (default: %(default)s)",
+    )
+    p.add_argument(
+        "--formats",
+        nargs="+",
+        default=list(FORMATS),
+        metavar="FORMAT",
+        help="formats, 'name:row' for per-row scaling (default: %(default)s)",
+    )
+    p.add_argument("--size", type=_int_at_least(1), default=512, help="matrix size (default: %(default)s)")
+    p.add_argument("--trials", type=_int_at_least(1), default=2, help="trials per ν (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.set_defaults(func=_cmd_study)
+
+
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _register_demo,
+    _register_analyze,
+    _register_recommend,
+    _register_train,
+    _register_compare,
+    _register_report,
+    _register_study,
+]
+
+_USER_ERRORS = (
+    ("numscope.workflow", "WorkflowError"),
+    ("numscope.plan", "PlanError"),
+    ("numscope.advisor", "AdvisorError"),
+    ("numscope.analysis", "AnalysisError"),
+    ("numscope.train.checkpoint", "CheckpointError"),
+    ("numscope.demo.corpus", "CorpusError"),
+    ("numscope.demo.corpus", "CorpusNotFoundError"),
+)
+
+
+def _is_user_error(error: BaseException) -> bool:
+    """Errors that describe the user's input (printed in one line); any other exception is a bug."""
+    if isinstance(error, CLIError):
+        return True
+    for module_name, class_name in _USER_ERRORS:
+        module = sys.modules.get(module_name)  # an error of a module never imported cannot have been raised
+        if module is not None and isinstance(error, getattr(module, class_name)):
+            return True
+    return False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -138,12 +707,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except CLIError as error:
-        print(f"numscope {args.command}: error: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"numscope {args.command}: interrupted; finished work is kept on disk", file=sys.stderr)
         return 130
+    except Exception as error:
+        if not _is_user_error(error):
+            raise
+        message = " ".join(str(error).split("\n"))
+        print(f"numscope {args.command}: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,952 @@
+"""Users' own work, end to end: analyze → recommend → train → compare → report, and the synthetic study.
+
+These are the functions behind ``numscope analyze``, ``recommend``, ``train``, ``compare``, ``report`` and
+``study``; the command line only parses flags and prints. A typical flow::
+
+    from numscope import workflow
+    from numscope.demo.experiment import TrainConfig
+
+    data = workflow.DataSettings(text=("notes.txt",))
+    steps = TrainConfig(steps=200, batch_size=16)
+    workflow.analyze("tiny-bert", data, "runs/fp32", config=steps)         # FP32, observed
+    plan, rows = workflow.recommend_plan("runs/fp32", "plan.yaml")          # per-operand formats + reasons
+    workflow.train("tiny-bert", data, "runs/planned", plan="plan.yaml", config=steps)
+    workflow.train("tiny-bert", data, "runs/fp8", plan="fp8", config=steps)
+    workflow.compare(["runs/fp32", "runs/planned", "runs/fp8"])            # table rows
+    workflow.report(["runs/fp32", "runs/planned", "runs/fp8"], "report.html")
+
+**Models** (:func:`resolve_model`): a built-in tiny config (:data:`BUILTIN_MODELS`), a directory holding a
+``transformers`` ``config.json`` or such a ``.json`` file, a ``module:factory`` (or ``file.py:factory``)
+whose callable returns an ``nn.Module`` or a ``transformers`` config, or — with network access — a
+Hugging Face hub name (only its config is fetched; weights are never loaded: every run starts from a
+fresh, seeded initialisation). Configs are trained as masked LMs when ``transformers`` has a masked-LM
+head for them (BERT-like), else as causal LMs (GPT-2-like); their vocabulary is resized to the tokenizer's.
+
+**Data** (:class:`DataSettings`): UTF-8 text files; each blank-line-separated paragraph is a document. A
+WordPiece tokenizer is trained on the training split and cached, as in ``numscope demo``.
+
+**Run folders.** ``analyze`` and ``train`` write one folder each: ``run.json`` (the settings), ``plan.yaml``,
+``log.csv`` (one row per step), ``checkpoint.pt`` while running (atomic; a rerun with the same settings
+resumes from it), ``result.json`` when finished (a finished run is not repeated), ``analysis/`` (analyze)
+and ``model.pt`` (train: the trained parameters). Under ``torchrun`` with more than one process ``train``
+runs data-parallel (DDP over gloo on CPU) and only rank 0 writes.
+
+Every user mistake raises :class:`WorkflowError` (or the library's own ``PlanError``, ``AdvisorError``,
+``AnalysisError``) with a message that names the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import inspect
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from numscope import __version__, distributed
+from numscope.analysis import Analysis
+from numscope.convert import convert
+from numscope.demo.experiment import (
+    LOSS_SCALING,
+    OBJECTIVES,
+    DemoData,
+    RunResult,
+    RunSpec,
+    TrainConfig,
+    _atomic_write_text,
+    get_objective,
+    read_log,
+    train_run,
+)
+from numscope.demo.tokenizer import TokenizerInfo
+from numscope.formats.spec import format as get_format
+from numscope.plan import Plan, PlanError
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "DEFAULT_CANDIDATES",
+    "DataSettings",
+    "ModelSource",
+    "WorkflowError",
+    "analysis_average_bits",
+    "analyze",
+    "compare",
+    "find_analysis",
+    "load_run",
+    "prepare_data",
+    "recommend_plan",
+    "report",
+    "resolve_model",
+    "study",
+    "train",
+]
+
+
+class WorkflowError(ValueError):
+    """A user mistake in a workflow call: a missing file, a bad model, plan, flag or run folder."""
+
+
+DEFAULT_CANDIDATES: tuple[str, ...] = (
+    "bf16",
+    "fp16",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "int8",
+    "mxfp8_e4m3",
+    "mxfp8_e5m2",
+    "mxfp6_e3m2",
+    "mxfp4_e2m1",
+    "nvfp4",
+)
+"""Formats ``analyze`` measures by default (those of ``numscope demo``)."""
+
+REFERENCE_FORMAT = "bf16"
+"""The advisor's reference format, always measured."""
+
+
+def _tiny_bert() -> Any:
+    from transformers import BertConfig
+
+    return BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=512,
+        attn_implementation="eager",
+    )
+
+
+def _tiny_gpt2() -> Any:
+    from transformers import GPT2Config
+
+    return GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=512, attn_implementation="eager")
+
+
+BUILTIN_MODELS: dict[str, Callable[[], Any]] = {"tiny-bert": _tiny_bert, "tiny-gpt2": _tiny_gpt2}
+"""Tiny configs that need no file and no network: ``tiny-bert`` (masked LM, hidden 64, 2 layers, 2 heads,
+FFN 256) and ``tiny-gpt2`` (causal LM, the same sizes); eager attention, so attention matmuls are sites."""
+
+
+# ================================================================================================ models
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: ``kind`` is ``built-in``, ``config`` (a file or hub name) or ``factory``."""
+
+    spec: str
+    kind: str
+    objective: str  # "auto", "mlm" or "clm" as asked; resolved by :meth:`build`
+    config: Any = None  # a transformers config (built-in and config kinds)
+    factory: Callable[..., Any] | None = None
+
+    def build(self, tokenizer: TokenizerInfo, seq_len: int) -> tuple[Callable[[], nn.Module], str]:
+        """A factory of freshly initialised models for this tokenizer and block length, and the objective.
+
+        Raises WorkflowError when the model does not fit: too few positions for ``seq_len``, an input
+        embedding smaller than the vocabulary, an objective it has no head for, or a factory that fails.
+        """
+        if self.factory is None:
+            return _config_factory(self.spec, self.config, self.objective, tokenizer, seq_len)
+        made = self._call_factory(tokenizer)
+        if _is_config(made):
+            return _config_factory(self.spec, made, self.objective, tokenizer, seq_len)
+        objective = self.objective if self.objective != "auto" else _module_objective(self.spec, made)
+        _check_embeddings(self.spec, made, tokenizer)
+
+        def make() -> nn.Module:
+            return self._call_factory(tokenizer)
+
+        return make, objective
+
+    def _call_factory(self, tokenizer: TokenizerInfo) -> Any:
+        assert self.factory is not None
+        try:
+            parameters = inspect.signature(self.factory).parameters
+        except (TypeError, ValueError):
+            parameters = {}
+        takes_vocab = "vocab_size" in parameters or any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()
+        )
+        try:
+            made = self.factory(vocab_size=tokenizer.vocab_size) if takes_vocab else self.factory()
+        except Exception as error:  # the user's code: report it in one line
+            raise WorkflowError(
+                f"--model {self.spec}: the factory raised {type(error).__name__}: {error}"
+            ) from error
+        if not isinstance(made, nn.Module) and not _is_config(made):
+            raise WorkflowError(
+                f"--model {self.spec}: the factory returned a {type(made).__name__}; it must return a "
+                "torch.nn.Module or a transformers config (PretrainedConfig)"
+            )
+        return made
+
+
+def _is_config(value: Any) -> bool:
+    from transformers import PretrainedConfig
+
+    return isinstance(value, PretrainedConfig)
+
+
+def _offline() -> bool:
+    return any(
+        os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    )
+
+
+_WHAT_WORKS = (
+    "use a local directory holding config.json, a config .json file, a Python 'module:factory' "
+    "(or 'file.py:factory'), or a built-in: " + ", ".join(BUILTIN_MODELS)
+)
+
+
+def resolve_model(spec: str, objective: str = "auto") -> ModelSource:
+    """Find the model ``spec`` names (see the module docstring); nothing is built yet.
+
+    objective: ``auto`` (masked LM where ``transformers`` has such a head, else causal LM), ``mlm`` or
+    ``clm``.
+    """
+    if objective not in ("auto", *OBJECTIVES):
+        raise WorkflowError(f"unknown objective {objective!r}; allowed: auto, {', '.join(OBJECTIVES)}")
+    if not isinstance(spec, str) or not spec.strip():
+        raise WorkflowError(f"--model must name a model; {_WHAT_WORKS}")
+    if spec in BUILTIN_MODELS:
+        return ModelSource(spec, "built-in", objective, config=BUILTIN_MODELS[spec]())
+    path = Path(spec)
+    if path.exists():
+        return ModelSource(spec, "config", objective, config=_load_config(spec, path))
+    if ":" in spec:
+        return ModelSource(spec, "factory", objective, factory=_import_factory(spec))
+    if spec.endswith(".json") or spec.startswith((".", "/", "~")):
+        raise WorkflowError(f"--model {spec}: no such file or directory; {_WHAT_WORKS}")
+    if _offline():
+        raise WorkflowError(
+            f"--model {spec}: not a local path, a module:factory or a built-in, and as a Hugging Face hub "
+            f"name it cannot be fetched with HF_HUB_OFFLINE=1; {_WHAT_WORKS}"
+        )
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(spec)
+    except (OSError, ValueError) as error:
+        raise WorkflowError(
+            f"--model {spec}: cannot get its config from the Hugging Face hub ({_first_line(error)}); "
+            f"{_WHAT_WORKS}"
+        ) from error
+    return ModelSource(spec, "config", objective, config=config)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _load_config(spec: str, path: Path) -> Any:
+    from transformers import AutoConfig
+
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise WorkflowError(f"--model {spec}: the directory holds no config.json; {_WHAT_WORKS}")
+    if path.is_file() and path.suffix != ".json":
+        raise WorkflowError(
+            f"--model {spec}: a model file must be a transformers config .json; {_WHAT_WORKS}"
+        )
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as error:
+        raise WorkflowError(
+            f"--model {spec}: not a usable transformers config ({_first_line(error)})"
+        ) from error
+
+
+def _import_factory(spec: str) -> Callable[..., Any]:
+    module_name, _, attribute = spec.rpartition(":")
+    if not module_name or not attribute:
+        raise WorkflowError(f"--model {spec}: expected 'module:factory'; {_WHAT_WORKS}")
+    try:
+        if module_name.endswith(".py"):
+            file = Path(module_name)
+            if not file.is_file():
+                raise WorkflowError(f"--model {spec}: no such Python file {module_name!r}")
+            module_spec = importlib.util.spec_from_file_location(file.stem, file)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path and os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())  # as `python -m` does: modules next to the user import
+            module = importlib.import_module(module_name)
+    except WorkflowError:
+        raise
+    except Exception as error:  # an import error or any error raised by the user's module
+        raise WorkflowError(
+            f"--model {spec}: cannot import {module_name!r}: {type(error).__name__}: {error}"
+        ) from error
+    factory = getattr(module, attribute, None)
+    if factory is None:
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise WorkflowError(
+            f"--model {spec}: module {module_name!r} has no attribute {attribute!r}; its callables: "
+            f"{', '.join(public) or '(none)'}"
+        )
+    if not callable(factory):
+        raise WorkflowError(f"--model {spec}: {attribute!r} is a {type(factory).__name__}, not a callable")
+    return factory
+
+
+def _config_factory(
+    spec: str, config: Any, objective: str, tokenizer: TokenizerInfo, seq_len: int
+) -> tuple[Callable[[], nn.Module], str]:
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", "")
+    masked, causal = (
+        model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    )
+    if objective == "auto":
+        objective = "mlm" if masked else "clm" if causal else ""
+    if objective == "" or (objective == "mlm" and not masked) or (objective == "clm" and not causal):
+        heads = [name for name, has in (("mlm", masked), ("clm", causal)) if has]
+        raise WorkflowError(
+            f"--model {spec}: transformers has no {objective or 'language-model'} head for model type "
+            f"{model_type!r}; objectives it supports: {', '.join(heads) or 'none'}"
+        )
+    config = copy.deepcopy(config)
+    for name in ("max_position_embeddings", "n_positions"):
+        positions = getattr(config, name, None)
+        if isinstance(positions, int) and positions < seq_len:
+            raise WorkflowError(
+                f"--model {spec}: {name}={positions} is shorter than --seq-len {seq_len}; "
+                f"use --seq-len {positions} or less"
+            )
+    config.vocab_size = tokenizer.vocab_size
+    config.pad_token_id = tokenizer.pad_id
+    if objective == "clm":
+        config.bos_token_id, config.eos_token_id = tokenizer.cls_id, tokenizer.sep_id
+        if masked:  # an encoder (e.g. BERT) as a causal LM
+            config.is_decoder = True
+    auto = AutoModelForMaskedLM if objective == "mlm" else AutoModelForCausalLM
+
+    def make() -> nn.Module:
+        return auto.from_config(config)
+
+    return make, objective
+
+
+def _module_objective(spec: str, model: nn.Module) -> str:
+    """mlm or clm from the class or a base class: ``…ForMaskedLM``; ``…ForCausalLM``, ``…LMHeadModel``."""
+    for cls in type(model).__mro__:
+        if cls.__name__.endswith("ForMaskedLM"):
+            return "mlm"
+        if cls.__name__.endswith(("ForCausalLM", "LMHeadModel")):
+            return "clm"
+    raise WorkflowError(
+        f"--model {spec}: cannot tell whether a {type(model).__name__} is a masked or a causal LM; pass "
+        "--objective mlm or --objective clm"
+    )
+
+
+def _check_embeddings(spec: str, model: nn.Module, tokenizer: TokenizerInfo) -> None:
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    rows = getattr(embedding, "num_embeddings", None)
+    if isinstance(rows, int) and rows < tokenizer.vocab_size:
+        raise WorkflowError(
+            f"--model {spec}: the model embeds {rows} token ids but the tokenizer trained on your text has "
+            f"{tokenizer.vocab_size}; let the factory take a vocab_size argument, or pass --vocab-size {rows}"
+        )
+
+
+def _check_interface(spec: str, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> None:
+    """One forward on a tiny batch: the model takes input_ids, attention_mask, labels; gives loss, logits."""
+    try:
+        with torch.no_grad():
+            output = model(**batch)
+    except PlanError:
+        raise
+    except Exception as error:
+        raise WorkflowError(
+            f"--model {spec}: model(input_ids=…, attention_mask=…, labels=…) failed with "
+            f"{type(error).__name__}: {_first_line(error)}; numscope trains transformers-style "
+            "language models"
+        ) from error
+    for name in ("loss", "logits"):
+        value = output.get(name) if isinstance(output, Mapping) else getattr(output, name, None)
+        if not isinstance(value, torch.Tensor):
+            raise WorkflowError(
+                f"--model {spec}: the model's output has no {name!r} tensor; numscope trains "
+                "transformers-style language models whose output has .loss and .logits"
+            )
+
+
+# ================================================================================================== data
+@dataclass(frozen=True)
+class DataSettings:
+    """The text and how it becomes token blocks (sizes in tokens)."""
+
+    text: tuple[str, ...]
+    vocab_size: int = 8000
+    seq_len: int = 64
+    val_blocks: int = 128
+    cache_dir: str | None = None  # tokenizer and block cache; default $NUMSCOPE_CACHE or ~/.cache/numscope
+
+    def __post_init__(self) -> None:
+        if isinstance(self.text, str | os.PathLike):
+            object.__setattr__(self, "text", (str(self.text),))
+        object.__setattr__(self, "text", tuple(str(p) for p in self.text))
+        if not self.text:
+            raise WorkflowError("no text files given; pass one or more UTF-8 text files (--text PATH...)")
+        for path in self.text:
+            if not Path(path).is_file():
+                what = "is a directory, not a file" if Path(path).is_dir() else "no such file"
+                raise WorkflowError(f"--text {path}: {what}")
+        _positive("--vocab-size", self.vocab_size, minimum=6)
+        _positive("--seq-len", self.seq_len, minimum=3)
+        _positive("--val-blocks", self.val_blocks)
+
+
+def _positive(flag: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise WorkflowError(f"{flag} must be an integer ≥ {minimum}; got {value!r}")
+
+
+def prepare_data(data: DataSettings) -> DemoData:
+    """Documents split into train/validation, the cached tokenizer, and token blocks of both splits."""
+    from numscope.demo.main import DemoConfig
+    from numscope.demo.main import prepare_data as prepare
+
+    config = replace(
+        DemoConfig(), vocab_size=data.vocab_size, seq_len=data.seq_len, val_blocks=data.val_blocks
+    )
+    try:
+        return prepare(config, [Path(p) for p in data.text], Path(data.cache_dir) if data.cache_dir else None)
+    except ValueError as error:  # CorpusError and too little text to split, tokenize or block
+        raise WorkflowError(str(error)) from error
+
+
+def _corpus_digest(data: DataSettings) -> str:
+    from numscope.demo.corpus import corpus_hash, load_corpus
+
+    try:
+        return corpus_hash(load_corpus(list(data.text)))
+    except ValueError as error:  # CorpusError: not UTF-8, or no text
+        raise WorkflowError(str(error)) from error
+
+
+# ================================================================================================= runs
+def _check_train_config(config: TrainConfig, data: DemoData) -> None:
+    for flag, value in (
+        ("--steps", config.steps),
+        ("--batch-size", config.batch_size),
+        ("--eval-every", config.eval_every),
+        ("--checkpoint-every", config.checkpoint_every),
+    ):
+        _positive(flag, value)
+    if config.warmup_steps < 0:
+        raise WorkflowError(f"--warmup-steps must be ≥ 0; got {config.warmup_steps}")
+    for flag, value in (("--lr", config.lr), ("--grad-clip", config.grad_clip)):
+        if not (math.isfinite(value) and value > 0):
+            raise WorkflowError(f"{flag} must be a positive number; got {value}")
+    if not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
+        raise WorkflowError(f"--weight-decay must be ≥ 0; got {config.weight_decay}")
+    world = distributed.world_size()
+    if config.batch_size % world:
+        raise WorkflowError(
+            f"--batch-size {config.batch_size} (the global batch) does not divide over {world} processes"
+        )
+    blocks = data.train_blocks.shape[0]
+    if blocks < config.batch_size:
+        raise WorkflowError(
+            f"--batch-size {config.batch_size} exceeds the {blocks} training blocks your text makes at "
+            "this --seq-len; give more text or a smaller --batch-size"
+        )
+
+
+def _check_settings(out: Path, settings: dict[str, Any]) -> None:
+    """A rerun into a folder must use the folder's settings (that is what makes resuming sound)."""
+    path = out / "run.json"
+    if not path.is_file():
+        return
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise WorkflowError(
+            f"{path}: unreadable ({error}); choose another --out or delete the folder"
+        ) from error
+    ignore = {"numscope", "text", "command", "world_size", "objective_resolved"}
+    before = _flat({k: v for k, v in stored.items() if k not in ignore})
+    after = _flat({k: v for k, v in settings.items() if k not in ignore})
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    if changed:
+        details = "; ".join(f"{k}: {_short(before.get(k))} → {_short(after.get(k))}" for k in changed)
+        raise WorkflowError(
+            f"{out} already holds a run with other settings ({details}); rerun with the same flags to resume "
+            "it, or choose another --out"
+        )
+
+
+def _flat(settings: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested settings as ``{"train.steps": 4, …}``, so that a difference names the one setting."""
+    flat: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _finished(out: Path) -> RunResult | None:
+    """The stored result of a finished run (its settings already checked), else None."""
+    path = out / "result.json"
+    return RunResult(**json.loads(path.read_text())) if path.is_file() else None
+
+
+def _prepare_run(
+    model: str, data: DataSettings, config: TrainConfig, objective: str, plan: Plan
+) -> tuple[DemoData, Callable[[], nn.Module], str]:
+    """Data, the model factory and objective, after one probing forward that checks model and plan."""
+    source = resolve_model(model, objective)
+    prepared = prepare_data(data)
+    _check_train_config(config, prepared)
+    factory, resolved = source.build(prepared.tokenizer, data.seq_len)
+    example = next(
+        get_objective(resolved).batches(prepared.train_blocks[:2], 2, prepared.tokenizer, config.seed, 0)
+    )
+    with torch.random.fork_rng(devices=[]):
+        probe = factory()
+        if source.factory is not None:
+            _check_interface(model, probe, example)
+        convert(probe, plan, example_inputs={k: v for k, v in example.items() if k != "labels"})
+    return prepared, factory, resolved
+
+
+def _settings(
+    kind: str, model: str, objective: str, data: DataSettings, config: TrainConfig, **extra: Any
+) -> dict:
+    return {
+        "numscope": __version__,
+        "kind": kind,
+        "model": model,
+        "objective": objective,
+        "text": [str(Path(p).resolve()) for p in data.text],
+        "corpus_sha256": _corpus_digest(data),
+        "data": {"vocab_size": data.vocab_size, "seq_len": data.seq_len, "val_blocks": data.val_blocks},
+        "train": asdict(config),
+        **extra,
+        "world_size": distributed.world_size(),
+    }
+
+
+def _progress(
+    total: int, name: str, enabled: bool
+) -> tuple[Callable[[int, float], None], Callable[[], None]]:
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=name, disable=not enabled, leave=True)
+
+    def on_step(step: int, loss: float) -> None:
+        bar.n = step
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        bar.refresh()
+
+    return on_step, bar.close
+
+
+def analyze(
+    model: str,
+    data: DataSettings,
+    out: str | os.PathLike[str],
+    *,
+    config: TrainConfig | None = None,
+    candidates: Sequence[str] = DEFAULT_CANDIDATES,
+    every: int = 5,
+    objective: str = "auto",
+    progress: bool = False,
+) -> RunResult:
+    """Train ``model`` in FP32 on ``data`` and observe every GEMM operand every ``every`` steps.
+
+    Writes the run folder ``out`` (run name ``fp32``) with ``out/analysis``, from which
+    :func:`recommend_plan` recommends a plan. ``bf16`` (the advisor's reference) is always measured.
+    One process only: under ``torchrun`` with more than one rank use :mod:`numscope.distributed`.
+    """
+    from numscope.observe import observe
+
+    config = config if config is not None else TrainConfig()
+    if distributed.world_size() > 1 or _env_world_size() > 1:
+        raise WorkflowError(
+            "analyze runs in one process; run it without torchrun (train runs under torchrun)"
+        )
+    _positive("--every", every)
+    names = list(dict.fromkeys([REFERENCE_FORMAT, *candidates]))
+    for name in names:
+        try:
+            get_format(name)
+        except ValueError as error:
+            raise WorkflowError(f"--candidates: {error}") from error
+    out_dir = Path(out)
+    settings = _settings(
+        "analyze", model, objective, data, config, candidates=names, every=every, plan="fp32"
+    )
+    _check_settings(out_dir, settings)
+    if (finished := _finished(out_dir)) is not None:
+        return finished
+    prepared, factory, resolved = _prepare_run(model, data, config, objective, Plan.uniform("fp32"))
+    settings["objective_resolved"] = resolved
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
+
+    def observer(module: nn.Module) -> Any:
+        return observe(module, candidates=names, every=every).__enter__()
+
+    on_step, close = _progress(config.steps, "fp32 (observed)", progress)
+    try:
+        return train_run(
+            RunSpec("fp32", "fp32", description="FP32, observed"),
+            factory,
+            config,
+            prepared,
+            out_dir,
+            on_step,
+            observer,
+            objective=resolved,
+        )
+    finally:
+        close()
+
+
+def train(
+    model: str,
+    data: DataSettings,
+    out: str | os.PathLike[str],
+    *,
+    plan: str,
+    loss_scaling: str = "none",
+    init_scale: float = 2.0**16,
+    config: TrainConfig | None = None,
+    objective: str = "auto",
+    name: str | None = None,
+    progress: bool = False,
+) -> RunResult:
+    """Train ``model`` under ``plan`` (a YAML path or a preset of :meth:`numscope.Plan.uniform`).
+
+    loss_scaling: ``none``, ``static`` (``init_scale`` throughout) or ``dynamic`` (halve on overflow, grow
+    after :class:`numscope.LossScaler`'s growth interval of clean steps). Writes the run folder ``out``
+    (see the module docstring) and the trained parameters to ``out/model.pt``; rerun with the same
+    settings to resume. Under ``torchrun`` with ``WORLD_SIZE`` > 1 it initialises a gloo process group and
+    trains with DDP (``config.batch_size`` is the global batch), rank 0 writing; every rank returns the
+    result.
+    """
+    config = config if config is not None else TrainConfig()
+    if loss_scaling not in LOSS_SCALING:
+        raise WorkflowError(f"unknown loss scaling {loss_scaling!r}; allowed: {', '.join(LOSS_SCALING)}")
+    if not (math.isfinite(init_scale) and init_scale > 0):
+        raise WorkflowError(f"--init-scale must be a positive number; got {init_scale}")
+    loaded, plan_source = _load_plan(plan)
+    out_dir = Path(out)
+    run_name = name or out_dir.resolve().name
+    started = _init_distributed()
+    try:
+        settings = _settings(
+            "train",
+            model,
+            objective,
+            data,
+            config,
+            plan=loaded.to_dict(),
+            plan_source=plan_source,
+            loss_scaling=loss_scaling,
+            init_scale=init_scale,
+            name=run_name,
+        )
+        _check_settings(out_dir, settings)
+        if (finished := _finished(out_dir)) is not None:
+            return finished
+        prepared, factory, resolved = _prepare_run(model, data, config, objective, loaded)
+        settings["objective_resolved"] = resolved
+        writer = distributed.is_rank_zero()
+        if writer:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            _atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
+        on_step, close = _progress(config.steps, run_name, progress and writer)
+        try:
+            return train_run(
+                RunSpec(run_name, plan_source, loss_scaling, init_scale),
+                factory,
+                config,
+                prepared,
+                out_dir,
+                on_step,
+                objective=resolved,
+                save_model=True,
+            )
+        finally:
+            close()
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def _load_plan(plan: str) -> tuple[Plan, str]:
+    """The plan and how a run names it: a preset name, or the absolute path of a YAML file."""
+    path = Path(plan)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise WorkflowError(
+                f"--plan {plan}: no such file (or give a preset: {', '.join(Plan.presets())})"
+            )
+        if path.suffix not in (".yaml", ".yml"):
+            raise WorkflowError(f"--plan {plan}: a plan file must be YAML (.yaml or .yml)")
+        try:
+            return Plan.load(path), str(path.resolve())
+        except (OSError, UnicodeDecodeError) as error:
+            raise WorkflowError(f"--plan {plan}: cannot read it ({error})") from error
+    return Plan.uniform(plan), plan
+
+
+def _env_world_size() -> int:
+    """The process count torchrun announces in ``WORLD_SIZE`` (1 without torchrun)."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) < 1:
+        raise WorkflowError(f"WORLD_SIZE={world!r} is not a number of processes; launch with torchrun")
+    return int(world)
+
+
+def _init_distributed() -> bool:
+    """Join the torchrun world (gloo) when ``WORLD_SIZE`` > 1 and no group exists; True if this call did."""
+    world = _env_world_size()
+    if world <= 1 or (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        dist.init_process_group("gloo")
+    except (ValueError, RuntimeError) as error:
+        raise WorkflowError(
+            f"WORLD_SIZE={world} but the process group cannot start ({_first_line(error)}); launch with "
+            "torchrun --nproc-per-node N"
+        ) from error
+    return True
+
+
+# ========================================================================================= recommend
+def find_analysis(path: str | os.PathLike[str]) -> Path:
+    """The analysis folder ``path`` names: itself, or the ``analysis/`` of a run folder."""
+    candidate = Path(path)
+    if (candidate / "analysis").is_dir() and not (candidate / "analysis.json").is_file():
+        return candidate / "analysis"
+    return candidate
+
+
+def recommend_plan(
+    analysis: str | os.PathLike[str] | Analysis,
+    output: str | os.PathLike[str] | None = None,
+    **criteria: Any,
+) -> tuple[Plan, list[dict[str, str]]]:
+    """The plan :func:`numscope.recommend` makes from an analysis, its table of choices and reasons.
+
+    analysis: an :class:`~numscope.Analysis`, its folder, or a run folder of :func:`analyze`.
+    criteria: passed by keyword to :func:`numscope.recommend` (``max_be_ratio``, ``max_underflow_pct``,
+    ``max_overflow_pct``, ``min_sqnr_db``, ``bit_budget``, ``candidates``, ``reference``, ``per_operand``
+    and any it gains). The plan is saved to ``output`` when given.
+    """
+    from numscope.advisor import recommend, recommend_table
+
+    loaded = analysis if isinstance(analysis, Analysis) else Analysis.load(find_analysis(analysis))
+    plan = recommend(loaded, **criteria)
+    if output is not None:
+        plan.save(output)
+    return plan, recommend_table(plan)
+
+
+def analysis_average_bits(plan: Plan, analysis: Analysis) -> float:
+    """Average bits per operand element of ``plan`` over the analysis's operands, weighted by their size."""
+    sizes: dict[str, dict[tuple[str, str], int]] = {}
+    for (site, gemm, operand), count in analysis.elements.items():
+        sizes.setdefault(site, {})[(gemm, operand)] = count
+    return plan.average_bits(sizes)
+
+
+# ===================================================================================== compare, report
+def load_run(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """A finished run folder as a dict: ``result.json``'s fields, ``settings`` (run.json), ``train_log``,
+    ``dir``."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise WorkflowError(f"{directory}: no such run folder")
+    result = path / "result.json"
+    if not result.is_file():
+        if (path / "checkpoint.pt").is_file() or (path / "log.csv").is_file():
+            raise WorkflowError(
+                f"{directory}: the run has not finished (no result.json); rerun its numscope train/analyze "
+                "command to resume it"
+            )
+        raise WorkflowError(f"{directory}: not a numscope run folder (no result.json)")
+    try:
+        run = json.loads(result.read_text())
+        settings = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
+        run["train_log"] = read_log(path / "log.csv") if (path / "log.csv").is_file() else []
+    except (OSError, ValueError, KeyError) as error:
+        raise WorkflowError(f"{directory}: unreadable run files ({error})") from error
+    run["settings"], run["dir"] = settings, str(path)
+    return run
+
+
+def _load_runs(directories: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
+    if not directories:
+        raise WorkflowError("give at least one run folder")
+    runs = [load_run(d) for d in directories]
+    names = [r["name"] for r in runs]
+    for run in runs:
+        if names.count(run["name"]) > 1:
+            run["name"] = f"{run['name']} ({run['dir']})"
+    return runs
+
+
+def compare(
+    directories: Sequence[str | os.PathLike[str]], baseline: str | None = None
+) -> list[dict[str, str]]:
+    """One row per run: validation loss and accuracy, gap to the baseline, average bits, skipped steps.
+
+    baseline: a run name or folder; default the run named ``fp32`` (as :func:`analyze` names its run), else
+    the first. Gap = (val loss − baseline val loss) / baseline val loss, in percent.
+    """
+    runs = _load_runs(directories)
+    reference = _baseline(runs, baseline)
+    base = float(reference["val_loss"])
+    rows = []
+    for run in runs:
+        loss = float(run["val_loss"])
+        gap = 100 * (loss - base) / base if math.isfinite(loss) and base else math.nan
+        bits = run.get("avg_bits")
+        rows.append(
+            {
+                "run": run["name"],
+                "plan": Path(run["plan"]).name if run["plan"].endswith((".yaml", ".yml")) else run["plan"],
+                "loss scaling": run["loss_scaling"],
+                "val loss": f"{loss:.4f}",
+                "val acc": f"{100 * float(run['val_accuracy']):.2f}%",
+                f"gap to {reference['name']}": "baseline" if run is reference else f"{gap:+.2f}%",
+                "avg bits": "—" if bits is None else f"{bits:.2f}",
+                "skipped": str(run["skipped_steps"]),
+                "steps": str(run["steps"]),
+                "wall": f"{run['wall_seconds']:.0f}s",
+            }
+        )
+    return rows
+
+
+def _baseline(runs: list[dict[str, Any]], baseline: str | None) -> dict[str, Any]:
+    if baseline is None:
+        return next((r for r in runs if r["name"] == "fp32"), runs[0])
+    for run in runs:
+        if baseline == run["name"] or Path(baseline).resolve() == Path(run["dir"]).resolve():
+            return run
+    raise WorkflowError(
+        f"--baseline {baseline}: no such run; runs: {', '.join(r['name'] for r in runs)} (or their folders)"
+    )
+
+
+def report(
+    directories: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    *,
+    analysis: str | os.PathLike[str] | None = None,
+    plan: str | os.PathLike[str] | None = None,
+    title: str = "numscope report",
+    command: str | None = None,
+) -> Path:
+    """Write one self-contained HTML report of the runs (:func:`numscope.report.write_report`).
+
+    analysis: an analysis folder (or run folder); default the first run folder holding ``analysis/``.
+    plan: a plan YAML to show per site; default the plan of the first run trained from a plan file.
+    The gap column is relative to the run named ``fp32``.
+    """
+    from numscope.report import write_report
+
+    runs = _load_runs(directories)
+    if analysis is not None:
+        analysis_dir = find_analysis(analysis)
+    else:
+        analysis_dir = next(
+            (Path(r["dir"]) / "analysis" for r in runs if (Path(r["dir"]) / "analysis").is_dir()), None
+        )
+    loaded = Analysis.load(analysis_dir) if analysis_dir is not None else None
+    if plan is not None:
+        shown, _ = _load_plan(str(plan))
+    else:
+        planned = next((r for r in runs if r["plan"].endswith((".yaml", ".yml"))), None)
+        shown = Plan.load(Path(planned["dir"]) / "plan.yaml") if planned is not None else None
+    rows = []
+    for run in runs:
+        row = {k: v for k, v in run.items() if k not in ("settings", "dir")}
+        if row.get("avg_bits") is None and loaded is not None:  # a run from before runs recorded it
+            row["avg_bits"] = analysis_average_bits(Plan.load(Path(run["dir"]) / "plan.yaml"), loaded)
+        rows.append(row)
+    return write_report(output, title=title, runs=rows, analysis=loaded, plan=shown, command=command)
+
+
+# ================================================================================================ study
+@dataclass
+class StudyResult:
+    """The synthetic study's rows, its files, and the INT8/E4M3 crossover ν (None when not bracketed)."""
+
+    rows: list[Any]
+    png: Path
+    csv: Path
+    table: str
+    crossover: float | None = None
+    formats: list[str] = field(default_factory=list)
+
+
+def study(
+    out: str | os.PathLike[str],
+    *,
+    dofs: Sequence[float] | None = None,
+    formats: Sequence[str] | None = None,
+    size: int = 512,
+    trials: int = 2,
+    seed: int = 0,
+) -> StudyResult:
+    """Backward error of ``size``×``size`` Student-t(ν) products per format, as
+    :func:`numscope.study.run_study`: ``backward_error_study.png`` and ``.csv`` written into ``out``."""
+    from numscope.study import DOFS, FORMATS, StudyFormat, crossover, run_study, study_table
+
+    dofs = tuple(DOFS if dofs is None else dofs)
+    formats = tuple(FORMATS if formats is None else formats)
+    _positive("--size", size)
+    _positive("--trials", trials)
+    if not dofs or not formats:
+        raise WorkflowError("the study needs at least one --dofs value and one --formats name")
+    for dof in dofs:
+        if not dof > 0:
+            raise WorkflowError(f"--dofs: degrees of freedom must be > 0 (inf for Gaussian); got {dof}")
+    labels = []
+    for spec in formats:
+        try:
+            labels.append(StudyFormat.parse(spec).label)
+        except ValueError as error:
+            raise WorkflowError(f"--formats: {error}") from error
+    rows, png, table = run_study(Path(out), dofs=dofs, formats=formats, size=size, seed=seed, trials=trials)
+    cross = None
+    if "int8 per tensor" in labels and "fp8_e4m3" in labels and len(dofs) > 1:
+        cross = crossover(rows, "int8 per tensor", "fp8_e4m3")
+    return StudyResult(rows, png, table, study_table(rows), cross, labels)
