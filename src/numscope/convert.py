@@ -116,7 +116,7 @@ class _Quantizer:
         native = None if fast_enabled() else _native_cast(spec, fmt, scaling)
         if native is not None and tensor.numel() > 0:
             xf = tensor.detach().float()
-            amax = _amax(xf)
+            amax = _amax(xf) if scaling is not None or spec.overflow == "saturate" else None
             if scaling is None:
                 scale = None
             elif scaling.kind == "delayed":
@@ -185,24 +185,31 @@ def _rounds_to_max(fmt: FloatFormat) -> float:
     return fmt.max + 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits - 1)
 
 
+def _rounds_within_range(amax: torch.Tensor | None, scale: torch.Tensor | None, fmt: FloatFormat) -> bool:
+    """Whether every value of magnitude at most ``amax``, times ``scale``, rounds to at most ``fmt.max``."""
+    if amax is None:
+        return False
+    bound = amax if scale is None else amax * scale
+    return bool(torch.isfinite(bound)) and bound.item() < _rounds_to_max(fmt)
+
+
 def _fake_cast(
     values: torch.Tensor,
     dtype: torch.dtype,
     fmt: FloatFormat,
     scale: torch.Tensor | None,
-    amax: torch.Tensor,
+    amax: torch.Tensor | None,
     overflow: str,
 ) -> torch.Tensor:
     """float32 ``cast(values · scale) · (1 / scale)`` through torch's ``dtype`` (see :func:`_native_cast`).
 
-    ``amax`` bounds ``|values|``: where ``amax · scale`` is below the format's max plus half its unit in
-    the last place (every scaled value then rounds to at most the max: rounding is monotone), the clamp
-    of saturation changes nothing and the scaled copy is cast and descaled in place: one fresh float32
-    buffer instead of one per operation, the same bits.
+    ``amax`` bounds ``|values|`` (saturation needs it; ``None`` otherwise): where ``amax · scale`` is below
+    the format's max plus half its unit in the last place (every scaled value then rounds to at most the
+    max: rounding is monotone), the clamp of saturation changes nothing and the scaled copy is cast and
+    descaled in place: one fresh float32 buffer instead of one per operation, the same bits.
     """
     scaled = values if scale is None else values * scale
-    bound = amax if scale is None else amax * scale
-    if overflow == "saturate" and not (bool(torch.isfinite(bound)) and bound.item() < _rounds_to_max(fmt)):
+    if overflow == "saturate" and not _rounds_within_range(amax, scale, fmt):
         quantized = _cast_native(scaled, dtype, fmt)
         return quantized if scale is None else quantized * (1.0 / scale)
     rounded = scaled.to(dtype)
