@@ -72,23 +72,40 @@ class Attention(nn.Module):
 
     def forward(self, scores: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(scores, dim=-1)  # fp32 under the mode
-        context = probs @ self.value(x)  # fp32 meets fp16: cast to the working dtype
-        return self.head(context.float())  # fp32 input meets the fp16 Linear
+        context = probs @ self.value(x)  # fp32 meets fp16
+        return self.head(context.float())  # an fp32 input meets the fp16 Linear
 
 
-def test_gemm_operands_meet_in_the_working_dtype() -> None:
+def test_gemms_accumulate_in_fp32_and_return_the_working_dtype() -> None:
+    torch.manual_seed(0)
     model = Attention().half()
     scores, x = torch.randn(8, 8).half(), torch.randn(8, 16).half()
     with pytest.raises(RuntimeError):
         model(scores, x)  # without the mode torch refuses to mix fp32 and fp16 in a GEMM
     keep_fp32_ops(model, torch.float16)
     out = model(scores, x)
-    probs = torch.softmax(scores.float(), dim=-1).half()
-    expected = model.head((probs @ model.value(x)).float().half())
+
+    def linear(layer: nn.Linear, inputs: torch.Tensor) -> torch.Tensor:  # fp16 values, fp32 sums, fp16 out
+        return F.linear(inputs.float(), layer.weight.float(), layer.bias.float()).half()
+
+    probs = torch.softmax(scores.float(), dim=-1)
+    expected = linear(model.head, (probs @ linear(model.value, x).float()).half())
     assert out.dtype == torch.float16 and torch.equal(out, expected)
     fp32_only = nn.Linear(4, 2)
     keep_fp32_ops(fp32_only, torch.float16)
     assert fp32_only(torch.ones(1, 4)).dtype == torch.float32  # an fp32 layer stays fp32
+
+
+def test_gemm_gradients_accumulate_in_fp32_and_return_to_fp16() -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 8).half()
+    keep_fp32_ops(layer, torch.float16)
+    x = torch.randn(4, 256).half().requires_grad_()
+    grad = torch.randn(4, 8).half()
+    layer(x).backward(grad)
+    weight = layer.weight.detach().float()
+    assert x.grad.dtype == torch.float16 and torch.equal(x.grad, (grad.float() @ weight).half())
+    assert torch.equal(layer.weight.grad, (grad.float().t() @ x.detach().float()).half())
 
 
 def test_explicit_dtype_and_fp32_inputs_are_left_alone() -> None:

@@ -12,13 +12,17 @@ reductions CUDA kernels accumulate in fp32 anyway (``mean``, ``var``, ``std``) a
 * an op of :data:`FP32_OPS` whose floating tensor arguments include fp16/bf16 runs on fp32 copies of them
   and returns its fp32 result (ops called with an explicit ``dtype=`` are left alone, as autocast does);
 * a GEMM (``F.linear``, ``matmul``/``@``, ``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``einsum``, ``conv``,
-  ``F.scaled_dot_product_attention``) whose floating operands mix fp32 with the working dtype runs with
-  the fp32 ones cast to the working dtype, so an fp32 result flows on into the next fp16/bf16 GEMM;
+  ``F.scaled_dot_product_attention``) with an operand in the working dtype runs on fp32 copies of its
+  operands (exact: every fp16/bf16 value is a float32 value) and its result is rounded to the working
+  dtype: FP16 multiplication with FP32 accumulation, written in FP16 (the paper's §3.2, what tensor cores
+  do). Torch's own CPU fp16 GEMM gives no such guarantee and, without AVX512-FP16, is some 80 times slower
+  than float32. A GEMM whose operands are all fp32 (a layer kept in fp32) runs as called;
 * every other op runs as called (torch's type promotion).
 
-The casts are ordinary autograd ops: backward runs each kept op in fp32 too, and the gradient returns to
-the working dtype at the cast. The casts happen inside any :mod:`numscope.sites` interception, so GEMM
-sites see operands in the working dtype.
+The casts are ordinary autograd ops: backward runs each kept op in fp32 too, GEMM gradients accumulate in
+fp32, and every gradient returns to the working dtype at its cast. The casts happen before any
+:mod:`numscope.sites` interception, so a plan quantizes the fp32 copies and its products accumulate in
+fp32 on the dequantized values (or as the plan's ``accumulate`` says).
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ GEMM_OPS: frozenset[Callable[..., Any]] = frozenset(
      torch.addmm, _T.addmm, torch.baddbmm, _T.baddbmm, torch.addbmm, _T.addbmm, torch.einsum, F.conv1d,
      F.conv2d, F.conv3d, F.scaled_dot_product_attention}
 )  # fmt: skip
-"""Ops whose fp32 operands are cast to the working dtype when they meet working-dtype operands."""
+"""GEMMs: run on fp32 copies of working-dtype operands, the result rounded to the working dtype."""
 
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -97,10 +101,9 @@ class Fp32Ops(TorchFunctionMode):
         if func in self.ops and kwargs.get("dtype") is None:
             if any(t.dtype in _LOW for t in _floating((args, kwargs))):
                 args, kwargs = _cast((args, kwargs), _LOW, torch.float32)
-        elif func in GEMM_OPS:
-            dtypes = {t.dtype for t in _floating((args, kwargs))}
-            if torch.float32 in dtypes and self.dtype in dtypes:
-                args, kwargs = _cast((args, kwargs), (torch.float32,), self.dtype)
+        elif func in GEMM_OPS and any(t.dtype == self.dtype for t in _floating((args, kwargs))):
+            args, kwargs = _cast((args, kwargs), _LOW, torch.float32)
+            return _cast(func(*args, **kwargs), (torch.float32,), self.dtype)
         return func(*args, **kwargs)
 
 
@@ -119,8 +122,8 @@ def keep_fp32_ops(
 ) -> ForwardContext:
     """Keep ``ops`` (default: every op of :data:`FP32_OPS`) in fp32 during each forward of ``model``.
 
-    dtype: the model's working dtype (fp16 or bf16), to which fp32 GEMM operands are cast when they meet
-    working-dtype ones. Returns a handle whose ``remove()`` ends it.
+    dtype: the model's working dtype (fp16 or bf16): GEMMs with an operand in it accumulate in fp32 and
+    return it. Returns a handle whose ``remove()`` ends it.
     """
     resolved = _resolve_ops(ops)
     Fp32Ops(dtype, resolved)  # validate now, not at the first forward

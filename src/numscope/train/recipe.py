@@ -49,11 +49,12 @@ class Recipe:
       computation, with fp32 master weights for the optimizer and normalisation modules kept in fp32
       (:class:`numscope.MasterWeights`) [``torch.float32``].
     * ``fp32_ops`` — softmax, normalisation, losses, large reductions, exp/log/pow… run in fp32 while the
-      model computes in ``dtype`` (:mod:`numscope.train.fp32_ops`; an iterable of torch callables picks
-      your own list); nothing to do when ``dtype`` is fp32 [``False``].
+      model computes in ``dtype``, and GEMMs multiply ``dtype`` values with fp32 accumulation
+      (:mod:`numscope.train.fp32_ops`; an iterable of torch callables picks your own list of kept ops);
+      nothing to do when ``dtype`` is fp32 [``False``: every op in ``dtype``, torch's own kernels].
     * ``activations`` — the dtype in which every float32 activation autograd saves for backward is kept
-      (:mod:`numscope.train.activations`); ``"working"`` is ``dtype`` (nothing when ``dtype`` is fp32)
-      [``None``].
+      (:mod:`numscope.train.activations`), among them the fp32 results of kept ops and the fp32 copies
+      GEMMs compute on; ``"working"`` is ``dtype`` (nothing when ``dtype`` is fp32) [``None``].
     * ``loss_scale`` — ``"dynamic"`` (GradScaler's defaults), a number (static scale), or a
       :class:`numscope.LossScaler` of your own [``None``].
 
