@@ -11,10 +11,12 @@ from numscope.metrics import (
     backward_error,
     backward_error_from,
     block_scale_spread,
+    candidate_metrics,
     cosine_similarity,
     operand_metrics,
     overflow_fraction,
     product_reference,
+    quantize_sample,
     relative_error,
     saturated_block_fraction,
     sqnr_db,
@@ -159,8 +161,14 @@ def test_block_formats_run_their_blocks_along_the_contraction_dim():
     qb = numscope.quantize(b, fmt, scaling=numscope.Scaling("block", axis=0))
     expected = backward_error_from(product_reference(a, b), qa, qb)
     assert backward_error(a, b, fmt, fmt) == expected
-    across = backward_error(a, b, fmt, fmt, scaling_a=numscope.Scaling("block", axis=0),
-                            scaling_b=numscope.Scaling("block", axis=1))
+    across = backward_error(
+        a,
+        b,
+        fmt,
+        fmt,
+        scaling_a=numscope.Scaling("block", axis=0),
+        scaling_b=numscope.Scaling("block", axis=1),
+    )
     assert across.mean != expected.mean
 
 
@@ -169,8 +177,9 @@ def test_sampled_backward_error_estimates_the_full_mean():
     a = torch.tensor(rng.standard_t(4, (256, 128)), dtype=torch.float32)
     b = torch.tensor(rng.standard_t(4, (128, 256)), dtype=torch.float32)
     full = backward_error(a, b, "int8", "int8")
-    sampled = backward_error(a, b, "int8", "int8", sample_rows=64, sample_cols=64,
-                             generator=torch.Generator().manual_seed(0))
+    sampled = backward_error(
+        a, b, "int8", "int8", sample_rows=64, sample_cols=64, generator=torch.Generator().manual_seed(0)
+    )
     assert sampled.sampled and not full.sampled and sampled.count == 64 * 64
     assert sampled.mean == pytest.approx(full.mean, rel=0.1)
     assert sampled.max <= full.max
@@ -181,3 +190,78 @@ def test_backward_error_rejects_bad_shapes():
         backward_error(torch.ones(2, 3), torch.ones(4, 2), "int8", "int8")
     with pytest.raises(ValueError, match="2-D operands"):
         backward_error(torch.ones(2, 3, 4), torch.ones(4, 2), "int8", "int8")
+
+
+def test_operand_metrics_of_int8_by_hand():
+    # int8, per-tensor scaling: scale = 127 / 3; 1 → round(42.33) = 42 → 42·3/127; 3 → 127 → 3;
+    # 2^-10 → round(0.041) = 0 (an underflow); 0 stays 0
+    x = torch.tensor([1.0, 3.0, 0.0, 2.0**-10])
+    q1 = 42 * 3 / 127
+    signal = 1.0 + 9.0 + 2.0**-20
+    noise = (1.0 - q1) ** 2 + 2.0**-20
+    metrics = operand_metrics(x, "int8")
+    assert metrics["sqnr_db"] == pytest.approx(10 * math.log10(signal / noise), rel=1e-6)
+    assert metrics["rel_error"] == pytest.approx(math.sqrt(noise / signal), rel=1e-6)
+    assert metrics["mse"] == pytest.approx(noise / 4, rel=1e-6)
+    assert metrics["cosine"] == pytest.approx((q1 + 9.0) / math.sqrt(signal * (q1**2 + 9.0)), rel=1e-9)
+    assert metrics["underflow%"] == pytest.approx(100 / 3)
+    assert metrics["overflow%"] == 0.0
+
+
+CASES = [
+    ("bf16", None),
+    ("fp16", None),
+    ("fp8_e4m3", "tensor"),
+    ("fp8_e5m2", "tensor"),
+    ("int8", "tensor"),
+    ("int8", "row"),
+    ("fp8_e4m3", "column"),
+    ("fp8_e4m3", numscope.Scaling("tensor", margin=1)),
+    ("fp8_e4m3", numscope.Scaling("block", block_shape=(1, 32))),
+    ("mxfp8_e4m3", "auto"),
+    ("mxfp4_e2m1", "auto"),
+    ("nvfp4", "auto"),
+    ("mxfp6_e3m2", numscope.Scaling("block", axis=0)),
+]
+
+
+def test_candidate_metrics_equal_one_operand_metrics_call_per_candidate():
+    x = torch.tensor(np.random.default_rng(7).standard_t(3, (64, 96)), dtype=torch.float32)
+    x[0, :5] = 0.0
+    together = candidate_metrics(x, {f"{fmt}/{i}": (fmt, scaling) for i, (fmt, scaling) in enumerate(CASES)})
+    assert list(together) == [f"{fmt}/{i}" for i, (fmt, _) in enumerate(CASES)]
+    for i, (fmt, scaling) in enumerate(CASES):
+        alone = operand_metrics(x, fmt, scaling)
+        assert together[f"{fmt}/{i}"].keys() == alone.keys()
+        for name, value in alone.items():
+            if math.isnan(value):
+                assert math.isnan(together[f"{fmt}/{i}"][name]), (fmt, name)
+            else:
+                assert together[f"{fmt}/{i}"][name] == pytest.approx(value, rel=1e-12, abs=1e-15), (fmt, name)
+
+
+@pytest.mark.parametrize(("fmt", "scaling"), CASES[:8] + CASES[9:12])
+def test_operand_metrics_measure_what_quantize_returns(fmt, scaling):
+    x = torch.tensor(np.random.default_rng(8).standard_t(4, (32, 64)), dtype=torch.float32) * 1e3
+    spec = numscope.format(fmt)
+    q = numscope.quantize(x, fmt, scaling=None if spec.kind == "block" else scaling)
+    metrics = operand_metrics(x, fmt, scaling)
+    assert metrics["sqnr_db"] == pytest.approx(sqnr_db(x, q), rel=1e-6)
+    assert metrics["underflow%"] == pytest.approx(100 * underflow_fraction(x, q))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "scaling"),
+    [("fp8_e4m3", "tensor"), ("int8", "tensor"), ("mxfp4_e2m1", None), ("nvfp4", None), ("bf16", None)],
+)
+def test_quantize_sample_quantizes_rows_as_inside_the_whole_tensor(fmt, scaling):
+    x = torch.tensor(np.random.default_rng(9).standard_t(3, (256, 64)), dtype=torch.float32)
+    rows = torch.tensor([3, 17, 200, 17])
+    whole = numscope.quantize(x, fmt, scaling=scaling)
+    amax = x.abs().max()
+    assert float(x[rows].abs().max()) < float(amax)
+    sample_scaling = "auto" if scaling is None and fmt != "bf16" else scaling
+    assert torch.equal(quantize_sample(x[rows], fmt, sample_scaling, amax=amax), whole[rows])
+    if fmt in ("fp8_e4m3", "int8", "nvfp4"):
+        # without the whole tensor's amax the sample would be scaled by its own, smaller one
+        assert not torch.equal(quantize_sample(x[rows], fmt, sample_scaling), whole[rows])

@@ -13,16 +13,15 @@ scaling at all, as in ``quantize``.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from numscope.formats.quantize import ScalingArg, encode, quantize
-from numscope.formats.scaling import DelayedScaler, Scaling
+from numscope.formats.quantize import ScalingArg, block_parts_2d, encode, quantize
+from numscope.formats.scaling import DelayedScaler, Scaling, reduce_amax_, scale_from_amax
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
 from numscope.formats.spec import format as get_format
 
@@ -130,13 +129,10 @@ def _resolve_scaling(spec: Format, scaling: ScalingChoice, axis: int) -> Scaling
     return scaling  # type: ignore[return-value]
 
 
-@functools.lru_cache(maxsize=64)
-def _code_of_one(element: FloatFormat | IntFormat) -> int:
-    return int(encode(torch.ones(1), element).codes[0])
-
-
 @dataclass(frozen=True)
-class _Quantized:
+class Quantized:
+    """A tensor quantized, with what the cast saw (see :func:`quantize_kept`)."""
+
     q: torch.Tensor  # what x becomes (float32, shape of x)
     scaled: torch.Tensor | None  # x in the element format's units (what the cast sees); None if unknown
     unit: torch.Tensor | None  # block formats: each element's decode scale (its block's scale)
@@ -144,24 +140,91 @@ class _Quantized:
     axis: int
 
 
-def _quantize_kept(
-    x: torch.Tensor, spec: Format, scaling: ScalingArg, rounding: str, generator: torch.Generator | None
-) -> _Quantized:
-    """Quantize ``x`` and keep what the cast saw, to tell rounding from overflow."""
-    parsed = scaling.scaling if isinstance(scaling, DelayedScaler) else Scaling.parse(scaling)  # type: ignore[arg-type]
+def quantize_kept(
+    x: torch.Tensor,
+    spec: Format,
+    scaling: ScalingArg,
+    rounding: str,
+    generator: torch.Generator | None,
+    amax: torch.Tensor | float | None = None,
+    keep: bool = True,
+) -> Quantized:
+    """Quantize ``x`` and keep what the cast saw, to tell rounding from overflow.
+
+    ``q`` equals ``numscope.quantize(x, spec, scaling=...)`` bit for bit. ``amax``: the max|·| that
+    per-tensor scales (and NVFP4's tensor scale) derive from, already reduced across ranks; ``None``: x's
+    own, reduced as ``quantize`` reduces it. ``keep=False`` skips the block formats' scaled values and
+    units (only ``q`` is wanted).
+    """
+    delayed = scaling if isinstance(scaling, DelayedScaler) else None
+    parsed = delayed.scaling if delayed is not None else Scaling.parse(scaling)  # type: ignore[arg-type]
+    if parsed is not None and parsed.kind == "none":
+        parsed = None
     axis = parsed.axis if parsed is not None else -1
     xf = x.detach().float()
-    if not isinstance(spec, BlockFormat) and parsed is not None and parsed.kind == "block":
-        q = quantize(xf, spec, scaling=scaling, rounding=rounding, generator=generator)
-        return _Quantized(q, None, None, spec, axis)
-    encoded = encode(xf, spec, scaling=scaling, rounding=rounding, generator=generator)
-    q = encoded.decode()
     if isinstance(spec, BlockFormat):
-        ones = torch.full_like(encoded.codes, _code_of_one(spec.element))
-        unit = dataclasses.replace(encoded, codes=ones).decode()
-        return _Quantized(q, xf / unit, unit, spec, axis)
-    scaled = xf if encoded.scales is None else xf * encoded.scales
-    return _Quantized(q, scaled, None, spec, axis)
+        return _quantize_blocks(xf, spec, parsed, rounding, generator, amax, keep)
+    if parsed is None:
+        q = quantize(xf, spec, rounding=rounding, generator=generator)
+        return Quantized(q, xf, None, spec, axis)
+    if delayed is None and parsed.kind == "block":  # tile scaling: scales are not exposed
+        q = quantize(xf, spec, scaling=scaling, rounding=rounding, generator=generator)
+        return Quantized(q, None, None, spec, axis)
+    if delayed is None and parsed.kind in ("row", "column"):
+        encoded = encode(xf, spec, scaling=scaling, rounding=rounding, generator=generator)
+        assert encoded.scales is not None
+        return Quantized(encoded.decode(), xf * encoded.scales, None, spec, axis)
+    if delayed is not None:
+        scale = delayed.scale_for(xf, spec.max)
+    else:
+        scale = scale_from_amax(
+            _tensor_amax(xf, amax, parsed.reduce_amax), spec.max, parsed.margin, parsed.power_of_two
+        )
+    scaled = xf * scale  # as quantize: cast(x · scale) · (1 / scale)
+    q = quantize(scaled, spec, rounding=rounding, generator=generator) * (1.0 / scale)
+    return Quantized(q, scaled, None, spec, axis)
+
+
+def _tensor_amax(xf: torch.Tensor, amax: torch.Tensor | float | None, reduce: bool = True) -> torch.Tensor:
+    """A float32 scalar tensor: the given amax, or xf's own reduced across ranks."""
+    if amax is None:
+        return reduce_amax_(xf.abs().amax().reshape(1), reduce)[0]
+    return torch.as_tensor(amax, dtype=torch.float32, device=xf.device).reshape(())
+
+
+def _quantize_blocks(
+    xf: torch.Tensor,
+    spec: BlockFormat,
+    parsed: Scaling | None,
+    rounding: str,
+    generator: torch.Generator | None,
+    amax: torch.Tensor | float | None,
+    keep: bool,
+) -> Quantized:
+    if parsed is not None and (parsed.kind != "block" or parsed.block_shape is not None):
+        raise ValueError(
+            f"block format {spec.name!r} brings its own block scaling of {spec.block_size}; use "
+            "scaling='auto' or Scaling('block', axis=...) without block_shape"
+        )
+    axis = parsed.axis if parsed is not None else -1
+    whole = xf.reshape(1) if xf.dim() == 0 else xf
+    if not -whole.dim() <= axis < whole.dim():
+        raise ValueError(f"block axis {axis!r} is out of range for a tensor of shape {tuple(xf.shape)}")
+    moved = whole.movedim(axis, -1)
+    length = moved.shape[-1]
+    rows = moved.reshape(-1, length)
+    tensor_amax = _tensor_amax(xf, amax) if spec.tensor_scale else None
+    parts = block_parts_2d(rows, spec, tensor_amax, rounding, generator)
+
+    def back(blocked: torch.Tensor) -> torch.Tensor:
+        flat = blocked.reshape(rows.shape[0], -1)[:, :length]
+        return flat.reshape(moved.shape).movedim(-1, axis).reshape(xf.shape)
+
+    if not keep:
+        return Quantized(back(parts.elements * parts.scales), None, None, spec, axis)
+    blocks = F.pad(rows, (0, (-length) % spec.block_size)).reshape(parts.elements.shape)
+    unit = parts.scales.expand_as(parts.elements)
+    return Quantized(back(parts.elements * parts.scales), back(blocks / unit), back(unit), spec, axis)
 
 
 def _overflows(scaled: torch.Tensor, element: FloatFormat | IntFormat) -> torch.Tensor:
@@ -171,15 +234,14 @@ def _overflows(scaled: torch.Tensor, element: FloatFormat | IntFormat) -> torch.
     else:
         threshold, tie_overflows = element.overflow_threshold, element.max_mantissa_is_odd
     magnitude = scaled.abs()
-    beyond = magnitude > threshold
-    return (beyond | (magnitude == threshold)) if tie_overflows else beyond
+    return magnitude >= threshold if tie_overflows else magnitude > threshold
 
 
 def _element_of(spec: Format) -> FloatFormat | IntFormat:
     return spec.element if isinstance(spec, BlockFormat) else spec
 
 
-def _overflow_of(x: torch.Tensor, kept: _Quantized) -> float:
+def _overflow_of(x: torch.Tensor, kept: Quantized) -> float:
     finite = torch.isfinite(x)
     count = int(finite.sum())
     if count == 0:
@@ -202,7 +264,7 @@ def overflow_fraction(
     scaling (``Scaling("block", block_shape=...)``) of element formats, whose scales are not exposed.
     """
     spec = get_format(fmt)
-    kept = _quantize_kept(x, spec, _resolve_scaling(spec, scaling, -1), rounding, None)
+    kept = quantize_kept(x, spec, _resolve_scaling(spec, scaling, -1), rounding, None)
     return _overflow_of(x, kept)
 
 
@@ -228,7 +290,7 @@ def _require_block(spec: Format) -> BlockFormat:
     return spec
 
 
-def _saturated_blocks_of(x: torch.Tensor, kept: _Quantized) -> float:
+def _saturated_blocks_of(x: torch.Tensor, kept: Quantized) -> float:
     spec = _require_block(kept.spec)
     assert kept.scaled is not None
     over = _overflows(kept.scaled, spec.element) & torch.isfinite(x.detach())
@@ -242,7 +304,7 @@ def saturated_block_fraction(x: torch.Tensor, fmt: str | Format, *, axis: int = 
     Overflow as in :func:`overflow_fraction`, measured on the element values after the block scale.
     """
     spec = _require_block(get_format(fmt))
-    kept = _quantize_kept(x, spec, Scaling("block", axis=axis), "nearest", None)
+    kept = quantize_kept(x, spec, Scaling("block", axis=axis), "nearest", None)
     return _saturated_blocks_of(x, kept)
 
 
@@ -268,7 +330,7 @@ class BlockScaleSpread:
         return self.flushed / total if total else 0.0
 
 
-def _spread_of(x: torch.Tensor, kept: _Quantized) -> BlockScaleSpread:
+def _spread_of(x: torch.Tensor, kept: Quantized) -> BlockScaleSpread:
     spec = _require_block(kept.spec)
     assert kept.unit is not None
     amax = _blocked(x.detach().float().abs(), kept.axis, spec.block_size).amax(dim=-1)
@@ -288,7 +350,7 @@ def _spread_of(x: torch.Tensor, kept: _Quantized) -> BlockScaleSpread:
 def block_scale_spread(x: torch.Tensor, fmt: str | Format, *, axis: int = -1) -> BlockScaleSpread:
     """The spread of the decode scales of a block format over the blocks of x along ``axis``."""
     spec = _require_block(get_format(fmt))
-    kept = _quantize_kept(x, spec, Scaling("block", axis=axis), "nearest", None)
+    kept = quantize_kept(x, spec, Scaling("block", axis=axis), "nearest", None)
     return _spread_of(x, kept)
 
 
@@ -299,6 +361,7 @@ def operand_metrics(
     *,
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
+    amax: torch.Tensor | float | None = None,
 ) -> dict[str, float]:
     """Every quantization metric of ``x`` in ``fmt`` from one quantization, keyed by legible names.
 
@@ -307,30 +370,159 @@ def operand_metrics(
     ``block_scale_std`` (binades; see :class:`BlockScaleSpread`). Percentages are of the finite elements
     (of the nonzero ones for underflow, of the blocks for the block keys). Non-finite elements of x are
     set to zero first (count them with ``tensor_stats``'s ``nonfinite%``). A :class:`DelayedScaler`
-    passed as ``scaling`` records this tensor's amax, as it would in training.
+    passed as ``scaling`` records this tensor's amax, as it would in training. ``amax``: see
+    :func:`candidate_metrics`.
     """
-    spec = get_format(fmt)
-    resolved = _resolve_scaling(spec, scaling, -1)
-    x = x.detach()
-    finite = torch.isfinite(x)
-    clean = x if bool(finite.all()) else torch.where(finite, x, torch.zeros_like(x))
-    kept = _quantize_kept(clean, spec, resolved, rounding, generator)
-    signal, noise, dot, power = _sums(clean, kept.q)
-    out = {
-        "sqnr_db": _sqnr(signal, noise),
-        "rel_error": _relative(signal, noise),
-        "cosine": _cosine(signal, dot, power),
-        "mse": noise / max(clean.numel(), 1),
-        "underflow%": 100.0 * underflow_fraction(clean, kept.q),
-        "overflow%": 100.0 * _overflow_of(clean, kept),
-    }
-    if isinstance(spec, BlockFormat):
-        spread = _spread_of(clean, kept)
-        out["saturated_blocks%"] = 100.0 * _saturated_blocks_of(clean, kept)
-        out["flushed_blocks%"] = 100.0 * spread.flushed_fraction
-        out["block_scale_range"] = spread.range_binades
-        out["block_scale_std"] = spread.std_binades
+    return candidate_metrics(x, {"": (fmt, scaling)}, rounding=rounding, generator=generator, amax=amax)[""]
+
+
+def candidate_metrics(
+    x: torch.Tensor,
+    candidates: Mapping[str, tuple[str | Format, ScalingChoice]],
+    *,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    amax: torch.Tensor | float | None = None,
+) -> dict[str, dict[str, float]]:
+    """:func:`operand_metrics` of ``x`` for several candidates at once: label → (format, scaling).
+
+    The same numbers as one ``operand_metrics`` call per candidate, computed in a few batched reductions
+    over all candidates and brought to the host in one transfer (what an observer measuring many formats
+    on every operand needs).
+
+    amax: for ``x`` a sample of a larger tensor, that tensor's max|·| (already reduced across ranks): per-
+    tensor scales and NVFP4's tensor scale derive from it, as they would when the whole tensor is
+    quantized, so the metrics of the sample estimate the whole tensor's without bias. ``None``: x's own
+    max|·|, reduced across ranks as :func:`numscope.quantize` reduces it.
+    """
+    clean = finite_or_zero(x)
+    kept: dict[str, Quantized] = {}
+    for label, (fmt, scaling) in candidates.items():
+        spec = get_format(fmt)
+        kept[label] = quantize_kept(
+            clean, spec, _resolve_scaling(spec, scaling, -1), rounding, generator, amax
+        )
+    return metrics_of_quantized(clean, kept)
+
+
+def finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """``x`` detached with its non-finite elements set to zero (what the metrics measure)."""
+    return torch.nan_to_num(x.detach(), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def metrics_of_quantized(clean: torch.Tensor, kept: Mapping[str, Quantized]) -> dict[str, dict[str, float]]:
+    """The metrics of :func:`candidate_metrics` from quantizations already made with
+    :func:`quantize_kept` (``keep=True``) of ``clean`` (finite: see :func:`finite_or_zero`)."""
+    if not kept:
+        return {}
+    count = max(clean.numel(), 1)
+    labels = list(kept)
+    # float64 sums of float32 values: products exact, no overflow, 1 − cosine resolved near 1
+    values = clean.reshape(-1).double()
+    quantized = values.new_empty((len(labels), values.numel()))
+    for row, label in zip(quantized, labels, strict=True):
+        row.copy_(kept[label].q.reshape(-1))
+    parts = [
+        (values @ values).reshape(1),
+        torch.count_nonzero(values).reshape(1),
+        torch.linalg.vector_norm(quantized - values, dim=1) ** 2,
+        quantized @ values,
+        torch.linalg.vector_norm(quantized, dim=1) ** 2,
+        torch.count_nonzero(quantized, dim=1),  # zero stays zero: the underflows are nnz(x) − nnz(q)
+    ]
+    for label in labels:
+        item = kept[label]
+        if item.scaled is None:
+            parts.append(values.new_full((1,), math.nan))
+        else:
+            parts.append(torch.count_nonzero(_overflows(item.scaled, _element_of(item.spec))).reshape(1))
+    block_labels = [label for label in labels if isinstance(kept[label].spec, BlockFormat)]
+    for label in block_labels:
+        parts.append(_block_summary(clean, kept[label]))
+    numbers = torch.cat([p.to(torch.float64) for p in parts]).tolist()
+    signal, nonzeros = numbers[0], numbers[1]
+    size = len(labels)
+    noise, dot, power, nonzero_q, overflows = (numbers[2 + i * size : 2 + (i + 1) * size] for i in range(5))
+    out: dict[str, dict[str, float]] = {}
+    for index, label in enumerate(labels):
+        noise_value, dot_value, power_value = noise[index], dot[index], power[index]
+        out[label] = {
+            "sqnr_db": _sqnr(signal, noise_value),
+            "rel_error": _relative(signal, noise_value),
+            "cosine": _cosine(signal, dot_value, power_value),
+            "mse": noise_value / count,
+            "underflow%": 100.0 * (nonzeros - nonzero_q[index]) / nonzeros if nonzeros else 0.0,
+            "overflow%": 100.0 * overflows[index] / clean.numel() if clean.numel() else 0.0,
+        }
+    offset = 2 + 5 * size
+    for label in block_labels:
+        saturated, usable, flushed, high, low, _, variance = numbers[offset : offset + 7]
+        offset += 7
+        total = usable + flushed
+        spread_range = high - low if usable else 0.0
+        spread_std = math.sqrt(variance) if usable else 0.0
+        out[label].update(
+            {
+                "saturated_blocks%": 100.0 * saturated,
+                "flushed_blocks%": 100.0 * flushed / total if total else 0.0,
+                "block_scale_range": spread_range,
+                "block_scale_std": spread_std,
+            }
+        )
     return out
+
+
+def _block_summary(clean: torch.Tensor, kept: Quantized) -> torch.Tensor:
+    """(saturated fraction, usable blocks, flushed blocks, max, min, mean and variance of log2 scale) as
+    one tensor, without host transfers (see :func:`saturated_block_fraction`, :class:`BlockScaleSpread`)."""
+    spec = _require_block(kept.spec)
+    assert kept.scaled is not None and kept.unit is not None
+    if clean.numel() == 0:
+        return torch.zeros(7, dtype=torch.float64, device=clean.device)
+    over = _overflows(kept.scaled, spec.element) & torch.isfinite(clean)
+    saturated_blocks = _blocked(over, kept.axis, spec.block_size).any(dim=-1)
+    saturated = saturated_blocks.double().mean()
+    amax = _blocked(clean.float().abs(), kept.axis, spec.block_size).amax(dim=-1)
+    scale = _blocked(kept.unit, kept.axis, spec.block_size)[:, 0].double()
+    nonzero = amax > 0
+    usable = nonzero & (scale > 0) & torch.isfinite(scale)
+    exponents = torch.log2(torch.where(usable, scale, torch.ones_like(scale)))
+    count = usable.sum()
+    divisor = count.clamp_min(1).double()
+    mean = exponents.sum() / divisor  # zeros where not usable
+    centred = torch.where(usable, exponents - mean, torch.zeros_like(exponents))
+    variance = (centred * centred).sum() / divisor
+    high = torch.where(usable, exponents, torch.full_like(exponents, -math.inf)).amax()
+    low = torch.where(usable, exponents, torch.full_like(exponents, math.inf)).amin()
+    return torch.stack(
+        [
+            saturated.double(),
+            count.double(),
+            (nonzero.sum() - count).double(),
+            high,
+            low,
+            mean,
+            variance,
+        ]
+    )
+
+
+def quantize_sample(
+    x: torch.Tensor,
+    fmt: str | Format,
+    scaling: ScalingChoice = AUTO,
+    *,
+    amax: torch.Tensor | float | None = None,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``x`` quantized as ``numscope.quantize`` would, except that per-tensor scales (and NVFP4's tensor
+    scale) derive from ``amax``: for ``x`` a sample (rows, blocks) of a larger tensor whose max|·| is
+    ``amax``, the sample is quantized exactly as it is inside the whole tensor. Block formats need whole
+    blocks along the scaling's axis (``"auto"``: the last)."""
+    spec = get_format(fmt)
+    kept = quantize_kept(x, spec, _resolve_scaling(spec, scaling, -1), rounding, generator, amax, keep=False)
+    return kept.q.to(x.dtype)
 
 
 # -- backward error of a quantized product --------------------------------------------------------------
@@ -456,8 +648,13 @@ def backward_error_from(reference: ProductReference, qa: torch.Tensor, qb: torch
     if errors.numel() == 0:
         return BackwardError(math.nan, math.nan, math.nan, math.nan, 0, excluded, sampled)
     return BackwardError(
-        float(errors.mean()), _quantile(errors, 0.5), _quantile(errors, 0.99), float(errors.max()),
-        int(errors.numel()), excluded, sampled,
+        float(errors.mean()),
+        _quantile(errors, 0.5),
+        _quantile(errors, 0.99),
+        float(errors.max()),
+        int(errors.numel()),
+        excluded,
+        sampled,
     )
 
 
@@ -491,9 +688,19 @@ def backward_error(
     """
     _check_operands(a, b)
     spec_a, spec_b = get_format(format_a), get_format(format_b)
-    qa = quantize(a.detach().float(), spec_a, scaling=_resolve_scaling(spec_a, scaling_a, 1),
-                  rounding=rounding, generator=generator)
-    qb = quantize(b.detach().float(), spec_b, scaling=_resolve_scaling(spec_b, scaling_b, 0),
-                  rounding=rounding, generator=generator)
+    qa = quantize(
+        a.detach().float(),
+        spec_a,
+        scaling=_resolve_scaling(spec_a, scaling_a, 1),
+        rounding=rounding,
+        generator=generator,
+    )
+    qb = quantize(
+        b.detach().float(),
+        spec_b,
+        scaling=_resolve_scaling(spec_b, scaling_b, 0),
+        rounding=rounding,
+        generator=generator,
+    )
     reference = product_reference(a, b, sample_rows=sample_rows, sample_cols=sample_cols, generator=generator)
     return backward_error_from(reference, qa, qb)

@@ -196,9 +196,31 @@ def student_t_dof(x: torch.Tensor, *, generator: torch.Generator | None = None) 
     subsample with replacement of larger tensors, drawn from ``generator`` or a fixed seed), and find the ν
     whose t distribution has that ratio. Results lie in [1, 1000]; tails lighter than ν = 1000 give
     ``inf`` (a Gaussian's ratio 3.82 is the limit) and tails heavier than Cauchy give 1.0. NaN when more
-    than half the elements equal the median (e.g. mostly zeros).
+    than half the elements equal the median (e.g. mostly zeros). The median is the lower middle element
+    (as ``torch.median``), the quantiles interpolate linearly (as ``torch.quantile``).
     """
-    values = _finite(_working(x))
+    return _t_dof_of_finite(_finite(_working(x)), generator)
+
+
+def _order_statistic(array: np.ndarray, index: int) -> float:
+    """The ``index``-th smallest element (0-based), by selection."""
+    return float(np.partition(array, index)[index])
+
+
+def _quantile(array: np.ndarray, level: float) -> float:
+    """The ``level`` quantile with linear interpolation between order statistics (``numpy.quantile``'s and
+    ``torch.quantile``'s default), by one selection instead of a sort."""
+    position = level * (array.size - 1)
+    below = math.floor(position)
+    parted = np.partition(array, below)
+    low = float(parted[below])
+    if below + 1 >= array.size:
+        return low
+    high = float(parted[below + 1 :].min())
+    return low + (high - low) * (position - below)
+
+
+def _t_dof_of_finite(values: torch.Tensor, generator: torch.Generator | None = None) -> float:
     if values.numel() < 2:
         return math.nan
     if values.numel() > T_FIT_SAMPLE:
@@ -206,11 +228,12 @@ def student_t_dof(x: torch.Tensor, *, generator: torch.Generator | None = None) 
             generator = torch.Generator().manual_seed(0)
         index = torch.randint(values.numel(), (T_FIT_SAMPLE,), generator=generator, device=generator.device)
         values = values[index.to(values.device)]
-    values = values.double()
-    spread = (values - values.median()).abs()
-    levels = torch.tensor(T_FIT_QUANTILES, dtype=torch.float64, device=spread.device)
-    low, high = torch.quantile(spread, levels)
-    if float(low) == 0:
+    # order statistics by selection (numpy's introselect), not a full sort: O(n) on a bounded sample
+    array = values.detach().double().cpu().numpy()
+    median = _order_statistic(array, (array.size - 1) // 2)
+    spread = np.abs(array - median)
+    low, high = (_quantile(spread, level) for level in T_FIT_QUANTILES)
+    if low == 0:
         return math.nan
     ratio = float(high / low)
     dofs, ratios = _t_quantile_ratios()
@@ -227,6 +250,7 @@ def tensor_stats(x: torch.Tensor) -> dict[str, float]:
     ``amax`` and ``rms`` (units of x), ``dynamic_range`` (binades, :func:`dynamic_range_binades`),
     ``kurtosis`` (excess, :func:`kurtosis`), ``t_dof`` (:func:`student_t_dof`), ``zeros%`` and
     ``nonfinite%`` (percent of all elements). Statistics other than ``nonfinite%`` cover finite elements.
+    The reductions run on the tensor's device and come back to the host together (one transfer).
     """
     values = _working(x)
     total = values.numel()
@@ -234,23 +258,44 @@ def tensor_stats(x: torch.Tensor) -> dict[str, float]:
     nonfinite = total - finite.numel()
     if finite.numel() == 0:
         nan = math.nan
-        return {"amax": nan, "rms": nan, "dynamic_range": 0.0, "kurtosis": nan, "t_dof": nan,
-                "zeros%": 0.0, "nonfinite%": 100.0 * nonfinite / max(total, 1)}
+        return {
+            "amax": nan,
+            "rms": nan,
+            "dynamic_range": 0.0,
+            "kurtosis": nan,
+            "t_dof": nan,
+            "zeros%": 0.0,
+            "nonfinite%": 100.0 * nonfinite / max(total, 1),
+        }
     magnitude = finite.abs()
-    amax = float(magnitude.max())
-    nonzero = magnitude[magnitude > 0]
-    zeros = finite.numel() - nonzero.numel()
-    if nonzero.numel():
-        dynamic_range = math.log2(amax) - math.log2(float(nonzero.min()))
-        rms = amax * float(((magnitude / amax) ** 2).mean()) ** 0.5
+    amax_t = magnitude.max()
+    divisor = torch.where(amax_t > 0, amax_t, torch.ones_like(amax_t))
+    unit = finite / divisor  # in [-1, 1]: squares and fourth powers cannot overflow
+    deviation = unit - unit.mean()
+    squared = deviation * deviation
+    smallest = torch.where(magnitude > 0, magnitude, torch.full_like(magnitude, math.inf)).min()
+    summary = torch.stack(
+        [
+            amax_t.to(unit.dtype),
+            smallest.to(unit.dtype),
+            (magnitude == 0).sum().to(unit.dtype),
+            (unit * unit).mean(),
+            squared.mean(),
+            (squared * squared).mean(),
+        ]
+    ).tolist()
+    amax, min_nonzero, zeros, mean_square, variance, fourth = summary
+    if min_nonzero < math.inf:
+        dynamic_range = math.log2(amax) - math.log2(min_nonzero)
+        rms = amax * mean_square**0.5
     else:
         dynamic_range, rms = 0.0, 0.0
     return {
         "amax": amax,
         "rms": rms,
         "dynamic_range": dynamic_range,
-        "kurtosis": kurtosis(finite),
-        "t_dof": student_t_dof(finite),
+        "kurtosis": fourth / variance**2 - 3.0 if variance > 0 else math.nan,
+        "t_dof": _t_dof_of_finite(finite),
         "zeros%": 100.0 * zeros / total,
         "nonfinite%": 100.0 * nonfinite / total,
     }
