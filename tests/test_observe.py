@@ -14,7 +14,7 @@ import numscope
 from numscope.advisor import recommend
 from numscope.analysis import Analysis
 from numscope.metrics import operand_metrics
-from numscope.observe import Observer, observe
+from numscope.observe import MIN_ROWS, Observer, observe
 from numscope.plan import OPERANDS, Plan
 from numscope.sites import sites
 
@@ -187,3 +187,67 @@ def test_bad_arguments_are_named():
         observe(nn.Linear(2, 2), ("fp8_e4m4",))
     with pytest.raises(ValueError, match="every must be a positive int, got 0"):
         observe(nn.Linear(2, 2), every=0)
+
+
+@pytest.mark.parametrize("pair", [("fp8_e4m3", "fp32"), ("fp32", "fp8_e5m2"), ("mxfp8_e4m3", "mxfp8_e4m3")])
+def test_backward_error_equals_the_float64_reference_when_every_row_is_measured(pair):
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 24, bias=False)
+    x = torch.distributions.StudentT(3.0).sample((40, 48))
+    model = nn.Sequential(layer)
+    with observe(model, ("fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3"), be_rows=64) as obs:
+        model(x).sum().backward()
+    found = obs.analysis().backward_errors[("0", "fprop")][pair][0]
+    scaling = {name: None if name == "fp32" else "auto" for name in pair}
+    expected = numscope.metrics.backward_error(
+        x, layer.weight.detach().T, pair[0], pair[1], scaling_a=scaling[pair[0]], scaling_b=scaling[pair[1]]
+    )
+    assert expected.count == 40 * 24 and expected.excluded == 0
+    assert found["mean"] == pytest.approx(expected.mean, rel=1e-12)
+    assert found["p99"] == pytest.approx(expected.p99, rel=1e-12)
+    assert found["max"] == expected.max
+
+
+def test_steps_that_are_not_sampled_run_without_interception():
+    model = tiny_bert()
+    intercepted = []
+    model.bert.encoder.layer[0].attention.self.query.register_forward_pre_hook(
+        lambda module, args: intercepted.append(torch._C._is_torch_function_mode_enabled())
+    )
+    with observe(model, ("bf16", "fp8_e4m3"), every=2) as obs:
+        train(model, batches(4), obs)
+    # discovery (step 0's extra forward) and the sampled steps 0 and 2 run under the site mode; 1 and 3 not
+    assert intercepted[-4:] == [True, False, True, False]
+    assert obs.analysis().steps == [0, 2]
+
+
+def test_an_operand_in_two_gemms_is_measured_once_and_recorded_for_both(observed):
+    _, _, analysis, names = observed
+    site = next(n for n in names if n.endswith("intermediate.dense"))
+    for first, second in (
+        (("fprop", "weight"), ("dgrad", "weight")),
+        (("dgrad", "grad_output"), ("wgrad", "grad_output")),
+        (("fprop", "input"), ("wgrad", "input")),
+    ):
+        a, b = analysis.record((site, *first), 1), analysis.record((site, *second), 1)
+        assert a.stats == b.stats and a.metrics["fp8_e4m3"] == b.metrics["fp8_e4m3"]
+        assert analysis.histograms[(site, *first)] == analysis.histograms[(site, *second)]
+        # block formats run their blocks along each GEMM's own contraction axis: measured apart
+        assert a.metrics["mxfp8_e4m3"] != b.metrics["mxfp8_e4m3"]
+
+
+def test_retained_samples_are_bounded_on_a_large_tensor():
+    layer = nn.Sequential(nn.Linear(1024, 8))
+    x = torch.randn(4096, 1024, requires_grad=True)
+    limit = 2048
+    with observe(layer, ("bf16", "fp8_e4m3", "mxfp8_e4m3"), max_elements=limit, be_rows=16) as obs:
+        layer(x).square().mean().backward()
+        kept = [shared.sample.numel() for shared in obs._shared.values()]
+        rows = obs._rows(x.detach(), -1, None)
+        rows_along_tokens = obs._rows(x.detach(), 0, None)
+    assert kept and max(kept) == limit  # element samples: max_elements each, whatever the tensor's size
+    # whole rows along the contraction axis: max_elements // K of them, at least MIN_ROWS
+    assert rows.values.shape == (1, max(MIN_ROWS, limit // 1024), 1024)
+    assert rows_along_tokens.values.shape == (1, max(MIN_ROWS, limit // 4096), 4096)
+    assert rows.for_be(rows.values).shape[1] <= 16
+    assert obs.analysis().record(("0", "fprop", "input"), 0).elements == x.numel()

@@ -35,23 +35,35 @@ the one passed as ``plan=``, else the one :func:`numscope.convert` applied to th
 high-precision operands; attaching to an already converted model is an error.
 
 **Sampling (bounded memory and cost, unbiased metrics).** A tensor of at most ``max_elements`` elements is
-measured whole. A larger one is measured on a sample of ``max_elements`` elements drawn with the observer's
-``generator``:
+measured whole. A larger one is measured on samples drawn with the observer's ``generator``:
 
-* element formats: a uniform random sample of elements (with replacement), so every element-wise fraction
-  or mean (``underflow%``, ``overflow%``, ``rel_error``, noise and signal power) is an unbiased estimate of
-  the tensor's; per-tensor scaling must see the tensor's true amax, so the element holding it is appended
-  to the sample as an *anchor* (it fixes the scale and weighs 1/(n+1) in the metrics: a bias of at most
-  1/65537 at the default ``max_elements``);
-* block formats: uniformly sampled whole blocks along the contraction axis, so every block scale is the
-  true one (MX); NVFP4's per-tensor scale gets the block holding the amax as its anchor;
-* backward error: ``be_rows`` random rows of the left operand and ``be_rows`` random rows of the right
-  operand's contraction-last layout (its columns as a GEMM operand), each with the full contraction length
-  (fewer rows when rows × contraction length exceeds ``max_elements``); every inner product of the
-  sub-product is one of the full product's, so the mean over output elements is unbiased. The operands
-  are quantized with the tensors' true scales (anchor rows that are dropped after quantizing). For a
-  batched matmul (both operands with the same leading batch shape) the rows are drawn within up to four
-  random batch entries shared by both operands.
+* statistics, histogram and element formats: ``max_elements`` elements drawn uniformly (with replacement),
+  so every element-wise fraction or mean (``underflow%``, ``overflow%``, ``rel_error``, noise and signal
+  power) is an unbiased estimate of the tensor's. Per-tensor scales come from the *whole* tensor's amax
+  (reduced across ranks, as in training; ``stats["amax"]`` is this rank's), so each sampled element is
+  quantized exactly as it is inside the whole tensor;
+* block formats and backward errors: whole rows along the GEMM's contraction axis, ``max_elements // K``
+  of them (at least :data:`MIN_ROWS`, or ``be_rows`` if fewer) drawn uniformly with replacement, so every
+  block holds the tensor's own elements and gets its true scale (NVFP4's tensor scale from the whole
+  tensor's amax). For a batched matmul (both operands with the same leading batch shape) the rows are
+  drawn within up to :data:`BATCH_ENTRIES` random batch entries shared by both operands;
+* backward error: ``be_rows`` of those rows of each operand (the right one in its contraction-last
+  layout, i.e. its columns as a GEMM operand), each with the full contraction length; every inner product
+  of the sub-product is one of the full product's, so the mean over output elements is unbiased. The rows
+  are quantized as inside their whole tensors (the block formats' quantization above is reused).
+
+Memory held per operand is bounded by ``max(max_elements, MIN_ROWS × K)`` elements plus the candidates'
+quantized copies of ``be_rows`` rows; nothing is kept past :meth:`Observer.step`.
+
+**Cost.** On a step that is not sampled the observer is neither active nor wanted (:mod:`numscope.sites`):
+the forward runs without interception and no operand is touched. On a sampled step, what does not depend
+on the contraction axis (statistics, histogram, element-format metrics, the amax) is measured once per
+tensor and reused where the same tensor (same memory and version, still alive) enters another GEMM —
+the weight in fprop and dgrad, grad_output in dgrad and wgrad, the input in fprop and wgrad, one
+activation entering several projections; the metrics of all candidates come back to the host together
+(:func:`numscope.metrics.candidate_metrics`). ``benchmarks/bench_observer.py`` measures the overhead. Under
+SDPA, a sampled step runs attention as its two matmuls (:func:`numscope.sites.sdpa_reference`: equal in
+value, not in bits, to the fused kernel); eager attention and Linear layers are bit-identical.
 
 **Under torch.distributed** (a process group initialised, ``reduce_ranks=True``, the default) each rank
 measures its own operands and :meth:`Observer.step` merges a sampled step's records across the default
@@ -71,35 +83,47 @@ see :func:`numscope.analysis.default_reduce`) and its element counts added.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from numscope.analysis import PLAN_LABEL, Analysis, OperandKey, OperandRecord, default_reduce, merge_records
 from numscope.convert import HANDLER_NAME as CONVERT_HANDLER
 from numscope.convert import converted_plan
 from numscope.distributed import is_parameter_operand, merge_analysis, world_size
-from numscope.formats.quantize import quantize
-from numscope.formats.scaling import Scaling
+from numscope.formats.scaling import Scaling, reduce_amax_
 from numscope.formats.spec import BlockFormat, Format
 from numscope.formats.spec import format as get_format
-from numscope.metrics import log2_histogram, operand_metrics, tensor_stats
+from numscope.metrics import candidate_metrics, log2_histogram, operand_metrics, quantize_sample, tensor_stats
+from numscope.metrics.errors import finite_or_zero, metrics_of_quantized, quantize_kept
+from numscope.metrics.stats import Log2Histogram
 from numscope.plan import OPERANDS, OperandSpec, Plan, default_scaling
-from numscope.sites import Site, attach, attached
+from numscope.sites import Site, attach, attached, refresh
 
 DEFAULT_CANDIDATES: tuple[str, ...] = (
-    "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "mxfp8_e4m3", "mxfp6_e3m2", "mxfp4_e2m1", "nvfp4",
+    "bf16",
+    "fp16",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "int8",
+    "mxfp8_e4m3",
+    "mxfp6_e3m2",
+    "mxfp4_e2m1",
+    "nvfp4",
 )
 """What :func:`observe` measures unless told otherwise: bf16 (the reference), the 16-, 8-, 6- and 4-bit
 formats of current hardware."""
 
 HIGH_LABEL = "fp32"
 BATCH_ENTRIES = 4
+MIN_ROWS = 8
+"""Rows drawn at least (fewer if ``be_rows`` is smaller), whatever the contraction length."""
 HANDLER_NAME = "numscope.observe"
+BLOCKS_LAST = Scaling("block", axis=-1)
 
 
 @dataclass(frozen=True)
@@ -117,7 +141,7 @@ class ObserveConfig:
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     every: int = 1
-    max_elements: int = 1 << 16
+    max_elements: int = 1 << 14
     be_rows: int = 64
     backward_error: bool = True
     reduce_ranks: bool = True
@@ -134,13 +158,47 @@ class ObserveConfig:
 
 
 @dataclass
+class _Rows:
+    """Whole rows of an operand along its contraction axis, (entries, rows, K) float32 (see ``_rows``)."""
+
+    values: torch.Tensor
+    be_entries: torch.Tensor | None  # which entries of ``values`` enter the backward error (None: all)
+    be_rows: torch.Tensor  # which rows of each entry enter the backward error
+    batch: torch.Tensor | None  # the batch entries drawn for the backward error (shared with the partner)
+    batch_shape: tuple[int, ...]
+
+    def for_be(self, values: torch.Tensor) -> torch.Tensor:
+        """The backward error's rows of ``values`` (shaped as :attr:`values`)."""
+        if self.be_entries is not None:
+            values = values[self.be_entries]
+        return values[:, self.be_rows]
+
+
+@dataclass
 class _Half:
-    """One operand of a GEMM waiting for its partner: sampled rows and the anchor row, contraction last."""
+    """One operand of a GEMM waiting for its partner: rows (contraction last) and their quantizations."""
 
     rows: torch.Tensor  # (batch, rows, K) float32
-    anchor: torch.Tensor  # (1, K): the row holding the tensor's amax
+    quantized: dict[str, torch.Tensor]  # candidate -> the rows as they are inside the quantized tensor
     batch: torch.Tensor | None  # the batch entries drawn (shared with the partner), None when not batched
     batch_shape: tuple[int, ...]
+
+
+class _Handler:
+    """The operand handler the observer attaches: it measures on sampled steps and is neither active nor
+    wanted on the others, so that their forward runs the model's own operations without interception."""
+
+    def __init__(self, observer: Observer) -> None:
+        self.observer = observer
+
+    def active(self) -> bool:
+        return self.observer.sampling
+
+    def wants(self, site: Site) -> bool:
+        return self.observer.sampling
+
+    def __call__(self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        return self.observer._observe(site, gemm, operand, tensor, axis)
 
 
 class Observer:
@@ -163,6 +221,17 @@ class Observer:
         self.plan = plan
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self._formats: dict[str, Format] = {c: get_format(c) for c in config.candidates}
+        self._element_candidates = {
+            c: (f, default_scaling(f)) for c, f in self._formats.items() if not isinstance(f, BlockFormat)
+        }
+        # on rows along the contraction axis: every candidate (for the backward error), block formats with
+        # their blocks along the rows
+        self._row_candidates = {
+            c: (f, BLOCKS_LAST if isinstance(f, BlockFormat) else default_scaling(f))
+            for c, f in self._formats.items()
+        }
+        self._block_labels = [c for c, f in self._formats.items() if isinstance(f, BlockFormat)]
+        self._shared: dict[tuple, _Shared] = {}  # this step's axis-independent measurements, by tensor
         self._step = 0
         self._handle: Any = None
         self._pending: dict[tuple[str, str], dict[str, _Half]] = {}
@@ -186,7 +255,7 @@ class Observer:
                 "start observing before numscope.convert(model, plan) (it then monitors that plan)"
             )
         if self._handle is None:
-            self._handle = attach(self.model, self._observe, name=HANDLER_NAME)
+            self._handle = attach(self.model, _Handler(self), name=HANDLER_NAME)
         return self
 
     def detach(self) -> None:
@@ -194,6 +263,7 @@ class Observer:
             self._handle.remove()
             self._handle = None
         self._pending.clear()
+        self._shared.clear()
 
     def __enter__(self) -> Observer:
         return self.attach()
@@ -222,7 +292,11 @@ class Observer:
             self._histograms[key] = histogram if previous is None else previous + histogram
         self._step_histograms.clear()
         self._pending.clear()
+        self._shared.clear()
+        was_sampling = self.sampling
         self._step += 1
+        if self.sampling != was_sampling:
+            refresh(self.model)  # sites ask the handler's wants() again
 
     def _merge_ranks(self) -> None:
         """Replace this step's records, histograms, element counts and backward errors by all ranks'."""
@@ -278,39 +352,100 @@ class Observer:
             if is_parameter_operand(site, operand):
                 self._replicated.add((site.name, gemm, operand))
             with torch.no_grad():
-                self._measure(site, gemm, operand, tensor.detach(), axis)
+                self._measure(site, gemm, operand, tensor, axis)
         return tensor
 
-    def _measure(self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> None:
+    def _measure(self, site: Site, gemm: str, operand: str, original: torch.Tensor, axis: int) -> None:
         key = (site.name, gemm, operand)
         step = self._step
-        amax, flat_argmax = _amax(tensor)
-        elements = tensor.numel()
-        sample = self._element_sample(tensor)
-        anchor = _at_flat(tensor, flat_argmax).float()
-        stats = tensor_stats(sample)
-        stats["amax"] = amax
-        metrics = {}
-        for label, fmt in self._formats.items():
-            metrics[label] = self._format_metrics(tensor, sample, anchor, axis, fmt, default_scaling(fmt),
-                                                  flat_argmax)
+        tensor = original.detach()
+        identity = _identity(tensor)
+        shared = self._shared.get(identity) if identity is not None else None
+        if shared is not None and shared.owner() is None:
+            shared = None
+        if shared is not None:
+            local_amax = shared.local_amax
+        else:
+            high, low = torch.aminmax(tensor)
+            local_amax = torch.maximum(high.abs(), low.abs()).float()
+        # the amax every per-tensor scale derives from, reduced across ranks as in training (one collective
+        # per measured operand on every rank, whatever is reused)
+        amax = reduce_amax_(local_amax.reshape(1).clone())[0]
+        if shared is None:
+            shared = self._shared_measurement(original, tensor, identity, local_amax, amax)
+        metrics = {label: dict(values) for label, values in shared.metrics.items()}
+        gemm_key = (site.name, gemm)
+        waiting = self._pending.setdefault(gemm_key, {})
+        partner = waiting.get(next(o for o in OPERANDS[gemm] if o != operand))
+        rows = self._rows(tensor, axis, partner)
+        flat = rows.values.reshape(-1, rows.values.shape[-1])
+        clean = finite_or_zero(flat)
+        finite = bool(torch.isfinite(flat).all())
+        blocks = {
+            c: quantize_kept(clean, *self._row_candidates[c], "nearest", None, amax)
+            for c in self._block_labels
+        }
+        metrics.update(metrics_of_quantized(clean, blocks))
+        metrics = {label: metrics[label] for label in self.config.candidates}
         plan = self._current_plan()
         if plan is not None:
             spec = plan.for_site(site.name).operand(gemm, operand)
             if not spec.is_high:
-                metrics[PLAN_LABEL] = self._plan_metrics(tensor, sample, anchor, axis, spec, flat_argmax)
+                metrics[PLAN_LABEL] = self._plan_metrics(
+                    tensor, shared, clean, spec, metrics, local_amax, amax
+                )
                 self._plan_formats[key] = spec.format
-        record = OperandRecord(stats, metrics, sample.numel(), elements)
+        record = OperandRecord(dict(shared.stats), metrics, shared.sampled, tensor.numel())
         per_step = self._records.setdefault(key, {})
         if step in per_step:
             record = merge_records([per_step[step], record], default_reduce)
         per_step[step] = record
         self._elements[key] = max(self._elements.get(key, 0), record.elements)
-        histogram = log2_histogram(sample)
         previous = self._step_histograms.get(key)
-        self._step_histograms[key] = histogram if previous is None else previous + histogram
-        if self.config.backward_error:
-            self._pair(site.name, gemm, operand, tensor, axis, flat_argmax, step)
+        self._step_histograms[key] = shared.histogram if previous is None else previous + shared.histogram
+        if not self.config.backward_error:
+            return
+        # the backward error's rows, quantized as inside the whole tensor; the block formats' quantization
+        # above is reused where the rows were finite (else the operand enters as it is: a non-finite
+        # product flags it)
+        values = rows.for_be(rows.values)
+        quantized = {}
+        for label, (fmt, scaling) in self._row_candidates.items():
+            if finite and label in blocks:
+                quantized[label] = rows.for_be(blocks[label].q.reshape(rows.values.shape))
+            else:
+                quantized[label] = quantize_sample(
+                    values.reshape(-1, values.shape[-1]), fmt, scaling, amax=amax
+                ).reshape(values.shape)
+        self._pair(gemm_key, operand, _Half(values, quantized, rows.batch, rows.batch_shape), step)
+
+    def _shared_measurement(
+        self,
+        original: torch.Tensor,
+        tensor: torch.Tensor,
+        identity: tuple | None,
+        local_amax: torch.Tensor,
+        amax: torch.Tensor,
+    ) -> _Shared:
+        """Statistics, histogram and element-format metrics of ``tensor``, kept for reuse when the same
+        tensor (same memory, same version, still alive) comes again in this step: the weight in fprop and
+        dgrad, the input in fprop and wgrad, grad_output in dgrad and wgrad, one activation entering
+        several projections. None of these depend on the contraction axis."""
+        sample = self._element_sample(tensor)
+        stats = tensor_stats(sample)
+        stats["amax"] = float(local_amax)
+        shared = _Shared(
+            _weak(original),
+            local_amax,
+            sample,
+            stats,
+            candidate_metrics(sample, self._element_candidates, amax=amax),
+            log2_histogram(sample),
+            sample.numel(),
+        )
+        if identity is not None and shared.owner() is not None:
+            self._shared[identity] = shared
+        return shared
 
     def _current_plan(self) -> Plan | None:
         """The plan given to the observer, else the one the model was converted with, else None."""
@@ -330,98 +465,69 @@ class Observer:
         if tensor.numel() <= limit:
             return tensor.reshape(-1).float()
         index = self._draw(tensor.numel(), limit).to(tensor.device)
-        return _at_flat(tensor, index).float()
-
-    def _format_metrics(
-        self,
-        tensor: torch.Tensor,
-        sample: torch.Tensor,
-        anchor: torch.Tensor,
-        axis: int,
-        fmt: Format,
-        scaling: Scaling | None,
-        flat_argmax: int,
-    ) -> dict[str, float]:
-        if isinstance(fmt, BlockFormat):
-            blocks = self._block_sample(tensor, axis, fmt.block_size, flat_argmax, fmt.tensor_scale)
-            return operand_metrics(blocks, fmt, scaling=Scaling("block", axis=-1))
-        if tensor.numel() <= self.config.max_elements or scaling is None:
-            return operand_metrics(sample, fmt, scaling=scaling)
-        return operand_metrics(torch.cat([sample, anchor]), fmt, scaling=scaling)
-
-    def _block_sample(
-        self, tensor: torch.Tensor, axis: int, block: int, flat_argmax: int, anchored: bool
-    ) -> torch.Tensor:
-        """Whole blocks along ``axis``, as rows of a (blocks, block) float32 matrix (zero-padded)."""
-        moved = tensor.movedim(axis, -1) if tensor.dim() else tensor.reshape(1)
-        length = moved.shape[-1]
-        per_row = -(-length // block)
-        rows = moved.numel() // length
-        if moved.numel() <= self.config.max_elements:
-            full = moved.reshape(rows, length).float()
-            return F.pad(full, (0, per_row * block - length)).reshape(-1, block)
-        count = max(1, self.config.max_elements // block)
-        chosen = self._draw(rows * per_row, count).to(tensor.device)
-        if anchored:
-            lead, along = _moved_position(tensor, axis, flat_argmax)
-            anchor_block = _ravel(lead, moved.shape[:-1]) * per_row + along // block
-            chosen = torch.cat([chosen, torch.tensor([anchor_block], device=chosen.device)])
-        row_index, block_index = chosen // per_row, chosen % per_row
-        columns = block_index[:, None] * block + torch.arange(block, device=chosen.device)[None, :]
-        valid = columns < length
-        lead = torch.unravel_index(row_index, moved.shape[:-1]) if moved.dim() > 1 else ()
-        lead = tuple(t[:, None].expand_as(columns) for t in lead)
-        values = moved[(*lead, columns.clamp(max=length - 1))].float()
-        return torch.where(valid, values, torch.zeros_like(values))
+        if tensor.is_contiguous():
+            return tensor.reshape(-1)[index].float()
+        return tensor[torch.unravel_index(index, tensor.shape)].float()
 
     def _plan_metrics(
         self,
         tensor: torch.Tensor,
-        sample: torch.Tensor,
-        anchor: torch.Tensor,
-        axis: int,
+        shared: _Shared,
+        rows: torch.Tensor,
         spec: OperandSpec,
-        flat_argmax: int,
+        measured: dict[str, dict[str, float]],
+        local_amax: torch.Tensor,
+        amax: torch.Tensor,
     ) -> dict[str, float]:
-        """The plan's format and scaling. Delayed scaling is measured as current per-tensor scaling (the
-        observer does not hold the runtime's amax history); row, column and tile scaling on the whole
+        """The plan's format and scaling (rounding to nearest). A spec that is a candidate with its default
+        scaling reuses that candidate's numbers. Delayed scaling is measured as current per-tensor scaling
+        (the observer does not hold the runtime's amax history); row, column and tile scaling on the whole
         tensor."""
         fmt = spec.format_spec()
         assert fmt is not None
+        if spec.scaling is None and fmt.name in measured:
+            return dict(measured[fmt.name])
         scaling = spec.effective_scaling()
         if scaling is not None and scaling.kind == "delayed":
-            scaling = Scaling("tensor", margin=scaling.margin, power_of_two=scaling.power_of_two)
-        if isinstance(fmt, BlockFormat) or scaling is None or scaling.kind == "tensor":
-            return self._format_metrics(tensor, sample, anchor, axis, fmt, scaling, flat_argmax)
+            scaling = Scaling(
+                "tensor",
+                margin=scaling.margin,
+                power_of_two=scaling.power_of_two,
+                reduce_amax=scaling.reduce_amax,
+            )
+        if isinstance(fmt, BlockFormat):
+            return candidate_metrics(rows, {PLAN_LABEL: (fmt, BLOCKS_LAST)}, amax=amax)[PLAN_LABEL]
+        if scaling is None or scaling.kind == "tensor":
+            scale_amax = amax if scaling is None or scaling.reduce_amax else local_amax
+            return candidate_metrics(shared.sample, {PLAN_LABEL: (fmt, scaling)}, amax=scale_amax)[PLAN_LABEL]
         return operand_metrics(tensor.float(), fmt, scaling=scaling)
 
     # -- backward error ---------------------------------------------------------------------------
-    def _pair(self, site: str, gemm: str, operand: str, tensor: torch.Tensor, axis: int, flat_argmax: int,
-              step: int) -> None:
-        gemm_key = (site, gemm)
+    def _pair(self, gemm_key: tuple[str, str], operand: str, half: _Half, step: int) -> None:
         waiting = self._pending.setdefault(gemm_key, {})
-        partner_name = next(o for o in OPERANDS[gemm] if o != operand)
+        partner_name = next(o for o in OPERANDS[gemm_key[1]] if o != operand)
         partner = waiting.get(partner_name)
-        half = self._half(tensor, axis, flat_argmax, partner)
-        if half is None:
-            waiting.pop(partner_name, None)
-            return
         if partner is None or partner.rows.shape[-1] != half.rows.shape[-1]:
             waiting.clear()
             waiting[operand] = half
             return
         del waiting[partner_name]
-        left, right = (half, partner) if OPERANDS[gemm][0] == operand else (partner, half)
+        left, right = (half, partner) if OPERANDS[gemm_key[1]][0] == operand else (partner, half)
         self._record_be(gemm_key, step, left, right)
 
-    def _half(self, tensor: torch.Tensor, axis: int, flat_argmax: int, partner: _Half | None) -> _Half | None:
+    def _rows(self, tensor: torch.Tensor, axis: int, partner: _Half | None) -> _Rows:
+        """Whole rows along the contraction axis: every row of a tensor of at most ``max_elements``
+        elements, else ``max_elements // K`` uniformly drawn rows (at least one), within up to
+        ``BATCH_ENTRIES`` batch entries (shared with the GEMM partner) for a batched operand; and which
+        of them enter the backward error (``be_rows`` of them, uniformly)."""
         moved = tensor.movedim(axis, -1) if tensor.dim() else tensor.reshape(1)
         if moved.dim() == 1:
             moved = moved.reshape(1, -1)
         length = moved.shape[-1]
         batch_shape = tuple(moved.shape[:-2]) if moved.dim() >= 3 else ()
         batched = partner is not None and partner.batch is not None and partner.batch_shape == batch_shape
-        rows_wanted = max(1, min(self.config.be_rows, self.config.max_elements // max(length, 1)))
+        whole = moved.numel() <= self.config.max_elements
+        wanted = max(min(self.config.be_rows, MIN_ROWS), self.config.max_elements // max(length, 1))
         if batch_shape and (partner is None or batched):
             matrix = moved.reshape(-1, moved.shape[-2], length)
             if batched:
@@ -429,39 +535,98 @@ class Observer:
             else:
                 count = min(BATCH_ENTRIES, matrix.shape[0])
                 batch = self._draw(matrix.shape[0], count).to(tensor.device)
-            per_entry = max(1, rows_wanted // len(batch))
-            row_index = self._draw(matrix.shape[1], per_entry).to(tensor.device)
-            rows = matrix[batch[:, None], row_index[None, :]].float()
+            if whole:
+                values = matrix.float()
+            else:
+                per_entry = max(1, wanted // len(batch))
+                row_index = self._draw(matrix.shape[1], per_entry).to(tensor.device)
+                values = matrix[batch[:, None], row_index[None, :]].float()
+            be_per_entry = max(1, self.config.be_rows // len(batch))
         else:
             matrix = moved.reshape(-1, length)
-            row_index = self._draw(matrix.shape[0], min(rows_wanted, matrix.shape[0])).to(tensor.device)
-            rows = matrix[row_index].float()[None]
+            if whole:
+                values = matrix.float()[None]
+            else:
+                values = matrix[self._draw(matrix.shape[0], wanted).to(tensor.device)].float()[None]
             batch = None
-        lead, _ = _moved_position(tensor, axis, flat_argmax)
-        anchor_row = moved[tuple(lead)].float() if tensor.dim() > 1 else moved[0].float()
-        return _Half(rows, anchor_row.reshape(1, -1), batch, batch_shape)
+            be_per_entry = self.config.be_rows
+        if whole:  # every row is here: draw the backward error's rows among them, without replacement
+            order = torch.randperm(values.shape[1], generator=self.generator, device=self.generator.device)
+            be_rows = order[:be_per_entry].to(tensor.device)
+            be_entries = batch
+        else:  # the rows were drawn at random: the first ones are a uniform draw too
+            be_rows = torch.arange(min(be_per_entry, values.shape[1]), device=tensor.device)
+            be_entries = None
+        return _Rows(values, be_entries, be_rows, batch, batch_shape)
 
     def _record_be(self, gemm_key: tuple[str, str], step: int, left: _Half, right: _Half) -> None:
-        labels = self._formats
-        quantized_left = {HIGH_LABEL: left.rows}
-        quantized_right = {HIGH_LABEL: right.rows}
-        for label, fmt in labels.items():
-            quantized_left[label] = _quantize_rows(left, fmt)
-            quantized_right[label] = _quantize_rows(right, fmt)
-        exact_left, exact_right = left.rows.double(), right.rows.double()
-        exact = exact_left @ exact_right.transpose(-1, -2)
-        magnitude = exact_left.abs() @ exact_right.abs().transpose(-1, -2)
-        pairs = set()
-        for label in labels:
-            pairs.update({(label, HIGH_LABEL), (HIGH_LABEL, label), (label, label)})
+        """Every candidate pair's backward error on the sampled sub-product, in one batched product."""
+        labels = list(self._formats)
+        exact_left, exact_right = left.rows.double(), right.rows.double().transpose(-1, -2)
+        quantized_left = torch.stack([left.quantized[c] for c in labels]).double()
+        quantized_right = torch.stack([right.quantized[c] for c in labels]).double()
+        quantized_right = quantized_right.transpose(-1, -2)
+        exact = exact_left @ exact_right
+        magnitude = exact_left.abs() @ exact_right.abs()
+        products = torch.cat(
+            [
+                quantized_left @ exact_right,  # (fmt, fp32): the left operand quantized
+                exact_left @ quantized_right,  # (fp32, fmt)
+                quantized_left @ quantized_right,  # (fmt, fmt)
+            ]
+        )
+        pairs = [(c, HIGH_LABEL) for c in labels] + [(HIGH_LABEL, c) for c in labels]
+        pairs += [(c, c) for c in labels]
+        numbers = _be_stats(exact, products, magnitude).tolist()
         per_gemm = self._be.setdefault(gemm_key, {})
         calls = self._be_counts.get((*gemm_key, step), 0)
-        for pair in sorted(pairs):
-            product = quantized_left[pair[0]].double() @ quantized_right[pair[1]].double().transpose(-1, -2)
-            stats = _be_stats(exact, product, magnitude)
+        for pair, (mean, p99, worst) in sorted(zip(pairs, numbers, strict=True)):
+            stats = {"mean": mean, "p99": p99, "max": worst}
             per_step = per_gemm.setdefault(pair, {})
             per_step[step] = _running_mean(per_step[step], stats, calls) if calls else stats
         self._be_counts[(*gemm_key, step)] = calls + 1
+
+
+@dataclass
+class _Shared:
+    """What does not depend on the contraction axis, for reuse within a step (see ``_shared_measurement``).
+
+    owner: a weak reference to the tensor measured (while it lives, its memory holds the same values).
+    """
+
+    owner: Callable[[], torch.Tensor | None]
+    local_amax: torch.Tensor  # this rank's max|·| of the whole tensor
+    sample: torch.Tensor
+    stats: dict[str, float]
+    metrics: dict[str, dict[str, float]]
+    histogram: Log2Histogram
+    sampled: int
+
+
+def _weak(tensor: torch.Tensor) -> Callable[[], torch.Tensor | None]:
+    try:
+        return weakref.ref(tensor)
+    except TypeError:
+        return lambda: None
+
+
+def _identity(tensor: torch.Tensor) -> tuple | None:
+    """Where a tensor's values live: (device, address, count, dtype, version) for a tensor that covers its
+    memory densely without overlap (a permutation of a contiguous layout), else None (never reused)."""
+    try:
+        address = tensor.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    if address == 0:
+        return None
+    layout = zip(tensor.stride(), tensor.shape, strict=True)
+    dims = sorted((stride, size) for stride, size in layout if size > 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    return (tensor.device, address, tensor.numel(), tensor.dtype, tensor._version)
 
 
 def _running_mean(old: dict[str, float], new: dict[str, float], calls: int) -> dict[str, float]:
@@ -470,61 +635,34 @@ def _running_mean(old: dict[str, float], new: dict[str, float], calls: int) -> d
     return out
 
 
-def _quantize_rows(half: _Half, fmt: Format) -> torch.Tensor:
-    """The sampled rows quantized with the tensor's true scale (the anchor row joins, then is dropped)."""
-    rows = half.rows.reshape(-1, half.rows.shape[-1])
-    scaling = default_scaling(fmt)
-    if isinstance(fmt, BlockFormat):
-        scaling = Scaling("block", axis=-1)
-    stacked = torch.cat([rows, half.anchor])
-    quantized = quantize(stacked, fmt, scaling=scaling)[:-1]
-    return quantized.reshape(half.rows.shape)
+def _be_stats(exact: torch.Tensor, products: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """(pairs, 3): mean, p99 and max over output elements of |exact − product| / (|L|·|R|) per pair (0 where
+    |L|·|R| = 0; inf where the product is not finite; p99 over the finite ones, inf when none is)."""
+    error = (exact - products).abs()
+    be = torch.where(
+        magnitude > 0, error / magnitude.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(error)
+    )
+    be = torch.where(torch.isfinite(products), be, torch.full_like(be, math.inf))
+    be = be.reshape(products.shape[0], -1)
+    finite = torch.isfinite(be)
+    if bool(finite.all()):
+        p99 = _upper_quantile(be, 0.99)
+    else:
+        p99 = torch.nanquantile(torch.where(finite, be, torch.full_like(be, math.nan)), 0.99, dim=1)
+        p99 = torch.where(finite.any(dim=1), p99, torch.full_like(p99, math.inf))
+    return torch.stack([be.mean(dim=1), p99, be.amax(dim=1)], dim=1)
 
 
-def _be_stats(exact: torch.Tensor, product: torch.Tensor, magnitude: torch.Tensor) -> dict[str, float]:
-    """Mean, p99 and max over output elements of |exact − product| / (|L|·|R|) (0 where |L|·|R| = 0)."""
-    error = (exact - product).abs()
-    be = torch.where(magnitude > 0, error / magnitude.clamp_min(torch.finfo(torch.float64).tiny),
-                     torch.zeros_like(error))
-    be = torch.where(torch.isfinite(product), be, torch.full_like(be, math.inf)).reshape(-1)
-    finite = be[torch.isfinite(be)]
-    if finite.numel() == 0:
-        return {"mean": math.inf, "p99": math.inf, "max": math.inf}
-    p99 = float(torch.quantile(finite, 0.99)) if finite.numel() > 1 else float(finite[0])
-    return {"mean": float(be.mean()), "p99": p99, "max": float(be.max())}
-
-
-def _amax(tensor: torch.Tensor) -> tuple[float, int]:
-    """max|x| over the tensor and the flat index of an element that holds it, without temporaries."""
-    high, low = tensor.max(), tensor.min()
-    if bool(high >= -low):
-        return float(high), int(tensor.argmax())
-    return float(-low), int(tensor.argmin())
-
-
-def _moved_position(tensor: torch.Tensor, axis: int, flat_index: int) -> tuple[list[int], int]:
-    """Where element ``flat_index`` sits once ``axis`` is moved last: (leading indices, index on axis)."""
-    if tensor.dim() == 0:
-        return [], 0
-    position = [int(t) for t in torch.unravel_index(torch.tensor(flat_index), tuple(tensor.shape))]
-    along = position.pop(axis % tensor.dim())
-    return position, along
-
-
-def _ravel(position: Sequence[int], shape: Sequence[int]) -> int:
-    flat = 0
-    for index, size in zip(position, shape, strict=True):
-        flat = flat * int(size) + int(index)
-    return flat
-
-
-def _at_flat(tensor: torch.Tensor, index: torch.Tensor | int) -> torch.Tensor:
-    """Elements at flat (row-major) indices of a tensor of any strides, without copying it."""
-    if tensor.dim() == 0:
-        return tensor.reshape(1)
-    if isinstance(index, int):
-        index = torch.tensor([index], device=tensor.device)
-    return tensor[torch.unravel_index(index, tensor.shape)]
+def _upper_quantile(values: torch.Tensor, level: float) -> torch.Tensor:
+    """Per row, the ``level`` quantile (linear interpolation, as ``torch.quantile``) of a level near 1, from
+    the row's few largest elements instead of a full sort."""
+    count = values.shape[-1]
+    position = level * (count - 1)
+    below = math.floor(position)
+    largest = values.topk(count - below, dim=-1).values  # descending: ..., v[below + 1], v[below]
+    low = largest[..., -1]
+    high = largest[..., -2] if count - below > 1 else low
+    return low + (high - low) * (position - below)
 
 
 def observe(
@@ -532,7 +670,7 @@ def observe(
     candidates: Sequence[str] = DEFAULT_CANDIDATES,
     *,
     every: int = 1,
-    max_elements: int = 1 << 16,
+    max_elements: int = 1 << 14,
     be_rows: int = 64,
     backward_error: bool = True,
     plan: Plan | None = None,

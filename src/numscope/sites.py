@@ -37,7 +37,9 @@ the batched decomposition is used: equal in value, not guaranteed in bits). A ha
 fused kernel), ``accumulate(site) -> str | None`` (``fp32``, ``bf16``, ``fp16``) and
 ``shares_input(site) -> bool``: when every handler of a site says True (its wgrad input would be its
 fprop input, handled identically), the function saves the handled fprop input for backward instead of
-the raw one and passes it to wgrad without calling the chain again.
+the raw one and passes it to wgrad without calling the chain again. A handler may also define
+``active() -> bool``, asked at the start of each forward: while every attached handler says False, the
+forward runs with no interception at all (an observer between its sampled steps costs nothing).
 
 Accumulation in bf16/fp16 is emulated: the reduction dimension is split into chunks of
 :data:`ACCUMULATE_CHUNK` (32) products; each chunk's partial sum is computed in fp32 and rounded to the
@@ -579,7 +581,7 @@ class _Runtime:
     def _root_enter(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.discovery is None and not self.discovered and self.attachments:
             self.discover(args, kwargs)
-        if self.entered and self.entered[-1]:
+        if (self.entered and self.entered[-1]) or not self.active():
             self.entered.append(False)
             return
         self.mode.__enter__()
@@ -598,6 +600,16 @@ class _Runtime:
     # handlers
     def invalidate(self) -> None:
         self._wanted.clear()
+
+    def active(self) -> bool:
+        """Whether a forward starting now is intercepted: unless every attached handler defines
+        ``active()`` and says False (and none sets a storage dtype); always while finding sites."""
+        if self.discovery is not None or not self.attachments:
+            return True
+        return any(
+            a.storage is not None or getattr(a.handler, "active", None) is None or a.handler.active()
+            for a in self.attachments
+        )
 
     @property
     def storage(self) -> torch.dtype | None:
@@ -959,6 +971,14 @@ def is_discovered(model: nn.Module) -> bool:
     """Whether an attached ``model``'s matmul sites have been found by a forward pass."""
     runtime = _runtime(model)
     return runtime is not None and runtime.discovered
+
+
+def refresh(model: nn.Module) -> None:
+    """Ask the attached handlers' ``wants(site)`` again at the next site call (answers are cached per site;
+    a handler whose answer changes, such as an observer between sampled and skipped steps, calls this)."""
+    runtime = _runtime(model)
+    if runtime is not None:
+        runtime.invalidate()
 
 
 from numscope._callable import make_callable as _make_callable  # noqa: E402

@@ -1,0 +1,126 @@
+"""Observer overhead on the tiny BERT MLM train step, as ratios to the plain step, in one run.
+
+Model and batch as ``bench_train_step.py`` (BertForMaskedLM, hidden 128, 2 layers, seq 128, batch 32,
+eager attention; forward + backward + AdamW step). The observer measures 8 candidate formats (see
+``CANDIDATES``) on every operand of every GEMM site. Rows:
+
+* ``plain``: no observer (the baseline, 1.00x);
+* ``every=10, step not sampled``: the median of the steps the observer skips (its handler's cost alone);
+* ``every=10, sampled step``: the median of the steps it measures;
+* ``every=10, averaged``: the median over 10-step windows of the window's time / 10 (the target: <= 1.1x);
+* ``every=1``: every step measured.
+
+The configurations are timed in interleaved rounds (one window of each per round) so that a shared
+machine's load affects them alike. ``--profile`` also prints the top functions of one sampled step.
+
+Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_observer.py [--rounds R] [--profile]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_train_step import BATCH, HIDDEN, LAYERS, SEQ, VOCAB, batch, make_model
+from numscope.observe import Observer, observe
+
+CANDIDATES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "mxfp8_e4m3", "mxfp4_e2m1", "nvfp4")
+WINDOW = 10
+
+
+def trainer(observer_every: int | None, **options: int) -> tuple[Callable[[], None], Observer | None]:
+    """One train step of a fresh model (and its observer, attached, when ``observer_every`` is set)."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    inputs = batch()
+    observer = None
+    if observer_every is not None:
+        observer = observe(model, CANDIDATES, every=observer_every, **options).attach()
+
+    def step() -> None:
+        model(**inputs).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if observer is not None:
+            observer.step()
+
+    return step, observer
+
+
+def timed(step: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (one window each)")
+    parser.add_argument("--every1-steps", type=int, default=3, help="every=1 steps per round")
+    parser.add_argument("--profile", action="store_true", help="profile one sampled step")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--max-elements", type=int, default=None, help="observer max_elements (default: its)")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    options = {} if args.max_elements is None else {"max_elements": args.max_elements}
+
+    plain, _ = trainer(None)
+    sparse, sparse_observer = trainer(WINDOW, **options)
+    dense, _ = trainer(1, **options)
+    for step in (plain, dense):  # warm-up (site discovery, allocator)
+        step()
+        step()
+    for _ in range(WINDOW):  # a whole window: the next sparse step is a sampled one
+        sparse()
+    assert sparse_observer is not None and sparse_observer.sampling
+
+    times: dict[str, list[float]] = {"plain": [], "skipped": [], "sampled": [], "window": [], "dense": []}
+    for _ in range(args.rounds):
+        times["plain"] += [timed(plain) for _ in range(WINDOW)]
+        window = []
+        for _ in range(WINDOW):
+            sampled = sparse_observer.sampling
+            seconds = timed(sparse)
+            window.append(seconds)
+            times["sampled" if sampled else "skipped"].append(seconds)
+        times["window"].append(sum(window) / WINDOW)
+        times["dense"] += [timed(dense) for _ in range(args.every1_steps)]
+
+    base = statistics.median(times["plain"])
+    print(
+        f"observer overhead, tiny BERT MLM: hidden {HIDDEN}, {LAYERS} layers, seq {SEQ}, batch {BATCH}, "
+        f"vocab {VOCAB}; {len(CANDIDATES)} candidates ({', '.join(CANDIDATES)}); torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads; max_elements {sparse_observer.config.max_elements}; "
+        f"{args.rounds} interleaved rounds; load {os.getloadavg()[0]:.2f}"
+    )
+    rows = [
+        ("plain (no observer)", "plain"),
+        (f"every={WINDOW}, step not sampled", "skipped"),
+        (f"every={WINDOW}, sampled step", "sampled"),
+        (f"every={WINDOW}, averaged (target <= 1.1x)", "window"),
+        ("every=1", "dense"),
+    ]
+    for label, key in rows:
+        seconds = statistics.median(times[key])
+        print(f"{label:40s} {seconds * 1e3:9.1f} ms  {seconds / base:6.2f}x  (n={len(times[key])})")
+
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        dense()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+
+
+if __name__ == "__main__":
+    main()
