@@ -9,7 +9,7 @@ import pytest
 
 import numscope
 from numscope.advisor import AdvisorError, advise, recommend, recommend_table
-from numscope.analysis import Analysis, OperandRecord
+from numscope.analysis import Analysis, OperandRecord, Sensitivity
 from numscope.plan import OPERANDS, Plan
 
 CANDIDATES = ("bf16", "fp8_e4m3", "fp8_e5m2", "int8", "mxfp4_e2m1")
@@ -33,9 +33,7 @@ def build(
     for key, per_candidate in table.items():
         steps = {}
         for step in (0, 1):
-            values = {
-                label: (m[step] if isinstance(m, list) else m) for label, m in per_candidate.items()
-            }
+            values = {label: (m[step] if isinstance(m, list) else m) for label, m in per_candidate.items()}
             steps[step] = OperandRecord({"amax": 1.0}, values, elements[key], elements[key])
         analysis.operands[key] = steps
         analysis.elements[key] = elements[key]
@@ -45,8 +43,9 @@ def build(
         for label in CANDIDATES:
             ratio = 1.0 if label == "bf16" else (be_ratio or {}).get((*key, label), 10.0)
             pair = (label, "fp32") if left else ("fp32", label)
-            pairs[pair] = {step: {"mean": 1e-4 * ratio, "p99": 3e-4 * ratio, "max": 1e-3 * ratio}
-                           for step in (0, 1)}
+            pairs[pair] = {
+                step: {"mean": 1e-4 * ratio, "p99": 3e-4 * ratio, "max": 1e-3 * ratio} for step in (0, 1)
+            }
     return analysis
 
 
@@ -65,12 +64,21 @@ def reference_analysis() -> Analysis:
     D: every cheaper candidate fails the BE ratio → bf16; nothing else differs.
     """
     table = {
-        A: {"bf16": GOOD, "fp8_e4m3": metrics(31), "fp8_e5m2": metrics(25),
-            "int8": metrics(40, underflow=3.0), "mxfp4_e2m1": metrics(15)},
+        A: {
+            "bf16": GOOD,
+            "fp8_e4m3": metrics(31),
+            "fp8_e5m2": metrics(25),
+            "int8": metrics(40, underflow=3.0),
+            "mxfp4_e2m1": metrics(15),
+        },
         B: {c: metrics(30) for c in CANDIDATES},
-        C: {"bf16": GOOD, "fp8_e4m3": metrics(31, overflow=0.5),
-            "fp8_e5m2": [metrics(25), metrics(20)], "int8": metrics(40, underflow=10.0),
-            "mxfp4_e2m1": metrics(15)},
+        C: {
+            "bf16": GOOD,
+            "fp8_e4m3": metrics(31, overflow=0.5),
+            "fp8_e5m2": [metrics(25), metrics(20)],
+            "int8": metrics(40, underflow=10.0),
+            "mxfp4_e2m1": metrics(15),
+        },
         D: {c: metrics(30) for c in CANDIDATES},
     }
     elements = {A: 1000, B: 100, C: 1000, D: 10}
@@ -188,14 +196,34 @@ def brute_force(analysis: Analysis, budget: float) -> float:
 @pytest.mark.parametrize("budget", [6.0, 9.0, 12.0, 20.0])
 def test_bit_budget_is_met_and_optimal(budget):
     table = {
-        A: {"bf16": metrics(55), "fp8_e4m3": metrics(31), "fp8_e5m2": metrics(25), "int8": metrics(38),
-            "mxfp4_e2m1": metrics(23)},
-        B: {"bf16": metrics(55), "fp8_e4m3": metrics(30), "fp8_e5m2": metrics(24), "int8": metrics(27),
-            "mxfp4_e2m1": metrics(22.5)},
-        C: {"bf16": metrics(55), "fp8_e4m3": metrics(29), "fp8_e5m2": metrics(26), "int8": metrics(20),
-            "mxfp4_e2m1": metrics(23)},
-        D: {"bf16": metrics(55), "fp8_e4m3": metrics(33), "fp8_e5m2": metrics(27), "int8": metrics(35),
-            "mxfp4_e2m1": metrics(24)},
+        A: {
+            "bf16": metrics(55),
+            "fp8_e4m3": metrics(31),
+            "fp8_e5m2": metrics(25),
+            "int8": metrics(38),
+            "mxfp4_e2m1": metrics(23),
+        },
+        B: {
+            "bf16": metrics(55),
+            "fp8_e4m3": metrics(30),
+            "fp8_e5m2": metrics(24),
+            "int8": metrics(27),
+            "mxfp4_e2m1": metrics(22.5),
+        },
+        C: {
+            "bf16": metrics(55),
+            "fp8_e4m3": metrics(29),
+            "fp8_e5m2": metrics(26),
+            "int8": metrics(20),
+            "mxfp4_e2m1": metrics(23),
+        },
+        D: {
+            "bf16": metrics(55),
+            "fp8_e4m3": metrics(33),
+            "fp8_e5m2": metrics(27),
+            "int8": metrics(35),
+            "mxfp4_e2m1": metrics(24),
+        },
     }
     elements = {A: 4096, B: 1024, C: 4096, D: 512}
     analysis = build(table, elements)
@@ -212,8 +240,9 @@ def test_budget_spends_bits_where_they_buy_most():
         A: {"bf16": metrics(55), "fp8_e4m3": metrics(31), "mxfp4_e2m1": metrics(23)},
         B: {"bf16": metrics(55), "fp8_e4m3": metrics(31), "mxfp4_e2m1": metrics(30)},
     }
-    analysis = build({k: {**{c: metrics(10) for c in CANDIDATES}, **v} for k, v in table.items()},
-                     {A: 1000, B: 1000})
+    analysis = build(
+        {k: {**{c: metrics(10) for c in CANDIDATES}, **v} for k, v in table.items()}, {A: 1000, B: 1000}
+    )
     result = advise(analysis, bit_budget=6.125)  # room for one 8-bit operand and one 4.25-bit operand
     assert chosen(result) == {A: "fp8_e4m3", B: "mxfp4_e2m1"}
     assert result.average_bits == pytest.approx(6.125)
@@ -225,8 +254,11 @@ def test_impossible_budget_names_the_cheapest_assignment():
 
 
 def test_unknown_criterion_lists_the_allowed_ones():
-    with pytest.raises(AdvisorError, match=r"unknown criterion 'max_sqnr_db'; allowed: max_be_ratio, "
-                                           r"max_underflow_pct, max_overflow_pct, min_sqnr_db"):
+    with pytest.raises(
+        AdvisorError,
+        match=r"unknown criterion 'max_sqnr_db'; allowed: max_be_ratio, "
+        r"max_underflow_pct, max_overflow_pct, min_sqnr_db",
+    ):
         recommend(reference_analysis(), max_sqnr_db=3)
     with pytest.raises(AdvisorError, match=r"unknown criterion 'sqnr' \(per_operand '\*'\)"):
         recommend(reference_analysis(), per_operand={"*": {"sqnr": 3}})
@@ -247,3 +279,85 @@ def test_missing_reference_backward_error_is_explained():
         recommend(analysis)
     plan = recommend(analysis, max_be_ratio=None)
     assert plan.for_site("enc.q").operand("fprop", "weight").format == "mxfp4_e2m1"
+
+
+def sensitivity_of(changes: dict[str, float], cosines: dict[str, float] | None = None) -> Sensitivity:
+    """Site-level sensitivity of enc.q only: loss_change% and grad_cosine_min per candidate."""
+    cosines = cosines or {}
+    results = {
+        ("enc.q", "*", "*"): {
+            c: {"loss_change%": changes[c], "grad_cosine_min": cosines.get(c, 1.0)} for c in CANDIDATES
+        }
+    }
+    return Sensitivity(candidates=CANDIDATES, results=results)
+
+
+SITE_CHANGES = {"bf16": 0.0, "fp8_e4m3": 2.0, "fp8_e5m2": 0.1, "int8": 0.0, "mxfp4_e2m1": 5.0}
+
+
+def test_loss_increase_limit_rejects_what_hurts_the_loss():
+    analysis = reference_analysis()
+    only_q = {"enc.k/*": {"max_loss_increase_pct": None}}  # enc.k was not measured
+    result = advise(
+        analysis, sensitivity=sensitivity_of(SITE_CHANGES), max_loss_increase_pct=1.0, per_operand=only_q
+    )
+    # A: e4m3 (2%) now fails; e5m2 (0.1%, 25 dB) is the cheapest left. B: mxfp4 (5%) and e4m3 fail
+    assert chosen(result)[A] == "fp8_e5m2" and chosen(result)[B] == "fp8_e5m2"
+    by_key = {c.key: c for c in result.choices}
+    assert "fp8_e4m3 loss_change% 2 > 1" in by_key[A].reason
+    assert chosen(result)[D] == "bf16"  # unaffected: the criterion is off for enc.k
+    # without the criterion the choices are the reference ones
+    assert chosen(advise(analysis, sensitivity=sensitivity_of(SITE_CHANGES)))[A] == "fp8_e4m3"
+
+
+def test_gradient_cosine_limit_and_operand_measurements_take_precedence():
+    sensitivity = sensitivity_of(SITE_CHANGES, cosines={"fp8_e4m3": 0.99, "fp8_e5m2": 0.9999})
+    sensitivity.results[("enc.q", "fprop", "weight")] = {
+        c: {"loss_change%": 0.0, "grad_cosine_min": 0.99999} for c in CANDIDATES
+    }
+    result = advise(
+        reference_analysis(),
+        sensitivity=sensitivity,
+        min_grad_cosine=0.999,
+        per_operand={"enc.k/*": {"min_grad_cosine": None}},
+    )
+    assert chosen(result)[A] == "fp8_e5m2"  # e4m3's site cosine 0.99 < 0.999
+    assert chosen(result)[B] == "mxfp4_e2m1"  # B measured alone: every candidate passes
+
+
+def test_unmeasured_sites_fail_a_sensitivity_criterion_and_say_so():
+    analysis = reference_analysis()
+    result = advise(analysis, sensitivity=sensitivity_of(SITE_CHANGES), max_loss_increase_pct=1.0)
+    choice = next(c for c in result.choices if c.key == D)
+    assert choice.format == "high" and "loss_change% not measured" in choice.reason
+
+
+def test_sensitivity_travels_with_the_analysis(tmp_path):
+    analysis = reference_analysis()
+    analysis.sensitivity = sensitivity_of(SITE_CHANGES)
+    analysis.save(tmp_path / "analysis")
+    again = Analysis.load(tmp_path / "analysis")
+    limits = {"max_loss_increase_pct": 1.0, "per_operand": {"enc.k/*": {"max_loss_increase_pct": None}}}
+    assert recommend(again, **limits) == recommend(analysis, **limits)
+    assert chosen(advise(again, **limits))[A] == "fp8_e5m2"
+
+
+def test_sensitivity_criteria_need_a_measurement_of_every_candidate():
+    with pytest.raises(
+        AdvisorError,
+        match=r"criterion min_grad_cosine needs a sensitivity measurement: run "
+        r"numscope\.sensitivity",
+    ):
+        advise(reference_analysis(), min_grad_cosine=0.99)
+    partial = sensitivity_of(SITE_CHANGES)
+    partial.candidates = ("fp8_e4m3", "fp8_e5m2")
+    with pytest.raises(
+        AdvisorError,
+        match=r"did not measure 'bf16', 'int8', 'mxfp4_e2m1'; measured: "
+        r"fp8_e4m3, fp8_e5m2; measure them or restrict candidates",
+    ):
+        advise(reference_analysis(), sensitivity=partial, max_loss_increase_pct=1.0)
+    with pytest.raises(AdvisorError, match=r"criterion max_loss_increase_pct must be a number or None"):
+        advise(reference_analysis(), sensitivity=partial, max_loss_increase_pct="1%")
+    with pytest.raises(TypeError, match=r"sensitivity must be a numscope\.Sensitivity, got dict"):
+        advise(reference_analysis(), sensitivity={}, max_loss_increase_pct=1.0)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from numscope.analysis import Analysis, AnalysisError, OperandRecord, merge
+from numscope.analysis import Analysis, AnalysisError, OperandRecord, Sensitivity, merge
 from numscope.metrics.stats import log2_histogram
 
 SITE = "bert.encoder.layer.0.attention.self.query"
@@ -21,17 +21,22 @@ def small_analysis(scale: float = 1.0, sampled: int = 100) -> Analysis:
     analysis.operands[KEY] = {
         step: OperandRecord(
             {"amax": 2.0 * scale + step, "rms": 0.5},
-            {"bf16": {"sqnr_db": 50.0 + step, "underflow%": 0.0},
-             "mxfp8_e4m3": {"sqnr_db": 30.0 - step, "underflow%": 1.5 * scale * (step + 1)}},
-            sampled, 4096,
+            {
+                "bf16": {"sqnr_db": 50.0 + step, "underflow%": 0.0},
+                "mxfp8_e4m3": {"sqnr_db": 30.0 - step, "underflow%": 1.5 * scale * (step + 1)},
+            },
+            sampled,
+            4096,
         )
         for step in (0, 10)
     }
     analysis.elements[KEY] = 4096
     analysis.histograms[KEY] = log2_histogram(torch.tensor([0.0, 1.0, 3.0, -0.25]) * scale)
     analysis.backward_errors[(SITE, "wgrad")] = {
-        ("mxfp8_e4m3", "fp32"): {0: {"mean": 1e-3, "p99": 4e-3, "max": 9e-3}, 10: {"mean": 2e-3, "p99": 5e-3,
-                                                                                   "max": 8e-3}},
+        ("mxfp8_e4m3", "fp32"): {
+            0: {"mean": 1e-3, "p99": 4e-3, "max": 9e-3},
+            10: {"mean": 2e-3, "p99": 5e-3, "max": 8e-3},
+        },
     }
     analysis.meta["every"] = 10
     return analysis
@@ -110,10 +115,39 @@ def test_merge_is_exact_for_fractions_maxima_and_histograms():
 
 def test_tensorboard_sink_is_optional(tmp_path):
     try:
-        import tensorboard  # noqa: F401
-    except ImportError:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:  # the fallback: nothing written, and the caller is told so
         assert small_analysis().write_tensorboard(tmp_path / "tb") is False
         assert not (tmp_path / "tb").exists()
-    else:
-        assert small_analysis().write_tensorboard(tmp_path / "tb") is True
-        assert any((tmp_path / "tb").iterdir())
+        return
+    analysis = small_analysis()
+    assert analysis.write_tensorboard(tmp_path / "tb") is True
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    expected = analysis.flat()
+    assert set(events.Tags()["scalars"]) == {name for row in expected.values() for name in row}
+    for name in events.Tags()["scalars"]:
+        found = {event.step: event.value for event in events.Scalars(name)}
+        want = {step: row[name] for step, row in expected.items() if name in row}
+        assert found == pytest.approx(want, rel=1e-6), name  # TensorBoard stores float32
+
+
+def test_sensitivity_files_are_checked(tmp_path):
+    with pytest.raises(AnalysisError, match=r"cannot load a sensitivity from .*: directory does not exist"):
+        Sensitivity.load(tmp_path / "missing")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "sensitivity.json").write_text('{"numscope_sensitivity": 1, "candidates": []}')
+    with pytest.raises(AnalysisError, match="malformed sensitivity data: KeyError"):
+        Sensitivity.load(tmp_path / "bad")
+    (tmp_path / "bad" / "sensitivity.json").write_text("{")
+    with pytest.raises(AnalysisError, match="not valid JSON"):
+        Sensitivity.load(tmp_path / "bad")
+    analysis = small_analysis()
+    analysis.sensitivity = Sensitivity(("bf16",), "site", [3.0], {(SITE, "*", "*"): {"bf16": {"loss": 3.5}}})
+    data = analysis.to_dict()
+    data["sensitivity"]["numscope_sensitivity"] = 7
+    with pytest.raises(AnalysisError, match="not a numscope sensitivity of version 1"):
+        Analysis.from_dict(data)
+    analysis.save(tmp_path / "with")
+    assert Analysis.load(tmp_path / "with") == analysis
+    assert merge([analysis, small_analysis()]).sensitivity == analysis.sensitivity

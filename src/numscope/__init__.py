@@ -53,9 +53,11 @@ _EXPORTS: dict[str, str] = {
     "Observer": "numscope.observe",
     "Analysis": "numscope.analysis",
     "recommend": "numscope.advisor",
+    "Sensitivity": "numscope.analysis",
+    "sensitivity": "numscope.sensitivity",
 }
 
-_CALLABLE_MODULES = ("formats", "sites", "convert", "observe")
+_CALLABLE_MODULES = ("formats", "sites", "convert", "observe", "sensitivity")
 for _name in _CALLABLE_MODULES:
     _EXPORTS.pop(_name, None)
 

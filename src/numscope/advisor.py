@@ -11,6 +11,11 @@ max_be_ratio        40           mean backward error of the GEMM with this opera
 max_underflow_pct   2.0          ``underflow%`` (nonzeros that become 0) ≤ this
 max_overflow_pct    0.1          ``overflow%`` (elements that saturate or become inf) ≤ this
 min_sqnr_db         22.0         ``sqnr_db`` ≥ this
+max_loss_increase_  None (off)   sensitivity (see below): ``loss_change%`` ≤ this, the mean loss with the
+pct                              operand's site (or the operand alone) quantized in the candidate, in
+                                 percent above the FP32 loss over the measured batches
+min_grad_cosine     None (off)   sensitivity: ``grad_cosine_min`` ≥ this, the smallest cosine similarity of
+                                 the full parameter gradient to the FP32 one over the measured batches
 ==================  ===========  ==========================================================================
 
 ``None`` switches a limit off. Why these defaults: on Gaussian and Student-t(3) tensors the 8-bit formats
@@ -22,6 +27,13 @@ tensors allow and never 4-bit ones; tighten or loosen them for your risk (``max_
 operand at bf16-like accuracy). Underflow of more than 2% of the nonzeros — e.g. INT8 per-tensor on
 heavy-tailed gradients (31% on Student-t(3)) — and any noticeable saturation are flagged separately
 because the mean backward error barely sees small or clipped values.
+
+**Sensitivity criteria** judge a candidate by what quantizing it does to training, measured by
+:func:`numscope.sensitivity` (one site or one operand quantized at a time, the loss and gradient compared
+with FP32). They need that measurement: ``sensitivity=`` or ``analysis.sensitivity``; every candidate
+judged must have been measured (an error names the missing ones), and an operand whose site (and operand)
+was not measured fails the criterion ("not measured"). A site-level measurement quantizes all six operands
+of the site at once, a conservative stand-in for each of them; an operand-level one is used where present.
 
 **Backward error per operand.** BE is a GEMM-level metric of a pair of operand formats; the observer
 records each candidate on one operand with the other operand left high, ``(fmt, fp32)`` and ``(fp32,
@@ -59,7 +71,7 @@ from typing import Any
 
 import numpy as np
 
-from numscope.analysis import Analysis, AnalysisError, OperandKey, operand_name
+from numscope.analysis import Analysis, AnalysisError, OperandKey, Sensitivity, operand_name
 from numscope.formats.spec import format as get_format
 from numscope.plan import DEFAULT_PATTERN, HIGH, OPERANDS, OperandSpec, Plan, Rule, SiteSpec
 
@@ -83,6 +95,8 @@ class Limits:
     max_underflow_pct: float | None = 2.0
     max_overflow_pct: float | None = 0.1
     min_sqnr_db: float | None = 22.0
+    max_loss_increase_pct: float | None = None
+    min_grad_cosine: float | None = None
 
     def replace(self, changes: Mapping[str, Any], where: str) -> Limits:
         unknown = sorted(set(changes) - set(CRITERIA))
@@ -90,14 +104,23 @@ class Limits:
             raise AdvisorError(f"unknown criterion {unknown[0]!r}{where}; allowed: {', '.join(CRITERIA)}")
         values = {name: getattr(self, name) for name in CRITERIA}
         for name, value in changes.items():
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                                      or math.isnan(value)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value)
+            ):
                 raise AdvisorError(f"criterion {name}{where} must be a number or None, got {value!r}")
             values[name] = None if value is None else float(value)
         return Limits(**values)
 
 
-CRITERIA: tuple[str, ...] = ("max_be_ratio", "max_underflow_pct", "max_overflow_pct", "min_sqnr_db")
+CRITERIA: tuple[str, ...] = (
+    "max_be_ratio",
+    "max_underflow_pct",
+    "max_overflow_pct",
+    "min_sqnr_db",
+    "max_loss_increase_pct",
+    "min_grad_cosine",
+)
+SENSITIVITY_CRITERIA = {"max_loss_increase_pct": "loss_change%", "min_grad_cosine": "grad_cosine_min"}
 OVERRIDE_KEYS: tuple[str, ...] = (*CRITERIA, "candidates")
 
 
@@ -111,7 +134,9 @@ class Check:
     passed: bool
 
     def describe(self) -> str:
-        if self.metric == "min_sqnr_db":
+        if math.isnan(self.value):
+            return f"{_METRIC_LABEL[self.metric]} not measured"
+        if self.metric.startswith("min_"):
             sign = ">=" if self.passed else "<"
         else:
             sign = "<=" if self.passed else ">"
@@ -119,8 +144,13 @@ class Check:
         return f"{_METRIC_LABEL[self.metric]} {_fmt(self.value)} {sign} {_fmt(self.limit)}{unit}"
 
 
-_METRIC_LABEL = {"max_be_ratio": "be_ratio", "max_underflow_pct": UNDERFLOW, "max_overflow_pct": OVERFLOW,
-                 "min_sqnr_db": SQNR}
+_METRIC_LABEL = {
+    "max_be_ratio": "be_ratio",
+    "max_underflow_pct": UNDERFLOW,
+    "max_overflow_pct": OVERFLOW,
+    "min_sqnr_db": SQNR,
+    **SENSITIVITY_CRITERIA,
+}
 
 
 @dataclass(frozen=True)
@@ -217,7 +247,14 @@ def _ratio(value: float, base: float) -> float:
     return 0.0 if value == 0 else math.inf
 
 
-def _option(analysis: Analysis, key: OperandKey, label: str, limits: Limits, reference: str) -> _Option:
+def _option(
+    analysis: Analysis,
+    key: OperandKey,
+    label: str,
+    limits: Limits,
+    reference: str,
+    sensitivity: Sensitivity | None = None,
+) -> _Option:
     checks: list[Check] = []
     sqnr = analysis.metric_values(key, label, SQNR)
     if limits.min_sqnr_db is not None:
@@ -236,12 +273,24 @@ def _option(analysis: Analysis, key: OperandKey, label: str, limits: Limits, ref
                 f"observe with {reference!r} among the candidates, or pass max_be_ratio=None"
             )
         checks.append(Check("max_be_ratio", ratio, limits.max_be_ratio, ratio <= limits.max_be_ratio))
+    for criterion, metric in SENSITIVITY_CRITERIA.items():
+        limit = getattr(limits, criterion)
+        if limit is None:
+            continue
+        measured = sensitivity.lookup(key, label) if sensitivity is not None else None
+        value = measured.get(metric, math.nan) if measured is not None else math.nan
+        passed = value >= limit if criterion.startswith("min_") else value <= limit
+        checks.append(Check(criterion, value, limit, passed))
     mean_sqnr = sum(sqnr) / len(sqnr)
     return _Option(label, _bits(label), 10.0 ** (-mean_sqnr / 10.0), mean_sqnr, checks)
 
 
-def _limits_for(key: OperandKey, base: Limits, per_operand: Mapping[str, Mapping[str, Any]] | None,
-                candidates: tuple[str, ...]) -> tuple[Limits, tuple[str, ...]]:
+def _limits_for(
+    key: OperandKey,
+    base: Limits,
+    per_operand: Mapping[str, Mapping[str, Any]] | None,
+    candidates: tuple[str, ...],
+) -> tuple[Limits, tuple[str, ...]]:
     limits, allowed = base, candidates
     name = operand_name(key)
     for pattern, changes in (per_operand or {}).items():
@@ -263,11 +312,15 @@ def _check_overrides(per_operand: Mapping[str, Mapping[str, Any]] | None, names:
             raise AdvisorError(f"per_operand[{pattern!r}] must map criteria to values, got {changes!r}")
         unknown = sorted(set(changes) - set(OVERRIDE_KEYS))
         if unknown:
-            raise AdvisorError(f"unknown criterion {unknown[0]!r} (per_operand {pattern!r}); "
-                               f"allowed: {', '.join(OVERRIDE_KEYS)}")
+            raise AdvisorError(
+                f"unknown criterion {unknown[0]!r} (per_operand {pattern!r}); "
+                f"allowed: {', '.join(OVERRIDE_KEYS)}"
+            )
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
-            raise AdvisorError(f"per_operand pattern {pattern!r} matches no operand; operands look like "
-                               f"{names[0] if names else '(none)'!r} (site/gemm/operand)")
+            raise AdvisorError(
+                f"per_operand pattern {pattern!r} matches no operand; operands look like "
+                f"{names[0] if names else '(none)'!r} (site/gemm/operand)"
+            )
 
 
 def _candidates(analysis: Analysis, candidates: Sequence[str] | None) -> tuple[str, ...]:
@@ -278,8 +331,10 @@ def _candidates(analysis: Analysis, candidates: Sequence[str] | None) -> tuple[s
     for name in candidates:
         label = get_format(name).name if name != HIGH else HIGH
         if label not in measured:
-            raise AdvisorError(f"candidate {name!r} was not measured by the observer; measured: "
-                               f"{', '.join(measured) or '(none)'}")
+            raise AdvisorError(
+                f"candidate {name!r} was not measured by the observer; measured: "
+                f"{', '.join(measured) or '(none)'}"
+            )
         chosen.append(label)
     return tuple(dict.fromkeys(chosen))
 
@@ -318,10 +373,20 @@ def _decide(key: OperandKey, options: list[_Option], elements: int) -> tuple[Cho
         reason = f"{chosen.label} ({chosen.bits:g} bits): cheapest candidate; tightest: {deciding.describe()}"
     else:
         reason = f"{chosen.label} ({chosen.bits:g} bits): cheapest candidate; no limits set"
-        return Choice(site, gemm, operand, chosen.label, chosen.bits, elements, SQNR, chosen.mean_sqnr,
-                      reason), passing
-    choice = Choice(site, gemm, operand, chosen.label, chosen.bits, elements, _METRIC_LABEL[deciding.metric],
-                    deciding.value, reason)
+        return Choice(
+            site, gemm, operand, chosen.label, chosen.bits, elements, SQNR, chosen.mean_sqnr, reason
+        ), passing
+    choice = Choice(
+        site,
+        gemm,
+        operand,
+        chosen.label,
+        chosen.bits,
+        elements,
+        _METRIC_LABEL[deciding.metric],
+        deciding.value,
+        reason,
+    )
     return choice, passing
 
 
@@ -329,22 +394,26 @@ def _slack(check: Check) -> float:
     """How far a passing check is from its limit, relative (0 = at the limit)."""
     if check.metric == "min_sqnr_db":
         return check.value - check.limit
+    if check.metric == "min_grad_cosine":
+        return math.log((1.0 - check.limit + 1e-30) / (1.0 - check.value + 1e-30))
+    if check.metric == "max_loss_increase_pct":
+        return (check.limit - check.value) / (abs(check.limit) + 1e-30)
     if check.limit == 0:
         return 0.0 if check.value == 0 else -math.inf
     return math.log((check.limit + 1e-30) / (check.value + 1e-30))
 
 
-def _solve_budget(
-    options: list[list[_Option]], elements: list[int], budget: float
-) -> tuple[list[int], bool]:
+def _solve_budget(options: list[list[_Option]], elements: list[int], budget: float) -> tuple[list[int], bool]:
     """Multiple-choice knapsack: minimise Σ noise subject to Σ elements·bits ≤ budget·Σ elements.
 
     Returns the index of the chosen option per operand and whether the solution is provably optimal.
     """
     denominators = [Fraction(o.bits).limit_denominator(1 << 12).denominator for opts in options for o in opts]
     scale = math.lcm(*denominators) if denominators else 1
-    costs = [[int(Fraction(o.bits).limit_denominator(1 << 12) * scale) * n for o in opts]
-             for opts, n in zip(options, elements, strict=True)]
+    costs = [
+        [int(Fraction(o.bits).limit_denominator(1 << 12) * scale) * n for o in opts]
+        for opts, n in zip(options, elements, strict=True)
+    ]
     capacity = math.floor(Fraction(budget).limit_denominator(1 << 20) * scale * sum(elements))
     unit = math.gcd(*(c for row in costs for c in row)) or 1
     optimal = True
@@ -380,6 +449,24 @@ def _solve_budget(
     return chosen[::-1], optimal
 
 
+def _check_sensitivity(sensitivity: Sensitivity | None, limits: Limits, candidates: Sequence[str]) -> None:
+    wanted = [name for name in SENSITIVITY_CRITERIA if getattr(limits, name) is not None]
+    if not wanted:
+        return
+    if sensitivity is None:
+        raise AdvisorError(
+            f"criterion {wanted[0]} needs a sensitivity measurement: run numscope.sensitivity(model, "
+            "batches, candidates=[...]) and pass sensitivity=... (or set analysis.sensitivity)"
+        )
+    missing = [c for c in candidates if c not in sensitivity.candidates]
+    if missing:
+        raise AdvisorError(
+            f"criterion {wanted[0]}: the sensitivity did not measure {', '.join(map(repr, missing))}; "
+            f"measured: {', '.join(sensitivity.candidates) or '(none)'}; measure them or restrict "
+            "candidates=[...]"
+        )
+
+
 def _site_pattern(site: str) -> str:
     """An fnmatch pattern that matches exactly ``site`` (glob characters escaped)."""
     return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in site)
@@ -392,6 +479,7 @@ def advise(
     reference: str = "bf16",
     bit_budget: float | None = None,
     per_operand: Mapping[str, Mapping[str, Any]] | None = None,
+    sensitivity: Sensitivity | None = None,
     **criteria: float | None,
 ) -> Recommendation:
     """Choose a format for every operand the analysis holds; see the module docstring for the rules.
@@ -402,11 +490,16 @@ def advise(
         least total noise; ``None`` picks the cheapest passing format per operand.
     per_operand: glob over ``site/gemm/operand`` → overrides of the criteria (and ``candidates``), e.g.
         ``{"*/wgrad/grad_output": {"max_underflow_pct": 5}}``; later patterns override earlier ones.
-    criteria: ``max_be_ratio``, ``max_underflow_pct``, ``max_overflow_pct``, ``min_sqnr_db`` (number or
-        ``None`` to switch off).
+    sensitivity: what quantizing one site at a time did to the loss and gradient
+        (:func:`numscope.sensitivity`), for the sensitivity criteria (default: ``analysis.sensitivity``).
+    criteria: ``max_be_ratio``, ``max_underflow_pct``, ``max_overflow_pct``, ``min_sqnr_db``,
+        ``max_loss_increase_pct``, ``min_grad_cosine`` (number or ``None`` to switch off).
     """
     if not isinstance(analysis, Analysis):
         raise TypeError(f"advise expects a numscope.Analysis, got {type(analysis).__name__}")
+    if sensitivity is not None and not isinstance(sensitivity, Sensitivity):
+        raise TypeError(f"sensitivity must be a numscope.Sensitivity, got {type(sensitivity).__name__}")
+    sensitivity = sensitivity if sensitivity is not None else analysis.sensitivity
     limits = Limits().replace(criteria, "")
     labels = _candidates(analysis, candidates)
     reference = get_format(reference).name
@@ -414,15 +507,17 @@ def advise(
     if not keys:
         raise AdvisorError("the analysis holds no operands; observe at least one sampled step first")
     _check_overrides(per_operand, (operand_name(k) for k in keys))
-    if bit_budget is not None and (isinstance(bit_budget, bool) or not isinstance(bit_budget, int | float)
-                                   or not bit_budget > 0):
+    if bit_budget is not None and (
+        isinstance(bit_budget, bool) or not isinstance(bit_budget, int | float) or not bit_budget > 0
+    ):
         raise AdvisorError(f"bit_budget must be a positive number of bits per element, got {bit_budget!r}")
     choices: list[Choice] = []
     passing_per_key: list[list[_Option]] = []
     for key in keys:
         key_limits, allowed = _limits_for(key, limits, per_operand, labels)
+        _check_sensitivity(sensitivity, key_limits, allowed)
         try:
-            options = [_option(analysis, key, label, key_limits, reference) for label in allowed]
+            options = [_option(analysis, key, label, key_limits, reference, sensitivity) for label in allowed]
         except AnalysisError as error:
             raise AdvisorError(f"{operand_name(key)}: {error}") from error
         choice, passing = _decide(key, options, analysis.elements.get(key, 0))
@@ -460,14 +555,37 @@ def _apply_budget(
     for choice, opts, index in zip(choices, options, picked, strict=True):
         option = opts[index]
         if option.label == choice.format:
-            out.append(Choice(choice.site, choice.gemm, choice.operand, choice.format, choice.bits,
-                              choice.elements, choice.metric, choice.value,
-                              f"{choice.reason}; kept within bit budget {budget:g} ({method})"))
+            out.append(
+                Choice(
+                    choice.site,
+                    choice.gemm,
+                    choice.operand,
+                    choice.format,
+                    choice.bits,
+                    choice.elements,
+                    choice.metric,
+                    choice.value,
+                    f"{choice.reason}; kept within bit budget {budget:g} ({method})",
+                )
+            )
             continue
-        reason = (f"{option.label} ({option.bits:g} bits): least total noise within bit budget {budget:g} "
-                  f"({method}); sqnr_db {_fmt(option.mean_sqnr)} mean; all limits met")
-        out.append(Choice(choice.site, choice.gemm, choice.operand, option.label, option.bits,
-                          choice.elements, SQNR, option.mean_sqnr, reason))
+        reason = (
+            f"{option.label} ({option.bits:g} bits): least total noise within bit budget {budget:g} "
+            f"({method}); sqnr_db {_fmt(option.mean_sqnr)} mean; all limits met"
+        )
+        out.append(
+            Choice(
+                choice.site,
+                choice.gemm,
+                choice.operand,
+                option.label,
+                option.bits,
+                choice.elements,
+                SQNR,
+                option.mean_sqnr,
+                reason,
+            )
+        )
     return out, optimal
 
 
@@ -490,6 +608,7 @@ def recommend(
     reference: str = "bf16",
     bit_budget: float | None = None,
     per_operand: Mapping[str, Mapping[str, Any]] | None = None,
+    sensitivity: Sensitivity | None = None,
     **criteria: float | None,
 ) -> Plan:
     """The plan :func:`advise` recommends (one exact-name rule per site; unobserved sites stay high).
@@ -497,16 +616,29 @@ def recommend(
     Criteria and their defaults are in the module docstring; unknown criteria raise :class:`AdvisorError`
     listing the allowed ones.
     """
-    return advise(analysis, candidates=candidates, reference=reference, bit_budget=bit_budget,
-                  per_operand=per_operand, **criteria).plan
+    return advise(
+        analysis,
+        candidates=candidates,
+        reference=reference,
+        bit_budget=bit_budget,
+        per_operand=per_operand,
+        sensitivity=sensitivity,
+        **criteria,
+    ).plan
 
 
 def recommend_table(result: Plan | Recommendation) -> list[dict[str, str]]:
     """Rows (site, gemm, operand, format, bits, reason) for printing what was chosen and why."""
     if isinstance(result, Recommendation):
         return [
-            {"site": c.site, "gemm": c.gemm, "operand": c.operand, "format": c.format, "bits": f"{c.bits:g}",
-             "reason": c.reason}
+            {
+                "site": c.site,
+                "gemm": c.gemm,
+                "operand": c.operand,
+                "format": c.format,
+                "bits": f"{c.bits:g}",
+                "reason": c.reason,
+            }
             for c in result.choices
         ]
     if not isinstance(result, Plan):
@@ -516,6 +648,14 @@ def recommend_table(result: Plan | Recommendation) -> list[dict[str, str]]:
         if row.pattern == DEFAULT_PATTERN and row.format == HIGH and not row.reason:
             continue
         spec = OperandSpec(row.format)
-        rows.append({"site": row.pattern, "gemm": row.gemm, "operand": row.operand, "format": row.format,
-                     "bits": f"{spec.bits_per_element(HIGH_BITS):g}", "reason": row.reason})
+        rows.append(
+            {
+                "site": row.pattern,
+                "gemm": row.gemm,
+                "operand": row.operand,
+                "format": row.format,
+                "bits": f"{spec.bits_per_element(HIGH_BITS):g}",
+                "reason": row.reason,
+            }
+        )
     return rows

@@ -21,6 +21,9 @@ Flat names join the parts with ``/``: ``<site>/<gemm>/<operand>/<candidate>/<met
 metrics, ``<site>/<gemm>/<operand>/<stat>`` for statistics and ``<site>/<gemm>/be/<left>*<right>/<stat>``
 for backward errors; :meth:`Analysis.flat` and the CSV use them.
 
+A :class:`Sensitivity` (what quantizing one site at a time does to the loss and the gradient, measured by
+:func:`numscope.sensitivity`) can travel with the analysis (``analysis.sensitivity``), saved in its JSON.
+
 On disk (:meth:`Analysis.save`): ``analysis.json`` (everything, read back by :meth:`Analysis.load`) and
 ``analysis.csv`` (one row per sampled step, one column per flat name, for spreadsheets), both written
 atomically. :meth:`Analysis.write_tensorboard` writes the same scalars to TensorBoard when
@@ -80,8 +83,12 @@ class OperandRecord:
     elements: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"stats": self.stats, "metrics": self.metrics, "sampled": self.sampled,
-                "elements": self.elements}
+        return {
+            "stats": self.stats,
+            "metrics": self.metrics,
+            "sampled": self.sampled,
+            "elements": self.elements,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OperandRecord:
@@ -104,6 +111,7 @@ class Analysis:
     elements: dict[OperandKey, int] = field(default_factory=dict)
     plan_formats: dict[OperandKey, str] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    sensitivity: Sensitivity | None = None
 
     # -- queries ----------------------------------------------------------------------------------
     @property
@@ -127,11 +135,14 @@ class Analysis:
     def record(self, key: OperandKey, step: int) -> OperandRecord:
         per_step = self.operands.get(key)
         if per_step is None:
-            raise AnalysisError(f"no operand {operand_name(key)!r} in this analysis; known: "
-                                f"{', '.join(operand_name(k) for k in self.keys()) or '(none)'}")
+            raise AnalysisError(
+                f"no operand {operand_name(key)!r} in this analysis; known: "
+                f"{', '.join(operand_name(k) for k in self.keys()) or '(none)'}"
+            )
         if step not in per_step:
-            raise AnalysisError(f"operand {operand_name(key)!r} was not sampled at step {step}; "
-                                f"sampled: {sorted(per_step)}")
+            raise AnalysisError(
+                f"operand {operand_name(key)!r} was not sampled at step {step}; sampled: {sorted(per_step)}"
+            )
         return per_step[step]
 
     def metric_values(self, key: OperandKey, candidate: str, metric: str) -> list[float]:
@@ -142,11 +153,15 @@ class Analysis:
             metrics = per_step[step].metrics.get(candidate)
             if metrics is None:
                 known = sorted(per_step[step].metrics)
-                raise AnalysisError(f"candidate {candidate!r} was not measured for {operand_name(key)!r}; "
-                                    f"measured: {', '.join(known)}")
+                raise AnalysisError(
+                    f"candidate {candidate!r} was not measured for {operand_name(key)!r}; "
+                    f"measured: {', '.join(known)}"
+                )
             if metric not in metrics:
-                raise AnalysisError(f"metric {metric!r} is not recorded for {operand_name(key)}/{candidate}; "
-                                    f"recorded: {', '.join(sorted(metrics))}")
+                raise AnalysisError(
+                    f"metric {metric!r} is not recorded for {operand_name(key)}/{candidate}; "
+                    f"recorded: {', '.join(sorted(metrics))}"
+                )
             values.append(metrics[metric])
         return values
 
@@ -156,8 +171,9 @@ class Analysis:
         per_step = per_pair.get(pair)
         if per_step is None:
             known = ", ".join(f"{a}*{b}" for a, b in sorted(per_pair)) or "(none)"
-            raise AnalysisError(f"no backward error for {'/'.join(gemm_key)} with pair {pair[0]}*{pair[1]}; "
-                                f"recorded: {known}")
+            raise AnalysisError(
+                f"no backward error for {'/'.join(gemm_key)} with pair {pair[0]}*{pair[1]}; recorded: {known}"
+            )
         return [per_step[step][stat] for step in sorted(per_step)]
 
     # -- flat names -------------------------------------------------------------------------------
@@ -210,7 +226,9 @@ class Analysis:
             "meta": self.meta,
             "operands": [
                 {
-                    "site": key[0], "gemm": key[1], "operand": key[2],
+                    "site": key[0],
+                    "gemm": key[1],
+                    "operand": key[2],
                     "elements": self.elements.get(key, 0),
                     "plan_format": self.plan_formats.get(key),
                     "histogram": self.histograms[key].to_dict() if key in self.histograms else None,
@@ -220,12 +238,16 @@ class Analysis:
             ],
             "backward_errors": [
                 {
-                    "site": site, "gemm": gemm, "left": left, "right": right,
+                    "site": site,
+                    "gemm": gemm,
+                    "left": left,
+                    "right": right,
                     "steps": {str(step): stats for step, stats in sorted(per_step.items())},
                 }
                 for (site, gemm), pairs in sorted(self.backward_errors.items())
                 for (left, right), per_step in sorted(pairs.items())
             ],
+            **({"sensitivity": self.sensitivity.to_dict()} if self.sensitivity is not None else {}),
         }
 
     @classmethod
@@ -233,8 +255,9 @@ class Analysis:
         """Rebuild an analysis from :meth:`to_dict`'s output (errors name what is missing)."""
         version = data.get("numscope_analysis") if isinstance(data, Mapping) else None
         if version != FILE_VERSION:
-            raise AnalysisError(f"not a numscope analysis of version {FILE_VERSION}: "
-                                f"'numscope_analysis' is {version!r}")
+            raise AnalysisError(
+                f"not a numscope analysis of version {FILE_VERSION}: 'numscope_analysis' is {version!r}"
+            )
         try:
             analysis = cls(candidates=tuple(data["candidates"]), meta=dict(data.get("meta", {})))
             for entry in data["operands"]:
@@ -253,6 +276,8 @@ class Analysis:
                     int(step): {k: float(v) for k, v in stats.items()}
                     for step, stats in entry["steps"].items()
                 }
+            if data.get("sensitivity") is not None:
+                analysis.sensitivity = Sensitivity.from_dict(data["sensitivity"])
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise AnalysisError(f"malformed analysis data: {type(error).__name__}: {error}") from error
         return analysis
@@ -327,6 +352,144 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
+# -- sensitivity ---------------------------------------------------------------------------------------
+
+ALL = "*"
+"""The gemm and operand of a site-level sensitivity key: ``(site, "*", "*")`` (all six operands)."""
+SENSITIVITY_VERSION = 1
+SENSITIVITY_JSON = "sensitivity.json"
+SENSITIVITY_METRICS: tuple[str, ...] = (
+    "loss",
+    "loss_change",
+    "loss_change%",
+    "grad_cosine",
+    "grad_cosine_min",
+    "grad_rel_error",
+)
+
+
+@dataclass
+class Sensitivity:
+    """What quantizing one site (or one operand) at a time does to the loss and the gradient.
+
+    Measured by :func:`numscope.sensitivity`. ``results`` maps a key to candidate → metric → value: the key
+    is ``(site, "*", "*")`` when the whole site (all six operands) was quantized (``granularity="site"``)
+    or ``(site, gemm, operand)`` for one operand (``granularity="operand"``). Metrics, each over the
+    measured batches against the unquantized (FP32) model on the same batches:
+
+    * ``loss``: mean loss with the target quantized; ``loss_change``: its difference to the FP32 mean loss
+      (loss units; > 0 is worse); ``loss_change%``: that difference in percent of the FP32 mean loss;
+    * ``grad_cosine``: mean over batches of the cosine similarity between the full parameter gradient
+      (every parameter, flattened) and the FP32 one; ``grad_cosine_min``: its smallest value over the
+      batches; ``grad_rel_error``: mean of ‖g − g_fp32‖ / ‖g_fp32‖.
+
+    reference_loss: the FP32 loss of each batch. candidates: the labels measured (format names, and
+    ``"plan"`` for the plan's own spec of each site).
+    """
+
+    candidates: tuple[str, ...] = ()
+    granularity: str = "site"
+    reference_loss: list[float] = field(default_factory=list)
+    results: dict[OperandKey, dict[str, dict[str, float]]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def lookup(self, key: OperandKey, candidate: str) -> dict[str, float] | None:
+        """The metrics of ``candidate`` for an operand key: its own if measured per operand, else its
+        site's; None if neither was measured."""
+        for target in (key, (key[0], ALL, ALL)):
+            found = self.results.get(target, {}).get(candidate)
+            if found is not None:
+                return found
+        return None
+
+    def flat(self) -> dict[str, float]:
+        """``<site>/<gemm>/<operand>/sensitivity/<candidate>/<metric>`` → value (``*`` for a whole site)."""
+        return {
+            f"{operand_name(key)}/sensitivity/{candidate}/{metric}": value
+            for key, per_candidate in sorted(self.results.items())
+            for candidate, metrics in per_candidate.items()
+            for metric, value in metrics.items()
+        }
+
+    def table(self) -> list[dict[str, str]]:
+        """Rows (target, candidate, loss_change%, grad_cosine_min) for printing, most harmful first."""
+        rows = [
+            (metrics.get("loss_change%", math.nan), operand_name(key), candidate, metrics)
+            for key, per_candidate in self.results.items()
+            for candidate, metrics in per_candidate.items()
+        ]
+        rows.sort(key=lambda row: (-row[0] if not math.isnan(row[0]) else math.inf, row[1], row[2]))
+        return [
+            {
+                "target": target,
+                "candidate": candidate,
+                "loss_change%": f"{change:+.4g}",
+                "grad_cosine_min": f"{metrics.get('grad_cosine_min', math.nan):.6f}",
+            }
+            for change, target, candidate, metrics in rows
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "numscope_sensitivity": SENSITIVITY_VERSION,
+            "candidates": list(self.candidates),
+            "granularity": self.granularity,
+            "reference_loss": list(self.reference_loss),
+            "meta": self.meta,
+            "results": [
+                {"site": key[0], "gemm": key[1], "operand": key[2], "candidates": per_candidate}
+                for key, per_candidate in sorted(self.results.items())
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Sensitivity:
+        version = data.get("numscope_sensitivity") if isinstance(data, Mapping) else None
+        if version != SENSITIVITY_VERSION:
+            raise AnalysisError(
+                f"not a numscope sensitivity of version {SENSITIVITY_VERSION}: "
+                f"'numscope_sensitivity' is {version!r}"
+            )
+        try:
+            results = {
+                (entry["site"], entry["gemm"], entry["operand"]): {
+                    candidate: {name: float(value) for name, value in metrics.items()}
+                    for candidate, metrics in entry["candidates"].items()
+                }
+                for entry in data["results"]
+            }
+            return cls(
+                tuple(data["candidates"]),
+                str(data["granularity"]),
+                [float(v) for v in data["reference_loss"]],
+                results,
+                dict(data.get("meta", {})),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise AnalysisError(f"malformed sensitivity data: {type(error).__name__}: {error}") from error
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write ``sensitivity.json`` into ``directory`` (created), atomically; returns its path."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path / SENSITIVITY_JSON, json.dumps(self.to_dict(), indent=1, allow_nan=True))
+        return path / SENSITIVITY_JSON
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> Sensitivity:
+        """Read a sensitivity written by :meth:`save` (the directory, or its ``sensitivity.json``)."""
+        path = Path(directory)
+        file = path if path.suffix == ".json" else path / SENSITIVITY_JSON
+        if not file.exists():
+            where = "directory does not exist" if not file.parent.exists() else f"no {file.name} in it"
+            raise AnalysisError(f"cannot load a sensitivity from {str(directory)!r}: {where}")
+        try:
+            data = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise AnalysisError(f"{str(file)!r} is not valid JSON (corrupt or truncated): {error}") from error
+        return cls.from_dict(data)
+
+
 # -- merging (ranks, runs) -------------------------------------------------------------------------
 
 Reduce = Callable[[str, list[tuple[float, int]]], float]
@@ -363,8 +526,11 @@ def merge(analyses: Iterable[Analysis], reduce: Reduce = default_reduce) -> Anal
     parts = list(analyses)
     if not parts:
         raise AnalysisError("merge needs at least one analysis")
-    out = Analysis(candidates=tuple(dict.fromkeys(c for a in parts for c in a.candidates)),
-                   meta={**parts[0].meta, "merged": len(parts)})
+    out = Analysis(
+        candidates=tuple(dict.fromkeys(c for a in parts for c in a.candidates)),
+        meta={**parts[0].meta, "merged": len(parts)},
+        sensitivity=next((a.sensitivity for a in parts if a.sensitivity is not None), None),
+    )
     for key in sorted({k for a in parts for k in a.operands}):
         steps = sorted({s for a in parts for s in a.operands.get(key, {})})
         merged_steps = {}
@@ -392,8 +558,11 @@ def merge(analyses: Iterable[Analysis], reduce: Reduce = default_reduce) -> Anal
             per_step: dict[int, dict[str, float]] = {}
             steps = sorted({s for a in parts for s in a.backward_errors.get(gemm_key, {}).get(pair, {})})
             for step in steps:
-                found = [a.backward_errors[gemm_key][pair][step] for a in parts
-                         if step in a.backward_errors.get(gemm_key, {}).get(pair, {})]
+                found = [
+                    a.backward_errors[gemm_key][pair][step]
+                    for a in parts
+                    if step in a.backward_errors.get(gemm_key, {}).get(pair, {})
+                ]
                 per_step[step] = {
                     stat: reduce(stat, [(stats[stat], 1) for stats in found if stat in stats])
                     for stat in dict.fromkeys(s for stats in found for s in stats)
@@ -414,8 +583,14 @@ def merge_records(records: list[OperandRecord], reduce: Reduce = default_reduce)
     for candidate in dict.fromkeys(c for r in records for c in r.metrics):
         names = dict.fromkeys(n for r in records for n in r.metrics.get(candidate, {}))
         metrics[candidate] = {
-            name: reduce(name, [(r.metrics[candidate][name], r.sampled) for r in records
-                                if name in r.metrics.get(candidate, {})])
+            name: reduce(
+                name,
+                [
+                    (r.metrics[candidate][name], r.sampled)
+                    for r in records
+                    if name in r.metrics.get(candidate, {})
+                ],
+            )
             for name in names
         }
     return OperandRecord(stats, metrics, sum(r.sampled for r in records), sum(r.elements for r in records))
