@@ -13,7 +13,8 @@ On a shared machine the load drifts: every row is built first, then the rows tak
 round after round, so that drift touches all rows alike; the median per row is over its rounds. The load
 average before and after is printed. ``--profile ROW`` prints torch.profiler's table for that row instead.
 
-Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_train_step.py [--rounds N] [--warmup W] [--rows a,b]``
+Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_train_step.py [--rounds N] [--warmup W] [--rows a,b]
+[--threads T]`` (one thread is steadier on a loaded machine: no thread waits at a barrier for a core).
 """
 
 from __future__ import annotations
@@ -161,7 +162,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed steps per row, taken in turn")
     parser.add_argument("--rows", help="comma-separated row names (default: all; fp32 is always first)")
     parser.add_argument("--profile", metavar="ROW", help="profile one step of ROW instead of timing")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     available = rows()
     if args.profile is not None:
         build = available.get(args.profile)
