@@ -10,10 +10,15 @@ eager attention; forward + backward + AdamW step). The observer measures 8 candi
 * ``every=10, averaged``: the median over 10-step windows of the window's time / 10 (the target: <= 1.1x);
 * ``every=1``: every step measured.
 
-The configurations are timed in interleaved rounds (one window of each per round) so that a shared
-machine's load affects them alike. ``--profile`` also prints the top functions of one sampled step.
+The configurations are timed step by step in turn (a plain step, an every=10 step, in the first
+``--every1-steps`` of each window also an every=1 step), so that a shared machine's load drifts affect
+them alike. ``--profile`` also prints the top functions of one sampled step.
 
-Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_observer.py [--rounds R] [--profile]``
+Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_observer.py [--rounds R] [--threads T] [--profile]``
+
+On a machine shared with other processes, OpenMP's worker threads spin between parallel regions and take
+CPU from the Python thread that issues the observer's many small operations: ``--threads 1`` (or
+``OMP_WAIT_POLICY=PASSIVE``) gives steadier ratios there; quote the load with the numbers.
 """
 
 from __future__ import annotations
@@ -86,15 +91,16 @@ def main() -> None:
 
     times: dict[str, list[float]] = {"plain": [], "skipped": [], "sampled": [], "window": [], "dense": []}
     for _ in range(args.rounds):
-        times["plain"] += [timed(plain) for _ in range(WINDOW)]
         window = []
-        for _ in range(WINDOW):
+        for index in range(WINDOW):  # step by step: plain, observed every 10, (observed every step)
+            times["plain"].append(timed(plain))
             sampled = sparse_observer.sampling
             seconds = timed(sparse)
             window.append(seconds)
             times["sampled" if sampled else "skipped"].append(seconds)
+            if index < args.every1_steps:
+                times["dense"].append(timed(dense))
         times["window"].append(sum(window) / WINDOW)
-        times["dense"] += [timed(dense) for _ in range(args.every1_steps)]
 
     base = statistics.median(times["plain"])
     print(
