@@ -1,17 +1,18 @@
 """Median train-step time (forward + backward + AdamW step) of a tiny BERT MLM under several numerics.
 
-Model: BertForMaskedLM, hidden 128, 2 layers, 2 heads, intermediate 512, vocab 8192, seq 128, batch 32,
-eager attention. Rows: fp32; bf16 autocast (``torch.autocast("cpu", torch.bfloat16)``); the plans
-``fp16`` (+ ``numscope.LossScaler``), ``fp8``, ``mxfp8``, ``mxfp4`` through ``numscope.convert``, and
-``fp8``, ``mxfp8`` again with numscope's ``torch.compile`` fast path (``set_fast(True)``, bit-identical;
-the compile happens in the warm-up steps); the
-paper's whole recipe (``numscope.Recipe``: fp16 model with fp32 masters, fp32 ops, fp16 activations,
-dynamic loss scaling); torchao's ``convert_to_float8_training(emulate=True)`` where torchao is installed
-(``pip install -e '.[bench]'``). Each is printed as a ratio to the fp32 step, all in one run.
+Model: BertForMaskedLM, hidden 128, 2 layers, 2 heads, intermediate 512, vocab 8192, seq 128, batch 32, eager
+attention. Rows: fp32; bf16 autocast (``torch.autocast("cpu", torch.bfloat16)``); the plans ``fp16`` (+
+``numscope.LossScaler``), ``fp8``, ``mxfp8``, ``mxfp4`` through ``numscope.convert``, and ``fp8``, ``mxfp8``
+again with numscope's ``torch.compile`` fast path (``set_fast(True)``, bit-identical; the compile happens in
+the warm-up steps); the paper's whole recipe (``numscope.Recipe``: fp16 model with fp32 masters, fp32 ops,
+fp16 activations, dynamic loss scaling); torchao's ``convert_to_float8_training(emulate=True)`` where torchao
+is installed (``pip install -e '.[bench]'``). Each is printed as a ratio to the fp32 step, all in one run.
 
 On a shared machine the load drifts: every row is built first, then the rows take one step each in turn,
-round after round, so that drift touches all rows alike; the median per row is over its rounds. The load
-average before and after is printed. ``--profile ROW`` prints torch.profiler's table for that row instead.
+round after round, so that drift touches all rows alike. Each row prints the median and the minimum over
+its rounds, each also as a ratio to fp32's (interference only adds time, so the minimum is the steadier
+figure on a busy machine). The load average before and after is printed. ``--profile ROW`` prints
+torch.profiler's table for that row instead.
 
 Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_train_step.py [--rounds N] [--warmup W] [--rows a,b]
 [--threads T]`` (one thread is steadier on a loaded machine: no thread waits at a barrier for a core).
@@ -197,13 +198,17 @@ def main() -> None:
             start = time.perf_counter()
             step()
             times[name].append(time.perf_counter() - start)
-    baseline = statistics.median(times["fp32"])
+    baseline, fastest = statistics.median(times["fp32"]), min(times["fp32"])
+    print(f"{'row':26s}  {'median':>11s}  {'ratio':>10s}  {'min':>11s}  {'ratio':>10s}")
     for name in chosen:
         if name not in steps:
             print(f"{name:26s}  skipped: {available[name]}")
             continue
-        seconds = statistics.median(times[name])
-        print(f"{name:26s}  {seconds * 1e3:8.1f} ms  {seconds / baseline:5.2f}x fp32")
+        median, least = statistics.median(times[name]), min(times[name])
+        print(
+            f"{name:26s}  {median * 1e3:8.1f} ms  {median / baseline:5.2f}x fp32  "
+            f"{least * 1e3:8.1f} ms  {least / fastest:5.2f}x fp32"
+        )
     print(f"load average (1 min): {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
 
 
