@@ -19,6 +19,7 @@ from numscope.demo.data import (
     make_blocks,
     mlm_mask,
     num_batches,
+    unigram_loss,
 )
 from numscope.demo.model import make_bert_mlm
 from numscope.demo.tokenizer import TokenizerInfo
@@ -184,3 +185,14 @@ def test_evaluation_scores_a_masked_only_head_like_a_full_one(
     second = evaluate_mlm(masked, blocks, small_info, batch_size=8, seed=0)
     assert first.masked_tokens == second.masked_tokens and first.accuracy == second.accuracy
     assert abs(first.loss - second.loss) < 1e-5
+
+
+def test_unigram_loss_scores_the_evaluation_tokens_by_training_frequencies(
+    small_info: TokenizerInfo, blocks: torch.Tensor
+) -> None:
+    train, val = blocks[8:], blocks[:8]
+    loss = unigram_loss(train, val, small_info, seed=0)
+    assert 0.0 < loss < math.log(small_info.vocab_size)  # frequencies beat a uniform guess
+    assert loss == unigram_loss(train, val, small_info, seed=0)
+    same_tokens = unigram_loss(val, val, small_info, seed=0)  # frequencies of the very tokens scored
+    assert same_tokens < loss

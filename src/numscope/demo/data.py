@@ -285,3 +285,26 @@ def evaluate_mlm(
             f"no token of the {val_blocks.shape[0]} validation blocks was masked; nothing to score"
         )
     return MLMEvaluation(loss=total_loss / count, accuracy=correct / count, masked_tokens=count)
+
+
+def unigram_loss(
+    train_blocks: torch.Tensor,
+    val_blocks: torch.Tensor,
+    tokenizer_info: TokenizerInfo,
+    seed: int = 0,
+    mask_probability: float = DEFAULT_MASK_PROBABILITY,
+) -> float:
+    """The loss of a model that ignores context, in nats per masked token: the cross-entropy, on the very
+    tokens :func:`evaluate_mlm` scores, of the training split's token frequencies (add-½ smoothed, special
+    tokens excluded). A masked LM that has learned anything from context scores below it."""
+    counts = torch.bincount(train_blocks.flatten().long(), minlength=tokenizer_info.vocab_size).double()
+    counts[list(tokenizer_info.special_ids)] = 0.0
+    probabilities = (counts + 0.5) / (counts + 0.5).sum()
+    generator = torch.Generator().manual_seed(derive_seed(seed, "evaluation"))
+    _, labels = mlm_mask(val_blocks.long(), tokenizer_info, mask_probability, generator)
+    targets = labels[labels != IGNORE_INDEX]
+    if targets.numel() == 0:
+        raise ValueError(
+            f"no token of the {val_blocks.shape[0]} validation blocks was masked; nothing to score"
+        )
+    return float(-probabilities[targets].log().mean())
