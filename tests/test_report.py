@@ -42,17 +42,29 @@ def synthetic_runs() -> list[dict]:
             elif scaling == "dynamic" and step % 20 == 0:
                 scale *= 2
             loss = final + 4.0 * math.exp(-step / 15) + 0.05 * math.sin(step * (index + 1))
-            train_log.append({"step": step, "loss": loss, "scale": scale if scaling != "none" else 1.0,
-                              "skipped": skipped})
-        curve = [{"step": s, "val_loss": final + 4.0 * math.exp(-s / 15), "val_accuracy": 0.3 + s / 400}
-                 for s in (20, 40)] + [{"step": 60, "val_loss": final, "val_accuracy": 0.45}]
-        run = {"name": name, "plan": "fp16" if name.startswith("fp16") else name, "loss_scaling": scaling,
-               "val_loss": final, "val_accuracy": 0.45, "skipped_steps": sum(r["skipped"] for r in train_log),
-               "wall_seconds": 12.5 + index, "avg_bits": {"fp32": 32.0, "mxfp4": 4.25}.get(name),
-               "curve": curve, "train_log": train_log}
+            train_log.append(
+                {"step": step, "loss": loss, "scale": scale if scaling != "none" else 1.0, "skipped": skipped}
+            )
+        curve = [
+            {"step": s, "val_loss": final + 4.0 * math.exp(-s / 15), "val_accuracy": 0.3 + s / 400}
+            for s in (20, 40)
+        ] + [{"step": 60, "val_loss": final, "val_accuracy": 0.45}]
+        run = {
+            "name": name,
+            "plan": "fp16" if name.startswith("fp16") else name,
+            "loss_scaling": scaling,
+            "val_loss": final,
+            "val_accuracy": 0.45,
+            "skipped_steps": sum(r["skipped"] for r in train_log),
+            "wall_seconds": 12.5 + index,
+            "avg_bits": {"fp32": 32.0, "mxfp4": 4.25}.get(name),
+            "curve": curve,
+            "train_log": train_log,
+        }
         if name == "fp16+scaling":
-            run["underflow"] = [{"site": f"{site}.weight", "before%": 20.0 + i, "after%": 0.5}
-                                for i, site in enumerate(SITES)]
+            run["underflow"] = [
+                {"site": f"{site}.weight", "before%": 20.0 + i, "after%": 0.5} for i, site in enumerate(SITES)
+            ]
         runs.append(run)
     return runs
 
@@ -92,8 +104,11 @@ def synthetic_analysis():
         tensors[(site, "input")] = torch.randn(64, 32, generator=generator)
         tensors[(site, "weight")] = torch.randn(48, 32, generator=generator) * 0.05
     for site in SITES:
-        for gemm, operands in (("fprop", ("input", "weight")), ("dgrad", ("grad_output", "weight")),
-                               ("wgrad", ("grad_output", "input"))):
+        for gemm, operands in (
+            ("fprop", ("input", "weight")),
+            ("dgrad", ("grad_output", "weight")),
+            ("wgrad", ("grad_output", "input")),
+        ):
             for operand in operands:
                 tensor = tensors[(site, operand)]
                 key = (site, gemm, operand)
@@ -107,8 +122,9 @@ def synthetic_analysis():
                         "overflow%": 0.0,
                         "sqnr_db": float(10 * torch.log10(tensor.double().pow(2).sum() / noise)),
                     }
-                record = analysis_module.OperandRecord(stats.tensor_stats(tensor), metrics, tensor.numel(),
-                                                       tensor.numel())
+                record = analysis_module.OperandRecord(
+                    stats.tensor_stats(tensor), metrics, tensor.numel(), tensor.numel()
+                )
                 analysis.operands[key] = {10: record}
                 analysis.histograms[key] = stats.log2_histogram(tensor)
                 analysis.elements[key] = tensor.numel()
@@ -175,8 +191,9 @@ def _offline(text: str, checker: _TagChecker) -> None:
 def test_runs_only_report_is_valid_offline_html_with_gap_figures(tmp_path: Path) -> None:
     runs = synthetic_runs()
     note = "claim X did not hold at this scale: 2.5 vs 2.0 nats"
-    path = write_report(tmp_path / "report.html", title="runs only", runs=runs, notes=[note],
-                        command="numscope demo")
+    path = write_report(
+        tmp_path / "report.html", title="runs only", runs=runs, notes=[note], command="numscope demo"
+    )
     text = path.read_text(encoding="utf-8")
     checker = _parse(text)
     _offline(text, checker)
@@ -197,12 +214,13 @@ def test_runs_only_report_is_valid_offline_html_with_gap_figures(tmp_path: Path)
 def test_a_diverged_run_shows_nan_and_no_gap(tmp_path: Path) -> None:
     runs = synthetic_runs()
     runs[2]["val_loss"] = float("nan")
-    runs[2]["train_log"][-5:] = [{"step": s, "loss": float("nan"), "scale": 1.0, "skipped": 0}
-                                 for s in range(56, 61)]
+    runs[2]["train_log"][-5:] = [
+        {"step": s, "loss": float("nan"), "scale": 1.0, "skipped": 0} for s in range(56, 61)
+    ]
     text = write_report(tmp_path / "r.html", title="t", runs=runs).read_text()
     _parse(text)
     row = re.search(r"<tr[^>]*>(?:(?!</tr>).)*<b>fp16</b>.*?</tr>", text).group(0)
-    assert "<td class=\"num\">nan</td>" in row and "<td class=\"num gap\">—</td>" in row
+    assert '<td class="num">nan</td>' in row and '<td class="num gap">—</td>' in row
 
 
 def test_gap_to_reference() -> None:
@@ -213,8 +231,18 @@ def test_gap_to_reference() -> None:
 
 
 def test_no_fp32_run_says_so_and_empty_inputs_skip_sections(tmp_path: Path) -> None:
-    runs = [{"name": "bf16", "plan": "bf16", "loss_scaling": "none", "val_loss": 2.0, "val_accuracy": 0.4,
-             "skipped_steps": 0, "wall_seconds": 1.0, "avg_bits": 16.0}]
+    runs = [
+        {
+            "name": "bf16",
+            "plan": "bf16",
+            "loss_scaling": "none",
+            "val_loss": 2.0,
+            "val_accuracy": 0.4,
+            "skipped_steps": 0,
+            "wall_seconds": 1.0,
+            "avg_bits": 16.0,
+        }
+    ]
     text = write_report(tmp_path / "r.html", title="t", runs=runs).read_text()
     checker = _parse(text)
     assert "No run is named <code>fp32</code>" in text
@@ -257,8 +285,10 @@ def test_short_site_names() -> None:
     short = short_site_names(SITES)
     assert short[SITES[0]] == "L0.attention.self.query"
     assert short["cls.predictions.decoder"] == "cls.predictions.decoder"
-    assert short_site_names(["a.layer.0.x", "b.layer.0.x"]) == {"a.layer.0.x": "a.layer.0.x",
-                                                                "b.layer.0.x": "b.layer.0.x"}
+    assert short_site_names(["a.layer.0.x", "b.layer.0.x"]) == {
+        "a.layer.0.x": "a.layer.0.x",
+        "b.layer.0.x": "b.layer.0.x",
+    }
 
 
 def test_full_report_with_analysis_and_plan(tmp_path: Path) -> None:
@@ -273,15 +303,26 @@ def test_full_report_with_analysis_and_plan(tmp_path: Path) -> None:
     from numscope.plan import Plan
 
     runs = synthetic_runs()
-    path = write_report(tmp_path / "full.html", title="full", runs=runs, analysis=analysis,
-                        plan=Plan.uniform("fp8"), extra_images=[("extra figure", _images(
-                            _parse(write_report(tmp_path / "x.html", title="x", runs=runs).read_text()))[0])])
+    path = write_report(
+        tmp_path / "full.html",
+        title="full",
+        runs=runs,
+        analysis=analysis,
+        plan=Plan.uniform("fp8"),
+        extra_images=[
+            (
+                "extra figure",
+                _images(_parse(write_report(tmp_path / "x.html", title="x", runs=runs).read_text()))[0],
+            )
+        ],
+    )
     text = path.read_text()
     checker = _parse(text)
     _offline(text, checker)
     images = _images(checker)
-    # curves, loss scale, heatmap, 3 representative histograms, 3 grids, 2 underflow charts, 1 extra
-    assert len(images) >= 11
+    # curves, loss scale, heatmap, 2-3 representative histograms, 3 grids, 1 underflow chart (the run's
+    # before/after: it includes the unscaled shares), 1 extra
+    assert len(images) >= 10
     assert all(image.startswith(PNG_SIGNATURE) for image in images)
     for anchor in ("runs", "curves", "plan", "backward-error", "histograms", "underflow", "figures"):
         assert f'id="{anchor}"' in text and f'href="#{anchor}"' in text
@@ -300,8 +341,13 @@ def test_report_from_a_real_observer_on_a_tiny_bert(tmp_path: Path) -> None:
         model(input_ids=ids, labels=ids).loss.backward()
         observer.step()
     analysis = observer.analysis()
-    text = write_report(tmp_path / "observed.html", title="observed", runs=[], analysis=analysis,
-                        plan=numscope.Plan.uniform("mxfp8")).read_text()
+    text = write_report(
+        tmp_path / "observed.html",
+        title="observed",
+        runs=[],
+        analysis=analysis,
+        plan=numscope.Plan.uniform("mxfp8"),
+    ).read_text()
     checker = _parse(text)
     _offline(text, checker)
     images = _images(checker)
@@ -310,3 +356,39 @@ def test_report_from_a_real_observer_on_a_tiny_bert(tmp_path: Path) -> None:
         assert f'id="{anchor}"' in text
     for site in analysis.sites():
         assert site in text
+
+
+def test_claims_show_as_held_or_not_right_after_the_runs(tmp_path: Path) -> None:
+    runs = synthetic_runs()
+    notes = [
+        ("plan within 1% of FP32 with fewer bits: holds", True),
+        ("fp16 recovers: does NOT hold", False),
+        "a plain note",
+    ]
+    setup = {"model": "BertForMaskedLM, 2 layers", "training": "500 steps × 16 blocks"}
+    text = write_report(
+        tmp_path / "r.html", title="t", runs=runs, notes=notes, context_free_loss=6.5, setup=setup
+    ).read_text()
+    _parse(text)
+    assert '<div class="note held"><span class="badge">held</span>plan within 1%' in text
+    assert '<div class="note not-held"><span class="badge">not held</span>fp16 recovers' in text
+    assert '<div class="note">a plain note</div>' in text
+    assert "1 of 2 claims held in this run, 1 did not" in text
+    order = [text.index(f'<section id="{anchor}">') for anchor in ("runs", "claims", "curves", "setup")]
+    assert order == sorted(order)
+    assert "BertForMaskedLM, 2 layers" in text and "500 steps × 16 blocks" in text
+    assert "The dashed line (6.500 nats)" in text
+
+
+def test_a_runs_underflow_before_and_after_scaling_replaces_the_analysis_chart(tmp_path: Path) -> None:
+    runs = synthetic_runs()
+    scaled = next(run for run in runs if run["name"] == "fp16+scaling")
+    scaled["underflow_scale"] = 2.0**16
+    scaled["underflow_source"] = "per site, from the histograms"
+    text = write_report(tmp_path / "r.html", title="t", runs=runs, analysis=synthetic_analysis()).read_text()
+    section = re.search(r'<section id="underflow">.*?</section>', text).group(0)
+    assert section.count("<img") == 1 and "fp16+scaling: per site, from the histograms." in section
+    del scaled["underflow"]
+    text = write_report(tmp_path / "r.html", title="t", runs=runs, analysis=synthetic_analysis()).read_text()
+    section = re.search(r'<section id="underflow">.*?</section>', text).group(0)
+    assert section.count("<img") == 1 and "with no loss scale" in section

@@ -20,7 +20,7 @@ import os
 import re
 import statistics
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,8 +39,14 @@ UNSCALED_FORMATS = ("fp32", "tf32", "bf16", "fp16")
 """Element formats the observer measures as plain casts; every other element format is per-tensor scaled."""
 
 UNDERFLOW_FORMAT = "fp16"
-OPERAND_ORDER = (("fprop", "input"), ("fprop", "weight"), ("dgrad", "grad_output"), ("dgrad", "weight"),
-                 ("wgrad", "grad_output"), ("wgrad", "input"))
+OPERAND_ORDER = (
+    ("fprop", "input"),
+    ("fprop", "weight"),
+    ("dgrad", "grad_output"),
+    ("dgrad", "weight"),
+    ("wgrad", "grad_output"),
+    ("wgrad", "input"),
+)
 _UNDERFLOW, _OVERFLOW, _SQNR = "underflow%", "overflow%", "sqnr_db"
 
 
@@ -109,8 +115,17 @@ def analysis_tables(analysis: Any) -> AnalysisView:
             counts = {e: c for e, c in zip(source.exponents, source.counts, strict=True) if c}
             histogram = Histogram(f"{site}  ·  {gemm}/{operand}", counts, source.zeros)
         elements = analysis.elements.get(key) or max((r.elements for r in per_step.values()), default=0)
-        operands.append(OperandView(site, gemm, operand, int(elements), histogram,
-                                    statistics.median(amaxes) if amaxes else None, means))
+        operands.append(
+            OperandView(
+                site,
+                gemm,
+                operand,
+                int(elements),
+                histogram,
+                statistics.median(amaxes) if amaxes else None,
+                means,
+            )
+        )
 
     pairs = {pair for per_pair in analysis.backward_errors.values() for pair in per_pair}
     same = sorted({left for left, right in pairs if left == right}, key=_candidate_order(analysis.candidates))
@@ -166,20 +181,34 @@ def plan_table(plan: Any, sites: Sequence[str] = ()) -> list[dict[str, Any]]:
             reasons = rule.reasons if rule is not None else plan.default_reasons
             for gemm, operand in OPERAND_ORDER:
                 op = spec.operand(gemm, operand)
-                rows.append({
-                    "site": site, "gemm": gemm, "operand": operand, "format": op.format,
-                    "scaling": op.describe_scaling(), "bits": op.bits_per_element(),
-                    "reason": reasons.get(f"{gemm}/{operand}", ""),
-                })
+                rows.append(
+                    {
+                        "site": site,
+                        "gemm": gemm,
+                        "operand": operand,
+                        "format": op.format,
+                        "scaling": op.describe_scaling(),
+                        "bits": op.bits_per_element(),
+                        "reason": reasons.get(f"{gemm}/{operand}", ""),
+                    }
+                )
         return rows
     entries = [("(default)", plan.default, plan.default_reasons)]
     entries += [(rule.pattern, rule.spec, rule.reasons) for rule in plan.rules]
     for pattern, spec, reasons in entries:
         for gemm, operand in OPERAND_ORDER:
             op = spec.operand(gemm, operand)
-            rows.append({"site": pattern, "gemm": gemm, "operand": operand, "format": op.format,
-                         "scaling": op.describe_scaling(), "bits": op.bits_per_element(),
-                         "reason": reasons.get(f"{gemm}/{operand}", "")})
+            rows.append(
+                {
+                    "site": pattern,
+                    "gemm": gemm,
+                    "operand": operand,
+                    "format": op.format,
+                    "scaling": op.describe_scaling(),
+                    "bits": op.bits_per_element(),
+                    "reason": reasons.get(f"{gemm}/{operand}", ""),
+                }
+            )
     return rows
 
 
@@ -201,8 +230,15 @@ def format_range(
     if isinstance(fmt, BlockFormat):
         element, scaling = fmt.element, "block"
     elif name in UNSCALED_FORMATS:
-        return FormatRange(name, math.log2(fmt.min_subnormal), math.log2(fmt.min_normal), math.log2(fmt.max),
-                           "none", underflow, overflow)
+        return FormatRange(
+            name,
+            math.log2(fmt.min_subnormal),
+            math.log2(fmt.min_normal),
+            math.log2(fmt.max),
+            "none",
+            underflow,
+            overflow,
+        )
     else:
         element, scaling = fmt, "tensor"
     if amax is None or not (math.isfinite(amax) and amax > 0):
@@ -303,6 +339,10 @@ figure{margin:12px 0 18px}figure img{max-width:100%;height:auto;border:1px solid
 figcaption{color:#4a5361;font-size:13px;margin-top:4px;max-width:980px}
 .legend{color:#4a5361;font-size:13px}.note{background:#fff8e1;border-left:4px solid #f0b400;padding:8px 12px;
  margin:8px 0;border-radius:0 6px 6px 0}
+.note.held{background:#eaf6ec;border-left-color:#2e9a4a}.note.not-held{background:#fdecea;
+ border-left-color:#c62828}.badge{display:inline-block;font-size:11px;font-weight:600;text-transform:uppercase;
+ letter-spacing:.04em;padding:0 6px;margin-right:8px;border-radius:3px;background:#fff;color:#444}
+.held .badge{color:#1e7a36}.not-held .badge{color:#b3261e}
 .callout{background:#fff8e1;border:1px solid #f3d27a;border-radius:6px;
  padding:6px 12px;margin:12px 0 0;width:fit-content}
 tr.first td{border-top:2px solid #c9ccd2}
@@ -334,8 +374,13 @@ def _figure(png: bytes | None, alt: str, caption: str) -> str:
     return f"<figure>{_img(png, alt)}<figcaption>{caption}</figcaption></figure>"
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], classes: Sequence[str] | None = None,
-           numeric: Sequence[bool] | None = None, row_classes: Sequence[str] | None = None) -> str:
+def _table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    classes: Sequence[str] | None = None,
+    numeric: Sequence[bool] | None = None,
+    row_classes: Sequence[str] | None = None,
+) -> str:
     """Cells are HTML already (escape before passing)."""
     numeric = numeric or [False] * len(headers)
     head = "".join(f"<th>{_esc(h)}</th>" for h in headers)
@@ -365,15 +410,30 @@ def _headline(runs: Sequence[Mapping[str, Any]]) -> _Section:
         else:
             row_classes.append("bad" if gap is not None else "")
         accuracy = run.get("val_accuracy")
-        rows.append([
-            f"<b>{_esc(run['name'])}</b>", _esc(run.get("plan", "")), _esc(run.get("loss_scaling", "none")),
-            fmt_loss(val_loss), fmt_percent(100 * float(accuracy)) if accuracy is not None else "—",
-            "reference" if run["name"] == REFERENCE_RUN else fmt_percent(gap, signed=True),
-            fmt_number(run.get("avg_bits")), fmt_number(int(run.get("skipped_steps", 0))),
-            fmt_seconds(run.get("wall_seconds")),
-        ])
-    headers = ["run", "plan", "loss scaling", "val MLM loss (nats)", "val accuracy", "gap to FP32",
-               "avg bits / GEMM operand", "skipped steps", "wall time"]
+        rows.append(
+            [
+                f"<b>{_esc(run['name'])}</b>",
+                _esc(run.get("plan", "")),
+                _esc(run.get("loss_scaling", "none")),
+                fmt_loss(val_loss),
+                fmt_percent(100 * float(accuracy)) if accuracy is not None else "—",
+                "reference" if run["name"] == REFERENCE_RUN else fmt_percent(gap, signed=True),
+                fmt_number(run.get("avg_bits")),
+                fmt_number(int(run.get("skipped_steps", 0))),
+                fmt_seconds(run.get("wall_seconds")),
+            ]
+        )
+    headers = [
+        "run",
+        "plan",
+        "loss scaling",
+        "val MLM loss (nats)",
+        "val accuracy",
+        "gap to FP32",
+        "avg bits / GEMM operand",
+        "skipped steps",
+        "wall time",
+    ]
     numeric = [False, False, False, True, True, True, True, True, True]
     classes = ["", "", "", "", "", "gap", "", "", ""]
     body = [_table(headers, rows, classes, numeric, row_classes)]
@@ -390,16 +450,30 @@ def _headline(runs: Sequence[Mapping[str, Any]]) -> _Section:
     return _Section("runs", "Runs", body)
 
 
-def _curves(runs: Sequence[Mapping[str, Any]]) -> _Section | None:
+def _curves(runs: Sequence[Mapping[str, Any]], context_free_loss: float | None = None) -> _Section | None:
+    reference = ""
+    if context_free_loss is not None:
+        reference = (
+            f" The dashed line ({fmt_loss(context_free_loss)} nats) is the loss of a model that ignores "
+            "context and predicts the training set's token frequencies: a run below it has learned "
+            "from context."
+        )
     body = [
-        _figure(plots.loss_curves(runs), "training and validation loss",
-                "Left: training MLM loss per step, smoothed with an exponential moving average. "
-                "Right: validation MLM loss at each evaluation. Every run starts from the same seed and sees "
-                "the same batches."),
-        _figure(plots.loss_scale_trajectory(runs), "loss scale",
-                "Loss scale of the runs with loss scaling, on a log2 axis: dynamic scaling halves the scale "
-                "on a step whose gradients overflow (that step is skipped) and doubles it after a run of "
-                "clean steps."),
+        _figure(
+            plots.loss_curves(runs, context_free_loss=context_free_loss),
+            "training and validation loss",
+            "Left: training MLM loss per step, smoothed with an exponential moving average. "
+            "Right: validation MLM loss at each evaluation (top) and each run's difference from FP32 "
+            "at the same step in percent (bottom). Every run starts from the same seed and sees "
+            f"the same batches.{reference}",
+        ),
+        _figure(
+            plots.loss_scale_trajectory(runs),
+            "loss scale",
+            "Loss scale of the runs with loss scaling, on a log2 axis: dynamic scaling halves the scale "
+            "on a step whose gradients overflow (that step is skipped) and doubles it after a run of "
+            "clean steps.",
+        ),
     ]
     body = [part for part in body if part]
     return _Section("curves", "Loss curves", body) if body else None
@@ -424,13 +498,20 @@ def _plan_section(rows: Sequence[Mapping[str, Any]], view: AnalysisView | None) 
                 if operand_view is not None:
                     metrics = operand_view.metrics.get(row["format"], {})
             cells = [
-                _esc(site) if index == 0 else "", _esc(row["gemm"]), _esc(row["operand"]),
-                _format_chip(str(row["format"]), row.get("bits")), _esc(row.get("scaling", "")),
-                fmt_number(row.get("bits")), _esc(row.get("reason", "")),
+                _esc(site) if index == 0 else "",
+                _esc(row["gemm"]),
+                _esc(row["operand"]),
+                _format_chip(str(row["format"]), row.get("bits")),
+                _esc(row.get("scaling", "")),
+                fmt_number(row.get("bits")),
+                _esc(row.get("reason", "")),
             ]
             if with_metrics:
-                cells[6:6] = [fmt_number(metrics.get(_SQNR)), fmt_percent(metrics.get(_UNDERFLOW)),
-                              fmt_percent(metrics.get(_OVERFLOW))]
+                cells[6:6] = [
+                    fmt_number(metrics.get(_SQNR)),
+                    fmt_percent(metrics.get(_UNDERFLOW)),
+                    fmt_percent(metrics.get(_OVERFLOW)),
+                ]
             table_rows.append(cells)
             row_classes.append("first" if index == 0 else "")
     numeric = [False] * len(headers)
@@ -438,20 +519,28 @@ def _plan_section(rows: Sequence[Mapping[str, Any]], view: AnalysisView | None) 
     if with_metrics:
         numeric[6:9] = [True, True, True]
     column_classes = ["site", *[""] * (len(headers) - 1)]
-    legend = ("One row per GEMM operand of each site: the format the plan gives it, its storage bits "
-              "per element (block scales included, 32 for <code>high</code> = left unquantized) and the "
-              "advisor's reason (deciding metric and value).")
+    legend = (
+        "One row per GEMM operand of each site: the format the plan gives it, its storage bits "
+        "per element (block scales included, 32 for <code>high</code> = left unquantized) and the "
+        "advisor's reason (deciding metric and value)."
+    )
     if with_metrics:
-        legend += (" SQNR, underflow and overflow are the observer's measurements of that format on that "
-                   "operand (mean over sampled steps; — where it was not a candidate).")
+        legend += (
+            " SQNR, underflow and overflow are the observer's measurements of that format on that "
+            "operand (mean over sampled steps; — where it was not a candidate)."
+        )
     detail = _table(headers, table_rows, column_classes, numeric, row_classes)
-    return _Section("plan", "Recommended plan per site", [
-        '<p class="legend">At a glance: the format of every operand of every site (colour: fewer bits are '
-        "warmer).</p>",
-        _plan_matrix(by_site),
-        f"<h3>Per operand, with the reasons</h3><p class=\"legend\">{legend}</p>",
-        f"<details open><summary>{len(table_rows)} operands</summary>{detail}</details>",
-    ])
+    return _Section(
+        "plan",
+        "Recommended plan per site",
+        [
+            '<p class="legend">At a glance: the format of every operand of every site (colour: fewer bits '
+            "are warmer).</p>",
+            _plan_matrix(by_site),
+            f'<h3>Per operand, with the reasons</h3><p class="legend">{legend}</p>',
+            f"<details open><summary>{len(table_rows)} operands</summary>{detail}</details>",
+        ],
+    )
 
 
 def _plan_matrix(by_site: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
@@ -485,17 +574,26 @@ def _heatmap(view: AnalysisView) -> _Section | None:
     if not view.backward_errors:
         return None
     sites = [s for s in view.sites if any(s in cells for cells in view.backward_errors.values())]
-    png = plots.backward_error_heatmap(view.backward_errors, sites, view.backward_error_columns,
-                                       short_site_names(sites))
+    png = plots.backward_error_heatmap(
+        view.backward_errors, sites, view.backward_error_columns, short_site_names(sites)
+    )
     if png is None:
         return None
-    return _Section("backward-error", "Backward error per site and format", [_figure(
-        png, "backward error heatmap",
-        "Mean over output elements (and sampled steps) of the backward error of each GEMM, "
-        "BE = |L·R − Q(L)·Q(R)| / (|L|·|R|), with both operands quantized to the column's format (fp32, "
-        "bf16 and fp16 as plain casts, other element formats with per-tensor scaling, block formats with "
-        "their own block scales); colour on a log10 scale, lower is better. Rows are sites (Lk = layer k).",
-    )])
+    return _Section(
+        "backward-error",
+        "Backward error per site and format",
+        [
+            _figure(
+                png,
+                "backward error heatmap",
+                "Mean over output elements (and sampled steps) of the backward error of each GEMM, "
+                "BE = |L·R − Q(L)·Q(R)| / (|L|·|R|), with both operands quantized to the column's format "
+                "(fp32, bf16 and fp16 as plain casts, other element formats with per-tensor scaling, block "
+                "formats with their own block scales); colour on a log10 scale, lower is better. Rows are "
+                "sites (Lk = layer k).",
+            )
+        ],
+    )
 
 
 def _representative_sites(view: AnalysisView) -> list[OperandView]:
@@ -520,23 +618,33 @@ def _histograms(view: AnalysisView) -> _Section | None:
     body = []
     fp16_present = UNDERFLOW_FORMAT in view.candidates
     for operand_view in representative:
-        png = plots.operand_histogram(operand_view.histogram, operand_ranges(operand_view, view.candidates),
-                                      UNDERFLOW_FORMAT)
-        caption = (f"<code>{_esc(operand_view.site)}</code> {operand_view.gemm}/{operand_view.operand}: "
-                   "distribution of log2|x| (all sampled steps together), exact zeros on the left.")
+        png = plots.operand_histogram(
+            operand_view.histogram, operand_ranges(operand_view, view.candidates), UNDERFLOW_FORMAT
+        )
+        caption = (
+            f"<code>{_esc(operand_view.site)}</code> {operand_view.gemm}/{operand_view.operand}: "
+            "distribution of log2|x| (all sampled steps together), exact zeros on the left."
+        )
         body.append(_figure(png, f"histogram {operand_view.site}", caption))
     for role in ("grad_output", "input", "weight"):
         gemm = "wgrad" if role != "weight" else "fprop"
-        items = [(v.histogram, operand_ranges(v, view.candidates)) for v in view.operands
-                 if v.operand == role and v.gemm == gemm and v.histogram is not None]
+        items = [
+            (v.histogram, operand_ranges(v, view.candidates))
+            for v in view.operands
+            if v.operand == role and v.gemm == gemm and v.histogram is not None
+        ]
         labels = short_site_names([v.site for v in view.operands if v.operand == role and v.gemm == gemm])
-        items = [(Histogram(f"{labels.get(h.title.split('  ·  ')[0], h.title)}", h.counts, h.zeros), r)
-                 for h, r in items]
+        items = [
+            (Histogram(f"{labels.get(h.title.split('  ·  ')[0], h.title)}", h.counts, h.zeros), r)
+            for h, r in items
+        ]
         png = plots.histogram_grid(items)
         if png is not None:
-            body.append(f"<details><summary>every site: {gemm}/{role} ({len(items)} histograms)</summary>"
-                        f"{_figure(png, f'{role} histograms', f'{gemm}/{role} of every site, same layout.')}"
-                        "</details>")
+            body.append(
+                f"<details><summary>every site: {gemm}/{role} ({len(items)} histograms)</summary>"
+                f"{_figure(png, f'{role} histograms', f'{gemm}/{role} of every site, same layout.')}"
+                "</details>"
+            )
     if not body:
         return None
     intro = (
@@ -551,15 +659,42 @@ def _histograms(view: AnalysisView) -> _Section | None:
         "values that become 0, overflow % the share that saturate or become inf."
     )
     if fp16_present:
-        intro += (" The red region is what fp16 flushes to zero without loss scaling: gradients there are "
-                  "lost, which is why FP16 training needs a loss scale.")
-    return _Section("histograms", "Operand histograms against format ranges",
-                    [f'<p class="legend">{intro}</p>', *body])
+        intro += (
+            " The red region is what fp16 flushes to zero without loss scaling: gradients there are "
+            "lost, which is why FP16 training needs a loss scale."
+        )
+    return _Section(
+        "histograms", "Operand histograms against format ranges", [f'<p class="legend">{intro}</p>', *body]
+    )
 
 
 def _underflow(view: AnalysisView | None, runs: Sequence[Mapping[str, Any]]) -> _Section | None:
+    """A run's before/after-loss-scaling underflow per layer when one carries it (it includes the unscaled
+    shares), else the analysis's fp16 underflow of every site's grad_output."""
     body = []
-    if view is not None:
+    for run in runs:
+        rows = run.get("underflow")
+        if not rows:
+            continue
+        labels = short_site_names([str(row["site"]) for row in rows])
+        scale = run.get("underflow_scale")
+        scale_label = "× loss scale" if scale is None else f"× loss scale 2^{math.log2(float(scale)):g}"
+        title = (
+            None if scale is None else f"{UNDERFLOW_FORMAT} underflow per layer: unscaled vs {scale_label}"
+        )
+        png = plots.underflow_before_after(rows, run["name"], labels, scale_label, title)
+        source = run.get("underflow_source") or (
+            "per parameter gradient, the share of nonzero values lost to underflow when cast unscaled and "
+            "when multiplied by the loss scale first (the loss scaler's underflow report)"
+        )
+        body.append(
+            _figure(
+                png,
+                f"underflow before and after loss scaling, {run['name']}",
+                f"{_esc(run['name'])}: {_esc(source)}.",
+            )
+        )
+    if not body and view is not None:
         per_site: dict[str, float] = {}
         for v in view.operands:
             value = v.metrics.get(UNDERFLOW_FORMAT, {}).get(_UNDERFLOW)
@@ -568,41 +703,61 @@ def _underflow(view: AnalysisView | None, runs: Sequence[Mapping[str, Any]]) -> 
                 per_site[v.site] = value
         if per_site:
             sites = [site for site in view.sites if site in per_site]
-            png = plots.underflow_by_site(sites, [per_site[s] for s in sites], UNDERFLOW_FORMAT,
-                                          short_site_names(sites))
-            body.append(_figure(
-                png, "fp16 underflow per site",
-                f"Share of each site's nonzero grad_output values (the incoming activation gradient dy) that "
-                f"round to 0 in {UNDERFLOW_FORMAT} with no loss scale, mean over the sampled steps of the "
-                "analysis run.",
-            ))
-    for run in runs:
-        rows = run.get("underflow")
-        if rows:
-            labels = short_site_names([str(row["site"]) for row in rows])
-            png = plots.underflow_before_after(rows, run["name"], labels)
-            body.append(_figure(
-                png, f"underflow before and after loss scaling, {run['name']}",
-                f"{_esc(run['name'])}: per parameter gradient, the share of nonzero values lost to underflow "
-                "when cast unscaled and when multiplied by the loss scale first (the loss scaler's underflow "
-                "report).",
-            ))
-    return _Section("underflow", "Underflow per layer", body) if body else None
+            png = plots.underflow_by_site(
+                sites, [per_site[s] for s in sites], UNDERFLOW_FORMAT, short_site_names(sites)
+            )
+            body.append(
+                _figure(
+                    png,
+                    "fp16 underflow per site",
+                    "Share of each site's nonzero grad_output values (the incoming activation gradient dy) "
+                    f"that round to 0 in {UNDERFLOW_FORMAT} with no loss scale, mean over the sampled steps "
+                    "of the analysis run.",
+                )
+            )
+    return _Section("underflow", "Gradient underflow per layer", body) if body else None
 
 
 def _extra(images: Sequence[Any]) -> _Section | None:
     body = []
     for item in images:
-        caption, source = (item if isinstance(item, tuple) else (Path(item).stem, item))
+        caption, source = item if isinstance(item, tuple) else (Path(item).stem, item)
         png = source if isinstance(source, bytes) else Path(source).read_bytes()
         body.append(_figure(png, caption, _esc(caption)))
     return _Section("figures", "More figures", body) if body else None
 
 
-def _notes(notes: Sequence[str]) -> _Section | None:
+Note = str | tuple[str, bool | None]
+"""A sentence for the report; ``(text, held)`` marks a checked claim as held (True) or not held (False)."""
+
+
+def _note_parts(note: Note) -> tuple[str, bool | None]:
+    return (note, None) if isinstance(note, str) else (str(note[0]), note[1])
+
+
+def _notes(notes: Sequence[Note]) -> _Section | None:
     if not notes:
         return None
-    return _Section("notes", "Notes", [f'<div class="note">{_esc(note)}</div>' for note in notes])
+    body = []
+    for note in notes:
+        text, held = _note_parts(note)
+        kind = {True: " held", False: " not-held"}.get(held, "")
+        badge = {True: '<span class="badge">held</span>', False: '<span class="badge">not held</span>'}.get(
+            held, ""
+        )
+        body.append(f'<div class="note{kind}">{badge}{_esc(text)}</div>')
+    return _Section("claims", "What this run shows", body)
+
+
+def _setup(setup: Mapping[str, Any] | None) -> _Section | None:
+    if not setup:
+        return None
+    rows = [[f"<b>{_esc(key)}</b>", _esc(value)] for key, value in setup.items()]
+    return _Section(
+        "setup",
+        "How it was run",
+        [_table(["", ""], rows).replace("<thead><tr><th></th><th></th></tr></thead>", "", 1)],
+    )
 
 
 # ========================================================================================== the writer
@@ -613,47 +768,68 @@ def render_report(
     analysis: Any = None,
     plan: Any = None,
     plan_rows: Sequence[Mapping[str, Any]] | None = None,
-    notes: Sequence[str] = (),
+    notes: Sequence[Note] = (),
     extra_images: Sequence[Any] = (),
     command: str | None = None,
+    context_free_loss: float | None = None,
+    setup: Mapping[str, Any] | None = None,
+    progress: bool = False,
 ) -> str:
     """The report as one HTML string (see :func:`write_report` for the arguments)."""
+    from tqdm.auto import tqdm
+
     view = None
     if analysis is not None:
         view = analysis if isinstance(analysis, AnalysisView) else analysis_tables(analysis)
     if plan_rows is None and plan is not None:
         plan_rows = plan_table(plan, view.sites if view is not None else ())
-    sections = [
-        _headline(runs) if runs else None,
-        _curves(runs) if runs else None,
-        _plan_section(plan_rows or [], view),
-        _heatmap(view) if view is not None else None,
-        _histograms(view) if view is not None else None,
-        _underflow(view, runs),
-        _extra(extra_images),
-        _notes(notes),
+    makers: list[Callable[[], _Section | None]] = [
+        lambda: _headline(runs) if runs else None,
+        lambda: _notes(notes),
+        lambda: _curves(runs, context_free_loss) if runs else None,
+        lambda: _plan_section(plan_rows or [], view),
+        lambda: _underflow(view, runs),
+        lambda: _heatmap(view) if view is not None else None,
+        lambda: _histograms(view) if view is not None else None,
+        lambda: _extra(extra_images),
+        lambda: _setup(setup),
     ]
+    sections = []
+    for make in tqdm(makers, desc=f"{'report':>13}", disable=not progress, leave=True, unit="section"):
+        sections.append(make())
     present = [section for section in sections if section is not None]
     toc = "".join(f'<li><a href="#{s.anchor}">{_esc(s.title)}</a></li>' for s in present)
     made = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     subtitle = f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
     if view is not None:
         subtitle += f" · analysis of {len(view.sites)} sites × {len(view.candidates)} candidate formats"
-    plural = "s" if len(notes) != 1 else ""
-    callout = (f'<div class="callout">{len(notes)} note{plural} on what held and what did not: see '
-               '<a href="#notes">Notes</a></div>') if notes else ""
+    verdicts = [_note_parts(note)[1] for note in notes]
+    checked = [held for held in verdicts if held is not None]
+    callout = ""
+    if checked:
+        callout = (
+            f'<div class="callout">{sum(checked)} of {len(checked)} claims held in this run, '
+            f'{len(checked) - sum(checked)} did not: see <a href="#claims">What this run shows</a></div>'
+        )
+    elif notes:
+        plural = "s" if len(notes) != 1 else ""
+        callout = (
+            f'<div class="callout">{len(notes)} note{plural}: see '
+            '<a href="#claims">What this run shows</a></div>'
+        )
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         '<meta name="viewport" content="width=device-width, initial-scale=1">',
         f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>",
-        f"<header><h1>{_esc(title)}</h1><p class=\"sub\">{_esc(subtitle)} · made {made}</p>",
+        f'<header><h1>{_esc(title)}</h1><p class="sub">{_esc(subtitle)} · made {made}</p>',
         f"{callout}<nav><b>Contents</b><ol>{toc}</ol></nav></header>",
         "<main>",
     ]
     for section in present:
-        parts.append(f'<section id="{section.anchor}"><h2>{_esc(section.title)}</h2>{"".join(section.body)}'
-                     "</section>")
+        parts.append(
+            f'<section id="{section.anchor}"><h2>{_esc(section.title)}</h2>{"".join(section.body)}</section>'
+        )
     how = f"<code>{_esc(command)}</code>" if command else "the Python API"
     parts += [
         "</main>",
@@ -672,9 +848,12 @@ def write_report(
     analysis: Any = None,
     plan: Any = None,
     plan_rows: Sequence[Mapping[str, Any]] | None = None,
-    notes: Sequence[str] = (),
+    notes: Sequence[Note] = (),
     extra_images: Sequence[Any] = (),
     command: str | None = None,
+    context_free_loss: float | None = None,
+    setup: Mapping[str, Any] | None = None,
+    progress: bool = False,
 ) -> Path:
     """Write the HTML report to ``path`` atomically (a temporary file, then ``os.replace``) and return it.
 
@@ -685,14 +864,30 @@ def write_report(
     analysis: a :class:`numscope.Analysis` (or an :class:`AnalysisView`) for the per-site sections.
     plan: a :class:`numscope.Plan`, tabulated per site of the analysis (or per rule without one);
         ``plan_rows`` (dicts ``site, gemm, operand, format, scaling, bits, reason``) replaces that table.
-    notes: sentences shown prominently (what held, what did not, with numbers).
+    notes: sentences shown prominently, right after the runs table (what held, what did not, with
+        numbers); a ``(text, held)`` pair marks a checked claim as held (True) or not (False).
     extra_images: PNG files or ``(caption, png bytes or path)`` pairs appended as further figures.
     command: the command line that made the report, for the footer.
+    context_free_loss: the validation loss of a model that ignores context (e.g. token frequencies), in
+        nats, drawn as a reference line under the loss curves.
+    setup: ``label → description`` of how the runs were made (model, data, training…), shown last.
+    progress: show a progress bar while the sections are drawn.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    text = render_report(title=title, runs=runs, analysis=analysis, plan=plan, plan_rows=plan_rows,
-                         notes=notes, extra_images=extra_images, command=command)
+    text = render_report(
+        title=title,
+        runs=runs,
+        analysis=analysis,
+        plan=plan,
+        plan_rows=plan_rows,
+        notes=notes,
+        extra_images=extra_images,
+        command=command,
+        context_free_loss=context_free_loss,
+        setup=setup,
+        progress=progress,
+    )
     descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:

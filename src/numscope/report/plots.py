@@ -89,55 +89,119 @@ def ema(values: Sequence[float], alpha: float = 0.1) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------------ loss curves
-def loss_curves(runs: Sequence[Mapping], smoothing: float = 0.1) -> bytes | None:
-    """Two panels on shared step axes: training loss (EMA-smoothed, ``smoothing`` = EMA weight of a new
-    step) and validation loss, one line per run. None when no run has either."""
+def loss_curves(
+    runs: Sequence[Mapping], smoothing: float = 0.1, context_free_loss: float | None = None
+) -> bytes | None:
+    """Three panels on shared step axes: training loss (EMA-smoothed, ``smoothing`` = EMA weight of a new
+    step), validation loss, and each run's validation loss relative to the reference run's at the same
+    step (percent; only when a run named ``fp32`` has evaluations). ``context_free_loss`` (nats) is drawn
+    as a dashed reference line. None when no run has a training log or evaluations."""
     have_train = any(run.get("train_log") for run in runs)
     have_val = any(run.get("curve") for run in runs)
     if not (have_train or have_val):
         return None
     colours = run_colours([run["name"] for run in runs])
-    fig, (train_ax, val_ax) = plt.subplots(1, 2, figsize=(10.5, 3.8), sharex=True)
+    reference = next((run for run in runs if run["name"] == REFERENCE_RUN and run.get("curve")), None)
+    panels = 3 if reference is not None else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 3.9), sharex=True)
+    train_ax, val_ax = axes[0], axes[1]
     finite_losses: list[float] = []
+    val_losses: list[float] = []
     for run in runs:
         colour = colours[run["name"]]
-        width = 2.0 if run["name"] == REFERENCE_RUN else 1.3
+        width = 2.2 if run["name"] == REFERENCE_RUN else 1.3
+        order = 3 if run["name"] == REFERENCE_RUN else 2
         log = run.get("train_log") or []
         if log:
             steps = [float(row["step"]) for row in log]
             losses = [float(row["loss"]) for row in log]
-            train_ax.plot(steps, ema(losses, smoothing), color=colour, lw=width, label=run["name"])
+            train_ax.plot(
+                steps, ema(losses, smoothing), color=colour, lw=width, label=run["name"], zorder=order
+            )
             finite_losses += [v for v in losses if math.isfinite(v)]
         curve = run.get("curve") or []
         if curve:
+            values = [float(p["val_loss"]) for p in curve]
             val_ax.plot(
                 [float(p["step"]) for p in curve],
-                [float(p["val_loss"]) for p in curve],
+                values,
                 color=colour,
                 lw=width,
                 marker="o",
                 ms=3,
                 label=run["name"],
+                zorder=order,
             )
+            val_losses += [v for v in values if math.isfinite(v)]
     train_ax.set_title(f"training loss (EMA, weight {smoothing:g} per step)")
     val_ax.set_title("validation MLM loss")
     for ax in (train_ax, val_ax):
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("cross-entropy (nats)")
+        if context_free_loss is not None and math.isfinite(context_free_loss):
+            ax.axhline(
+                context_free_loss,
+                color="#888888",
+                lw=1.0,
+                ls="--",
+                zorder=1,
+                label="no context (token frequencies)",
+            )
     if finite_losses:  # keep a diverging run from flattening everyone else's curve
         low, high = min(finite_losses), float(np.percentile(finite_losses, 99))
         train_ax.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
+    if val_losses:
+        low, high = min(val_losses), float(np.percentile(val_losses, 98))
+        if context_free_loss is not None and math.isfinite(context_free_loss):
+            high = max(high, context_free_loss)
+        val_ax.set_ylim(low - 0.05 * (high - low), high + 0.08 * (high - low))
+    if reference is not None:
+        _gap_panel(axes[2], runs, reference, colours)
     handles, labels = _unique_legend(fig)
     fig.legend(
         handles,
         labels,
         loc="lower center",
-        ncol=min(len(labels), 8),
+        ncol=min(len(labels), 9),
         frameon=False,
-        bbox_to_anchor=(0.5, -0.06),
+        bbox_to_anchor=(0.5, -0.02),
     )
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return _png(fig)
+
+
+def _gap_panel(ax, runs: Sequence[Mapping], reference: Mapping, colours: Mapping[str, str]) -> None:
+    """Each run's validation loss over the reference run's at the same evaluation step, in percent (a
+    symmetric-log axis beyond ±2%, so a run that falls far behind does not flatten the close ones)."""
+    base = {float(p["step"]): float(p["val_loss"]) for p in reference["curve"]}
+    gaps: list[float] = []
+    for run in runs:
+        if run["name"] == REFERENCE_RUN:
+            continue
+        points = [(float(p["step"]), float(p["val_loss"])) for p in run.get("curve") or []]
+        points = [
+            (step, 100.0 * (value - base[step]) / base[step])
+            for step, value in points
+            if step in base and base[step] and math.isfinite(value)
+        ]
+        if not points:
+            continue
+        ax.plot(
+            *zip(*points, strict=True),
+            color=colours[run["name"]],
+            lw=1.3,
+            marker="o",
+            ms=3,
+            label=run["name"],
+        )
+        gaps += [gap for _, gap in points]
+    ax.axhline(0.0, color=_REFERENCE_COLOUR, lw=2.2, label=REFERENCE_RUN)
+    ax.axhspan(-1.0, 1.0, color="#2ca02c", alpha=0.08, lw=0, zorder=0)
+    if gaps and max(abs(g) for g in gaps) > 2.0:
+        ax.set_yscale("symlog", linthresh=2.0, linscale=1.5)
+    ax.set_title("validation loss vs fp32 at the same step")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("gap to fp32 (%); green band ±1%")
 
 
 def _unique_legend(fig: Figure) -> tuple[list, list[str]]:
@@ -264,8 +328,7 @@ def backward_error_heatmap(
         bar = fig.colorbar(image, ax=axes, fraction=0.025, pad=0.01)
     else:
         inches = fig.get_figheight()
-        bar = fig.colorbar(image, ax=axes, location="top", fraction=0.5 / inches,
-                           pad=0.4 / inches, aspect=40)
+        bar = fig.colorbar(image, ax=axes, location="top", fraction=0.5 / inches, pad=0.4 / inches, aspect=40)
     bar.set_label("log10 backward error (mean over outputs)")
     return _png(fig)
 
@@ -358,11 +421,11 @@ def operand_histogram(
     zero_ax.set_ylim(0, max(max(fractions), zero_fraction) * 1.35)
     if marked is not None:
         _shade_flush_region(hist_ax, marked, view_low)
-        text = f"{marked.name}: values left of 2^{marked.low:g} become 0"
+        text = f"{marked.name}: values below 2^{marked.low - 1:g} (half its smallest subnormal) become 0"
         if marked.underflow_percent is not None:
             text += f"\nmeasured underflow: {marked.underflow_percent:.2f}% of nonzeros"
         else:
-            lost = sum(histogram.counts[e] for e in binades if e + 1 <= marked.low)
+            lost = sum(histogram.counts[e] for e in binades if e + 1 <= marked.low - 1)
             text += f"\n≥ {100 * lost / max(1, total - histogram.zeros):.2f}% of nonzeros by the histogram"
         hist_ax.text(
             0.01,
@@ -433,10 +496,12 @@ def _view(histogram: Histogram, marked: FormatRange | None) -> tuple[float, floa
 
 
 def _shade_flush_region(ax, marked: FormatRange, view_low: float, ymin: float = 0.0) -> None:
-    """Red: magnitudes ``marked`` flushes to zero; amber: its subnormals; dashed: its smallest subnormal."""
-    ax.axvspan(view_low - 1, marked.low, ymin=ymin, color=_UNDERFLOW_COLOUR, alpha=0.12, lw=0, zorder=0)
-    ax.axvspan(marked.low, marked.low_normal, ymin=ymin, color=_SUBNORMAL_COLOUR, alpha=0.15, lw=0, zorder=0)
-    ax.axvline(marked.low, ymin=ymin, color=_UNDERFLOW_COLOUR, lw=1.2, ls="--", zorder=4)
+    """Red: magnitudes ``marked`` rounds to zero (below half its smallest subnormal: round to nearest, ties
+    to even); amber: the magnitudes it keeps only as subnormals (fewer significant bits); dashed: the edge."""
+    flush = marked.low - 1
+    ax.axvspan(view_low - 1, flush, ymin=ymin, color=_UNDERFLOW_COLOUR, alpha=0.12, lw=0, zorder=0)
+    ax.axvspan(flush, marked.low_normal, ymin=ymin, color=_SUBNORMAL_COLOUR, alpha=0.15, lw=0, zorder=0)
+    ax.axvline(flush, ymin=ymin, color=_UNDERFLOW_COLOUR, lw=1.2, ls="--", zorder=4)
 
 
 def _lane(ax, y: float, fmt: FormatRange, view_low: float, view_high: float, height: float) -> None:
@@ -487,8 +552,14 @@ def histogram_grid(
         ax.set_title(f"{histogram.title}  (zeros {zeros:.1f}%)", loc="left", fontsize=8.5)
         ax.set_xlabel("log2 |x|", fontsize=8)
     width, height = fig.get_size_inches()  # fixed margins in inches: small multiples are costly to lay out
-    fig.subplots_adjust(left=0.75 / width, right=1 - 0.15 / width, bottom=0.5 / height, top=1 - 0.3 / height,
-                        wspace=0.3, hspace=0.45)
+    fig.subplots_adjust(
+        left=0.75 / width,
+        right=1 - 0.15 / width,
+        bottom=0.5 / height,
+        top=1 - 0.3 / height,
+        wspace=0.3,
+        hspace=0.45,
+    )
     return _png(fig, tight=False)
 
 
@@ -522,10 +593,13 @@ def underflow_before_after(
     rows: Sequence[Mapping[str, float | str]],
     run_name: str,
     labels: Mapping[str, str] | None = None,
+    scale_label: str = "× loss scale",
+    title: str | None = None,
 ) -> bytes | None:
     """Grouped bars per site/parameter: underflow % without (before) and with (after) loss scaling.
 
-    rows: dicts with ``site``, ``before%`` and ``after%``; labels: optional short names for the sites.
+    rows: dicts with ``site``, ``before%`` and ``after%``; labels: optional short names for the sites;
+    scale_label: the legend entry of the scaled bars (e.g. ``× loss scale 2^16``).
     """
     if not rows:
         return None
@@ -535,15 +609,15 @@ def underflow_before_after(
     fig, ax = plt.subplots(figsize=(8.5, max(2.2, 0.3 * len(rows) + 1.2)))
     positions = np.arange(len(rows))
     ax.barh(positions - 0.2, before, height=0.38, color=_UNDERFLOW_COLOUR, alpha=0.8, label="unscaled")
-    ax.barh(positions + 0.2, after, height=0.38, color="#2ca02c", alpha=0.85, label="× loss scale")
-    for y, value in zip(positions, before, strict=True):
-        ax.text(value, y - 0.2, f" {value:.2f}%", va="center", fontsize=6.5)
-    for y, value in zip(positions, after, strict=True):
-        ax.text(value, y + 0.2, f" {value:.2f}%", va="center", fontsize=6.5)
+    ax.barh(positions + 0.2, after, height=0.38, color="#2ca02c", alpha=0.85, label=scale_label)
+    for offset, values in ((-0.2, before), (0.2, after)):
+        for y, value in zip(positions, values, strict=True):
+            if value > 0:
+                ax.text(value, y + offset, f" {value:.2f}%", va="center", fontsize=6.5)
     ax.set_yticks(positions, [(labels or {}).get(name, name) for name in names])
     ax.invert_yaxis()
     ax.set_xlabel("underflow (% of nonzero gradient values that become 0)")
-    ax.set_title(f"{run_name}: gradient underflow before vs after loss scaling")
+    ax.set_title(title or f"{run_name}: gradient underflow before vs after loss scaling")
     ax.set_xlim(0, max(1.0, max(before + after) * 1.15))
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(axis="y", visible=False)
