@@ -1,0 +1,185 @@
+"""The demo's orchestration: resuming after Ctrl-C, the observer schedule, fp16 underflow, the claims."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from numscope.analysis import Analysis
+from numscope.demo import main as demo_main
+from numscope.demo.experiment import TrainConfig
+from numscope.demo.main import DemoConfig, fp16_underflow_by_site, run_demo, training_observer
+from numscope.demo.model import make_bert_mlm
+from numscope.metrics.stats import Log2Histogram
+
+TINY = DemoConfig(
+    train=TrainConfig(steps=4, batch_size=4, lr=2e-3, warmup_steps=2, eval_every=2, checkpoint_every=2),
+    hidden=16,
+    layers=1,
+    heads=2,
+    intermediate=32,
+    seq_len=16,
+    vocab_size=300,
+    val_blocks=8,
+    observe_every=2,
+    candidates=("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp6_e3m2", "mxfp4_e2m1"),
+    fast=False,
+)
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory, corpus: list[str]) -> Path:
+    path = tmp_path_factory.mktemp("text") / "wiki.txt"
+    path.write_text("\n\n".join(corpus[:160]), encoding="utf-8")
+    return path
+
+
+def test_an_interrupted_demo_resumes_bit_exactly_and_keeps_finished_runs(
+    tmp_path: Path, text_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path / "cache"))
+    real_train_run = demo_main.train_run
+
+    def interrupted(spec, *args, **kwargs):  # Ctrl-C in the fp16 run, one step after its step-2 checkpoint
+        on_step = args[4]
+
+        def stop(step: int, loss: float) -> None:
+            on_step(step, loss)
+            if spec.name == "fp16" and step == 3:
+                raise KeyboardInterrupt
+
+        return real_train_run(spec, *args[:4], stop, *args[5:], **kwargs)
+
+    folder = tmp_path / "demo"
+    monkeypatch.setattr(demo_main, "train_run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_demo(folder, TINY, [text_file], log=lambda _: None, progress=False)
+    finished = {p: p.stat().st_mtime_ns for p in folder.glob("runs/*/result.json")}
+    assert {p.parent.name for p in finished} == {"fp32", "recommended", "bf16"}
+    assert (folder / "runs" / "fp16" / "checkpoint.pt").is_file()
+    assert not (folder / "runs" / "fp16" / "result.json").exists()
+
+    monkeypatch.setattr(demo_main, "train_run", real_train_run)
+    summary = run_demo(folder, TINY, [text_file], log=lambda _: None, progress=False)
+    assert all(path.stat().st_mtime_ns == mtime for path, mtime in finished.items()), "finished runs rerun"
+    assert [r["name"] for r in summary["runs"]] == [
+        "fp32",
+        "recommended",
+        "bf16",
+        "fp16",
+        "fp16+scaling",
+        "fp8",
+        "mxfp4",
+    ]
+    assert (folder / "report.html").is_file() and len(summary["claims"]) == 5
+
+    # the resumed fp16 run equals one trained without interruption: every evaluation and every logged loss
+    data = demo_main.prepare_data(TINY, [text_file])
+    spec = next(spec for spec in demo_main.BASELINES if spec.name == "fp16")
+    whole = real_train_run(spec, demo_main.model_config(TINY, data), TINY.train, data, tmp_path / "whole")
+    resumed = json.loads((folder / "runs" / "fp16" / "result.json").read_text())
+    assert resumed["curve"] == whole.curve
+    losses = [
+        [row.split(",")[2] for row in (path / "log.csv").read_text().splitlines()[1:]]
+        for path in (folder / "runs" / "fp16", tmp_path / "whole")
+    ]
+    assert losses[0] == losses[1] and len(losses[0]) == TINY.train.steps
+
+
+def test_the_observer_measures_training_steps_only() -> None:
+    model = make_bert_mlm(120, hidden=16, layers=1, heads=2, intermediate=32, max_position=16)
+    config = replace(TINY, observe_every=2, candidates=("bf16", "fp8_e4m3"))
+    observer = training_observer(model, config)
+    ids = torch.randint(5, 120, (4, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.full_like(ids, -100)
+    labels[:, ::3] = ids[:, ::3]
+    for step in range(1, 5):
+        model(input_ids=ids, labels=labels).loss.backward()
+        observer.step()
+        if step % 2 == 0:  # as train_run evaluates: right after the step, in eval mode, without gradients
+            model.eval()
+            with torch.no_grad():
+                model(input_ids=torch.cat([ids, ids]))
+            model.train()
+    analysis = observer.analysis()
+    observer.__exit__(None, None, None)
+    assert analysis.steps == [2, 4]
+    query = "bert.encoder.layer.0.attention.self.query"
+    assert analysis.elements[(query, "fprop", "input")] == ids.numel() * 16  # one training batch, no eval
+
+
+def test_schedules_that_would_observe_an_evaluation_are_refused(tmp_path: Path) -> None:
+    bad = replace(TINY, train=replace(TINY.train, eval_every=3))
+    with pytest.raises(ValueError, match=r"observe_every=2 must divide eval_every=3"):
+        run_demo(tmp_path, bad, log=lambda _: None, progress=False)
+    bad = replace(TINY, observe_every=3, train=replace(TINY.train, steps=8, eval_every=6))
+    with pytest.raises(ValueError, match=r"choose steps=9 or 7"):
+        run_demo(tmp_path, bad, log=lambda _: None, progress=False)
+
+
+def _analysis_with_gradients(binades: dict[int, int]) -> Analysis:
+    analysis = Analysis(candidates=("fp16",))
+    counts = [binades.get(exponent, 0) for exponent in range(-40, 0)]
+    key = ("layer", "wgrad", "grad_output")
+    analysis.histograms[key] = Log2Histogram(-40, tuple(counts), zeros=7)
+    analysis.elements[key] = sum(counts) + 7
+    from numscope.analysis import OperandRecord
+
+    analysis.operands[key] = {0: OperandRecord(stats={}, metrics={}, sampled=1, elements=sum(counts) + 7)}
+    return analysis
+
+
+def test_fp16_underflow_counts_the_binades_below_its_flush_threshold() -> None:
+    # fp16 flushes |x| < 2^-25 to zero: binades -30 and -26 are lost, -25 and above kept; exact zeros ignored
+    analysis = _analysis_with_gradients({-30: 10, -26: 30, -25: 20, -10: 40})
+    (row,) = fp16_underflow_by_site(analysis, loss_scale=1.0)
+    assert (
+        row["site"] == "layer"
+        and row["before%"] == pytest.approx(40.0)
+        and row["after%"] == pytest.approx(40.0)
+    )
+    (row,) = fp16_underflow_by_site(analysis, loss_scale=2.0**4)  # ×16 lifts binade -26 to -22
+    assert row["before%"] == pytest.approx(40.0) and row["after%"] == pytest.approx(10.0)
+
+
+def _row(name: str, loss: float, bits: float, skipped: int = 0, scale: float = 1.0) -> dict:
+    return {"name": name, "val_loss": loss, "avg_bits": bits, "skipped_steps": skipped, "final_scale": scale}
+
+
+def test_claims_are_stated_as_held_or_not_with_their_numbers() -> None:
+    rows = [
+        _row("fp32", 6.00, 32),
+        _row("recommended", 6.03, 7.1),
+        _row("bf16", 6.00, 16),
+        _row("fp16", 6.20, 16),
+        _row("fp16+scaling", 6.01, 16, skipped=3, scale=2.0**15),
+        _row("fp8", 6.02, 8),
+        _row("mxfp4", 6.6, 4.25),
+    ]
+    underflow = [{"site": "a", "before%": 3.0, "after%": 0.0}, {"site": "b", "before%": 1.0, "after%": 0.5}]
+    claims = demo_main._claims(rows, underflow, unigram=6.6)
+    assert len(claims) == 5 and all(isinstance(verdict, bool) for _, verdict in claims)
+    for start in (
+        "FP32 learned from context",
+        "Recommended plan",
+        "Uniform MXFP4",
+        "FP16 with dynamic loss",
+        "FP16 without loss scaling flushes to zero 2.00% of the gradient values",
+    ):
+        assert _verdict(claims, start) is True, start
+    text = " ".join(text for text, _ in claims)
+    assert "+0.50%" in text and "7.10 average bits" in text and "8.00 bits" in text and "2^15" in text
+    rows[1] = _row("recommended", 6.09, 7.1)  # 1.5% behind: the plan claim fails, and says so
+    rows[6] = _row("mxfp4", 6.05, 4.25)
+    claims = demo_main._claims(rows, underflow, unigram=6.6)
+    assert _verdict(claims, "Recommended plan") is False and _verdict(claims, "Uniform MXFP4") is False
+    assert "does NOT hold" in next(text for text, _ in claims if text.startswith("Recommended plan"))
+
+
+def _verdict(claims: list[tuple[str, bool]], start: str) -> bool:
+    (verdict,) = [held for text, held in claims if text.startswith(start)]
+    return verdict
