@@ -392,3 +392,15 @@ def test_a_runs_underflow_before_and_after_scaling_replaces_the_analysis_chart(t
     text = write_report(tmp_path / "r.html", title="t", runs=runs, analysis=synthetic_analysis()).read_text()
     section = re.search(r'<section id="underflow">.*?</section>', text).group(0)
     assert section.count("<img") == 1 and "with no loss scale" in section
+
+
+def test_a_loss_scale_that_never_moved_is_a_sentence_not_a_flat_chart(tmp_path: Path) -> None:
+    runs = synthetic_runs()
+    scaled = next(run for run in runs if run["name"] == "fp16+scaling")
+    moving = write_report(tmp_path / "a.html", title="t", runs=runs).read_text()
+    assert 'alt="loss scale"' in moving
+    for row in scaled["train_log"]:
+        row["scale"], row["skipped"] = 2.0**16, 0
+    steady = write_report(tmp_path / "b.html", title="t", runs=runs).read_text()
+    assert 'alt="loss scale"' not in steady
+    assert "the loss scale stayed at 2<sup>16</sup> for all 60 steps: no gradient overflowed" in steady

@@ -304,7 +304,7 @@ def fmt_seconds(seconds: float | None) -> str:
     if seconds is None or math.isnan(seconds):
         return "—"
     if seconds < 120:
-        return f"{seconds:.4g} s"
+        return f"{seconds:.1f} s"
     minutes, rest = divmod(seconds, 60)
     return f"{int(minutes)} min {rest:02.0f} s"
 
@@ -413,7 +413,7 @@ def _headline(runs: Sequence[Mapping[str, Any]]) -> _Section:
         rows.append(
             [
                 f"<b>{_esc(run['name'])}</b>",
-                _esc(run.get("plan", "")),
+                _esc(_plan_label(str(run.get("plan", "")))),
                 _esc(run.get("loss_scaling", "none")),
                 fmt_loss(val_loss),
                 fmt_percent(100 * float(accuracy)) if accuracy is not None else "—",
@@ -450,6 +450,11 @@ def _headline(runs: Sequence[Mapping[str, Any]]) -> _Section:
     return _Section("runs", "Runs", body)
 
 
+def _plan_label(plan: str) -> str:
+    """A preset name as is; a plan file by its file name (the folder is the report's own)."""
+    return Path(plan).name if plan.endswith((".yaml", ".yml")) else plan
+
+
 def _curves(runs: Sequence[Mapping[str, Any]], context_free_loss: float | None = None) -> _Section | None:
     reference = ""
     if context_free_loss is not None:
@@ -463,23 +468,53 @@ def _curves(runs: Sequence[Mapping[str, Any]], context_free_loss: float | None =
             plots.loss_curves(runs, context_free_loss=context_free_loss),
             "training and validation loss",
             "Left: training MLM loss per step, smoothed with an exponential moving average. "
-            "Right: validation MLM loss at each evaluation (top) and each run's difference from FP32 "
-            "at the same step in percent (bottom). Every run starts from the same seed and sees "
-            f"the same batches.{reference}",
+            "Middle: validation MLM loss at each evaluation. Right: each run's validation loss relative "
+            "to FP32's at the same step, in percent (green: within ±1%; a logarithmic scale beyond ±2%). "
+            f"Every run starts from the same seed and sees the same batches.{reference}",
         ),
-        _figure(
-            plots.loss_scale_trajectory(runs),
-            "loss scale",
-            "Loss scale of the runs with loss scaling, on a log2 axis: dynamic scaling halves the scale "
-            "on a step whose gradients overflow (that step is skipped) and doubles it after a run of "
-            "clean steps.",
-        ),
+        _loss_scales(runs),
     ]
     body = [part for part in body if part]
     return _Section("curves", "Loss curves", body) if body else None
 
 
-def _plan_section(rows: Sequence[Mapping[str, Any]], view: AnalysisView | None) -> _Section | None:
+def _loss_scales(runs: Sequence[Mapping[str, Any]]) -> str:
+    """The loss-scale trajectories as a figure, or one sentence per run when a scale never moved."""
+    scaled = [run for run in runs if run.get("loss_scaling", "none") not in ("none", None, "")]
+    logged = [run for run in scaled if run.get("train_log")]
+    if not logged:
+        return ""
+    steady = []
+    for run in logged:
+        scales = {float(row["scale"]) for row in run["train_log"]}
+        if len(scales) == 1:
+            (scale,) = scales
+            power = math.log2(scale) if scale > 0 else math.nan
+            value = f"2<sup>{power:g}</sup>" if power.is_integer() else fmt_number(scale)
+            why = (
+                "static loss scaling keeps it there"
+                if run["loss_scaling"] == "static"
+                else "no gradient overflowed (no step was skipped), and the run had fewer clean steps than "
+                "the scaler's growth interval"
+            )
+            steady.append(
+                f"<b>{_esc(run['name'])}</b> ({_esc(run['loss_scaling'])} loss scaling): the loss scale "
+                f"stayed at {value} for all {len(run['train_log'])} steps: {why}."
+            )
+    if len(steady) == len(logged):
+        return "".join(f'<p class="legend">{sentence}</p>' for sentence in steady)
+    return _figure(
+        plots.loss_scale_trajectory(runs),
+        "loss scale",
+        "Loss scale of the runs with loss scaling, on a log2 axis: dynamic scaling halves the scale "
+        "on a step whose gradients overflow (that step is skipped) and doubles it after a run of "
+        "clean steps.",
+    )
+
+
+def _plan_section(
+    rows: Sequence[Mapping[str, Any]], view: AnalysisView | None, intro: str | None = None
+) -> _Section | None:
     if not rows:
         return None
     by_site: dict[str, list[Mapping[str, Any]]] = {}
@@ -530,44 +565,80 @@ def _plan_section(rows: Sequence[Mapping[str, Any]], view: AnalysisView | None) 
             "operand (mean over sampled steps; — where it was not a candidate)."
         )
     detail = _table(headers, table_rows, column_classes, numeric, row_classes)
-    return _Section(
-        "plan",
-        "Recommended plan per site",
-        [
-            '<p class="legend">At a glance: the format of every operand of every site (colour: fewer bits '
-            "are warmer).</p>",
-            _plan_matrix(by_site),
-            f'<h3>Per operand, with the reasons</h3><p class="legend">{legend}</p>',
-            f"<details open><summary>{len(table_rows)} operands</summary>{detail}</details>",
-        ],
+    body = [f'<p class="legend">{intro}</p>'] if intro else []
+    shares = _format_shares(rows, view)
+    if shares:
+        body.append(f'<p class="legend">Share of all GEMM operand elements per format: {shares}.</p>')
+    body += [
+        _plan_matrix(by_site),
+        f'<h3>Per operand, with the reasons</h3><p class="legend">{legend}</p>',
+        f"<details><summary>show the {len(table_rows)} operands</summary>{detail}</details>",
+    ]
+    return _Section("plan", "Recommended plan per site", body)
+
+
+def _format_shares(rows: Sequence[Mapping[str, Any]], view: AnalysisView | None) -> str:
+    """``fmt 78.3%, …`` by element count (from the analysis), largest first; empty without counts."""
+    if view is None:
+        return ""
+    totals: dict[str, int] = {}
+    for row in rows:
+        operand = view.operand(str(row["site"]), row["gemm"], row["operand"])
+        if operand is not None and operand.elements:
+            totals[str(row["format"])] = totals.get(str(row["format"]), 0) + operand.elements
+    whole = sum(totals.values())
+    if not whole:
+        return ""
+    ranked = sorted(totals.items(), key=lambda item: -item[1])
+    return ", ".join(
+        f"{_format_chip(name, _bits_of(rows, name))} {100 * count / whole:.1f}%" for name, count in ranked
     )
 
 
+def _bits_of(rows: Sequence[Mapping[str, Any]], name: str) -> Any:
+    return next((row.get("bits") for row in rows if str(row["format"]) == name), None)
+
+
 def _plan_matrix(by_site: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
-    """Sites × the six GEMM operands, each cell the chosen format as a coloured chip."""
+    """Sites × the six GEMM operands, each cell the chosen format as a chip coloured by its bits."""
     headers = ["site", *(f"{gemm} {operand}" for gemm, operand in OPERAND_ORDER)]
+    labels = short_site_names(list(by_site))
     rows = []
     for site, site_rows in by_site.items():
         chosen = {(row["gemm"], row["operand"]): row for row in site_rows}
-        cells = [_esc(site)]
+        cells = [f'<span title="{_esc(site)}">{_esc(labels.get(site, site))}</span>']
         for key in OPERAND_ORDER:
             row = chosen.get(key)
             cells.append(_format_chip(str(row["format"]), row.get("bits")) if row is not None else "—")
         rows.append(cells)
     table = _table(headers, rows, ["site", *[""] * len(OPERAND_ORDER)])
-    return table.replace("<table>", '<table class="matrix">', 1)
+    key = " ".join(
+        f'<span class="fmt" style="background:{colour}">{_esc(label)}</span>'
+        for _, colour, label in BIT_COLOURS
+    )
+    return (
+        table.replace("<table>", '<table class="matrix">', 1) + f'<p class="legend">Colour by bits: {key}</p>'
+    )
+
+
+BIT_COLOURS: tuple[tuple[float, str, str], ...] = (
+    (5.0, "#f6b39a", "≤ 5 bits (4-bit formats)"),
+    (7.0, "#fcd98c", "6–7 bits"),
+    (9.0, "#d3ebad", "8–9 bits"),
+    (17.0, "#c9ddf2", "16 bits"),
+    (math.inf, "#e3e3e3", "32 bits (high)"),
+)
+"""Background of a format chip by its storage bits per element: upper bound, colour, legend label."""
 
 
 def _format_chip(name: str, bits: Any) -> str:
-    """A format name on a background whose warmth grows as bits shrink (32 bits: grey, 4 bits: orange)."""
+    """A format name on the background :data:`BIT_COLOURS` gives its bits (none when bits are unknown)."""
     try:
         value = float(bits)
     except (TypeError, ValueError):
         return f'<span class="fmt">{_esc(name)}</span>'
-    share = min(1.0, max(0.0, (32.0 - value) / 28.0))
-    hue = 215 - 185 * share
-    lightness = 92 - 12 * share
-    return f'<span class="fmt" style="background:hsl({hue:.0f},70%,{lightness:.0f}%)">{_esc(name)}</span>'
+    colour = next(colour for bound, colour, _ in BIT_COLOURS if value <= bound)
+    return f'<span class="fmt" style="background:{colour}">{_esc(name)}</span>'
 
 
 def _heatmap(view: AnalysisView) -> _Section | None:
@@ -773,6 +844,7 @@ def render_report(
     command: str | None = None,
     context_free_loss: float | None = None,
     setup: Mapping[str, Any] | None = None,
+    plan_intro: str | None = None,
     progress: bool = False,
 ) -> str:
     """The report as one HTML string (see :func:`write_report` for the arguments)."""
@@ -787,7 +859,7 @@ def render_report(
         lambda: _headline(runs) if runs else None,
         lambda: _notes(notes),
         lambda: _curves(runs, context_free_loss) if runs else None,
-        lambda: _plan_section(plan_rows or [], view),
+        lambda: _plan_section(plan_rows or [], view, plan_intro),
         lambda: _underflow(view, runs),
         lambda: _heatmap(view) if view is not None else None,
         lambda: _histograms(view) if view is not None else None,
@@ -853,6 +925,7 @@ def write_report(
     command: str | None = None,
     context_free_loss: float | None = None,
     setup: Mapping[str, Any] | None = None,
+    plan_intro: str | None = None,
     progress: bool = False,
 ) -> Path:
     """Write the HTML report to ``path`` atomically (a temporary file, then ``os.replace``) and return it.
@@ -871,6 +944,7 @@ def write_report(
     context_free_loss: the validation loss of a model that ignores context (e.g. token frequencies), in
         nats, drawn as a reference line under the loss curves.
     setup: ``label → description`` of how the runs were made (model, data, training…), shown last.
+    plan_intro: HTML shown at the top of the plan section (e.g. how the advisor was asked and why).
     progress: show a progress bar while the sections are drawn.
     """
     target = Path(path)
@@ -886,6 +960,7 @@ def write_report(
         command=command,
         context_free_loss=context_free_loss,
         setup=setup,
+        plan_intro=plan_intro,
         progress=progress,
     )
     descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
