@@ -183,3 +183,25 @@ def test_claims_are_stated_as_held_or_not_with_their_numbers() -> None:
 def _verdict(claims: list[tuple[str, bool]], start: str) -> bool:
     (verdict,) = [held for text, held in claims if text.startswith(start)]
     return verdict
+
+
+def test_the_plan_rationale_cites_a_measured_flush_that_the_backward_error_rejects() -> None:
+    from numscope.analysis import OperandRecord
+    from numscope.demo.main import AdvisorRequest, _flush_example
+
+    analysis = Analysis(candidates=("bf16", "fp16"))
+    for site, share, ratio in (("a", 10.0, 3.0), ("b", 90.0, 500.0)):
+        metrics = {"fp16": {"underflow%": share}, "bf16": {"underflow%": 0.0}}
+        analysis.operands[(site, "wgrad", "grad_output")] = {4: OperandRecord({}, metrics, 10, 10)}
+        analysis.backward_errors[(site, "wgrad")] = {
+            ("fp16", "fp32"): {4: {"mean": ratio * 1e-4}},
+            ("bf16", "fp32"): {4: {"mean": 1e-4}},
+        }
+    example = _flush_example(analysis)
+    assert (
+        example == "fp16 flushes up to 90.0% of the wgrad grad_output of b, and its backward error there "
+        "reaches 500× bf16's: rejected"
+    )
+    text = AdvisorRequest().rationale(example, default_bits=9.17)
+    assert example in text and "at most 40× bf16's" in text and "at least 22 dB" in text
+    assert "may reach 1% instead of 0.1%" in text and text.endswith("would average 9.17 bits.")

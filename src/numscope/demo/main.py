@@ -13,6 +13,7 @@ Stages (each skipped when its output exists, so an interrupted demo resumes):
 
 from __future__ import annotations
 
+import html
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -70,6 +71,35 @@ class AdvisorRequest:
     def kwargs(self) -> dict[str, Any]:
         return {"bit_budget": self.bit_budget, **dict(self.criteria)}
 
+    def rationale(self, example: str | None = None, default_bits: float | None = None) -> str:
+        """How the plan was asked for and why, as a paragraph for the report (plain text); ``example``: a
+        measured case of a format whose flushed values the backward error rejects."""
+        from numscope.advisor import Limits
+
+        limits = dict(self.criteria)
+        kept = []
+        if limits.get("max_be_ratio") is not None:
+            kept.append(f"the GEMM's backward error at most {limits['max_be_ratio']:g}× bf16's")
+        if limits.get("min_sqnr_db") is not None:
+            kept.append(f"an SQNR of at least {limits['min_sqnr_db']:g} dB")
+        text = (
+            "The advisor read the FP32 run's analysis and gave each GEMM operand the cheapest candidate "
+            f"format that met every limit on every sampled step ({self.describe()}). It judged formats by "
+            f"their error ({' and '.join(kept) or 'no error limit'}). The two count limits, which count "
+            "values whatever their size, were changed. The underflow share is off: where flushed values "
+            "matter, the backward error sees them"
+            + (f" ({example})" if example else "")
+            + ", and where they lie many binades under the block's or tensor's maximum it rightly does "
+            f"not. The overflow share may reach {limits.get('max_overflow_pct'):g}% instead of "
+            f"{Limits().max_overflow_pct:g}%: in MX formats it counts the OCP scale rule clamping the top of "
+            "each block's largest binade, an error of at most 25% of the value for E2M1, 12.5% for E3M2 and "
+            "6.25% for E2M3 that SQNR and backward error already count, while real "
+            "saturation stays rejected."
+        )
+        if default_bits is not None:
+            text += f" Under the advisor's default limits the plan would average {default_bits:.2f} bits."
+        return text
+
     def describe(self) -> str:
         limits = ", ".join(
             f"{name} {'off' if value is None else f'{value:g}'}" for name, value in self.criteria
@@ -115,12 +145,13 @@ class DemoConfig:
     )
     advisor: AdvisorRequest = field(default_factory=AdvisorRequest)
     fast: bool = True
+    threads: int | None = 1
 
     @classmethod
     def quick(cls) -> DemoConfig:
         return cls(
             train=TrainConfig(
-                steps=60, batch_size=16, lr=2e-3, warmup_steps=6, eval_every=20, checkpoint_every=20
+                steps=40, batch_size=16, lr=2e-3, warmup_steps=4, eval_every=20, checkpoint_every=20
             ),
             observe_every=10,
             fast=False,
@@ -202,11 +233,14 @@ def run_demo(
     """Run every stage into ``out_dir``; returns the summary that ``summary.json`` holds."""
     from numscope.formats.fast import fast_enabled, set_fast
 
-    was_fast = fast_enabled()
+    was_fast, was_threads = fast_enabled(), torch.get_num_threads()
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
     try:
         return _run_demo(out_dir, config, text_paths, log, progress)
     finally:
         set_fast(was_fast)
+        torch.set_num_threads(was_threads)
 
 
 def uses_block_formats(plan: Plan) -> bool:
@@ -309,6 +343,7 @@ def _run_demo(
         command="numscope demo",
         context_free_loss=unigram,
         setup=_setup(config, data),
+        plan_intro=html.escape(config.advisor.rationale(_flush_example(analysis), default_bits)),
         progress=progress,
     )
     summary = {
@@ -341,6 +376,31 @@ def quick_config(steps: int | None = None) -> DemoConfig:
     if steps is not None:
         config = replace(config, train=replace(config.train, steps=steps))
     return config
+
+
+def _flush_example(analysis: Any, fmt: str = "fp16", reference: str = "bf16") -> str | None:
+    """The gradient operand ``fmt`` flushes most of, with its backward error over ``reference``'s."""
+    from numscope.analysis import AnalysisError
+
+    worst = None
+    for site, gemm, operand in sorted(analysis.operands):
+        if operand != "grad_output" or gemm != "wgrad":
+            continue
+        try:
+            share = max(analysis.metric_values((site, gemm, operand), fmt, "underflow%"))
+            own = analysis.be_values((site, gemm), (fmt, "fp32"))
+            base = analysis.be_values((site, gemm), (reference, "fp32"))
+        except (AnalysisError, KeyError, ValueError):
+            continue
+        if own and base and min(base) > 0 and (worst is None or share > worst[0]):
+            worst = (share, site, max(o / b for o, b in zip(own, base, strict=True)))
+    if worst is None:
+        return None
+    share, site, ratio = worst
+    return (
+        f"{fmt} flushes up to {share:.1f}% of the wgrad grad_output of {site}, and its backward error there "
+        f"reaches {ratio:.0f}× {reference}'s: rejected"
+    )
 
 
 def _default_limits_bits(analysis: Any) -> float | None:
