@@ -26,7 +26,7 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "| recommended " in result.stdout and "| mxfp4 " in result.stdout
     report = (out / "report.html").read_text()
-    assert "data:image/png;base64," in report
+    assert "data:image/png;base64," in report and 'id="claims"' in report
     assert (out / "plan.yaml").is_file()
     summary = json.loads((out / "summary.json").read_text())
     runs = {run["name"]: run for run in summary["runs"]}
@@ -34,6 +34,8 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     vocab = 4000  # DemoConfig.quick(): an untrained model's loss is about ln(vocab)
     assert runs["fp32"]["val_loss"] < math.log(vocab) - 0.5
     assert runs["recommended"]["avg_bits"] < 32
+    assert len(summary["claims"]) == 5 and all(isinstance(c["held"], bool) for c in summary["claims"])
+    assert summary["unigram_loss"] < math.log(vocab)
 
 
 def test_demo_rejects_a_missing_text_file(tmp_path: Path) -> None:
