@@ -112,8 +112,17 @@ class AdvisorRequest:
 class DemoConfig:
     """Everything that sizes the demo. ``quick()`` keeps every stage with fewer steps.
 
-    Sizes in tokens and elements; ``observe_every`` in optimizer steps; ``fast``: quantize through the
-    ``torch.compile`` fast path (bit-identical to the eager reference, several times faster).
+    Sizes in tokens and elements; ``observe_every`` in optimizer steps (it must divide ``eval_every``).
+    The default, 500 steps of 16 blocks, is where FP32 has clearly left the context-free loss behind within
+    the time budget, so the gaps between runs mean something.
+
+    fast: runs whose plan uses block formats (MX, NVFP4) quantize through the ``torch.compile`` fast path
+        (bit-identical to the eager reference, about twice as fast per step on block formats, after some
+        seconds of compilation per format); every other run quantizes eagerly, which is faster for
+        element casts and compiles nothing.
+    threads: torch's intra-op threads while the demo runs (None leaves torch's setting). One by default:
+        on an idle 2-core machine two threads make a step about 1.6× faster, but when other processes
+        compete for the cores, threads waiting for each other spin, and steps became up to 20× slower.
     """
 
     train: TrainConfig = field(
