@@ -257,3 +257,32 @@ def test_attach_errors_and_chain_order() -> None:
     first.remove()
     assert attached(model) == ["b"]
     assert list(model.state_dict()) == ["0.weight", "0.bias"]
+
+
+def test_a_forward_interrupted_by_ctrl_c_leaves_no_interception_behind() -> None:
+    """torch skips always_call hooks on KeyboardInterrupt; numscope must not keep intercepting after it."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    model = bert("eager")
+    seen: list[str] = []
+
+    def record(site, gemm, operand, tensor, axis):
+        seen.append(site.name)
+        return tensor
+
+    attach(model, record, name="record")
+    model(input_ids=IDS)
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    hook = model.bert.encoder.layer[0].attention.self.value.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(input_ids=IDS)
+    hook.remove()
+    seen.clear()
+    torch.randn(4, 8) @ torch.randn(8, 3)  # a plain matmul: no site, no handler
+    F.linear(torch.randn(2, 32), model.bert.encoder.layer[0].attention.self.value.weight)
+    assert seen == []
+    model(input_ids=IDS)  # the next forward is intercepted as usual and cleans up the stale mode
+    assert seen and _get_current_function_mode_stack() == []

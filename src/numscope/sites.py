@@ -54,6 +54,7 @@ are intercepted (not a submodule called directly), and only modules present at a
 from __future__ import annotations
 
 import math
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -534,7 +535,7 @@ class _Mode(TorchFunctionMode):
         runtime = self.runtime
         if runtime.discovery is not None:
             return runtime.discover_call(func, args, kwargs)
-        if func not in _GEMM_FUNCS or not runtime.stack:
+        if func not in _GEMM_FUNCS or not runtime.stack or not runtime.in_forward():
             return func(*args, **kwargs)
         return runtime.gemm_call(func, args, kwargs)
 
@@ -547,6 +548,7 @@ class _Runtime:
         self.attachments: list[_Attachment] = []
         self.stack: list[_Frame] = []
         self.entered: list[bool] = []
+        self.callers: list[Any] = []  # the Python frame of each root call in ``entered``
         self.mode = _Mode(self)
         self.discovery: _Discovery | None = None
         self.discovered = False
@@ -579,6 +581,10 @@ class _Runtime:
             self.stack.pop()
 
     def _root_enter(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        caller = sys._getframe(1)
+        if self.entered:
+            self._drop_aborted(caller)
+        self.callers.append(caller)
         if self.discovery is None and not self.discovered and self.attachments:
             self.discover(args, kwargs)
         if (self.entered and self.entered[-1]) or not self.active():
@@ -588,9 +594,43 @@ class _Runtime:
         self.entered.append(True)
 
     def _root_exit(self, model: nn.Module, args: Any, output: Any) -> None:
+        if self.callers:
+            self.callers.pop()
         if self.entered and self.entered.pop():
             self.mode.__exit__(None, None, None)
             self.stack.clear()
+
+    def in_forward(self) -> bool:
+        """Whether the innermost root call is still running (False after a forward was aborted)."""
+        if not self.callers:
+            return False
+        caller, frame = self.callers[-1], sys._getframe(1)
+        while frame is not None:
+            if frame is caller:
+                return True
+            frame = frame.f_back
+        return False
+
+    def _drop_aborted(self, caller: Any) -> None:
+        """Forget root calls that ended without ``_root_exit``.
+
+        torch runs ``always_call`` forward hooks for an ``Exception`` only: a ``KeyboardInterrupt`` (Ctrl-C)
+        or ``SystemExit`` inside a forward skips them, which would leave the interception mode on torch's
+        stack and intercept every later matmul of the process. A root call whose frame is no longer on the
+        Python stack has ended; its mode is popped here, before the next forward starts.
+        """
+        live = set()
+        frame = caller
+        while frame is not None:
+            live.add(id(frame))
+            frame = frame.f_back
+        while self.callers and id(self.callers[-1]) not in live:
+            self.callers.pop()
+            if self.entered and self.entered.pop():
+                top = torch._C._len_torch_function_stack() - 1
+                if top >= 0 and torch._C._get_function_stack_at(top) is self.mode:
+                    self.mode.__exit__(None, None, None)
+                self.stack.clear()
 
     def remove(self) -> None:
         for hook in self.hooks:
