@@ -56,9 +56,12 @@ PRESET_FORMATS = {
     "bf16": uniform_formats("bf16"),
     "fp16": uniform_formats("fp16"),
     "fp8": {
-        "fprop/input": "fp8_e4m3", "fprop/weight": "fp8_e4m3",
-        "dgrad/grad_output": "fp8_e5m2", "dgrad/weight": "fp8_e4m3",
-        "wgrad/grad_output": "fp8_e5m2", "wgrad/input": "fp8_e4m3",
+        "fprop/input": "fp8_e4m3",
+        "fprop/weight": "fp8_e4m3",
+        "dgrad/grad_output": "fp8_e5m2",
+        "dgrad/weight": "fp8_e4m3",
+        "wgrad/grad_output": "fp8_e5m2",
+        "wgrad/input": "fp8_e4m3",
     },
     "fp8_e4m3": uniform_formats("fp8_e4m3"),
     "mxfp8": uniform_formats("mxfp8_e4m3"),
@@ -69,8 +72,16 @@ PRESET_FORMATS = {
 }
 # the kind of scaling each preset's operands get (None = plain element cast / unquantized)
 PRESET_SCALING = {
-    "fp32": None, "bf16": None, "fp16": None, "fp8": "tensor", "fp8_e4m3": "tensor",
-    "mxfp8": "block", "mxfp6": "block", "mxfp4": "block", "nvfp4": "block", "int8": "tensor",
+    "fp32": None,
+    "bf16": None,
+    "fp16": None,
+    "fp8": "tensor",
+    "fp8_e4m3": "tensor",
+    "mxfp8": "block",
+    "mxfp6": "block",
+    "mxfp4": "block",
+    "nvfp4": "block",
+    "int8": "tensor",
 }
 
 
@@ -250,7 +261,9 @@ def test_yaml_round_trip(tmp_path):
     data = yaml.safe_load(path.read_text())
     assert next(iter(data)) == "numscope_plan" and data["numscope_plan"] == 1
     assert data["rules"][0] == {
-        "match": "*.attention.self.scores", "all": "high", "reasons": {"fprop/input": "scores feed softmax"}
+        "match": "*.attention.self.scores",
+        "all": "high",
+        "reasons": {"fprop/input": "scores feed softmax"},
     }
 
 
@@ -272,26 +285,33 @@ def test_save_replaces_the_file_atomically(tmp_path):
 
 
 def test_shorthands_layer_broadest_first():
-    plan = Plan.from_dict({
-        "numscope_plan": 1,
-        "default": {
-            "all": "bf16",
-            "backward": "fp8_e5m2",
-            "weight": "fp8_e4m3",
-            "wgrad": {"input": {"format": "mxfp8", "rounding": "stochastic"}},
-            "dgrad": "fp16",
-        },
-    })
+    plan = Plan.from_dict(
+        {
+            "numscope_plan": 1,
+            "default": {
+                "all": "bf16",
+                "backward": "fp8_e5m2",
+                "weight": "fp8_e4m3",
+                "wgrad": {"input": {"format": "mxfp8", "rounding": "stochastic"}},
+                "dgrad": "fp16",
+            },
+        }
+    )
     assert formats_of(plan.default) == {
-        "fprop/input": "bf16", "fprop/weight": "fp8_e4m3",
-        "dgrad/grad_output": "fp16", "dgrad/weight": "fp16",
-        "wgrad/grad_output": "fp8_e5m2", "wgrad/input": "mxfp8_e4m3",
+        "fprop/input": "bf16",
+        "fprop/weight": "fp8_e4m3",
+        "dgrad/grad_output": "fp16",
+        "dgrad/weight": "fp16",
+        "wgrad/grad_output": "fp8_e5m2",
+        "wgrad/input": "mxfp8_e4m3",
     }
     assert plan.default.operand("wgrad", "input").rounding == "stochastic"
-    hybrid = Plan.from_dict({
-        "numscope_plan": 1,
-        "default": {"input": "fp8_e4m3", "weight": "fp8_e4m3", "grad_output": "fp8_e5m2"},
-    })
+    hybrid = Plan.from_dict(
+        {
+            "numscope_plan": 1,
+            "default": {"input": "fp8_e4m3", "weight": "fp8_e4m3", "grad_output": "fp8_e5m2"},
+        }
+    )
     assert hybrid == Plan.uniform("fp8")
     assert Plan.from_dict({"numscope_plan": 1}) == Plan.uniform("fp32")
 
@@ -533,7 +553,11 @@ def bert_site_names() -> list[str]:
     from transformers import BertConfig, BertForMaskedLM
 
     config = BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
         max_position_embeddings=32,
     )
     model = BertForMaskedLM(config)

@@ -126,7 +126,8 @@ class _Quantizer:
                 scale = scale_from_amax(amax, fmt.max, scaling.margin, scaling.power_of_two)  # type: ignore[union-attr]
             return _fake_cast(xf, native, fmt, scale, amax, spec.overflow).to(tensor.dtype)  # type: ignore[arg-type]
         if isinstance(fmt, BlockFormat):
-            scaling_arg: Any = Scaling("block", axis=axis)
+            reduce = scaling is None or scaling.reduce_amax
+            scaling_arg: Any = Scaling("block", axis=axis, reduce_amax=reduce)
         elif scaling is not None and scaling.kind == "delayed":
             scaling_arg = self.scaler(key, scaling)
         else:

@@ -205,7 +205,8 @@ class OperandSpec:
         if self.format.strip().lower() == HIGH:
             object.__setattr__(self, "format", HIGH)
             changed = [
-                name for name in ("scaling", "rounding", "overflow", "flush_subnormals")
+                name
+                for name in ("scaling", "rounding", "overflow", "flush_subnormals")
                 if (scaling if name == "scaling" else getattr(self, name)) != _OPERAND_DEFAULTS[name]
             ]
             if changed:
@@ -286,9 +287,7 @@ class OperandSpec:
         return f"{scaling.kind}({', '.join(f'{k}={v}' for k, v in extra.items())})"
 
 
-_OPERAND_DEFAULTS: dict[str, Any] = {
-    f.name: f.default for f in fields(OperandSpec) if f.name != "format"
-}
+_OPERAND_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(OperandSpec) if f.name != "format"}
 
 
 def _canonical_scaling(fmt: Format, scaling: Scaling | None) -> Scaling | None:
@@ -516,8 +515,13 @@ class Plan:
                 op = spec.operand(gemm, operand)
                 rows.append(
                     PlanRow(
-                        pattern, gemm, operand, op.format, op.describe_scaling(),
-                        reasons.get(f"{gemm}/{operand}", ""), "-" if op.is_high else op.rounding,
+                        pattern,
+                        gemm,
+                        operand,
+                        op.format,
+                        op.describe_scaling(),
+                        reasons.get(f"{gemm}/{operand}", ""),
+                        "-" if op.is_high else op.rounding,
                         spec.accumulate,
                     )
                 )
@@ -549,9 +553,7 @@ class Plan:
         return total_bits / total_elements
 
     # -- building ---------------------------------------------------------------------------------
-    def with_rule(
-        self, pattern: str, spec: SiteSpec, reasons: Mapping[str, str] | None = None
-    ) -> Plan:
+    def with_rule(self, pattern: str, spec: SiteSpec, reasons: Mapping[str, str] | None = None) -> Plan:
         """A new plan with a rule appended (it takes precedence over every earlier rule)."""
         return Plan(self.default, (*self.rules, Rule(pattern, spec, reasons or {})), self.default_reasons)
 
@@ -657,11 +659,16 @@ def _hybrid_fp8() -> SiteSpec:
     # tensors in the backward pass are in e5m2 format": x and W (also where the backward GEMMs reuse
     # them) in E4M3, dy in E5M2. Float8CurrentScaling defaults to HYBRID with per-tensor current scaling.
     e4m3, e5m2 = OperandSpec("fp8_e4m3"), OperandSpec("fp8_e5m2")
-    return SiteSpec({
-        ("fprop", "input"): e4m3, ("fprop", "weight"): e4m3,
-        ("dgrad", "grad_output"): e5m2, ("dgrad", "weight"): e4m3,
-        ("wgrad", "grad_output"): e5m2, ("wgrad", "input"): e4m3,
-    })
+    return SiteSpec(
+        {
+            ("fprop", "input"): e4m3,
+            ("fprop", "weight"): e4m3,
+            ("dgrad", "grad_output"): e5m2,
+            ("dgrad", "weight"): e4m3,
+            ("wgrad", "grad_output"): e5m2,
+            ("wgrad", "input"): e4m3,
+        }
+    )
 
 
 _PRESETS: dict[str, Any] = {
@@ -776,10 +783,7 @@ def _parse_scaling(value: Any, where: str) -> Scaling:
         item = data[key]
         wrong = not isinstance(item, expected) or (expected is int and isinstance(item, bool))
         if wrong:
-            raise PlanError(
-                f"{_at(where, key)} must be {_A_TYPE[expected]}, "
-                f"got {_type_name(item)}"
-            )
+            raise PlanError(f"{_at(where, key)} must be {_A_TYPE[expected]}, got {_type_name(item)}")
     if data["kind"] not in KINDS:
         raise PlanError(f"{_at(where, 'kind')}: {_unknown('scaling kind', data['kind'], KINDS)}")
     try:
@@ -799,9 +803,7 @@ def _parse_operand(value: Any, where: str) -> OperandSpec:
         if "format" not in data:
             raise PlanError(f"{where}: missing key 'format' (a format name or 'high')")
     else:
-        raise PlanError(
-            f"{where} must be a format name or a mapping with 'format', got {_type_name(value)}"
-        )
+        raise PlanError(f"{where} must be a format name or a mapping with 'format', got {_type_name(value)}")
     args: dict[str, Any] = {}
     for key in _OPERAND_FIELDS:
         if key not in data:

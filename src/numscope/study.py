@@ -121,14 +121,19 @@ def backward_error_study(
         fitted = float(np.mean(fits))
         for line in lines:
             results = per_format[line.label]
-            rows.append(StudyRow(
-                float(dof), line.label,
-                float(np.mean([r.mean for r in results])),
-                float(np.mean([r.median for r in results])),
-                float(np.mean([r.p99 for r in results])),
-                float(max(r.max for r in results)),
-                trials, size, fitted,
-            ))
+            rows.append(
+                StudyRow(
+                    float(dof),
+                    line.label,
+                    float(np.mean([r.mean for r in results])),
+                    float(np.mean([r.median for r in results])),
+                    float(np.mean([r.p99 for r in results])),
+                    float(max(r.max for r in results)),
+                    trials,
+                    size,
+                    fitted,
+                )
+            )
     return rows
 
 
@@ -240,8 +245,15 @@ def read_csv(path: str | Path) -> list[StudyRow]:
     with Path(path).open(newline="") as handle:
         return [
             StudyRow(
-                float(r["dof"]), r["format"], float(r["mean"]), float(r["median"]), float(r["p99"]),
-                float(r["max"]), int(r["trials"]), int(r["size"]), float(r["fitted_dof"]),
+                float(r["dof"]),
+                r["format"],
+                float(r["mean"]),
+                float(r["median"]),
+                float(r["p99"]),
+                float(r["max"]),
+                int(r["trials"]),
+                int(r["size"]),
+                float(r["fitted_dof"]),
             )
             for r in csv.DictReader(handle)
         ]

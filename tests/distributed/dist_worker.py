@@ -191,6 +191,8 @@ def scenario_amax(rank: int, world_size: int, args: dict[str, Any]) -> dict[str,
     return {
         "reduced": numscope.quantize(part, "fp8_e4m3", scaling="tensor"),
         "local": numscope.quantize(part, "fp8_e4m3", scaling=numscope.Scaling("tensor", reduce_amax=False)),
+        "nvfp4_reduced": numscope.quantize(part, "nvfp4"),
+        "nvfp4_local": numscope.quantize(part, "nvfp4", scaling=numscope.Scaling("block", reduce_amax=False)),
         "delayed": delayed_results,
         "delayed_history": delayed.amax_history.clone(),
         "gathers": gathers,

@@ -89,6 +89,13 @@ def test_reduced_amax_makes_each_rank_quantize_as_one_process(amax_ranks: list[d
     assert torch.equal(amax_ranks[0]["local"], numscope.quantize(whole[:4], "fp8_e4m3", scaling="tensor"))
 
 
+def test_nvfp4_tensor_amax_is_reduced_unless_switched_off(amax_ranks: list[dict]) -> None:
+    whole = whole_tensor()
+    assert torch.equal(torch.cat([r["nvfp4_reduced"] for r in amax_ranks]), numscope.quantize(whole, "nvfp4"))
+    assert torch.equal(amax_ranks[0]["nvfp4_local"], numscope.quantize(whole[:4], "nvfp4"))
+    assert not torch.equal(amax_ranks[0]["nvfp4_local"], amax_ranks[0]["nvfp4_reduced"])
+
+
 def test_delayed_scaling_records_the_global_amax(amax_ranks: list[dict]) -> None:
     whole = whole_tensor()
     reference = numscope.DelayedScaler(numscope.Scaling("delayed", history_len=4))

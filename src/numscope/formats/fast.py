@@ -233,7 +233,7 @@ def element(
     return kernel(x, amax, scale)
 
 
-def block(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+def block(x: torch.Tensor, fmt: BlockFormat, reduce_amax: bool = True) -> torch.Tensor:
     """A 2-D float32 tensor (blocks along its last axis) quantized to the block format ``fmt``.
 
     A last axis that does not divide the block is zero-padded here, before the compiled kernel, so that
@@ -243,7 +243,7 @@ def block(x: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     pad = (-length) % fmt.block_size
     padded = F.pad(x, (0, pad)) if pad else x
     tensor_amax = None
-    if fmt.tensor_scale and _distributed_reduction(True):
+    if fmt.tensor_scale and _distributed_reduction(reduce_amax):
         tensor_amax = reduce_amax_(abs_amax(padded, "tensor").reshape(1))[0]
     _dynamic(padded)
     out = _compiled("block", fmt=fmt)(padded, tensor_amax)

@@ -148,10 +148,17 @@ def block_parts_2d(
     return BlockParts(elements, scales, stored, None, length)
 
 
-def _block_parts(x: torch.Tensor, fmt: BlockFormat, axis: int, rounding: str, generator) -> BlockParts:
-    """Block parts of ``x`` with blocks along ``axis``, shaped (..., nblocks, block) with that axis last."""
+def _block_parts(
+    x: torch.Tensor, fmt: BlockFormat, axis: int, rounding: str, generator, reduce_amax: bool = True
+) -> BlockParts:
+    """Block parts of ``x`` with blocks along ``axis``, shaped (..., nblocks, block) with that axis last.
+
+    reduce_amax: NVFP4's per-tensor amax is taken over the default process group (as ``Scaling``'s).
+    """
     x2d, moved = _axis_last_2d(x, axis)
-    tensor_amax = reduce_amax_(x.abs().amax().float().reshape(1))[0] if fmt.tensor_scale else None
+    tensor_amax = (
+        reduce_amax_(x.abs().amax().float().reshape(1), reduce_amax)[0] if fmt.tensor_scale else None
+    )
     parts = block_parts_2d(x2d, fmt, tensor_amax, rounding, generator)
     lead = tuple(moved[:-1])
     return BlockParts(
@@ -256,11 +263,16 @@ def quantize(
         out = _quantize_fast(xf, spec, parsed, delayed, overflow, flush_subnormals)
     elif isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
-        parts = _block_parts(xf, spec, axis, rounding, generator)
+        parts = _block_parts(xf, spec, axis, rounding, generator, _reduces(parsed))
         out = _unblock(parts.elements * parts.scales, xf.shape, axis, parts.length)
     else:
         out = _quantize_element(xf, spec, parsed, delayed, rounding, overflow, flush_subnormals, generator)
     return out.to(x.dtype)
+
+
+def _reduces(parsed: Scaling | None) -> bool:
+    """Whether a per-tensor amax is reduced across ranks (``Scaling.reduce_amax``; default yes)."""
+    return parsed is None or parsed.reduce_amax
 
 
 def _block_axis(spec: BlockFormat, parsed: Scaling | None) -> int:
@@ -290,7 +302,7 @@ def _quantize_fast(
     if isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
         x2d, moved = _axis_last_2d(xf, axis)
-        out = fast.block(x2d, spec).reshape(moved)
+        out = fast.block(x2d, spec, _reduces(parsed)).reshape(moved)
         return out.reshape(xf.shape) if xf.dim() == 0 else out.movedim(-1, axis)
     x2d = xf.reshape(-1, xf.shape[-1]) if xf.dim() > 0 else xf.reshape(1, 1)
     if delayed is not None:
@@ -450,7 +462,7 @@ def encode(
     xf = x.detach().float()
     if isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
-        parts = _block_parts(xf, spec, axis, rounding, generator)
+        parts = _block_parts(xf, spec, axis, rounding, generator, _reduces(parsed))
         scale_codes = _float_codes(parts.stored, spec.scale_format).to(torch.uint8)
         return Encoded(
             spec,
