@@ -251,3 +251,16 @@ def test_retained_samples_are_bounded_on_a_large_tensor():
     assert rows_along_tokens.values.shape == (1, max(MIN_ROWS, limit // 4096), 4096)
     assert rows.for_be(rows.values).shape[1] <= 16
     assert obs.analysis().record(("0", "fprop", "input"), 0).elements == x.numel()
+
+
+@pytest.mark.parametrize("no_grad_forwards", [False, True])
+def test_forwards_without_gradients_are_measured_only_when_asked(no_grad_forwards: bool) -> None:
+    model = tiny_bert()
+    batch = batches(1)[0]
+    with observe(model, candidates=("bf16",), every=1, no_grad_forwards=no_grad_forwards) as obs:
+        with torch.no_grad():  # an evaluation, no training step
+            model(input_ids=batch["input_ids"])
+        analysis = obs.analysis()
+    query = ("bert.encoder.layer.0.attention.self.query", "fprop", "input")
+    assert (query in analysis.elements) == no_grad_forwards
+    assert analysis.steps == ([0] if no_grad_forwards else [])

@@ -28,6 +28,9 @@ and without it is bit-identical. On a *sampled* step (``step % every == 0``; ste
   operand, on the right one, and on both (``(fmt, "fp32")``, ``("fp32", fmt)``, ``(fmt, fmt)``), on a
   sub-product of sampled rows (see below).
 
+Only training forwards are measured: a forward run under ``torch.no_grad()`` (an evaluation between steps)
+is left alone unless ``no_grad_forwards=True``.
+
 Under a plan (monitoring) the observer also records, under the candidate label ``"plan"``, the metrics of
 the format and scaling the plan gives each operand, and the format in ``Analysis.plan_formats``. The plan is
 the one passed as ``plan=``, else the one :func:`numscope.convert` applied to the model. Start observing
@@ -102,7 +105,7 @@ from numscope.metrics import candidate_metrics, log2_histogram, operand_metrics,
 from numscope.metrics.errors import finite_or_zero, metrics_of_quantized, quantize_kept
 from numscope.metrics.stats import Log2Histogram
 from numscope.plan import OPERANDS, OperandSpec, Plan, default_scaling
-from numscope.sites import Site, attach, attached, refresh
+from numscope.sites import Site, attach, attached, forward_has_grad, refresh
 
 DEFAULT_CANDIDATES: tuple[str, ...] = (
     "bf16",
@@ -137,6 +140,10 @@ class ObserveConfig:
     backward_error: whether to compute backward errors at all.
     reduce_ranks: under ``torch.distributed``, merge each sampled step across the ranks at
         :meth:`Observer.step`.
+    no_grad_forwards: also measure forwards run without gradients (``torch.no_grad()``: evaluation,
+        inference). Off by default: an evaluation between training steps would otherwise be merged into
+        the step's records (other operands, other sizes), and under ``torch.distributed`` a forward run on
+        one rank only would wait for the others.
     """
 
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
@@ -145,6 +152,7 @@ class ObserveConfig:
     be_rows: int = 64
     backward_error: bool = True
     reduce_ranks: bool = True
+    no_grad_forwards: bool = False
 
     def __post_init__(self) -> None:
         names = tuple(dict.fromkeys(get_format(c).name for c in self.candidates))
@@ -348,6 +356,8 @@ class Observer:
 
     # -- the handler ------------------------------------------------------------------------------
     def _observe(self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        if gemm == "fprop" and not (self.config.no_grad_forwards or forward_has_grad(self.model)):
+            return tensor
         if self.sampling and tensor.is_floating_point() and tensor.numel() > 0:
             if is_parameter_operand(site, operand):
                 self._replicated.add((site.name, gemm, operand))
@@ -676,6 +686,7 @@ def observe(
     plan: Plan | None = None,
     generator: torch.Generator | None = None,
     reduce_ranks: bool = True,
+    no_grad_forwards: bool = False,
 ) -> Observer:
     """An :class:`Observer` of ``model`` (use it as a context manager; see the module docstring).
 
@@ -684,8 +695,12 @@ def observe(
     each operand in the backward-error sub-product. plan: the plan the model runs under (monitoring).
     generator: the random source of the samples (default: a CPU generator seeded with 0).
     reduce_ranks: under ``torch.distributed``, merge each sampled step across the ranks at ``step()``.
+    no_grad_forwards: also measure forwards run under ``torch.no_grad()`` (evaluation, inference); by
+    default only training forwards (and their backward) are measured.
     """
-    config = ObserveConfig(tuple(candidates), every, max_elements, be_rows, backward_error, reduce_ranks)
+    config = ObserveConfig(
+        tuple(candidates), every, max_elements, be_rows, backward_error, reduce_ranks, no_grad_forwards
+    )
     return Observer(model, config, plan=plan, generator=generator)
 
 

@@ -549,6 +549,7 @@ class _Runtime:
         self.stack: list[_Frame] = []
         self.entered: list[bool] = []
         self.callers: list[Any] = []  # the Python frame of each root call in ``entered``
+        self.grad_modes: list[bool] = []  # whether each root call began with gradients enabled
         self.mode = _Mode(self)
         self.discovery: _Discovery | None = None
         self.discovered = False
@@ -585,6 +586,7 @@ class _Runtime:
         if self.entered:
             self._drop_aborted(caller)
         self.callers.append(caller)
+        self.grad_modes.append(torch.is_grad_enabled())
         if self.discovery is None and not self.discovered and self.attachments:
             self.discover(args, kwargs)
         if (self.entered and self.entered[-1]) or not self.active():
@@ -596,6 +598,7 @@ class _Runtime:
     def _root_exit(self, model: nn.Module, args: Any, output: Any) -> None:
         if self.callers:
             self.callers.pop()
+            self.grad_modes.pop()
         if self.entered and self.entered.pop():
             self.mode.__exit__(None, None, None)
             self.stack.clear()
@@ -626,6 +629,7 @@ class _Runtime:
             frame = frame.f_back
         while self.callers and id(self.callers[-1]) not in live:
             self.callers.pop()
+            self.grad_modes.pop()
             if self.entered and self.entered.pop():
                 top = torch._C._len_torch_function_stack() - 1
                 if top >= 0 and torch._C._get_function_stack_at(top) is self.mode:
@@ -1011,6 +1015,14 @@ def is_discovered(model: nn.Module) -> bool:
     """Whether an attached ``model``'s matmul sites have been found by a forward pass."""
     runtime = _runtime(model)
     return runtime is not None and runtime.discovered
+
+
+def forward_has_grad(model: nn.Module) -> bool:
+    """Whether the forward of ``model`` now running began with gradients enabled (a training forward;
+    evaluation runs under ``torch.no_grad()``). Handlers are called inside an autograd function, where
+    ``torch.is_grad_enabled()`` is always False, so they ask here. True outside a forward."""
+    runtime = _runtime(model)
+    return runtime is None or not runtime.grad_modes or runtime.grad_modes[-1]
 
 
 def refresh(model: nn.Module) -> None:

@@ -112,7 +112,7 @@ class AdvisorRequest:
 class DemoConfig:
     """Everything that sizes the demo. ``quick()`` keeps every stage with fewer steps.
 
-    Sizes in tokens and elements; ``observe_every`` in optimizer steps (it must divide ``eval_every``).
+    Sizes in tokens and elements; ``observe_every`` in optimizer steps.
     The default, 500 steps of 16 blocks, is where FP32 has clearly left the context-free loss behind within
     the time budget, so the gaps between runs mean something.
 
@@ -220,16 +220,11 @@ def model_config(config: DemoConfig, data: DemoData) -> ModelConfig:
 
 
 def training_observer(model: torch.nn.Module, config: DemoConfig) -> Any:
-    """An entered observer of ``model`` whose step counter runs one ahead of the training loop's, so that it
-    measures the steps numbered ``observe_every``, 2 × ``observe_every``… (counting from 1) and never the
-    evaluation that ``train_run`` makes right after a step whose number ``eval_every`` divides (that
-    evaluation belongs to the next observer step; measured, its forwards would be merged into the
-    training step's records and their element counts added to the bit accounting)."""
+    """An entered observer of ``model`` measuring every ``observe_every``-th training step (from step 0);
+    the evaluations ``train_run`` makes run under ``torch.no_grad()`` and are not measured."""
     from numscope.observe import observe
 
-    observer = observe(model, candidates=list(config.candidates), every=config.observe_every).__enter__()
-    observer.step()
-    return observer
+    return observe(model, candidates=list(config.candidates), every=config.observe_every).__enter__()
 
 
 def run_demo(
@@ -273,7 +268,6 @@ def _run_demo(
     from numscope.advisor import advise
     from numscope.analysis import Analysis
 
-    _check_schedule(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     data = prepare_data(config, text_paths, progress=progress)
     mcfg = model_config(config, data)
@@ -366,18 +360,6 @@ def _run_demo(
     }
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
-
-
-def _check_schedule(config: DemoConfig) -> None:
-    """The observer must never sample a step that ends with an evaluation (see :func:`training_observer`)."""
-    every, train = config.observe_every, config.train
-    if train.eval_every % every or (every > 1 and (train.steps + 1) % every == 0):
-        raise ValueError(
-            f"observe_every={every} must divide eval_every={train.eval_every} and "
-            f"steps + 1 = {train.steps + 1} "
-            f"must not be a multiple of it, so that no observed step ends with an evaluation; "
-            f"choose steps={train.steps + 1} or {train.steps - 1}"
-        )
 
 
 def quick_config(steps: int | None = None) -> DemoConfig:
