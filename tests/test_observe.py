@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pytest
@@ -264,3 +265,41 @@ def test_forwards_without_gradients_are_measured_only_when_asked(no_grad_forward
     query = ("bert.encoder.layer.0.attention.self.query", "fprop", "input")
     assert (query in analysis.elements) == no_grad_forwards
     assert analysis.steps == ([0] if no_grad_forwards else [])
+
+
+def test_state_dict_resumes_observing_as_if_never_interrupted() -> None:
+    data = batches(4)
+    whole_model = tiny_bert()
+    with observe(whole_model, CANDIDATES, every=1, max_elements=256, be_rows=8) as obs:
+        train(whole_model, data, obs)
+        whole = obs.analysis()
+
+    first = tiny_bert()
+    with observe(first, CANDIDATES, every=1, max_elements=256, be_rows=8) as obs:
+        optimizer = torch.optim.AdamW(first.parameters(), lr=1e-3)
+        torch.manual_seed(123)
+        for batch in data[:2]:
+            first(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            obs.step()
+        state = copy.deepcopy(obs.state_dict())
+        weights, moments, dropout = first.state_dict(), optimizer.state_dict(), torch.get_rng_state()
+    second = tiny_bert(seed=5)  # a fresh process: other weights until the checkpoint is loaded
+    second.load_state_dict(weights)
+    with observe(second, CANDIDATES, every=1, max_elements=256, be_rows=8) as obs:
+        obs.load_state_dict(state)
+        optimizer = torch.optim.AdamW(second.parameters(), lr=1e-3)
+        optimizer.load_state_dict(moments)
+        torch.set_rng_state(dropout)
+        for batch in data[2:]:
+            second(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            obs.step()
+        resumed = obs.analysis()
+    # as JSON text: NaN statistics (of all-zero samples) compare equal there, every float exactly
+    assert json.dumps(resumed.to_dict()) == json.dumps(whole.to_dict())
+    assert resumed.steps == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="recorded with candidates"):
+        observe(tiny_bert(), ("bf16",)).load_state_dict(state)

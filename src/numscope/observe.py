@@ -85,6 +85,7 @@ see :func:`numscope.analysis.default_reduce`) and its element counts added.
 
 from __future__ import annotations
 
+import json
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -353,6 +354,43 @@ class Observer:
                 **({"ranks": self._ranks} if self._ranks > 1 else {}),
             },
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to resume observing as if never interrupted: everything recorded so far
+        (the analysis as JSON text, exact for every float), the step counter and the sampling generator.
+        Take it between steps (after :meth:`step`)."""
+        if self._step_histograms or self._pending:
+            raise ValueError("Observer.state_dict() is taken between steps: call step() first")
+        return {
+            "analysis": json.dumps(self.analysis().to_dict(), allow_nan=True),
+            "step": self._step,
+            "generator": self.generator.get_state(),
+            "ranks": self._ranks,
+            "replicated": [list(key) for key in sorted(self._replicated)],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (the candidates must be the same)."""
+        analysis = Analysis.from_dict(json.loads(state["analysis"]))
+        candidates = tuple(c for c in analysis.candidates if c != PLAN_LABEL)
+        if candidates != self.config.candidates:
+            raise ValueError(
+                f"the observer state was recorded with candidates {list(candidates)}, this observer "
+                f"measures {list(self.config.candidates)}"
+            )
+        self._records = {key: dict(per_step) for key, per_step in analysis.operands.items()}
+        self._histograms = dict(analysis.histograms)
+        self._be = {g: {p: dict(s) for p, s in pairs.items()} for g, pairs in analysis.backward_errors.items()}
+        self._elements = dict(analysis.elements)
+        self._plan_formats = dict(analysis.plan_formats)
+        self._replicated = {tuple(key) for key in state["replicated"]}  # type: ignore[misc]
+        self._step, self._ranks = int(state["step"]), int(state["ranks"])
+        self.generator.set_state(state["generator"])
+        self._step_histograms.clear()
+        self._pending.clear()
+        self._shared.clear()
+        self._be_counts.clear()
+        refresh(self.model)
 
     # -- the handler ------------------------------------------------------------------------------
     def _observe(self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:

@@ -196,3 +196,33 @@ def test_the_plan_rationale_cites_a_measured_flush_that_the_backward_error_rejec
     text = AdvisorRequest().rationale(example, default_bits=9.17)
     assert example in text and "at most 40× bf16's" in text and "at least 22 dB" in text
     assert "may reach 1% instead of 0.1%" in text and text.endswith("would average 9.17 bits.")
+
+
+def test_an_interrupted_observed_run_resumes_its_analysis_exactly(tmp_path: Path, text_file: Path) -> None:
+    """Ctrl-C during the observed fp32 run: the resumed run's analysis equals an uninterrupted one's."""
+    config = replace(TINY, observe_every=1)
+    data = demo_main.prepare_data(config, [text_file], cache_dir=tmp_path / "cache")
+    model_config = demo_main.model_config(config, data)
+
+    def observed(folder: Path, on_step=None):
+        return demo_main.train_run(
+            demo_main.REFERENCE,
+            model_config,
+            config.train,
+            data,
+            folder,
+            on_step,
+            lambda model: training_observer(model, config),
+        )
+
+    def stop(step: int, loss: float) -> None:  # one step after the step-2 checkpoint
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        observed(tmp_path / "resumed", stop)
+    observed(tmp_path / "resumed")
+    observed(tmp_path / "whole")
+    resumed, whole = (Analysis.load(tmp_path / name / "analysis") for name in ("resumed", "whole"))
+    assert resumed.steps == list(range(config.train.steps))
+    assert json.dumps(resumed.to_dict()) == json.dumps(whole.to_dict())

@@ -328,6 +328,8 @@ def train_run(
         scaler.load_state_dict(state["scaler"])
         load_numerics_state_dict(model, state["numerics"])
         set_rng_state(state["rng"])
+        if observer is not None:
+            observer.load_state_dict(state["observer"])
         start, curve, elapsed = state["step"], state["curve"], state["elapsed"]
         if writer:
             _truncate_log(log_path, start)
@@ -407,6 +409,7 @@ def train_run(
                         "scaler": scaler.state_dict(),
                         "numerics": numerics_state_dict(model),
                         "rng": rng_state(),
+                        **({"observer": observer.state_dict()} if observer is not None else {}),
                         "curve": curve,
                         "elapsed": time.perf_counter() - began,
                     },
