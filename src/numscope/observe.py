@@ -380,7 +380,10 @@ class Observer:
             )
         self._records = {key: dict(per_step) for key, per_step in analysis.operands.items()}
         self._histograms = dict(analysis.histograms)
-        self._be = {g: {p: dict(s) for p, s in pairs.items()} for g, pairs in analysis.backward_errors.items()}
+        self._be = {
+            gemm: {pair: dict(steps) for pair, steps in pairs.items()}
+            for gemm, pairs in analysis.backward_errors.items()
+        }
         self._elements = dict(analysis.elements)
         self._plan_formats = dict(analysis.plan_formats)
         self._replicated = {tuple(key) for key in state["replicated"]}  # type: ignore[misc]
