@@ -372,6 +372,7 @@ def test_report_is_one_html_file_with_every_run(ws: Path, flow: dict[str, Result
     for name in ("fp32", "planned", "fp16-scaled"):
         assert name in html
     assert "bert.encoder.layer.0.attention.self.query" in html  # the plan and the analysis, per site
+    assert "val MLM loss (nats)" in html
 
 
 def test_a_rerun_reuses_the_finished_run_and_refuses_other_settings(
@@ -392,6 +393,9 @@ def test_builtin_gpt2_trains_as_a_causal_lm(ws: Path) -> None:
     assert json.loads((out / "run.json").read_text())["objective_resolved"] == "clm"
     loss = json.loads((out / "result.json").read_text())["val_loss"]
     assert math.isfinite(loss) and loss < math.log(200) + 1  # per next token, over at most 200 tokens
+    assert cli("report", out, "-o", ws / "gpt2.html").code == 0
+    html = (ws / "gpt2.html").read_text()
+    assert "val causal LM loss" in html and "MLM" not in html
 
 
 def test_factories_from_a_file_and_from_a_module(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:

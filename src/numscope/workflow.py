@@ -810,6 +810,9 @@ def load_run(directory: str | os.PathLike[str]) -> dict[str, Any]:
     return run
 
 
+_LOSS_LABELS = {"mlm": "MLM loss", "clm": "causal LM loss"}
+
+
 def _load_runs(directories: Sequence[str | os.PathLike[str]]) -> list[dict[str, Any]]:
     if not directories:
         raise WorkflowError("give at least one run folder")
@@ -901,7 +904,17 @@ def report(
         if row.get("avg_bits") is None and loaded is not None:  # a run from before runs recorded it
             row["avg_bits"] = analysis_average_bits(Plan.load(Path(run["dir"]) / "plan.yaml"), loaded)
         rows.append(row)
-    return write_report(output, title=title, runs=rows, analysis=loaded, plan=shown, command=command)
+    labels = {_LOSS_LABELS.get(run["settings"].get("objective_resolved"), "loss") for run in runs}
+    loss_label = labels.pop() if len(labels) == 1 else "loss"
+    return write_report(
+        output,
+        title=title,
+        runs=rows,
+        analysis=loaded,
+        plan=shown,
+        command=command,
+        loss_label=loss_label,
+    )
 
 
 # ================================================================================================ study

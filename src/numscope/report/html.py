@@ -396,7 +396,7 @@ def _table(
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
-def _headline(runs: Sequence[Mapping[str, Any]]) -> _Section:
+def _headline(runs: Sequence[Mapping[str, Any]], loss_label: str = "MLM loss") -> _Section:
     reference = next((r for r in runs if r["name"] == REFERENCE_RUN), None)
     ref_loss = float(reference["val_loss"]) if reference is not None else None
     rows, row_classes = [], []
@@ -427,7 +427,7 @@ def _headline(runs: Sequence[Mapping[str, Any]]) -> _Section:
         "run",
         "plan",
         "loss scaling",
-        "val MLM loss (nats)",
+        f"val {loss_label} (nats)",
         "val accuracy",
         "gap to FP32",
         "avg bits / GEMM operand",
@@ -455,7 +455,9 @@ def _plan_label(plan: str) -> str:
     return Path(plan).name if plan.endswith((".yaml", ".yml")) else plan
 
 
-def _curves(runs: Sequence[Mapping[str, Any]], context_free_loss: float | None = None) -> _Section | None:
+def _curves(
+    runs: Sequence[Mapping[str, Any]], context_free_loss: float | None = None, loss_label: str = "MLM loss"
+) -> _Section | None:
     reference = ""
     if context_free_loss is not None:
         reference = (
@@ -465,10 +467,10 @@ def _curves(runs: Sequence[Mapping[str, Any]], context_free_loss: float | None =
         )
     body = [
         _figure(
-            plots.loss_curves(runs, context_free_loss=context_free_loss),
+            plots.loss_curves(runs, context_free_loss=context_free_loss, loss_label=loss_label),
             "training and validation loss",
-            "Left: training MLM loss per step, smoothed with an exponential moving average. "
-            "Middle: validation MLM loss at each evaluation. Right: each run's validation loss relative "
+            f"Left: training {loss_label} per step, smoothed with an exponential moving average. "
+            f"Middle: validation {loss_label} at each evaluation. Right: each run's validation loss relative "
             "to FP32's at the same step, in percent (green: within ±1%; a logarithmic scale beyond ±2%). "
             f"Every run starts from the same seed and sees the same batches.{reference}",
         ),
@@ -846,6 +848,7 @@ def render_report(
     setup: Mapping[str, Any] | None = None,
     plan_intro: str | None = None,
     progress: bool = False,
+    loss_label: str = "MLM loss",
 ) -> str:
     """The report as one HTML string (see :func:`write_report` for the arguments)."""
     from tqdm.auto import tqdm
@@ -856,9 +859,9 @@ def render_report(
     if plan_rows is None and plan is not None:
         plan_rows = plan_table(plan, view.sites if view is not None else ())
     makers: list[Callable[[], _Section | None]] = [
-        lambda: _headline(runs) if runs else None,
+        lambda: _headline(runs, loss_label) if runs else None,
         lambda: _notes(notes),
-        lambda: _curves(runs, context_free_loss) if runs else None,
+        lambda: _curves(runs, context_free_loss, loss_label) if runs else None,
         lambda: _plan_section(plan_rows or [], view, plan_intro),
         lambda: _underflow(view, runs),
         lambda: _heatmap(view) if view is not None else None,
@@ -927,6 +930,7 @@ def write_report(
     setup: Mapping[str, Any] | None = None,
     plan_intro: str | None = None,
     progress: bool = False,
+    loss_label: str = "MLM loss",
 ) -> Path:
     """Write the HTML report to ``path`` atomically (a temporary file, then ``os.replace``) and return it.
 
@@ -946,6 +950,8 @@ def write_report(
     setup: ``label → description`` of how the runs were made (model, data, training…), shown last.
     plan_intro: HTML shown at the top of the plan section (e.g. how the advisor was asked and why).
     progress: show a progress bar while the sections are drawn.
+    loss_label: what the runs' loss is, as the table and figures name it (``"MLM loss"``, ``"causal LM
+        loss"``…).
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -962,6 +968,7 @@ def write_report(
         setup=setup,
         plan_intro=plan_intro,
         progress=progress,
+        loss_label=loss_label,
     )
     descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:

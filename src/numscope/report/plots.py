@@ -90,7 +90,10 @@ def ema(values: Sequence[float], alpha: float = 0.1) -> list[float]:
 
 # ------------------------------------------------------------------------------------------ loss curves
 def loss_curves(
-    runs: Sequence[Mapping], smoothing: float = 0.1, context_free_loss: float | None = None
+    runs: Sequence[Mapping],
+    smoothing: float = 0.1,
+    context_free_loss: float | None = None,
+    loss_label: str = "MLM loss",
 ) -> bytes | None:
     """Three panels on shared step axes: training loss (EMA-smoothed, ``smoothing`` = EMA weight of a new
     step), validation loss, and each run's validation loss relative to the reference run's at the same
@@ -134,7 +137,7 @@ def loss_curves(
             )
             val_losses += [v for v in values if math.isfinite(v)]
     train_ax.set_title(f"training loss (EMA, weight {smoothing:g} per step)")
-    val_ax.set_title("validation MLM loss")
+    val_ax.set_title(f"validation {loss_label}")
     for ax in (train_ax, val_ax):
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("cross-entropy (nats)")
