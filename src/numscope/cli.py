@@ -95,21 +95,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from numscope.demo.corpus import CorpusError, CorpusNotFoundError
-    from numscope.demo.main import DemoConfig, quick_config, run_demo, summary_table
+    from numscope.demo.main import DemoConfig, DemoError, quick_config, run_demo, summary_table
 
     config = quick_config(args.steps) if args.quick else DemoConfig()
-    if args.steps and not args.quick:
-        from dataclasses import replace
-
+    if args.steps is not None and not args.quick:
         config = replace(config, train=replace(config.train, steps=args.steps))
+    if args.threads is not None:
+        config = replace(config, threads=args.threads)
     out = Path(args.out or ("runs/demo-quick" if args.quick else "runs/demo"))
     for path in args.text or ():
         if not Path(path).is_file():
             raise CLIError(f"--text {path}: no such file")
     try:
         summary = run_demo(out, config, text_paths=[Path(p) for p in args.text] if args.text else None)
-    except (CorpusNotFoundError, CorpusError) as error:
+    except (CorpusNotFoundError, CorpusError, DemoError) as error:
         raise CLIError(str(error)) from error
     print()
     print(render_table(summary_table(summary)))
@@ -125,7 +127,13 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--quick", action="store_true", help="the same stages with fewer steps (about 2 minutes)")
     p.add_argument("--out", help="output folder (default runs/demo or runs/demo-quick); reruns resume there")
-    p.add_argument("--steps", type=int, help="training steps per run (default 300, quick 40)")
+    p.add_argument("--steps", type=_int_at_least(1), help="training steps per run (default 500, quick 40)")
+    p.add_argument(
+        "--threads",
+        type=_int_at_least(1),
+        help="torch threads (default 1: on a machine shared with other processes, waiting threads spin and "
+        "steps slow down many times; on an idle machine 2 threads are about 1.6x faster)",
+    )
     p.add_argument(
         "--text", nargs="+", metavar="PATH", help="your own text files instead of the Wikipedia corpus"
     )

@@ -226,3 +226,18 @@ def test_an_interrupted_observed_run_resumes_its_analysis_exactly(tmp_path: Path
     resumed, whole = (Analysis.load(tmp_path / name / "analysis") for name in ("resumed", "whole"))
     assert resumed.steps == list(range(config.train.steps))
     assert json.dumps(resumed.to_dict()) == json.dumps(whole.to_dict())
+
+
+def test_a_folder_of_runs_made_with_other_settings_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "demo"
+    folder.mkdir()
+    demo_main._check_settings(folder, TINY, None)
+    demo_main._check_settings(folder, replace(TINY, threads=2), None)  # same results: accepted
+    longer = replace(TINY, train=replace(TINY.train, steps=5))
+    with pytest.raises(demo_main.DemoError, match=r"other settings \(train\.steps: 4 → 5\)"):
+        demo_main._check_settings(folder, longer, None)
+    (folder / demo_main.SETTINGS_FILE).unlink()
+    (folder / "runs" / "fp32").mkdir(parents=True)
+    (folder / "runs" / "fp32" / "result.json").write_text("{}")
+    with pytest.raises(demo_main.DemoError, match=r"no demo\.json"):
+        demo_main._check_settings(folder, TINY, None)

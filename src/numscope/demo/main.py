@@ -17,7 +17,7 @@ import html
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +247,51 @@ def run_demo(
         torch.set_num_threads(was_threads)
 
 
+class DemoError(ValueError):
+    """A demo that cannot run as asked (e.g. its folder holds runs made with other settings)."""
+
+
+SETTINGS_FILE = "demo.json"
+_RESULT_NEUTRAL = ("threads", "fast")  # settings that do not change what the runs compute
+
+
+def _check_settings(out_dir: Path, config: DemoConfig, text_paths: Sequence[Path] | None) -> None:
+    """Refuse to resume in a folder whose finished runs were made with other settings (their results would
+    be reused as if they were this configuration's); record the settings of a new folder."""
+    settings = {k: v for k, v in asdict(config).items() if k not in _RESULT_NEUTRAL}
+    settings["text"] = [str(Path(p).resolve()) for p in text_paths] if text_paths else None
+    settings = json.loads(json.dumps(settings))  # tuples as lists, as stored
+    path = out_dir / SETTINGS_FILE
+    if path.is_file():
+        stored = json.loads(path.read_text())
+        changes = _changes(stored, settings)
+        if changes:
+            raise DemoError(
+                f"{out_dir} holds demo runs made with other settings ({'; '.join(changes[:3])}); "
+                "resume with the same flags, or choose another --out"
+            )
+        return
+    if any(out_dir.glob("runs/*/result.json")):
+        raise DemoError(
+            f"{out_dir} holds demo runs but no {SETTINGS_FILE} to tell which settings made them; "
+            "choose another --out"
+        )
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(settings, indent=1))
+    temporary.replace(path)
+
+
+def _changes(old: Any, new: Any, where: str = "") -> list[str]:
+    """``key: old → new`` for every leaf that differs between two JSON values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [
+            change
+            for key in sorted(set(old) | set(new))
+            for change in _changes(old.get(key), new.get(key), f"{where}.{key}" if where else key)
+        ]
+    return [] if old == new else [f"{where}: {old} → {new}"]
+
+
 def uses_block_formats(plan: Plan) -> bool:
     """Whether any operand of ``plan`` is in a block format (MX, NVFP4)."""
     from numscope.formats.spec import BlockFormat
@@ -269,6 +314,7 @@ def _run_demo(
     from numscope.analysis import Analysis
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    _check_settings(out_dir, config, text_paths)
     data = prepare_data(config, text_paths, progress=progress)
     mcfg = model_config(config, data)
     log(
