@@ -54,7 +54,6 @@ are intercepted (not a submodule called directly), and only modules present at a
 from __future__ import annotations
 
 import math
-import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -65,6 +64,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
+
+from numscope._root_call import SITES, RootCall, RootCalls, remove_mode
 
 GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
 #: number of products summed exactly (in fp32) before a rounding to a bf16/fp16 accumulator
@@ -540,6 +541,42 @@ class _Mode(TorchFunctionMode):
         return runtime.gemm_call(func, args, kwargs)
 
 
+class _Interception:
+    """The sites' context of one root call (see :mod:`numscope._root_call`).
+
+    Finds the model's matmul sites first where a handler is attached and no forward has found them, then
+    pushes the interception mode, unless an enclosing forward of the same model already intercepts (a
+    forward nested in another) or no handler is active.
+    """
+
+    def __init__(self, runtime: _Runtime, call: RootCall, args: tuple, kwargs: dict) -> None:
+        self.runtime = runtime
+        self.call: RootCall | None = call
+        self.inputs: tuple[tuple, dict] | None = (args, kwargs)
+        self.on = False
+
+    def __enter__(self) -> None:
+        runtime, call = self.runtime, self.call
+        args, kwargs = self.inputs  # type: ignore[misc]
+        self.inputs = None
+        if runtime.discovery is None and not runtime.discovered and runtime.attachments:
+            runtime.discover(args, kwargs)
+        calls = runtime.root.calls
+        index = calls.index(call) if call in calls else 0
+        outer = calls[index - 1].context(runtime.key) if index > 0 else None
+        if getattr(outer, "on", False) or not runtime.active():
+            return
+        runtime.mode.__enter__()
+        self.on = True
+
+    def __exit__(self, *exc: object) -> None:
+        self.call = None
+        if self.on:
+            self.on = False
+            remove_mode(self.runtime.mode)
+            self.runtime.stack.clear()
+
+
 class _Runtime:
     """The interception state of one model: hooks, module stack, site table, attached handlers."""
 
@@ -547,9 +584,6 @@ class _Runtime:
         self.model_ref = weakref.ref(model)
         self.attachments: list[_Attachment] = []
         self.stack: list[_Frame] = []
-        self.entered: list[bool] = []
-        self.callers: list[Any] = []  # the Python frame of each root call in ``entered``
-        self.grad_modes: list[bool] = []  # whether each root call began with gradients enabled
         self.mode = _Mode(self)
         self.discovery: _Discovery | None = None
         self.discovered = False
@@ -566,80 +600,38 @@ class _Runtime:
                 self.static[id(module)] = Site(qualname, qualname, kind)
             self.hooks.append(module.register_forward_pre_hook(self._pre_hook(qualname, kind)))
             self.hooks.append(module.register_forward_hook(self._post_hook, always_call=True))
-        self.hooks.append(model.register_forward_pre_hook(self._root_enter, with_kwargs=True, prepend=True))
-        self.hooks.append(model.register_forward_hook(self._root_exit, always_call=True))
+        self.root = RootCalls.of(model)
+        self.root_handle = self.root.register(
+            lambda call, args, kwargs: _Interception(self, call, args, kwargs), SITES
+        )
+        self.key = self.root_handle.key
 
     # hooks
+    def intercepting(self) -> bool:
+        """Whether the innermost forward of the model pushed the interception mode."""
+        calls = self.root.calls
+        return bool(calls) and getattr(calls[-1].context(self.key), "on", False)
+
     def _pre_hook(self, qualname: str, kind: str | None):
         def hook(module: nn.Module, args: Any) -> None:
-            if self.entered and self.entered[-1]:
+            if self.intercepting():
                 self.stack.append(_Frame(qualname, module, kind))
 
         return hook
 
     def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.entered and self.entered[-1] and self.stack and self.stack[-1].module is module:
+        if self.stack and self.stack[-1].module is module and self.intercepting():
             self.stack.pop()
 
-    def _root_enter(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        caller = sys._getframe(1)
-        if self.entered:
-            self._drop_aborted(caller)
-        self.callers.append(caller)
-        self.grad_modes.append(torch.is_grad_enabled())
-        if self.discovery is None and not self.discovered and self.attachments:
-            self.discover(args, kwargs)
-        if (self.entered and self.entered[-1]) or not self.active():
-            self.entered.append(False)
-            return
-        self.mode.__enter__()
-        self.entered.append(True)
-
-    def _root_exit(self, model: nn.Module, args: Any, output: Any) -> None:
-        if self.callers:
-            self.callers.pop()
-            self.grad_modes.pop()
-        if self.entered and self.entered.pop():
-            self.mode.__exit__(None, None, None)
-            self.stack.clear()
-
     def in_forward(self) -> bool:
-        """Whether the innermost root call is still running (False after a forward was aborted)."""
-        if not self.callers:
-            return False
-        caller, frame = self.callers[-1], sys._getframe(1)
-        while frame is not None:
-            if frame is caller:
-                return True
-            frame = frame.f_back
-        return False
-
-    def _drop_aborted(self, caller: Any) -> None:
-        """Forget root calls that ended without ``_root_exit``.
-
-        torch runs ``always_call`` forward hooks for an ``Exception`` only: a ``KeyboardInterrupt`` (Ctrl-C)
-        or ``SystemExit`` inside a forward skips them, which would leave the interception mode on torch's
-        stack and intercept every later matmul of the process. A root call whose frame is no longer on the
-        Python stack has ended; its mode is popped here, before the next forward starts.
-        """
-        live = set()
-        frame = caller
-        while frame is not None:
-            live.add(id(frame))
-            frame = frame.f_back
-        while self.callers and id(self.callers[-1]) not in live:
-            self.callers.pop()
-            self.grad_modes.pop()
-            if self.entered and self.entered.pop():
-                top = torch._C._len_torch_function_stack() - 1
-                if top >= 0 and torch._C._get_function_stack_at(top) is self.mode:
-                    self.mode.__exit__(None, None, None)
-                self.stack.clear()
+        """Whether the innermost forward is still running (False after a forward was aborted)."""
+        return self.root.innermost() is not None
 
     def remove(self) -> None:
         for hook in self.hooks:
             hook.remove()
         self.hooks.clear()
+        self.root_handle.remove()
 
     # handlers
     def invalidate(self) -> None:
@@ -1022,7 +1014,8 @@ def forward_has_grad(model: nn.Module) -> bool:
     evaluation runs under ``torch.no_grad()``). Handlers are called inside an autograd function, where
     ``torch.is_grad_enabled()`` is always False, so they ask here. True outside a forward."""
     runtime = _runtime(model)
-    return runtime is None or not runtime.grad_modes or runtime.grad_modes[-1]
+    calls = [] if runtime is None else runtime.root.calls
+    return not calls or calls[-1].grad_enabled
 
 
 def refresh(model: nn.Module) -> None:

@@ -217,3 +217,30 @@ def test_resume_through_a_checkpoint_is_bit_exact(tmp_path) -> None:
         resumed.master.named_master_params(), recipe.master.master_params(), strict=True
     ):
         assert torch.equal(mine, theirs), name
+
+
+def test_a_forward_interrupted_by_ctrl_c_leaves_no_context_behind() -> None:
+    """torch skips always_call hooks on KeyboardInterrupt: the fp32-ops mode, the saved-tensor hooks and the
+    sites' mode of the aborted forward must pass through until the next forward takes them off."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    model = bert(dropout=0.0)
+    recipe = Recipe(model, plan="fp8")
+    model(input_ids=IDS, labels=IDS).loss.backward()
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    hook = model.bert.encoder.layer[0].attention.self.value.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(input_ids=IDS, labels=IDS)
+    hook.remove()
+    stored = recipe.activations.stored_tensors
+    assert torch.ones(3, dtype=torch.float16).exp().dtype == torch.float16  # no fp32 op outside the model
+    leaf = torch.ones(3, requires_grad=True)
+    (leaf * 2).exp().sum().backward()  # saves float32 tensors: none is packed into fp16
+    assert recipe.activations.stored_tensors == stored
+    model(input_ids=IDS, labels=IDS).loss.backward()  # the next forward runs as usual and cleans up
+    assert _get_current_function_mode_stack() == []
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert torch.ones(3, dtype=torch.float16).exp().dtype == torch.float16

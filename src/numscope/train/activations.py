@@ -15,15 +15,14 @@ rounded too.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from numscope.train._forward_context import ForwardContext
+from numscope._root_call import INSIDE_SITES, RootCall, RootCalls, RootHandle, SavedTensorHooks
 
 __all__ = ["STORAGE_DTYPES", "ActivationStore", "store_activations"]
 
@@ -46,21 +45,16 @@ class ActivationStore:
         self._shared: set[int] = set()
         self._copies: dict[int, tuple[Any, int, tuple[Tensor, torch.dtype]]] = {}
 
-    @contextlib.contextmanager
-    def hooks(self) -> Iterator[None]:
-        """The context of one forward: which storages belong to the model, fresh counts, the hooks."""
-        self._shared = {
-            t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())
-        }
-        self.stored_bytes = self.stored_tensors = 0
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
-                yield
-        finally:
-            self._copies.clear()  # the graph holds the copies it needs; this forward's index is done
+    def forward(self, call: RootCall) -> AbstractContextManager[None]:
+        """The context of one forward (``call``): which storages belong to the model, fresh counts, the
+        hooks (which pack nothing once ``call`` has ended: a forward aborted by Ctrl-C leaves them on the
+        stack until the model's next forward takes them off)."""
+        return _Forward(self, call)
 
-    def _pack(self, tensor: Tensor) -> Any:
+    def _pack(self, tensor: Tensor, call: RootCall) -> Any:
         if tensor.dtype != torch.float32 or tensor.untyped_storage().data_ptr() in self._shared:
+            return tensor
+        if not call.is_live():
             return tensor
         key = id(tensor)
         known = self._copies.get(key)
@@ -74,6 +68,26 @@ class ActivationStore:
         return packed
 
 
+class _Forward:
+    """The saved-tensor hooks of :class:`ActivationStore` for one forward."""
+
+    def __init__(self, store: ActivationStore, call: RootCall) -> None:
+        self.store = store
+        self.hooks = SavedTensorHooks(lambda tensor: store._pack(tensor, call), _unpack)
+
+    def __enter__(self) -> None:
+        store = self.store
+        store._shared = {
+            t.untyped_storage().data_ptr() for t in (*store.model.parameters(), *store.model.buffers())
+        }
+        store.stored_bytes = store.stored_tensors = 0
+        self.hooks.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.hooks.__exit__()
+        self.store._copies.clear()  # the graph holds the copies it needs; this forward's index is done
+
+
 def _unpack(packed: Any) -> Tensor:
     if isinstance(packed, tuple):
         stored, dtype = packed
@@ -81,7 +95,7 @@ def _unpack(packed: Any) -> Tensor:
     return packed
 
 
-def store_activations(model: nn.Module, dtype: torch.dtype | str) -> tuple[ForwardContext, ActivationStore]:
+def store_activations(model: nn.Module, dtype: torch.dtype | str) -> tuple[RootHandle, ActivationStore]:
     """Keep every float32 activation that autograd saves during ``model``'s forward in ``dtype``.
 
     dtype: ``torch.float16``/``"fp16"`` or ``torch.bfloat16``/``"bf16"``. Returns the handle (its
@@ -94,4 +108,5 @@ def store_activations(model: nn.Module, dtype: torch.dtype | str) -> tuple[Forwa
             f"(or torch.float16, torch.bfloat16), got {dtype!r}"
         )
     store = ActivationStore(model, resolved)
-    return ForwardContext(model, store.hooks), store
+    handle = RootCalls.of(model).register(lambda call, args, kwargs: store.forward(call), INSIDE_SITES)
+    return handle, store

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
 
-from numscope.train._forward_context import ForwardContext
+from numscope._root_call import INSIDE_SITES, RootCalls, RootHandle
 
 __all__ = ["FP32_OPS", "GEMM_OPS", "Fp32Ops", "keep_fp32_ops"]
 
@@ -87,24 +87,36 @@ class Fp32Ops(TorchFunctionMode):
     """The ``TorchFunctionMode`` of :func:`keep_fp32_ops` (see the module docstring for its rules).
 
     dtype: the working dtype (``torch.float16`` or ``torch.bfloat16``). ops: the ops kept in fp32.
+    live: asked before an op is changed; while it says False every call passes through as called (the
+    forward the mode was opened for has ended: :func:`keep_fp32_ops` passes its forward's liveness).
     """
 
-    def __init__(self, dtype: torch.dtype, ops: Iterable[Callable[..., Any]]) -> None:
+    def __init__(
+        self, dtype: torch.dtype, ops: Iterable[Callable[..., Any]], live: Callable[[], bool] | None = None
+    ) -> None:
         super().__init__()
         if dtype not in _LOW:
             raise ValueError(f"the working dtype must be torch.float16 or torch.bfloat16, got {dtype!r}")
         self.dtype = dtype
         self.ops = frozenset(ops)
+        self.live = live
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in self.ops and kwargs.get("dtype") is None:
-            if any(t.dtype in _LOW for t in _floating((args, kwargs))):
+            if any(t.dtype in _LOW for t in _floating((args, kwargs))) and self._live():
                 args, kwargs = _cast((args, kwargs), _LOW, torch.float32)
-        elif func in GEMM_OPS and any(t.dtype == self.dtype for t in _floating((args, kwargs))):
+        elif (
+            func in GEMM_OPS
+            and any(t.dtype == self.dtype for t in _floating((args, kwargs)))
+            and self._live()
+        ):
             args, kwargs = _cast((args, kwargs), _LOW, torch.float32)
             return _cast(func(*args, **kwargs), (torch.float32,), self.dtype)
         return func(*args, **kwargs)
+
+    def _live(self) -> bool:
+        return self.live is None or self.live()
 
 
 def _resolve_ops(ops: Iterable[Callable[..., Any]] | None) -> frozenset[Callable[..., Any]]:
@@ -119,7 +131,7 @@ def _resolve_ops(ops: Iterable[Callable[..., Any]] | None) -> frozenset[Callable
 
 def keep_fp32_ops(
     model: nn.Module, dtype: torch.dtype, ops: Iterable[Callable[..., Any]] | None = None
-) -> ForwardContext:
+) -> RootHandle:
     """Keep ``ops`` (default: every op of :data:`FP32_OPS`) in fp32 during each forward of ``model``.
 
     dtype: the model's working dtype (fp16 or bf16): GEMMs with an operand in it accumulate in fp32 and
@@ -127,4 +139,6 @@ def keep_fp32_ops(
     """
     resolved = _resolve_ops(ops)
     Fp32Ops(dtype, resolved)  # validate now, not at the first forward
-    return ForwardContext(model, lambda: Fp32Ops(dtype, resolved))
+    return RootCalls.of(model).register(
+        lambda call, args, kwargs: Fp32Ops(dtype, resolved, live=call.is_live), INSIDE_SITES
+    )
