@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -610,6 +611,37 @@ ERRORS = {
         lambda ws: ["recommend", ws / "runs" / "fp32", "-o", ws / "p.yaml", "--criterion", "max_fun=1"],
         "unknown criterion 'max_fun'; allowed: max_be_ratio",
     ),
+    "recommend an unknown candidate": (
+        lambda ws: ["recommend", ws / "runs" / "fp32", "-o", ws / "p.yaml", "--candidates", "fp8_e4m4"],
+        "candidates: unknown format 'fp8_e4m4'; did you mean 'fp8_e4m3'",
+    ),
+    "recommend against an unknown reference": (
+        lambda ws: ["recommend", ws / "runs" / "fp32", "-o", ws / "p.yaml", "--reference", "bogus"],
+        "reference: unknown format 'bogus'; known: bf16",
+    ),
+    "per-operand unknown candidate": (
+        lambda ws: [
+            "recommend",
+            ws / "runs" / "fp32",
+            "-o",
+            ws / "p.yaml",
+            "--per-operand",
+            "*/wgrad/*:candidates=fp8_e4m4",
+        ],
+        "per_operand '*/wgrad/*' candidates: unknown format 'fp8_e4m4'",
+    ),
+    "plan into a missing folder": (
+        lambda ws: ["recommend", ws / "runs" / "fp32", "-o", ws / "nodir" / "plan.yaml"],
+        "--output {ws}/nodir/plan.yaml: no such folder",
+    ),
+    "criterion that is an argument": (
+        lambda ws: ["recommend", ws / "runs" / "fp32", "-o", ws / "p.yaml", "--criterion", "sensitivity=1"],
+        "unknown criterion 'sensitivity'; allowed: max_be_ratio",
+    ),
+    "criterion per_operand": (
+        lambda ws: ["recommend", ws / "runs" / "fp32", "-o", ws / "p.yaml", "--criterion", "per_operand=1"],
+        "unknown criterion 'per_operand'; allowed: max_be_ratio",
+    ),
     "impossible bit budget": (
         lambda ws: ["recommend", ws / "runs" / "fp32", "-o", ws / "p.yaml", "--bit-budget", "1"],
         "bit budget 1 bits/element is impossible",
@@ -646,6 +678,42 @@ def test_user_errors_are_one_clear_line_and_exit_2(
     lines = result.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("numscope "), result.err
     assert message.format(ws=ws) in lines[0]
+
+
+def test_a_corrupt_result_json_is_one_clear_line(ws: Path, flow: dict[str, Result], tmp_path: Path) -> None:
+    copy = tmp_path / "fp32"
+    shutil.copytree(ws / "runs" / "fp32", copy)
+    (copy / "result.json").write_text('{"name": "fp32", "val_lo')
+    for args in (
+        ["analyze", *flags(ws), "--candidates", "fp8_e4m3", "mxfp4_e2m1", "--every", "4", "--out", copy],
+        ["compare", copy],
+    ):
+        result = cli(*args)
+        assert result.code == 2, result.err
+        lines = result.err.strip().splitlines()
+        assert len(lines) == 1 and "result.json: not a readable run result" in lines[0], result.err
+
+
+def _demo_error(out: Path, *args: object) -> str:
+    result = cli("demo", "--quick", "--out", out, *args)
+    assert result.code == 2, result.err
+    lines = [line for line in result.err.splitlines() if line.startswith("numscope ")]
+    assert len(lines) == 1 and "Traceback" not in result.err, result.err
+    return lines[0]
+
+
+def test_demo_on_too_little_text_is_one_clear_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path / "cache"))
+    one = tmp_path / "one.txt"
+    one.write_text("A single paragraph of text,\nwrapped over two lines.\n")
+    assert "holds 1 document(s)" in _demo_error(tmp_path / "d1", "--text", one)
+    few = write_text(tmp_path / "few.txt", paragraphs=3)
+    assert "fewer than one batch of 16: give more text" in _demo_error(tmp_path / "d2", "--text", few)
+
+
+def test_demo_with_a_corrupt_settings_file_is_one_clear_line(tmp_path: Path) -> None:
+    (tmp_path / "demo.json").write_text("{ not json")
+    assert "demo.json is not readable JSON" in _demo_error(tmp_path)
 
 
 def test_analyze_refuses_torchrun(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:

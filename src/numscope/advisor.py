@@ -286,6 +286,7 @@ def _option(
 
 
 def _limits_for(
+    analysis: Analysis,
     key: OperandKey,
     base: Limits,
     per_operand: Mapping[str, Mapping[str, Any]] | None,
@@ -298,14 +299,16 @@ def _limits_for(
             continue
         changes = dict(changes)
         if "candidates" in changes:
-            allowed = tuple(changes.pop("candidates"))
+            allowed = _candidates(analysis, changes.pop("candidates"), f"per_operand {pattern!r} candidates")
         limits = limits.replace(changes, f" (per_operand {pattern!r})")
     return limits, allowed
 
 
 def _check_overrides(per_operand: Mapping[str, Mapping[str, Any]] | None, names: Iterable[str]) -> None:
-    if not per_operand:
+    if per_operand is None:
         return
+    if not isinstance(per_operand, Mapping):
+        raise AdvisorError(f"per_operand must map glob patterns to criteria, got {per_operand!r}")
     names = list(names)
     for pattern, changes in per_operand.items():
         if not isinstance(changes, Mapping):
@@ -323,13 +326,29 @@ def _check_overrides(per_operand: Mapping[str, Mapping[str, Any]] | None, names:
             )
 
 
-def _candidates(analysis: Analysis, candidates: Sequence[str] | None) -> tuple[str, ...]:
+def _format_name(name: Any, what: str) -> str:
+    """The canonical name of the format ``name`` (``high`` as is); AdvisorError naming ``what`` if unknown."""
+    if name == HIGH:
+        return HIGH
+    if not isinstance(name, str):
+        raise AdvisorError(f"{what}: a format name is a string, got {name!r}")
+    try:
+        return get_format(name).name
+    except ValueError as error:
+        raise AdvisorError(f"{what}: {error}") from None
+
+
+def _candidates(
+    analysis: Analysis, candidates: Sequence[str] | None, what: str = "candidates"
+) -> tuple[str, ...]:
     measured = tuple(c for c in analysis.candidates if c != "plan")
     if candidates is None:
         return measured
+    if isinstance(candidates, str) or not isinstance(candidates, Iterable):
+        raise AdvisorError(f"{what} must be a list of format names, got {candidates!r}")
     chosen = []
     for name in candidates:
-        label = get_format(name).name if name != HIGH else HIGH
+        label = _format_name(name, what)
         if label not in measured:
             raise AdvisorError(
                 f"candidate {name!r} was not measured by the observer; measured: "
@@ -502,7 +521,7 @@ def advise(
     sensitivity = sensitivity if sensitivity is not None else analysis.sensitivity
     limits = Limits().replace(criteria, "")
     labels = _candidates(analysis, candidates)
-    reference = get_format(reference).name
+    reference = _format_name(reference, "reference")
     keys = analysis.keys()
     if not keys:
         raise AdvisorError("the analysis holds no operands; observe at least one sampled step first")
@@ -514,7 +533,7 @@ def advise(
     choices: list[Choice] = []
     passing_per_key: list[list[_Option]] = []
     for key in keys:
-        key_limits, allowed = _limits_for(key, limits, per_operand, labels)
+        key_limits, allowed = _limits_for(analysis, key, limits, per_operand, labels)
         _check_sensitivity(sensitivity, key_limits, allowed)
         try:
             options = [_option(analysis, key, label, key_limits, reference, sensitivity) for label in allowed]

@@ -98,6 +98,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from numscope.demo.corpus import CorpusError, CorpusNotFoundError
+    from numscope.demo.experiment import RunError
     from numscope.demo.main import DemoConfig, DemoError, quick_config, run_demo, summary_table
 
     config = quick_config(args.steps) if args.quick else DemoConfig()
@@ -111,7 +112,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             raise CLIError(f"--text {path}: no such file")
     try:
         summary = run_demo(out, config, text_paths=[Path(p) for p in args.text] if args.text else None)
-    except (CorpusNotFoundError, CorpusError, DemoError) as error:
+    except (CorpusNotFoundError, CorpusError, DemoError, RunError) as error:
         raise CLIError(str(error)) from error
     print()
     print(render_table(summary_table(summary)))
@@ -473,19 +474,22 @@ def _criterion_value(text: str) -> Any:
         return text
 
 
-def _key_values(text: str, flag: str) -> dict[str, Any]:
+def _key_values(text: str, flag: str, allowed: Sequence[str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for part in text.split(","):
         key, sep, value = part.partition("=")
         if not sep or not key.strip():
             raise CLIError(f"{flag} {text!r}: expected KEY=VALUE pairs separated by commas")
         name = key.strip().replace("-", "_")
+        if name not in allowed:
+            raise CLIError(f"{flag} {text!r}: unknown criterion {name!r}; allowed: {', '.join(allowed)}")
         values[name] = value.split("|") if name == "candidates" else _criterion_value(value.strip())
     return values
 
 
 def _cmd_recommend(args: argparse.Namespace) -> int:
     from numscope import workflow
+    from numscope.advisor import CRITERIA, OVERRIDE_KEYS
     from numscope.analysis import Analysis
 
     criteria: dict[str, Any] = {}
@@ -504,10 +508,10 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
             pattern, sep, rest = item.partition(":")
             if not sep or not pattern:
                 raise CLIError(f"--per-operand {item!r}: expected GLOB:KEY=VALUE[,KEY=VALUE...]")
-            per_operand.setdefault(pattern, {}).update(_key_values(rest, "--per-operand"))
+            per_operand.setdefault(pattern, {}).update(_key_values(rest, "--per-operand", OVERRIDE_KEYS))
         criteria["per_operand"] = per_operand
     for item in args.criterion or ():
-        criteria.update(_key_values(item, "--criterion"))
+        criteria.update(_key_values(item, "--criterion", CRITERIA))
     analysis = Analysis.load(workflow.find_analysis(args.analysis))
     plan, rows = workflow.recommend_plan(analysis, args.output, **criteria)
     print(render_table(rows))
@@ -520,7 +524,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
 
 
 def _register_recommend(sub: argparse._SubParsersAction) -> None:
-    from numscope.advisor import Limits, recommend
+    from numscope.advisor import CRITERIA, Limits, recommend
 
     defaults = Limits()
     p = sub.add_parser(
@@ -569,7 +573,8 @@ def _register_recommend(sub: argparse._SubParsersAction) -> None:
         "--criterion",
         action="append",
         metavar="KEY=VALUE",
-        help="any other keyword criterion of numscope.recommend, passed as given (repeatable)",
+        help="a limit of numscope.recommend by name, e.g. max_loss_increase_pct=0.5 (needs a sensitivity "
+        f"in the analysis); 'none' switches it off; allowed: {', '.join(CRITERIA)} (repeatable)",
     )
     p.set_defaults(func=_cmd_recommend)
 
@@ -696,6 +701,8 @@ _USER_ERRORS = (
     ("numscope.train.checkpoint", "CheckpointError"),
     ("numscope.demo.corpus", "CorpusError"),
     ("numscope.demo.corpus", "CorpusNotFoundError"),
+    ("numscope.demo.experiment", "RunError"),
+    ("numscope.demo.main", "DemoError"),
 )
 
 

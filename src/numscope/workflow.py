@@ -57,6 +57,7 @@ from torch import nn
 from numscope import __version__, distributed
 from numscope.analysis import Analysis
 from numscope.convert import convert
+from numscope.demo.corpus import CorpusError
 from numscope.demo.experiment import (
     LOSS_SCALING,
     OBJECTIVES,
@@ -67,6 +68,7 @@ from numscope.demo.experiment import (
     _atomic_write_text,
     get_objective,
     read_log,
+    read_result,
     train_run,
 )
 from numscope.demo.tokenizer import TokenizerInfo
@@ -435,7 +437,7 @@ def prepare_data(data: DataSettings) -> DemoData:
     )
     try:
         return prepare(config, [Path(p) for p in data.text], Path(data.cache_dir) if data.cache_dir else None)
-    except ValueError as error:  # CorpusError and too little text to split, tokenize or block
+    except CorpusError as error:  # not UTF-8, no text, too little text to split or to make blocks
         raise WorkflowError(str(error)) from error
 
 
@@ -444,7 +446,7 @@ def _corpus_digest(data: DataSettings) -> str:
 
     try:
         return corpus_hash(load_corpus(list(data.text)))
-    except ValueError as error:  # CorpusError: not UTF-8, or no text
+    except CorpusError as error:  # not UTF-8, or no text
         raise WorkflowError(str(error)) from error
 
 
@@ -484,10 +486,12 @@ def _check_settings(out: Path, settings: dict[str, Any]) -> None:
         return
     try:
         stored = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise WorkflowError(
             f"{path}: unreadable ({error}); choose another --out or delete the folder"
         ) from error
+    if not isinstance(stored, dict):
+        raise WorkflowError(f"{path}: not a run's settings (a JSON object); choose another --out")
     ignore = {"numscope", "text", "command", "world_size", "objective_resolved"}
     before = _flat({k: v for k, v in stored.items() if k not in ignore})
     after = _flat({k: v for k, v in settings.items() if k not in ignore})
@@ -519,7 +523,7 @@ def _short(value: Any) -> str:
 def _finished(out: Path) -> RunResult | None:
     """The stored result of a finished run (its settings already checked), else None."""
     path = out / "result.json"
-    return RunResult(**json.loads(path.read_text())) if path.is_file() else None
+    return read_result(path) if path.is_file() else None
 
 
 def _prepare_run(
@@ -773,8 +777,17 @@ def recommend_plan(
     loaded = analysis if isinstance(analysis, Analysis) else Analysis.load(find_analysis(analysis))
     plan = recommend(loaded, **criteria)
     if output is not None:
-        plan.save(output)
+        _save_plan(plan, Path(output))
     return plan, recommend_table(plan)
+
+
+def _save_plan(plan: Plan, path: Path) -> None:
+    if not path.parent.is_dir():
+        raise WorkflowError(f"--output {path}: no such folder {str(path.parent)!r}; create it first")
+    try:
+        plan.save(path)
+    except OSError as error:
+        raise WorkflowError(f"--output {path}: cannot write the plan ({error.strerror or error})") from error
 
 
 def analysis_average_bits(plan: Plan, analysis: Analysis) -> float:
@@ -801,11 +814,13 @@ def load_run(directory: str | os.PathLike[str]) -> dict[str, Any]:
             )
         raise WorkflowError(f"{directory}: not a numscope run folder (no result.json)")
     try:
-        run = json.loads(result.read_text())
+        run = read_result(result).to_dict()
         settings = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
         run["train_log"] = read_log(path / "log.csv") if (path / "log.csv").is_file() else []
     except (OSError, ValueError, KeyError) as error:
         raise WorkflowError(f"{directory}: unreadable run files ({error})") from error
+    if not isinstance(settings, dict):
+        raise WorkflowError(f"{directory}: run.json does not hold the run's settings (a JSON object)")
     run["settings"], run["dir"] = settings, str(path)
     return run
 

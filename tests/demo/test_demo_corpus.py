@@ -59,7 +59,7 @@ def test_split_is_pinned_so_it_is_the_same_on_every_machine() -> None:
 def test_split_rejects_bad_fractions_and_tiny_corpora() -> None:
     with pytest.raises(ValueError, match=r"\[0, 1\); got 1.0"):
         split_corpus(["a", "b"], 1.0)
-    with pytest.raises(ValueError, match="1 of 1 documents"):
+    with pytest.raises(CorpusError, match="holds 1 document"):
         split_corpus(["only"], 0.05)
     assert split_corpus(["a", "b"], 0.0) == (["a", "b"], [])
 

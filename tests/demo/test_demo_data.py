@@ -10,6 +10,7 @@ import torch
 from tokenizers import Tokenizer
 
 from numscope.demo import data as data_module
+from numscope.demo.corpus import CorpusError
 from numscope.demo.data import (
     IGNORE_INDEX,
     batches,
@@ -58,7 +59,7 @@ def test_blocks_are_framed_chunks_of_the_document_stream(
 def test_blocks_reject_bad_arguments(small_tokenizer: Tokenizer) -> None:
     with pytest.raises(ValueError, match=r"seq_len must be an integer ≥ 3.*got 2"):
         make_blocks(["some text"], small_tokenizer, 2)
-    with pytest.raises(ValueError, match="the 1 documents hold no tokens"):
+    with pytest.raises(CorpusError, match=r"the 1 document\(s\) hold no tokens"):
         make_blocks(["   "], small_tokenizer, 16)
 
 

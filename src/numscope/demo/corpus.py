@@ -157,16 +157,18 @@ def split_corpus(
         seed: selects a different, equally deterministic split.
 
     Raises:
-        ValueError: the fraction is outside [0, 1), or too few documents leave no training data.
+        ValueError: the fraction is outside [0, 1).
+        CorpusError: too few documents to hold some out and still train.
     """
     if not 0.0 <= validation_fraction < 1.0:
         raise ValueError(f"validation_fraction must be in [0, 1); got {validation_fraction!r}")
     count = len(documents)
     validation_count = max(1, round(validation_fraction * count)) if validation_fraction > 0 else 0
     if count - validation_count < 1:
-        raise ValueError(
-            f"cannot hold out {validation_count} of {count} documents for validation and still train; "
-            "give more documents or a smaller validation_fraction"
+        raise CorpusError(
+            f"the text holds {count} document(s) (blank-line-separated paragraphs); holding "
+            f"{validation_count} out for validation leaves none to train on: give more text, at least two "
+            "paragraphs separated by a blank line"
         )
 
     def rank(index: int) -> tuple[bytes, int]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from numscope.demo.corpus import corpus_hash
+from numscope.demo.corpus import CorpusError, corpus_hash
 from numscope.demo.tokenizer import TokenizerInfo, default_cache_dir
 
 DEFAULT_SEQ_LEN = 128
@@ -43,7 +43,8 @@ def make_blocks(
     ``[SEP]``; the last block holds the stream's remainder and is padded with [PAD] to ``seq_len``.
 
     Raises:
-        ValueError: ``seq_len`` < 3, or the documents hold no tokens.
+        ValueError: ``seq_len`` < 3.
+        CorpusError: the documents hold no tokens.
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 3:
         raise ValueError(f"seq_len must be an integer ≥ 3 ([CLS], a token, [SEP]); got {seq_len!r}")
@@ -55,7 +56,7 @@ def make_blocks(
                 stream.append(info.sep_id)
             stream.extend(encoding.ids)
     if not stream:
-        raise ValueError(f"the {len(documents)} documents hold no tokens; cannot make blocks")
+        raise CorpusError(f"the {len(documents)} document(s) hold no tokens; cannot make token blocks")
     body = seq_len - 2
     tokens = torch.tensor(stream, dtype=torch.int64)
     full_blocks = len(stream) // body
@@ -281,8 +282,9 @@ def evaluate_mlm(
     finally:
         model.train(was_training)
     if count == 0:
-        raise ValueError(
-            f"no token of the {val_blocks.shape[0]} validation blocks was masked; nothing to score"
+        raise CorpusError(
+            f"no token of the {val_blocks.shape[0]} validation blocks was masked; nothing to score: give "
+            "more text"
         )
     return MLMEvaluation(loss=total_loss / count, accuracy=correct / count, masked_tokens=count)
 
@@ -304,7 +306,8 @@ def unigram_loss(
     _, labels = mlm_mask(val_blocks.long(), tokenizer_info, mask_probability, generator)
     targets = labels[labels != IGNORE_INDEX]
     if targets.numel() == 0:
-        raise ValueError(
-            f"no token of the {val_blocks.shape[0]} validation blocks was masked; nothing to score"
+        raise CorpusError(
+            f"no token of the {val_blocks.shape[0]} validation blocks was masked; nothing to score: give "
+            "more text"
         )
     return float(-probabilities[targets].log().mean())

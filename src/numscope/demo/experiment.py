@@ -107,6 +107,21 @@ class RunResult:
         return asdict(self)
 
 
+class RunError(ValueError):
+    """A run folder whose files cannot be used: a corrupt or foreign ``result.json`` or ``log.csv``."""
+
+
+def read_result(path: Path) -> RunResult:
+    """The :class:`RunResult` a finished run wrote to ``path`` (its ``result.json``); RunError if unusable."""
+    try:
+        return RunResult(**json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise RunError(
+            f"{path}: not a readable run result ({reason}); delete it to run the run again"
+        ) from error
+
+
 @dataclass(frozen=True)
 class DemoData:
     train_blocks: torch.Tensor
@@ -301,7 +316,7 @@ def train_run(
         out_dir / "log.csv",
     )
     if result_path.is_file():
-        return RunResult(**json.loads(result_path.read_text()))
+        return read_result(result_path)
 
     from numscope.demo.model import ModelConfig, bert_mlm_from_config
 
@@ -447,17 +462,21 @@ def train_run(
 
 
 def read_log(path: Path) -> list[dict[str, float]]:
-    """The training rows of a run's ``log.csv``: ``step, loss, scale, skipped`` as numbers."""
-    with Path(path).open(newline="") as f:
-        return [
-            {
-                "step": int(r["step"]),
-                "loss": float(r["loss"]),
-                "scale": float(r["scale"]),
-                "skipped": int(r["skipped"]),
-            }
-            for r in csv.DictReader(f)
-        ]
+    """The training rows of a run's ``log.csv``: ``step, loss, scale, skipped`` as numbers (RunError if
+    the file is not such a log)."""
+    try:
+        with Path(path).open(newline="", encoding="utf-8") as f:
+            return [
+                {
+                    "step": int(r["step"]),
+                    "loss": float(r["loss"]),
+                    "scale": float(r["scale"]),
+                    "skipped": int(r["skipped"]),
+                }
+                for r in csv.DictReader(f)
+            ]
+    except (UnicodeDecodeError, KeyError, TypeError, ValueError) as error:
+        raise RunError(f"{path}: not a numscope training log ({type(error).__name__}: {error})") from error
 
 
 def _truncate_log(log_path: Path, step: int) -> None:

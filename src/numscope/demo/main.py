@@ -263,7 +263,13 @@ def _check_settings(out_dir: Path, config: DemoConfig, text_paths: Sequence[Path
     settings = json.loads(json.dumps(settings))  # tuples as lists, as stored
     path = out_dir / SETTINGS_FILE
     if path.is_file():
-        stored = json.loads(path.read_text())
+        try:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise DemoError(
+                f"{path} is not readable JSON ({error}); it records the settings of the runs in {out_dir}: "
+                "choose another --out, or delete the folder to start over"
+            ) from error
         changes = _changes(stored, settings)
         if changes:
             raise DemoError(
@@ -316,6 +322,14 @@ def _run_demo(
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_settings(out_dir, config, text_paths)
     data = prepare_data(config, text_paths, progress=progress)
+    if data.train_blocks.shape[0] < config.train.batch_size:
+        raise DemoError(
+            f"the text makes {data.train_blocks.shape[0]} training blocks of {config.seq_len} tokens, fewer "
+            f"than one batch of {config.train.batch_size}: give more text"
+        )
+    # the loss of a context-free model on the evaluation's masked tokens (fails now, not after training,
+    # when the validation text holds no masked token)
+    unigram = unigram_loss(data.train_blocks, data.val_blocks, data.tokenizer, config.train.seed)
     mcfg = model_config(config, data)
     log(
         f"[data] {data.train_blocks.shape[0]} training and {data.val_blocks.shape[0]} validation blocks of "
@@ -377,7 +391,6 @@ def _run_demo(
         "that fp16 rounds to zero (below 2^-25), unscaled and multiplied by the run's final loss scale; "
         "read from the FP32 run's log2 histograms of those tensors, all sampled steps together"
     )
-    unigram = unigram_loss(data.train_blocks, data.val_blocks, data.tokenizer, config.train.seed)
     claims = _claims(rows, underflow, unigram, default_bits)
 
     from numscope.report import write_report
