@@ -361,3 +361,14 @@ def test_sensitivity_criteria_need_a_measurement_of_every_candidate():
         advise(reference_analysis(), sensitivity=partial, max_loss_increase_pct="1%")
     with pytest.raises(TypeError, match=r"sensitivity must be a numscope\.Sensitivity, got dict"):
         advise(reference_analysis(), sensitivity={}, max_loss_increase_pct=1.0)
+
+
+def test_a_product_without_measurable_entries_does_not_fail_the_backward_error_limit():
+    """An all-zero product (every entry's |L|·|R| is 0: its BE mean is NaN in every format) is exact in
+    every format; the ratio limit then passes instead of reading NaN / NaN as infinitely worse."""
+    analysis = build({C: {label: GOOD for label in CANDIDATES}}, {C: 1000})
+    for per_step in analysis.backward_errors[("enc.q", "dgrad")].values():
+        for stats in per_step.values():
+            stats.update(mean=math.nan, p99=math.nan, max=math.nan, count=0.0, excluded=64.0)
+    assert numscope.advisor.be_ratio(analysis, C, "mxfp4_e2m1") == 0.0
+    assert advise(analysis).choices[0].format == "mxfp4_e2m1"

@@ -194,7 +194,7 @@ def test_bad_arguments_are_named():
 def test_backward_error_equals_the_float64_reference_when_every_row_is_measured(pair):
     torch.manual_seed(0)
     layer = nn.Linear(48, 24, bias=False)
-    x = torch.distributions.StudentT(3.0).sample((40, 48))
+    x = torch.distributions.StudentT(3.0).sample((40, 48)).requires_grad_()  # dgrad runs
     model = nn.Sequential(layer)
     with observe(model, ("fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3"), be_rows=64) as obs:
         model(x).sum().backward()
@@ -207,6 +207,54 @@ def test_backward_error_equals_the_float64_reference_when_every_row_is_measured(
     assert found["mean"] == pytest.approx(expected.mean, rel=1e-12)
     assert found["p99"] == pytest.approx(expected.p99, rel=1e-12)
     assert found["max"] == expected.max
+
+
+def test_backward_error_leaves_out_the_entries_of_zero_gradient_rows():
+    """A loss on some rows only (a masked-LM head) leaves the other rows of grad_output exactly 0: the dgrad
+    entries there have |L|·|R| = 0 and are excluded, as in numscope.metrics.backward_error."""
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 24, bias=False)
+    x = torch.distributions.StudentT(3.0).sample((40, 48)).requires_grad_()  # dgrad runs
+    model = nn.Sequential(layer)
+    grad_output = torch.zeros(40, 24)
+    grad_output[:10] = torch.randn(10, 24)
+    with observe(model, ("fp8_e4m3",), be_rows=64) as obs:
+        model(x).backward(grad_output)
+    found = obs.analysis().backward_errors[("0", "dgrad")][("fp8_e4m3", "fp32")][0]
+    expected = numscope.metrics.backward_error(
+        grad_output, layer.weight.detach(), "fp8_e4m3", "fp32", scaling_b=None
+    )
+    assert expected.excluded == 30 * 48 and found["excluded"] == expected.excluded
+    assert found["count"] == expected.count == 10 * 48
+    assert found["mean"] == pytest.approx(expected.mean, rel=1e-12)
+    assert found["max"] == expected.max
+
+
+def test_a_gemm_called_twice_in_a_step_weighs_each_call_by_its_entries():
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 16, bias=False)
+    first, second = torch.randn(24, 32), torch.distributions.StudentT(2.0).sample((8, 32))
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return self.layer(a).sum() + self.layer(b).sum()
+
+    with observe(Twice(), ("fp8_e4m3",), be_rows=64) as obs:
+        obs.model(first, second).backward()
+    found = obs.analysis().backward_errors[("layer", "fprop")][("fp8_e4m3", "fp32")][0]
+    weight = layer.weight.detach().T
+    parts = [
+        numscope.metrics.backward_error(x, weight, "fp8_e4m3", "fp32", scaling_b=None)
+        for x in (first, second)
+    ]
+    assert found["count"] == sum(p.count for p in parts) == 32 * 16
+    expected = sum(p.mean * p.count for p in parts) / found["count"]
+    assert found["mean"] == pytest.approx(expected, rel=1e-12)
+    assert found["max"] == pytest.approx(max(p.max for p in parts), rel=1e-12)
 
 
 def test_steps_that_are_not_sampled_run_without_interception():

@@ -220,8 +220,14 @@ def _is_left(gemm: str, operand: str) -> bool:
     return OPERANDS[gemm][0] == operand
 
 
-def _be_ratio(analysis: Analysis, key: OperandKey, label: str, reference: str) -> float | None:
-    """The worst-step ratio of the GEMM's mean BE with ``label`` on this operand to the reference's."""
+def be_ratio(analysis: Analysis, key: OperandKey, label: str, reference: str = "bf16") -> float | None:
+    """The worst-step ratio of the GEMM's mean backward error with ``label`` on this operand (the other
+    operand left high) to the same with ``reference``: what the ``max_be_ratio`` limit checks. None when
+    the analysis holds no backward error of both for that GEMM.
+
+    A step whose product had no entry with a nonzero denominator (mean NaN: the product is exactly 0 in
+    every format) counts as ratio 0.
+    """
     site, gemm, operand = key
     pairs = analysis.backward_errors.get((site, gemm))
     if not pairs:
@@ -241,7 +247,9 @@ def _be_ratio(analysis: Analysis, key: OperandKey, label: str, reference: str) -
 
 
 def _ratio(value: float, base: float) -> float:
-    """value / base, with 0/0 = 0 (both exact) and x/0 = inf."""
+    """value / base, with 0/0 = 0 (both exact), x/0 = inf, and 0 where neither was measured (NaN)."""
+    if math.isnan(value) and math.isnan(base):
+        return 0.0
     if base > 0:
         return value / base
     return 0.0 if value == 0 else math.inf
@@ -266,7 +274,7 @@ def _option(
         worst, limit = max(analysis.metric_values(key, label, OVERFLOW)), limits.max_overflow_pct
         checks.append(Check("max_overflow_pct", worst, limit, worst <= limit))
     if limits.max_be_ratio is not None:
-        ratio = _be_ratio(analysis, key, label, reference)
+        ratio = be_ratio(analysis, key, label, reference)
         if ratio is None:
             raise AdvisorError(
                 f"no backward error of {label!r} and of the reference {reference!r} for {'/'.join(key[:2])}; "

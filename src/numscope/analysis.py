@@ -9,7 +9,10 @@ An :class:`Analysis` is plain data, keyed by names a person can read:
 * a **log2 histogram** per operand key, summed over the sampled steps
   (:class:`numscope.metrics.stats.Log2Histogram`: fixed integer binade bins, mergeable with ``+``);
 * **backward errors** per ``(site, gemm)`` and operand-format pair ``(left, right)`` and step: the mean,
-  p99 and max over output elements of BE = |L·R − Q(L)·Q(R)| / (|L|·|R|). The pair ``(fmt, "fp32")``
+  p99 and max of BE = |L·R − Q(L)·Q(R)| / (|L|·|R|) over the measured output entries whose denominator
+  |L|·|R| is nonzero (``count`` of them; ``excluded``: those with a zero denominator, whose product is
+  exactly 0 in every format — e.g. the rows of a gradient that is zero at unmasked positions; see
+  :func:`numscope.metrics.errors.backward_error_stats`). The pair ``(fmt, "fp32")``
   quantizes only the left operand (``fprop``: input, ``dgrad``: grad_output, ``wgrad``: grad_output — the
   first operand in :data:`numscope.plan.OPERANDS`), ``("fp32", fmt)`` only the right one, ``(fmt, fmt)``
   both;
@@ -520,7 +523,7 @@ def merge(analyses: Iterable[Analysis], reduce: Reduce = default_reduce) -> Anal
     """Combine analyses of the same model taken on different ranks (or parts of a batch).
 
     Histograms and element counts add; per step, statistics and metrics of the same operand combine through
-    ``reduce`` (see :func:`default_reduce`), backward errors by sample-weighted mean except ``max`` (max).
+    ``reduce`` (see :func:`default_reduce`), backward errors through :func:`merge_be_stats`.
     Steps present in only some analyses are kept as they are.
     """
     parts = list(analyses)
@@ -563,11 +566,30 @@ def merge(analyses: Iterable[Analysis], reduce: Reduce = default_reduce) -> Anal
                     for a in parts
                     if step in a.backward_errors.get(gemm_key, {}).get(pair, {})
                 ]
-                per_step[step] = {
-                    stat: reduce(stat, [(stats[stat], 1) for stats in found if stat in stats])
-                    for stat in dict.fromkeys(s for stats in found for s in stats)
-                }
+                per_step[step] = merge_be_stats(found, reduce)
             out.backward_errors.setdefault(gemm_key, {})[pair] = per_step
+    return out
+
+
+BE_COUNTS = ("count", "excluded")
+"""Backward-error statistics that are counts of output entries (they add when parts merge)."""
+
+
+def merge_be_stats(parts: list[Mapping[str, float]], reduce: Reduce = default_reduce) -> dict[str, float]:
+    """Combine the backward-error statistics of one GEMM and pair at one step measured on several parts
+    (ranks, or several calls of a site in one step).
+
+    ``count`` and ``excluded`` add; every other statistic goes through ``reduce`` weighted by each part's
+    ``count`` (entries measured): the mean exactly, ``p99`` approximately; ``max`` takes the max. A part
+    without ``count`` (an analysis from before it was recorded) weighs 1.
+    """
+    out: dict[str, float] = {}
+    for name in dict.fromkeys(n for part in parts for n in part):
+        present = [part for part in parts if name in part]
+        if name in BE_COUNTS:
+            out[name] = float(sum(part[name] for part in present))
+        else:
+            out[name] = reduce(name, [(part[name], part.get("count", 1.0)) for part in present])
     return out
 
 

@@ -26,7 +26,10 @@ and without it is bit-identical. On a *sampled* step (``step % every == 0``; ste
 * a log2 histogram of the sample (:func:`numscope.metrics.log2_histogram`), summed over sampled steps;
 * per GEMM, once both of its operands have passed, the backward error of each candidate on the left
   operand, on the right one, and on both (``(fmt, "fp32")``, ``("fp32", fmt)``, ``(fmt, fmt)``), on a
-  sub-product of sampled rows (see below).
+  sub-product of sampled rows (see below): its mean, p99 and max over the output entries whose |L|·|R| is
+  nonzero, with ``count`` (those entries) and ``excluded`` (the others: e.g. the rows of a gradient that
+  is zero at positions without loss), as :func:`numscope.metrics.errors.backward_error_stats` and
+  :func:`numscope.metrics.backward_error` compute them.
 
 Only training forwards are measured: a forward run under ``torch.no_grad()`` (an evaluation between steps)
 is left alone unless ``no_grad_forwards=True``.
@@ -52,8 +55,9 @@ measured whole. A larger one is measured on samples drawn with the observer's ``
   drawn within up to :data:`BATCH_ENTRIES` random batch entries shared by both operands;
 * backward error: ``be_rows`` of those rows of each operand (the right one in its contraction-last
   layout, i.e. its columns as a GEMM operand), each with the full contraction length; every inner product
-  of the sub-product is one of the full product's, so the mean over output elements is unbiased. The rows
-  are quantized as inside their whole tensors (the block formats' quantization above is reused).
+  of the sub-product is one of the full product's, so the mean over its entries estimates the full
+  product's (without bias when no entry is excluded). The rows are quantized as inside their whole
+  tensors (the block formats' quantization above is reused).
 
 Memory held per operand is bounded by ``max(max_elements, MIN_ROWS × K)`` elements plus the candidates'
 quantized copies of ``be_rows`` rows; nothing is kept past :meth:`Observer.step`.
@@ -80,13 +84,13 @@ call ``step()`` alike (it is a collective on sampled steps); write the result on
 Operands whose partner never arrives (a GEMM the runtime does not route through the handler) simply get no
 backward error. If the same operand of a GEMM arrives twice before its partner, the later one replaces the
 earlier one. A site called several times in one step has its records of that step merged (sample-weighted,
-see :func:`numscope.analysis.default_reduce`) and its element counts added.
+see :func:`numscope.analysis.default_reduce`; backward errors weighted by their entries, see
+:func:`numscope.analysis.merge_be_stats`) and its element counts added.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -95,7 +99,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from numscope.analysis import PLAN_LABEL, Analysis, OperandKey, OperandRecord, default_reduce, merge_records
+from numscope.analysis import (
+    PLAN_LABEL,
+    Analysis,
+    OperandKey,
+    OperandRecord,
+    default_reduce,
+    merge_be_stats,
+    merge_records,
+)
 from numscope.convert import HANDLER_NAME as CONVERT_HANDLER
 from numscope.convert import converted_plan
 from numscope.distributed import is_parameter_operand, merge_analysis, world_size
@@ -103,7 +115,13 @@ from numscope.formats.scaling import Scaling, reduce_amax_
 from numscope.formats.spec import BlockFormat, Format
 from numscope.formats.spec import format as get_format
 from numscope.metrics import candidate_metrics, log2_histogram, operand_metrics, quantize_sample, tensor_stats
-from numscope.metrics.errors import finite_or_zero, metrics_of_quantized, quantize_kept
+from numscope.metrics.errors import (
+    BE_STATS,
+    backward_error_stats,
+    finite_or_zero,
+    metrics_of_quantized,
+    quantize_kept,
+)
 from numscope.metrics.stats import Log2Histogram
 from numscope.plan import OPERANDS, OperandSpec, Plan, default_scaling
 from numscope.sites import Site, attach, attached, forward_has_grad, refresh
@@ -123,6 +141,9 @@ DEFAULT_CANDIDATES: tuple[str, ...] = (
 formats of current hardware."""
 
 HIGH_LABEL = "fp32"
+BE_RECORDED = ("mean", "p99", "max", "count", "excluded")
+"""The backward-error statistics recorded per GEMM, pair and step (see
+:func:`numscope.metrics.errors.backward_error_stats`)."""
 BATCH_ENTRIES = 4
 MIN_ROWS = 8
 """Rows drawn at least (fewer if ``be_rows`` is smaller), whatever the contraction length."""
@@ -251,7 +272,6 @@ class Observer:
         self._elements: dict[OperandKey, int] = {}
         self._plan_formats: dict[OperandKey, str] = {}
         self._be: dict[tuple[str, str], dict[tuple[str, str], dict[int, dict[str, float]]]] = {}
-        self._be_counts: dict[tuple[str, str, int], int] = {}
         self._ranks = 1  # how many ranks the sampled steps were merged over
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -392,7 +412,6 @@ class Observer:
         self._step_histograms.clear()
         self._pending.clear()
         self._shared.clear()
-        self._be_counts.clear()
         refresh(self.model)
 
     # -- the handler ------------------------------------------------------------------------------
@@ -628,14 +647,13 @@ class Observer:
         )
         pairs = [(c, HIGH_LABEL) for c in labels] + [(HIGH_LABEL, c) for c in labels]
         pairs += [(c, c) for c in labels]
-        numbers = _be_stats(exact, products, magnitude).tolist()
+        numbers = backward_error_stats(exact, products, magnitude).tolist()
         per_gemm = self._be.setdefault(gemm_key, {})
-        calls = self._be_counts.get((*gemm_key, step), 0)
-        for pair, (mean, p99, worst) in sorted(zip(pairs, numbers, strict=True)):
-            stats = {"mean": mean, "p99": p99, "max": worst}
+        for pair, row in sorted(zip(pairs, numbers, strict=True)):
+            stats = {name: value for name, value in zip(BE_STATS, row, strict=True) if name in BE_RECORDED}
             per_step = per_gemm.setdefault(pair, {})
-            per_step[step] = _running_mean(per_step[step], stats, calls) if calls else stats
-        self._be_counts[(*gemm_key, step)] = calls + 1
+            # a GEMM called again in this step (a site called twice): its entries join the step's
+            per_step[step] = merge_be_stats([per_step[step], stats]) if step in per_step else stats
 
 
 @dataclass
@@ -678,42 +696,6 @@ def _identity(tensor: torch.Tensor) -> tuple | None:
             return None
         expected *= size
     return (tensor.device, address, tensor.numel(), tensor.dtype, tensor._version)
-
-
-def _running_mean(old: dict[str, float], new: dict[str, float], calls: int) -> dict[str, float]:
-    out = {name: (old[name] * calls + new[name]) / (calls + 1) for name in old if name != "max"}
-    out["max"] = max(old["max"], new["max"])
-    return out
-
-
-def _be_stats(exact: torch.Tensor, products: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
-    """(pairs, 3): mean, p99 and max over output elements of |exact − product| / (|L|·|R|) per pair (0 where
-    |L|·|R| = 0; inf where the product is not finite; p99 over the finite ones, inf when none is)."""
-    error = (exact - products).abs()
-    be = torch.where(
-        magnitude > 0, error / magnitude.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(error)
-    )
-    be = torch.where(torch.isfinite(products), be, torch.full_like(be, math.inf))
-    be = be.reshape(products.shape[0], -1)
-    finite = torch.isfinite(be)
-    if bool(finite.all()):
-        p99 = _upper_quantile(be, 0.99)
-    else:
-        p99 = torch.nanquantile(torch.where(finite, be, torch.full_like(be, math.nan)), 0.99, dim=1)
-        p99 = torch.where(finite.any(dim=1), p99, torch.full_like(p99, math.inf))
-    return torch.stack([be.mean(dim=1), p99, be.amax(dim=1)], dim=1)
-
-
-def _upper_quantile(values: torch.Tensor, level: float) -> torch.Tensor:
-    """Per row, the ``level`` quantile (linear interpolation, as ``torch.quantile``) of a level near 1, from
-    the row's few largest elements instead of a full sort."""
-    count = values.shape[-1]
-    position = level * (count - 1)
-    below = math.floor(position)
-    largest = values.topk(count - below, dim=-1).values  # descending: ..., v[below + 1], v[below]
-    low = largest[..., -1]
-    high = largest[..., -2] if count - below > 1 else low
-    return low + (high - low) * (position - below)
 
 
 def observe(

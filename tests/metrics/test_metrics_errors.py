@@ -150,6 +150,30 @@ def test_backward_error_matches_a_float64_loop():
     assert result.median == pytest.approx(np.median(expected), rel=1e-9)
 
 
+def test_backward_error_stats_exclude_zero_denominators_and_flag_nonfinite_products():
+    from numscope.metrics.errors import BE_STATS, backward_error_stats
+
+    exact = torch.tensor([[1.0, 0.0], [2.0, 0.0]], dtype=torch.float64)
+    magnitude = torch.tensor([[2.0, 0.0], [4.0, 1.0]], dtype=torch.float64)
+    products = torch.tensor(
+        [
+            [[1.5, 0.0], [1.0, 0.5]],  # BE 0.25, excluded, 0.25, 0.5
+            [[1.0, 0.0], [math.inf, 0.0]],  # 0, excluded, inf, 0
+            [[0.0, 0.0], [0.0, 0.0]],
+        ],
+        dtype=torch.float64,
+    )
+    numbers = backward_error_stats(exact, products, magnitude)
+    first, second, _ = (dict(zip(BE_STATS, row, strict=True)) for row in numbers.tolist())
+    assert first["count"] == 3 and first["excluded"] == 1
+    assert first["mean"] == pytest.approx((0.25 + 0.25 + 0.5) / 3)
+    assert first["median"] == 0.25 and first["max"] == 0.5
+    assert first["p99"] == pytest.approx(float(torch.quantile(torch.tensor([0.25, 0.25, 0.5]), 0.99)))
+    assert second["mean"] == math.inf and second["max"] == math.inf and second["median"] == 0.0
+    everything_zero = backward_error_stats(exact * 0, products[:1] * 0, magnitude * 0)[0].tolist()
+    assert all(math.isnan(v) for v in everything_zero[:4]) and everything_zero[4:] == [0.0, 4.0]
+
+
 def test_block_formats_run_their_blocks_along_the_contraction_dim():
     rng = np.random.default_rng(5)
     # columns of a (and rows of b) differ in scale by 2^12: blocks across k would mix them

@@ -615,20 +615,63 @@ def product_reference(
     )
 
 
-def _quantile(values: torch.Tensor, level: float) -> float:
-    ordered = values.sort().values
-    position = level * (ordered.numel() - 1)
-    below = math.floor(position)
-    above = min(below + 1, ordered.numel() - 1)
-    weight = position - below
-    return float(ordered[below] * (1 - weight) + ordered[above] * weight)
+BE_STATS: tuple[str, ...] = ("mean", "median", "p99", "max", "count", "excluded")
+"""The columns of :func:`backward_error_stats`, in order."""
+
+
+def backward_error_stats(
+    exact: torch.Tensor, products: torch.Tensor, magnitude: torch.Tensor
+) -> torch.Tensor:
+    """The backward error of one or more quantized products against one exact product, summarised.
+
+    exact, magnitude: the float64 product L·R and |L|·|R| on the measured output entries (any shape);
+    products: the quantized products Q(L)·Q(R), shaped ``(P, *exact.shape)`` for P candidate pairs.
+    Returns a float64 ``(P, 6)`` tensor with the columns :data:`BE_STATS`: over the entries with a
+    nonzero denominator, BE = |exact − product| / magnitude, its mean, median, 99th percentile (linear
+    interpolation, as ``torch.quantile``) and max, and how many entries that is (``count``); ``excluded``
+    counts the entries whose denominator is 0 (their product is exactly 0 in every format, so they say
+    nothing about one). An entry whose product (or error) is not finite counts as BE = inf. Mean,
+    quantiles and max are NaN where ``count`` is 0.
+    """
+    rows = products.shape[0]
+    products = products.reshape(rows, -1)
+    exact, magnitude = exact.reshape(1, -1), magnitude.reshape(1, -1)
+    finite_product = torch.isfinite(products)
+    excluded = (magnitude == 0) & finite_product
+    raw = (exact - products).abs() / magnitude.clamp_min(torch.finfo(magnitude.dtype).tiny)
+    raw = torch.where(finite_product & torch.isfinite(raw), raw, torch.full_like(raw, math.inf))
+    be = torch.where(excluded, torch.full_like(raw, math.nan), raw)
+    count = (~excluded).sum(dim=1)
+    ordered = be.sort(dim=1).values  # NaN (excluded) sorts last
+    last = (count - 1).clamp_min(0)
+
+    def quantile(level: float) -> torch.Tensor:
+        position = level * last.double()
+        below = position.floor().long()
+        above = torch.minimum(below + 1, last)
+        low = ordered.gather(1, below[:, None])[:, 0]
+        high = ordered.gather(1, above[:, None])[:, 0]
+        weight = position - below.double()
+        between = torch.where(high == low, low, low + (high - low) * weight)
+        return torch.where(weight > 0, between, low)
+
+    total = torch.where(excluded, torch.zeros_like(be), be).sum(dim=1)
+    none = count == 0
+    nan = torch.full((rows,), math.nan, dtype=be.dtype, device=be.device)
+    mean = torch.where(none, nan, total / count.clamp_min(1).double())
+    largest = torch.where(excluded, torch.full_like(be, -math.inf), be).amax(dim=1)
+    columns = [mean, quantile(0.5), quantile(0.99), largest]
+    columns = [torch.where(none, nan, column) for column in columns]
+    columns += [count.double(), excluded.sum(dim=1).double()]
+    return torch.stack(columns, dim=1)
 
 
 def backward_error_from(reference: ProductReference, qa: torch.Tensor, qb: torch.Tensor) -> BackwardError:
     """The backward error of Q(a)·Q(b) against a :class:`ProductReference` of a·b.
 
     ``qa`` and ``qb`` are the full quantized operands (shapes m×k and k×n, as ``numscope.quantize``
-    returns them); the reference's sampled rows and columns are taken from them here.
+    returns them); the reference's sampled rows and columns are taken from them here. The numbers are
+    :func:`backward_error_stats`'s.
     """
     m, k, n = reference.shape
     if tuple(qa.shape) != (m, k) or tuple(qb.shape) != (k, n):
@@ -639,23 +682,12 @@ def backward_error_from(reference: ProductReference, qa: torch.Tensor, qb: torch
     left = qa.detach() if reference.rows is None else qa.detach()[reference.rows.to(qa.device)]
     right = qb.detach() if reference.cols is None else qb.detach()[:, reference.cols.to(qb.device)]
     quantized = left.double() @ right.double()
+    exact = reference.exact.to(quantized.device)
     magnitude = reference.magnitude.to(quantized.device)
-    usable = magnitude > 0
-    difference = (reference.exact.to(quantized.device) - quantized).abs()
-    errors = (difference[usable] / magnitude[usable]).reshape(-1)
-    excluded = int(usable.numel() - errors.numel())
+    numbers = backward_error_stats(exact, quantized[None], magnitude)[0].tolist()
+    mean, median, p99, largest, count, excluded = numbers
     sampled = reference.rows is not None or reference.cols is not None
-    if errors.numel() == 0:
-        return BackwardError(math.nan, math.nan, math.nan, math.nan, 0, excluded, sampled)
-    return BackwardError(
-        float(errors.mean()),
-        _quantile(errors, 0.5),
-        _quantile(errors, 0.99),
-        float(errors.max()),
-        int(errors.numel()),
-        excluded,
-        sampled,
-    )
+    return BackwardError(mean, median, p99, largest, int(count), int(excluded), sampled)
 
 
 def backward_error(
