@@ -111,6 +111,8 @@ class _Quantizer:
         return result
 
     def quantize(self, key: str, spec: OperandSpec, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        """``tensor`` in ``spec``, as float32 values (not rounded to an fp16/bf16 operand's dtype: a site
+        that multiplies in float32 takes them as they are, any other casts them to its operand's dtype)."""
         fmt = spec.format_spec()
         scaling = spec.effective_scaling()
         native = None if fast_enabled() else _native_cast(spec, fmt, scaling)
@@ -124,7 +126,7 @@ class _Quantizer:
             else:
                 amax = reduce_amax_(amax.reshape(1), scaling.reduce_amax)[0]
                 scale = scale_from_amax(amax, fmt.max, scaling.margin, scaling.power_of_two)  # type: ignore[union-attr]
-            return _fake_cast(xf, native, fmt, scale, amax, spec.overflow).to(tensor.dtype)  # type: ignore[arg-type]
+            return _fake_cast(xf, native, fmt, scale, amax, spec.overflow)  # type: ignore[arg-type]
         if isinstance(fmt, BlockFormat):
             reduce = scaling is None or scaling.reduce_amax
             scaling_arg: Any = Scaling("block", axis=axis, reduce_amax=reduce)
@@ -133,7 +135,7 @@ class _Quantizer:
         else:
             scaling_arg = scaling
         return quantize(
-            tensor,
+            tensor.float(),
             fmt,  # type: ignore[arg-type]
             scaling=scaling_arg,
             rounding=spec.rounding,

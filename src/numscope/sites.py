@@ -41,6 +41,14 @@ the raw one and passes it to wgrad without calling the chain again. A handler ma
 ``active() -> bool``, asked at the start of each forward: while every attached handler says False, the
 forward runs with no interception at all (an observer between its sampled steps costs nothing).
 
+A handler gets the operand as the model passes it (a weight is the ``nn.Parameter`` itself, in fprop and
+in dgrad) and returns it in its dtype or in float32; the site casts what comes back to the dtype its GEMM
+multiplies in. That is the operand's own dtype, except under a ``TorchFunctionMode`` below the
+interception mode that defines ``fp32_gemm_dtype() -> torch.dtype | None`` (as
+:class:`numscope.train.fp32_ops.Fp32Ops` does): a GEMM with an operand in that working dtype multiplies
+float32 values (fp16/bf16 operands cast up exactly, handlers' float32 results kept as they are) and
+returns the working dtype, its gradients each input's dtype, as the mode itself would compute it.
+
 Accumulation in bf16/fp16 is emulated: the reduction dimension is split into chunks of
 :data:`ACCUMULATE_CHUNK` (32) products; each chunk's partial sum is computed in fp32 and rounded to the
 accumulator format; the partials are added one after another with rounding to the accumulator format
@@ -75,6 +83,7 @@ ACCUMULATE_DTYPES: dict[str, torch.dtype | None] = {
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
 }
+_LOW = (torch.float16, torch.bfloat16)
 STORAGE_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
@@ -104,7 +113,8 @@ class OperandHandler(Protocol):
     """Sees (and may replace) one operand of one GEMM of one site.
 
     ``axis`` is the contraction axis of ``tensor`` in this GEMM. Called inside an autograd Function: no
-    gradient is tracked through what it does. Must return a tensor of the same shape and dtype.
+    gradient is tracked through what it does. Must return a tensor of the same shape, in ``tensor``'s
+    dtype or in float32 (the site casts it to the dtype its GEMM multiplies in).
     """
 
     def __call__(
@@ -174,11 +184,17 @@ class _Call:
     weight_axes: tuple[int, int] = (-1, 0)  # (fprop, dgrad) axes of b
     meta: dict[str, Any] = field(default_factory=dict)
     share_input: bool = False  # wgrad takes fprop's handled input (every handler said shares_input)
+    upcast: torch.dtype | None = None  # the working dtype of a GEMM computed on float32 values
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype an operand of ``dtype`` is multiplied in: float32 for fp16/bf16 when upcasting."""
+        return torch.float32 if self.upcast is not None and dtype in _LOW else dtype
 
     def chain(self, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        dtype = self.compute_dtype(tensor.dtype)
         for handler in self.handlers:
-            tensor = handler(self.site, gemm, operand, tensor, axis)
-        return tensor
+            tensor = handler(self.site, gemm, operand, tensor, axis).to(dtype)
+        return tensor.to(dtype)
 
 
 def _store(tensor: torch.Tensor, storage: torch.dtype | None) -> torch.Tensor:
@@ -233,8 +249,13 @@ class SiteGemm(torch.autograd.Function):
         fprop_b_axis, _ = call.weight_axes
         a_q = call.chain("fprop", "input", a, -1)
         b_q = call.chain("fprop", "weight", b, fprop_b_axis)
-        out = _forward_product(call, a_q, b_q, bias)
+        out = _forward_product(
+            call, a_q, b_q, None if bias is None else bias.to(call.compute_dtype(bias.dtype))
+        )
         need_a, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        # the handled input is kept for wgrad only where it takes no more memory than the raw one
+        share = call.share_input and a_q.element_size() <= a.element_size()
+        ctx.share = share
         ctx.call = call
         ctx.a_meta = (a.shape, a.stride(), a.dtype)
         ctx.b_meta = (b.shape, b.stride(), b.dtype)
@@ -242,10 +263,14 @@ class SiteGemm(torch.autograd.Function):
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(
-            _store(a_q if call.share_input else a, call.storage) if need_b else None,
+            _store(a_q if share else a, call.storage) if need_b else None,
             _store(b, call.storage) if need_a else None,
         )
-        return out
+        ctx.a_saved_dtype = (a_q if share else a).dtype
+        # the parameter object itself for dgrad's handlers (saved-tensor hooks hand back a plain alias),
+        # which may reuse what they made of it in fprop; saved above too, for autograd's version check
+        ctx.parameter = b if need_a and isinstance(b, nn.Parameter) else None
+        return out if call.upcast is None else out.to(call.upcast)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
@@ -254,8 +279,9 @@ class SiteGemm(torch.autograd.Function):
         a_shape, a_stride, a_dtype = ctx.a_meta
         b_shape, b_stride, b_dtype = ctx.b_meta
         need_a, need_b, need_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
-        a = None if a_saved is None else a_saved.to(a_dtype)
-        b = None if b_saved is None else b_saved.to(b_dtype)
+        a = None if a_saved is None else a_saved.to(ctx.a_saved_dtype)
+        b = ctx.parameter if ctx.parameter is not None else None if b_saved is None else b_saved.to(b_dtype)
+        share = ctx.share
         grad_a = grad_b = grad_bias = None
         layout, acc = call.layout, call.accumulate
         _, dgrad_b_axis = call.weight_axes
@@ -274,7 +300,7 @@ class SiteGemm(torch.autograd.Function):
             if need_b:
                 dy = call.chain("wgrad", "grad_output", grad_2d, 0)
                 x = a.reshape(-1, a_shape[-1])
-                x = x if call.share_input else call.chain("wgrad", "input", x, 0)
+                x = x if share else call.chain("wgrad", "input", x, 0)
                 if acc != "fp32":
                     product = accumulate_matmul(x.t(), dy, acc)
                     grad_b = product.t() if layout == "linear" else product
@@ -294,7 +320,7 @@ class SiteGemm(torch.autograd.Function):
                     grad_a = accumulate_matmul(dy, w.t(), acc)
             if need_b:
                 dy = call.chain("wgrad", "grad_output", grad_output, 0)
-                x = a if call.share_input else call.chain("wgrad", "input", a, 0)
+                x = a if share else call.chain("wgrad", "input", a, 0)
                 grad_b = (
                     _mm_mat2_backward(dy, x, b_shape, b_stride)
                     if acc == "fp32"
@@ -315,7 +341,7 @@ class SiteGemm(torch.autograd.Function):
                 grad_a = product.reshape(*batch, n, m).sum_to_size(a_shape)
             if need_b:
                 dy = call.chain("wgrad", "grad_output", grad_output, -2).reshape(count, n, p)
-                x = a if call.share_input else call.chain("wgrad", "input", a, -2)
+                x = a if share else call.chain("wgrad", "input", a, -2)
                 x = x.expand(*batch, n, m).reshape(count, n, m)
                 product = (
                     x.transpose(1, 2).bmm(dy)
@@ -326,6 +352,9 @@ class SiteGemm(torch.autograd.Function):
         if need_bias and ctx.has_bias:
             flat = grad_output.reshape(-1, grad_output.shape[-1]) if layout == "linear" else grad_output
             grad_bias = _sum_bias(flat, ctx.bias_shape, ctx.bias_dtype)
+        if call.upcast is not None:  # computed in float32: back to each input's dtype, as autograd's casts
+            grad_a = None if grad_a is None else grad_a.to(a_dtype)
+            grad_b = None if grad_b is None else grad_b.to(b_dtype)
         return None, grad_a, grad_b, grad_bias
 
 
@@ -461,6 +490,23 @@ def _parse(func, args: tuple, kwargs: dict) -> tuple[str, Any, Any, Any] | None:
         return None
     layout = _matmul_layout(a, b)
     return None if layout is None else (layout, a, b, None)
+
+
+def _upcast(*operands: torch.Tensor | None) -> torch.dtype | None:
+    """The working dtype in which a mode below the interception mode has GEMMs computed on float32 values.
+
+    A ``TorchFunctionMode`` (such as :class:`numscope.train.fp32_ops.Fp32Ops`) opts in by defining
+    ``fp32_gemm_dtype() -> torch.dtype | None``; where one of ``operands`` has that dtype the site function
+    computes on float32 copies of its fp16/bf16 operands and returns that dtype, as the mode would have.
+    """
+    if not any(t is not None and t.dtype in _LOW for t in operands):
+        return None
+    for index in range(torch._C._len_torch_function_stack() - 1, -1, -1):
+        ask = getattr(torch._C._get_function_stack_at(index), "fp32_gemm_dtype", None)
+        dtype = None if ask is None else ask()
+        if dtype is not None:
+            return dtype if any(t is not None and t.dtype == dtype for t in operands) else None
+    return None
 
 
 def _out_numel(layout: str, a: torch.Tensor, b: torch.Tensor) -> int:
@@ -714,7 +760,7 @@ class _Runtime:
             return static
         return self.anonymous(frame, "matmul")[0]
 
-    def _call(self, site: Site, layout: str) -> _Call | None:
+    def _call(self, site: Site, layout: str, upcast: torch.dtype | None = None) -> _Call | None:
         handlers, accumulate = self.handlers_for(site)
         storage = self.storage
         if not handlers and storage is None:
@@ -724,7 +770,9 @@ class _Runtime:
             for handler in handlers
         )
         axes = _WEIGHT_AXES[(site.kind, layout)]
-        return _Call(site, layout, handlers, accumulate, storage, axes, share_input=share_input)
+        return _Call(
+            site, layout, handlers, accumulate, storage, axes, share_input=share_input, upcast=upcast
+        )
 
     def gemm_call(self, func, args: tuple, kwargs: dict):
         frame = self.stack[-1]
@@ -736,7 +784,7 @@ class _Runtime:
             return self.sdpa_call(frame, func, args, kwargs)
         site = self._site_for(frame, layout, b)
         self.sizes[site.name] = _sizes(a.numel(), b.numel(), _out_numel(layout, a, b))
-        call = self._call(site, layout)
+        call = self._call(site, layout, _upcast(a, b, bias))
         if call is None:
             return func(*args, **kwargs)
         if layout in ("linear", "fold") and a.dim() != 2:
@@ -755,6 +803,13 @@ class _Runtime:
         calls = {"scores": self._call(scores_site, "batched"), "context": self._call(context_site, "batched")}
         if all(c is None for c in calls.values()):
             return func(*args, **kwargs)
+        upcast = _upcast(q, k, v)
+        if (
+            upcast is not None
+        ):  # as the fp32 mode below would: float32 copies, the result in the working dtype
+            for name in ("query", "key", "value"):
+                if bound[name].dtype in _LOW:
+                    bound[name] = bound[name].float()
 
         def matmul(role: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             call = calls[role]
@@ -763,7 +818,8 @@ class _Runtime:
             call.meta["batch"] = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
             return SiteGemm.apply(call, a, b, None)
 
-        return sdpa_reference(**bound, matmul=matmul)
+        out = sdpa_reference(**bound, matmul=matmul)
+        return out if upcast is None else out.to(upcast)
 
     # discovery
     def discover(self, args: tuple, kwargs: dict) -> list[Site]:

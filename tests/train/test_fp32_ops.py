@@ -146,3 +146,45 @@ def test_bad_arguments_are_named() -> None:
         keep_fp32_ops(nn.Linear(2, 2), torch.float32)
     with pytest.raises(TypeError, match=r"must be torch callables such as torch\.softmax, got 'exp'"):
         keep_fp32_ops(nn.Linear(2, 2), torch.float16, ops=["exp"])
+
+
+def _transformer(kind: str) -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=32))
+    config = BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, attn_implementation=kind.removeprefix("bert-"),
+    )  # fmt: skip
+    return BertForMaskedLM(config)
+
+
+@pytest.mark.parametrize("kind", ["bert-eager", "bert-sdpa", "gpt2"])
+def test_sites_see_the_parameters_and_compute_as_the_mode_does(kind: str) -> None:
+    """GEMM sites sit above the mode: they see the fp16 parameters themselves (their names and kinds as
+    without the mode) and multiply float32 copies with the result in fp16, as the mode does, bit for bit."""
+    import numscope
+
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected = {(site.name, site.kind) for site in numscope.sites(_transformer(kind), {"input_ids": ids})}
+    seen, results = set(), []
+
+    def record(site, gemm, operand, tensor, axis):
+        seen.add((site.name, site.kind))
+        return tensor
+
+    for routed in (False, True):
+        model = _transformer(kind).half()
+        keep_fp32_ops(model, torch.float16)
+        if routed:
+            numscope.sites.attach(model, record, name="record")
+        torch.manual_seed(1)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append((out.logits, {n: p.grad for n, p in model.named_parameters()}))
+    assert seen == expected
+    assert results[1][0].dtype == torch.float16 and torch.equal(results[0][0], results[1][0])
+    for name, grad in results[0][1].items():
+        assert grad.dtype == torch.float16 and torch.equal(grad, results[1][1][name]), name

@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from transformers import BertConfig, BertForMaskedLM
 
 import numscope
-from numscope.convert import converted_plan
+from numscope.convert import _quantizer, converted_plan
 from numscope.train import LossScaler, Recipe, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
 IDS = torch.randint(5, 100, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -244,3 +244,38 @@ def test_a_forward_interrupted_by_ctrl_c_leaves_no_context_behind() -> None:
     assert _get_current_function_mode_stack() == []
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
     assert torch.ones(3, dtype=torch.float16).exp().dtype == torch.float16
+
+
+def test_fp32_ops_leave_sites_their_parameters_names_and_plan_rules() -> None:
+    """Under fp32_ops the sites see the parameters themselves, not fp32 copies: every Linear keeps its site
+    name and kind, a plan rule by module name applies, and the weight quantized for fprop serves dgrad."""
+    expected = {site.name for site in numscope.sites(bert(dropout=0.0), {"input_ids": IDS})}
+    int4 = numscope.SiteSpec.uniform(numscope.OperandSpec("int4", scaling="tensor"))
+    model = bert(dropout=0.0)
+    recipe = Recipe(model, plan=numscope.Plan(rules=(numscope.Rule("*.query", int4),)), dtype=torch.float16)
+    quantizer = _quantizer(model)
+    quantize, keys = quantizer.quantize, []
+    quantizer.quantize = lambda key, *args: keys.append(key) or quantize(key, *args)
+    seen: dict[tuple[str, str, str], tuple[str, torch.Tensor]] = {}
+
+    def spy(site, gemm, operand, tensor, axis):
+        seen[(site.name, gemm, operand)] = (site.kind, tensor.detach().clone())
+        return tensor
+
+    numscope.sites.attach(model, spy, name="spy")
+    recipe.backward(model(input_ids=IDS, labels=IDS).loss)
+    assert {name for name, _, _ in seen} == expected
+    query, key = "bert.encoder.layer.0.attention.self.query", "bert.encoder.layer.0.attention.self.key"
+    kind, weight = seen[(query, "fprop", "weight")]
+    assert kind == "linear" and weight.dtype == torch.float32 and weight.unique().numel() <= 15  # int4
+    assert seen[(key, "fprop", "weight")][1].unique().numel() > 100  # no rule: the fp16 weight as it is
+    assert sorted(keys) == sorted(
+        f"bert.encoder.layer.{layer}.attention.self.query/{gemm}/{operand}"
+        for layer in (0, 1)
+        for gemm, operand in (
+            ("fprop", "input"),
+            ("fprop", "weight"),
+            ("dgrad", "grad_output"),
+            ("wgrad", "input"),
+        )
+    )  # dgrad's weight reused from fprop (the parameter, though saved-tensor hooks return an alias of it)

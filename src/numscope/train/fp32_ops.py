@@ -20,9 +20,11 @@ reductions CUDA kernels accumulate in fp32 anyway (``mean``, ``var``, ``std``) a
 * every other op runs as called (torch's type promotion).
 
 The casts are ordinary autograd ops: backward runs each kept op in fp32 too, GEMM gradients accumulate in
-fp32, and every gradient returns to the working dtype at its cast. The casts happen before any
-:mod:`numscope.sites` interception, so a plan quantizes the fp32 copies and its products accumulate in
-fp32 on the dequantized values (or as the plan's ``accumulate`` says).
+fp32, and every gradient returns to the working dtype at its cast. GEMMs that are :mod:`numscope.sites`
+sites of a converted or observed model are left to the site function, whose mode sits above this one:
+its handlers see the parameters themselves (so site names, plan rules and weight reuse are those of an
+fp32 model), and it multiplies float32 values with the result in the working dtype, as this mode would
+(:meth:`Fp32Ops.fp32_gemm_dtype`); a plan's quantized operands enter those products unrounded.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
 
-from numscope._root_call import INSIDE_SITES, RootCalls, RootHandle
+from numscope._root_call import OUTSIDE_SITES, RootCalls, RootHandle
 
 __all__ = ["FP32_OPS", "GEMM_OPS", "Fp32Ops", "keep_fp32_ops"]
 
@@ -118,6 +120,11 @@ class Fp32Ops(TorchFunctionMode):
     def _live(self) -> bool:
         return self.live is None or self.live()
 
+    def fp32_gemm_dtype(self) -> torch.dtype | None:
+        """The working dtype whose GEMMs :mod:`numscope.sites` computes on float32 values when it
+        intercepts them above this mode (its site function does what this mode does to a GEMM)."""
+        return self.dtype if self._live() else None
+
 
 def _resolve_ops(ops: Iterable[Callable[..., Any]] | None) -> frozenset[Callable[..., Any]]:
     if ops is None:
@@ -140,5 +147,5 @@ def keep_fp32_ops(
     resolved = _resolve_ops(ops)
     Fp32Ops(dtype, resolved)  # validate now, not at the first forward
     return RootCalls.of(model).register(
-        lambda call, args, kwargs: Fp32Ops(dtype, resolved, live=call.is_live), INSIDE_SITES
+        lambda call, args, kwargs: Fp32Ops(dtype, resolved, live=call.is_live), OUTSIDE_SITES
     )
