@@ -152,7 +152,7 @@ def test_bad_arguments_are_named() -> None:
         Recipe(bert(), plan={"fp8": True})
     with pytest.raises(ValueError, match="unknown preset 'fp9'"):
         Recipe(bert(), plan="fp9")
-    with pytest.raises(ValueError, match="activation storage dtype must be one of fp16, bf16"):
+    with pytest.raises(ValueError, match=r"activations must be .working., fp16, bf16, fp32 .* got .fp8."):
         Recipe(bert(), activations="fp8")
     recipe = Recipe(bert(), **OFF)
     with pytest.raises(ValueError, match=r"recipe state lacks \['numerics'\]"):
@@ -279,3 +279,41 @@ def test_fp32_ops_leave_sites_their_parameters_names_and_plan_rules() -> None:
             ("wgrad", "input"),
         )
     )  # dgrad's weight reused from fprop (the parameter, though saved-tensor hooks return an alias of it)
+
+
+FP8 = numscope.SiteSpec.uniform("fp8_e4m3")
+
+
+def _untouched(model: nn.Module, reference: nn.Module) -> bool:
+    """Whether ``model`` has the parameters of ``reference`` (values and dtypes) and no hooks at all."""
+    hooks = any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    return not hooks and all(
+        mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+        for mine, theirs in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    "arguments, error",
+    [
+        (dict(activations="fp32x"), r"activations must be 'working', fp16, bf16, fp32 .* got 'fp32x'"),
+        (dict(activations=torch.float8_e4m3fn), r"activations must be .* got torch.float8_e4m3fn"),
+        (dict(fp32_ops=["exp"]), r"fp32 ops must be torch callables such as torch\.softmax, got 'exp'"),
+        (dict(fp32_ops=3), r"fp32 ops must be an iterable of torch callables .* got 3"),
+        (dict(plan="fp8", keep_fp32=["no.such.module"]), r"keep_fp32 pattern 'no.such.module' matches no"),
+        (dict(plan=numscope.Plan(rules=(numscope.Rule("*.no_such_site", FP8),)), example_inputs=IDS),
+         r"no_such_site"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_leave_the_model_untouched(arguments: dict, error: str) -> None:
+    model = bert()
+    with pytest.raises((ValueError, TypeError), match=error):
+        Recipe(model, dtype=torch.float16, **arguments)
+    assert _untouched(model, bert())
+    assert numscope.sites.attached(model) == []
+
+
+@pytest.mark.parametrize("activations", ["fp32", torch.float32, None])
+def test_fp32_activations_keep_them_as_computed(activations) -> None:
+    recipe = Recipe(bert(), dtype=torch.float16, activations=activations)
+    assert recipe.activations is None

@@ -126,9 +126,12 @@ class Fp32Ops(TorchFunctionMode):
         return self.dtype if self._live() else None
 
 
-def _resolve_ops(ops: Iterable[Callable[..., Any]] | None) -> frozenset[Callable[..., Any]]:
+def resolve_ops(ops: Iterable[Callable[..., Any]] | None) -> frozenset[Callable[..., Any]]:
+    """The ops to keep in fp32: every op of :data:`FP32_OPS` for ``None``, else ``ops``, checked."""
     if ops is None:
         return frozenset(op for group in FP32_OPS.values() for op in group)
+    if isinstance(ops, str) or not isinstance(ops, Iterable):
+        raise TypeError(f"fp32 ops must be an iterable of torch callables such as torch.softmax, got {ops!r}")
     resolved = frozenset(ops)
     for op in resolved:
         if not callable(op):
@@ -144,7 +147,7 @@ def keep_fp32_ops(
     dtype: the model's working dtype (fp16 or bf16): GEMMs with an operand in it accumulate in fp32 and
     return it. Returns a handle whose ``remove()`` ends it.
     """
-    resolved = _resolve_ops(ops)
+    resolved = resolve_ops(ops)
     Fp32Ops(dtype, resolved)  # validate now, not at the first forward
     return RootCalls.of(model).register(
         lambda call, args, kwargs: Fp32Ops(dtype, resolved, live=call.is_live), OUTSIDE_SITES

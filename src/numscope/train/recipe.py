@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from numscope.convert import convert, load_numerics_state_dict, numerics_state_dict
+from numscope.convert import convert, load_numerics_state_dict, numerics_state_dict, unconvert
 from numscope.plan import Plan
-from numscope.train.activations import ActivationStore, store_activations
-from numscope.train.fp32_ops import keep_fp32_ops
+from numscope.train.activations import STORAGE_DTYPES, ActivationStore, store_activations
+from numscope.train.fp32_ops import keep_fp32_ops, resolve_ops
 from numscope.train.loss_scaler import LossScaler
 from numscope.train.master import DEFAULT_FP32_MODULES, MasterWeights
 
@@ -54,7 +54,8 @@ class Recipe:
       nothing to do when ``dtype`` is fp32 [``False``: every op in ``dtype``, torch's own kernels].
     * ``activations`` — the dtype in which every float32 activation autograd saves for backward is kept
       (:mod:`numscope.train.activations`), among them the fp32 results of kept ops and the fp32 copies
-      GEMMs compute on; ``"working"`` is ``dtype`` (nothing when ``dtype`` is fp32) [``None``].
+      GEMMs compute on: ``torch.float16``/``"fp16"`` or ``torch.bfloat16``/``"bf16"``; ``"working"`` is
+      ``dtype``; ``torch.float32``/``"fp32"`` keeps them as they are, as ``None`` does [``None``].
     * ``loss_scale`` — ``"dynamic"`` (GradScaler's defaults), a number (static scale), or a
       :class:`numscope.LossScaler` of your own [``None``].
 
@@ -77,20 +78,26 @@ class Recipe:
         example_inputs: Any = None,
         keep_fp32: Sequence[type[nn.Module] | str] = DEFAULT_FP32_MODULES,
     ) -> None:
+        # every argument is checked before the model is touched: a bad one leaves it as it was
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
         self.model = model
         self.dtype = dtype
         self.scaler = _loss_scaler(loss_scale)
         resolved_plan = _plan(plan)
-        storage = dtype if activations == "working" else activations
-        if storage == torch.float32:
-            storage = None
-        self.master = MasterWeights(model, dtype=dtype, keep_fp32=keep_fp32)
+        storage = _activation_storage(activations, dtype)
+        if fp32_ops is not True and fp32_ops is not False:
+            resolve_ops(fp32_ops)  # type: ignore[arg-type]
         self.plan = resolved_plan
         self._plan_label = plan if isinstance(plan, str) else "custom"
-        if resolved_plan is not None:
+        if resolved_plan is not None:  # checks the plan against the sites; undoes itself if it fails
             convert(model, resolved_plan, example_inputs=example_inputs, generator=generator)
+        try:
+            self.master = MasterWeights(model, dtype=dtype, keep_fp32=keep_fp32)  # checks, then casts
+        except Exception:
+            if resolved_plan is not None:
+                unconvert(model)
+            raise
         self.fp32_ops = dtype != torch.float32 and fp32_ops is not False
         self._handles: list[Any] = []
         if self.fp32_ops:
@@ -167,6 +174,21 @@ class Recipe:
             "loss_scale": scale,
         }
         return "Recipe(" + ", ".join(f"{key}={value}" for key, value in parts.items()) + ")"
+
+
+def _activation_storage(activations: torch.dtype | str | None, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype activations are stored in (``None``: as computed), from ``Recipe(activations=...)``."""
+    resolved = dtype if activations == "working" else activations
+    if isinstance(resolved, str):
+        resolved = {**STORAGE_DTYPES, "fp32": torch.float32}.get(resolved, resolved)
+    if resolved is None or resolved == torch.float32:
+        return None
+    if resolved not in STORAGE_DTYPES.values():
+        raise ValueError(
+            f"activations must be 'working', fp16, bf16, fp32 (torch.float16, torch.bfloat16, torch.float32) "
+            f"or None, got {activations!r}"
+        )
+    return resolved  # type: ignore[return-value]
 
 
 def _plan(plan: Plan | str | None) -> Plan | None:
