@@ -65,7 +65,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
@@ -158,6 +158,8 @@ class Choice:
     """The format chosen for one operand and why.
 
     metric/value: the deciding metric and its worst-step value (for a budgeted choice, ``sqnr_db``'s mean).
+    checks: every candidate judged for this operand → its limits checked on the worst step (a candidate
+    is rejected when one of them did not pass).
     """
 
     site: str
@@ -169,6 +171,7 @@ class Choice:
     metric: str
     value: float
     reason: str
+    checks: Mapping[str, tuple[Check, ...]] = field(default_factory=dict)
 
     @property
     def key(self) -> OperandKey:
@@ -181,6 +184,7 @@ class Recommendation:
 
     average_bits: over all operand elements, weighted by element count (high counts 32).
     optimal: whether the bit-budget allocation is provably optimal (always True without a budget).
+    limits: the limits asked for (before per-operand overrides); reference: the backward errors' reference.
     """
 
     plan: Plan
@@ -189,6 +193,7 @@ class Recommendation:
     bit_budget: float | None
     optimal: bool
     limits: Limits = field(default_factory=Limits)
+    reference: str = "bf16"
 
 
 @dataclass
@@ -376,6 +381,11 @@ def _cheapest(options: list[_Option]) -> tuple[_Option | None, list[_Option]]:
 
 def _decide(key: OperandKey, options: list[_Option], elements: int) -> tuple[Choice, list[_Option]]:
     """The cheapest passing option (or high) with its reason; also the passing options for a budget."""
+    choice, passing = _decide_format(key, options, elements)
+    return replace(choice, checks={o.label: tuple(o.checks) for o in options}), passing
+
+
+def _decide_format(key: OperandKey, options: list[_Option], elements: int) -> tuple[Choice, list[_Option]]:
     site, gemm, operand = key
     chosen, cheaper = _cheapest(options)
     passing = [o for o in options if o.passed]
@@ -555,7 +565,7 @@ def advise(
         choices, optimal = _apply_budget(choices, passing_per_key, float(bit_budget))
     total = sum(c.elements for c in choices)
     average = sum(c.bits * c.elements for c in choices) / total if total else math.nan
-    return Recommendation(_plan(choices), tuple(choices), average, bit_budget, optimal, limits)
+    return Recommendation(_plan(choices), tuple(choices), average, bit_budget, optimal, limits, reference)
 
 
 def _apply_budget(
@@ -583,17 +593,7 @@ def _apply_budget(
         option = opts[index]
         if option.label == choice.format:
             out.append(
-                Choice(
-                    choice.site,
-                    choice.gemm,
-                    choice.operand,
-                    choice.format,
-                    choice.bits,
-                    choice.elements,
-                    choice.metric,
-                    choice.value,
-                    f"{choice.reason}; kept within bit budget {budget:g} ({method})",
-                )
+                replace(choice, reason=f"{choice.reason}; kept within bit budget {budget:g} ({method})")
             )
             continue
         reason = (
@@ -601,16 +601,13 @@ def _apply_budget(
             f"({method}); sqnr_db {_fmt(option.mean_sqnr)} mean; all limits met"
         )
         out.append(
-            Choice(
-                choice.site,
-                choice.gemm,
-                choice.operand,
-                option.label,
-                option.bits,
-                choice.elements,
-                SQNR,
-                option.mean_sqnr,
-                reason,
+            replace(
+                choice,
+                format=option.label,
+                bits=option.bits,
+                metric=SQNR,
+                value=option.mean_sqnr,
+                reason=reason,
             )
         )
     return out, optimal

@@ -121,19 +121,31 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _register_demo(sub: argparse._SubParsersAction) -> None:
+    from numscope.demo.main import DemoConfig
+
+    steps, quick_steps = DemoConfig().train.steps, DemoConfig.quick().train.steps
     p = sub.add_parser(
         "demo",
         help="BERT masked LM end to end: fp32, bf16, fp16 (±loss scaling), fp8, mxfp4, "
         "and numscope's recommended plan, with report.html",
     )
-    p.add_argument("--quick", action="store_true", help="the same stages with fewer steps (about 2 minutes)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"the same stages with {quick_steps} steps per run instead of {steps}",
+    )
     p.add_argument("--out", help="output folder (default runs/demo or runs/demo-quick); reruns resume there")
-    p.add_argument("--steps", type=_int_at_least(1), help="training steps per run (default 500, quick 40)")
+    p.add_argument(
+        "--steps",
+        type=_int_at_least(1),
+        help=f"training steps per run (default {steps}, quick {quick_steps})",
+    )
     p.add_argument(
         "--threads",
         type=_int_at_least(1),
         help="torch threads (default 1: on a machine shared with other processes, waiting threads spin and "
-        "steps slow down many times; on an idle machine 2 threads are about 1.6x faster)",
+        "slow the steps down; on an idle machine more threads are faster; benchmarks/bench_train_step.py "
+        "--threads N measures it)",
     )
     p.add_argument(
         "--text", nargs="+", metavar="PATH", help="your own text files instead of the Wikipedia corpus"

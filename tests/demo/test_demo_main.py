@@ -171,31 +171,86 @@ def test_claims_are_stated_as_held_or_not_with_their_numbers() -> None:
     assert "does NOT hold" in next(text for text, _ in claims if text.startswith("Recommended plan"))
 
 
+def test_claims_state_their_thresholds_and_the_scale_they_saw() -> None:
+    rows = [
+        _row("fp32", 6.00, 32),
+        _row("recommended", 6.03, 7.1),
+        _row("fp16", 6.20, 16),
+        _row("fp16+scaling", 6.01, 16, scale=3000.0),  # a static scale need not be a power of two
+        _row("fp8", 6.02, 8),
+        _row("mxfp4", 6.6, 4.25),
+    ]
+    one_value = [
+        {"site": "a", "before%": 0.01, "after%": 0.0}
+    ]  # one flushed value is not a loss of information
+    claims = demo_main._claims(rows, one_value, unigram=6.03)
+    flush = next(text for text, _ in claims if text.startswith("FP16 without loss scaling"))
+    assert _verdict(claims, "FP16 without loss scaling") is False
+    assert "at least 1% flushed at some site" in flush and "loss scale 3000 " in flush
+    learned = next(text for text, _ in claims if text.startswith("FP32 learned"))
+    assert _verdict(claims, "FP32 learned") is False and "at least 0.05 nats below" in learned
+
+
 def _verdict(claims: list[tuple[str, bool]], start: str) -> bool:
     (verdict,) = [held for text, held in claims if text.startswith(start)]
     return verdict
 
 
-def test_the_plan_rationale_cites_a_measured_flush_that_the_backward_error_rejects() -> None:
+def _flush_analysis(cases: tuple[tuple[str, float, float], ...]) -> Analysis:
+    """wgrad grad_output operands: (site, fp16 underflow%, fp16's backward error over bf16's)."""
     from numscope.analysis import OperandRecord
-    from numscope.demo.main import AdvisorRequest, _flush_example
 
     analysis = Analysis(candidates=("bf16", "fp16"))
-    for site, share, ratio in (("a", 10.0, 3.0), ("b", 90.0, 500.0)):
-        metrics = {"fp16": {"underflow%": share}, "bf16": {"underflow%": 0.0}}
+    for site, share, ratio in cases:
+        metrics = {
+            "fp16": {"underflow%": share, "overflow%": 0.0, "sqnr_db": 60.0},
+            "bf16": {"underflow%": 0.0, "overflow%": 0.0, "sqnr_db": 50.0},
+        }
         analysis.operands[(site, "wgrad", "grad_output")] = {4: OperandRecord({}, metrics, 10, 10)}
+        analysis.elements[(site, "wgrad", "grad_output")] = 10
         analysis.backward_errors[(site, "wgrad")] = {
             ("fp16", "fp32"): {4: {"mean": ratio * 1e-4}},
             ("bf16", "fp32"): {4: {"mean": 1e-4}},
         }
-    example = _flush_example(analysis)
-    assert (
-        example == "fp16 flushes up to 90.0% of the wgrad grad_output of b, and its backward error there "
-        "reaches 500× bf16's: rejected"
+    return analysis
+
+
+def test_the_plan_rationale_cites_a_measured_flush_that_the_backward_error_rejects() -> None:
+    from numscope.advisor import advise
+    from numscope.demo.main import AdvisorRequest, _flush_example
+
+    request = AdvisorRequest()
+    analysis = _flush_analysis((("a", 99.0, 3.0), ("b", 90.0, 500.0)))
+    recommendation = advise(analysis, **request.kwargs())
+    example = _flush_example(recommendation, analysis)
+    assert example == (
+        "fp16 flushes up to 90.0% of the wgrad grad_output of b, and its backward error there reaches 500× "
+        "bf16's, over the limit of 40×: rejected"
     )
-    text = AdvisorRequest().rationale(example, default_bits=9.17)
+    text = request.rationale(example, default_bits=9.17)
     assert example in text and "at most 40× bf16's" in text and "at least 22 dB" in text
     assert "may reach 1% instead of 0.1%" in text and text.endswith("would average 9.17 bits.")
+    # a flush the backward-error limit let through is cited as such, never as "rejected"
+    analysis = _flush_analysis((("a", 99.0, 3.0),))
+    example = _flush_example(advise(analysis, **request.kwargs()), analysis)
+    assert example is not None and example.endswith("reaches 3× bf16's, within the limit of 40×")
+
+
+def test_the_plan_rationale_follows_the_request() -> None:
+    from numscope.demo.main import AdvisorRequest
+
+    request = AdvisorRequest(
+        bit_budget=9.0,
+        criteria=(("max_be_ratio", 40.0), ("max_underflow_pct", 5.0), ("max_overflow_pct", None)),
+    )
+    text = request.rationale("an example")
+    assert "least total quantization noise within 9 average bits per element" in text
+    assert "may reach 5% instead of 2%" in text and "an example" not in text
+    assert "overflow share (values that saturate) is not limited" in text
+    # the advisor's own default applies where the request sets nothing, and the text says so
+    assert "an SQNR of at least 22 dB" in text and "at most 40× bf16's" in text
+    assert "min_sqnr_db 22" in request.describe()
+    assert "OCP" not in text and "cheapest" not in text
 
 
 def test_an_interrupted_observed_run_resumes_its_analysis_exactly(tmp_path: Path, text_file: Path) -> None:

@@ -34,8 +34,12 @@ from numscope.plan import Plan
 WITHIN_PERCENT = 1.0
 """A run "reaches FP32's validation loss" when its loss is at most this many percent above FP32's."""
 
-FP16_FLUSH_BINADE = -25
-"""fp16 rounds magnitudes below 2^-25 (half its smallest subnormal 2^-24) to 0, and the tie 2^-25 as well."""
+LEARNED_MARGIN_NATS = 0.05
+"""FP32 "learned from context" when its validation loss is at least this far below the context-free loss."""
+
+FLUSH_CLAIM_PERCENT = 1.0
+""""fp16 alone loses gradient information" when, at some site, it flushes at least this share (%) of the
+nonzero gradient values entering the GEMM."""
 
 
 @dataclass(frozen=True)
@@ -48,14 +52,14 @@ class AdvisorRequest:
     whatever their size:
 
     * ``max_underflow_pct`` off: a share of flushed values says nothing of their weight. Where flushing
-      matters, the backward error sees it (fp16 on the layer-0 attention-score gradients flushes 99% of
-      the values and its backward error is hundreds of times bf16's: rejected), and where the values are
-      negligible it does not (most of what mxfp6 flushes on gradients lies many binades below the block
-      maximum);
+      matters, the backward error sees it, and where the values are negligible it does not. The report's
+      plan section gives the measured case: the gradient operand fp16 flushes most of in the FP32 run, its
+      backward error over bf16's, and whether the limit rejected it;
     * ``max_overflow_pct`` 0.1 → 1: in MX formats "overflow" is the OCP scale rule (a power of two rounded
       down) clamping the top of each block's largest binade, a bounded error (at most 25% of the value for
       E2M1, 12.5% for E3M2, 6.25% for E2M3) that SQNR and the backward error already count; 1% still
-      rejects real saturation (e.g. 3–10% of the MLM head's input in the 6- and 8-bit MX formats).
+      rejects real saturation (each operand's ``overflow%`` per format is in the FP32 run's
+      ``analysis/analysis.csv``).
 
     With no bit cap the advisor then gives each operand the cheapest format that meets every limit.
     """
@@ -72,40 +76,99 @@ class AdvisorRequest:
         return {"bit_budget": self.bit_budget, **dict(self.criteria)}
 
     def rationale(self, example: str | None = None, default_bits: float | None = None) -> str:
-        """How the plan was asked for and why, as a paragraph for the report (plain text); ``example``: a
-        measured case of a format whose flushed values the backward error rejects."""
+        """How the plan was asked for and why, as a paragraph for the report (plain text), built from this
+        request's own criteria. ``example``: a measured case of a format whose flushed values the backward
+        error judges (shown where the underflow share is off and the backward-error limit on);
+        ``default_bits``: the average bits under the advisor's default limits."""
         from numscope.advisor import Limits
 
-        limits = dict(self.criteria)
-        kept = []
+        defaults, effective = Limits(), self.limits()
+        limits = {name: getattr(effective, name) for name in self._shown()}
+        if self.bit_budget is None:
+            how = "gave each GEMM operand the cheapest candidate format that met every limit"
+        else:
+            how = (
+                "chose, among the candidate formats that met every limit, the assignment with the least "
+                f"total quantization noise within {self.bit_budget:g} average bits per element"
+            )
+        text = [
+            f"The advisor read the FP32 run's analysis and {how} on every sampled step ({self.describe()})."
+        ]
+        errors = []
         if limits.get("max_be_ratio") is not None:
-            kept.append(f"the GEMM's backward error at most {limits['max_be_ratio']:g}× bf16's")
+            errors.append(f"the GEMM's backward error at most {limits['max_be_ratio']:g}× bf16's")
         if limits.get("min_sqnr_db") is not None:
-            kept.append(f"an SQNR of at least {limits['min_sqnr_db']:g} dB")
-        text = (
-            "The advisor read the FP32 run's analysis and gave each GEMM operand the cheapest candidate "
-            f"format that met every limit on every sampled step ({self.describe()}). It judged formats by "
-            f"their error ({' and '.join(kept) or 'no error limit'}). The two count limits, which count "
-            "values whatever their size, were changed. The underflow share is off: where flushed values "
-            "matter, the backward error sees them"
-            + (f" ({example})" if example else "")
-            + ", and where they lie many binades under the block's or tensor's maximum it rightly does "
-            f"not. The overflow share may reach {limits.get('max_overflow_pct'):g}% instead of "
-            f"{Limits().max_overflow_pct:g}%: in MX formats it counts the OCP scale rule clamping the top of "
-            "each block's largest binade, an error of at most 25% of the value for E2M1, 12.5% for E3M2 and "
-            "6.25% for E2M3 that SQNR and backward error already count, while real "
-            "saturation stays rejected."
-        )
+            errors.append(f"an SQNR of at least {limits['min_sqnr_db']:g} dB")
+        text.append(f"It judged formats by their error: {' and '.join(errors) or 'no error limit was set'}.")
+        for name, value in limits.items():
+            default = getattr(defaults, name)
+            if name not in ("max_underflow_pct", "max_overflow_pct") and value != default:
+                shown = "off" if value is None else f"{value:g}"
+                text.append(f"{name} is {shown}; the advisor's default is {_limit_text(default)}.")
+        text.append(self._underflow_text(limits, defaults, example))
+        text.append(self._overflow_text(limits, defaults))
         if default_bits is not None:
-            text += f" Under the advisor's default limits the plan would average {default_bits:.2f} bits."
-        return text
+            text.append(f"Under the advisor's default limits the plan would average {default_bits:.2f} bits.")
+        return " ".join(part for part in text if part)
+
+    @staticmethod
+    def _underflow_text(limits: dict[str, float | None], defaults: Any, example: str | None) -> str:
+        value, default = (
+            limits.get("max_underflow_pct", defaults.max_underflow_pct),
+            defaults.max_underflow_pct,
+        )
+        if value == default:
+            return f"The underflow share (values that become 0) is limited to {value:g}%, the default."
+        if value is not None:
+            return f"The underflow share (values that become 0) may reach {value:g}% instead of {default:g}%."
+        if limits.get("max_be_ratio") is None:
+            return "The underflow share (values that become 0) is not limited."
+        return (
+            "The underflow share, which counts flushed values whatever their size, is off: where flushed "
+            "values matter the backward error sees them"
+            + (f" ({example})" if example else "")
+            + ", and where they lie many binades under the block's or tensor's maximum it does not."
+        )
+
+    @staticmethod
+    def _overflow_text(limits: dict[str, float | None], defaults: Any) -> str:
+        value, default = limits.get("max_overflow_pct", defaults.max_overflow_pct), defaults.max_overflow_pct
+        if value is None:
+            return "The overflow share (values that saturate) is not limited."
+        if value == default:
+            return f"The overflow share (values that saturate) is limited to {value:g}%, the default."
+        if value < default:
+            return (
+                f"The overflow share (values that saturate) is limited to {value:g}% instead of {default:g}%."
+            )
+        return (
+            f"The overflow share may reach {value:g}% instead of {default:g}%: in MX formats it counts the "
+            "OCP scale rule clamping the top of each block's largest binade, an error of at most 25% of the "
+            "value for E2M1, 12.5% for E3M2 and 6.25% for E2M3 that SQNR and the backward error already "
+            "count, while saturation beyond that share stays rejected."
+        )
+
+    def limits(self) -> Any:
+        """The advisor's :class:`~numscope.advisor.Limits` under this request (its defaults where the
+        request sets nothing)."""
+        from numscope.advisor import Limits
+
+        return Limits().replace(dict(self.criteria), " (AdvisorRequest)")
+
+    def _shown(self) -> list[str]:
+        """The limits a reader is told of: the four count and error limits, and any other the request sets."""
+        basic = ["max_be_ratio", "max_underflow_pct", "max_overflow_pct", "min_sqnr_db"]
+        return basic + [name for name, _ in self.criteria if name not in basic]
 
     def describe(self) -> str:
-        limits = ", ".join(
-            f"{name} {'off' if value is None else f'{value:g}'}" for name, value in self.criteria
-        )
+        effective = self.limits()
+        limits = ", ".join(f"{name} {_limit_text(getattr(effective, name))}" for name in self._shown())
         budget = "no bit cap" if self.bit_budget is None else f"at most {self.bit_budget:g} bits per element"
         return f"{limits}; {budget}"
+
+
+def _limit_text(value: float | None) -> str:
+    return "off" if value is None else f"{value:g}"
 
 
 @dataclass(frozen=True)
@@ -117,12 +180,13 @@ class DemoConfig:
     the time budget, so the gaps between runs mean something.
 
     fast: runs whose plan uses block formats (MX, NVFP4) quantize through the ``torch.compile`` fast path
-        (bit-identical to the eager reference, about twice as fast per step on block formats, after some
-        seconds of compilation per format); every other run quantizes eagerly, which is faster for
-        element casts and compiles nothing.
+        (bit-identical to the eager reference, faster per step on block formats after some seconds of
+        compilation per format); every other run quantizes eagerly, which compiles nothing.
+        ``python benchmarks/bench_train_step.py --rows "mxfp8 plan,mxfp8 plan (compiled)"`` measures the
+        difference on your machine.
     threads: torch's intra-op threads while the demo runs (None leaves torch's setting). One by default:
-        on an idle 2-core machine two threads make a step about 1.6× faster, but when other processes
-        compete for the cores, threads waiting for each other spin, and steps became up to 20× slower.
+        when other processes compete for the cores, threads waiting for each other spin and steps slow
+        down; on an idle machine more threads are faster. ``bench_train_step.py --threads N`` measures both.
     """
 
     train: TrainConfig = field(
@@ -362,8 +426,8 @@ def _run_demo(
     run(REFERENCE, lambda model: training_observer(model, config))
     analysis = Analysis.load(out_dir / "runs" / REFERENCE.name / "analysis")
     plan_path = out_dir / "plan.yaml"
+    recommendation = advise(analysis, **config.advisor.kwargs())  # deterministic: what plan.yaml holds
     if not plan_path.exists():
-        recommendation = advise(analysis, **config.advisor.kwargs())
         recommendation.plan.save(plan_path)
         log(
             f"[plan] {recommendation.average_bits:.2f} average bits per operand element "
@@ -388,7 +452,8 @@ def _run_demo(
     scaled["underflow_scale"] = scaled["final_scale"]
     scaled["underflow_source"] = (
         "per site, the share of nonzero grad_output values (the gradient flowing into the GEMM's output) "
-        "that fp16 rounds to zero (below 2^-25), unscaled and multiplied by the run's final loss scale; "
+        f"that fp16 rounds to zero (below 2^{_fp16_flush_binade()}), unscaled and multiplied by the run's "
+        "final loss scale; "
         "read from the FP32 run's log2 histograms of those tensors, all sampled steps together"
     )
     claims = _claims(rows, underflow, unigram, default_bits)
@@ -405,7 +470,9 @@ def _run_demo(
         command="numscope demo",
         context_free_loss=unigram,
         setup=_setup(config, data),
-        plan_intro=html.escape(config.advisor.rationale(_flush_example(analysis), default_bits)),
+        plan_intro=html.escape(
+            config.advisor.rationale(_flush_example(recommendation, analysis), default_bits)
+        ),
         progress=progress,
     )
     summary = {
@@ -428,28 +495,29 @@ def quick_config(steps: int | None = None) -> DemoConfig:
     return config
 
 
-def _flush_example(analysis: Any, fmt: str = "fp16", reference: str = "bf16") -> str | None:
-    """The gradient operand ``fmt`` flushes most of, with its backward error over ``reference``'s."""
-    from numscope.analysis import AnalysisError
-
-    worst = None
-    for site, gemm, operand in sorted(analysis.operands):
-        if operand != "grad_output" or gemm != "wgrad":
+def _flush_example(recommendation: Any, analysis: Any, fmt: str = "fp16") -> str | None:
+    """The gradient operand ``fmt`` flushes most of, with its backward error over the reference's as the
+    advisor measured it, and whether the backward-error limit rejected ``fmt`` there. Operands where it
+    did are preferred; None when ``fmt`` was not judged by a backward-error limit."""
+    cases = []
+    for choice in recommendation.choices:
+        checks = choice.checks.get(fmt, ())
+        limit = next((check for check in checks if check.metric == "max_be_ratio"), None)
+        if choice.operand != "grad_output" or limit is None:
             continue
-        try:
-            share = max(analysis.metric_values((site, gemm, operand), fmt, "underflow%"))
-            own = analysis.be_values((site, gemm), (fmt, "fp32"))
-            base = analysis.be_values((site, gemm), (reference, "fp32"))
-        except (AnalysisError, KeyError, ValueError):
-            continue
-        if own and base and min(base) > 0 and (worst is None or share > worst[0]):
-            worst = (share, site, max(o / b for o, b in zip(own, base, strict=True)))
-    if worst is None:
+        share = max(analysis.metric_values(choice.key, fmt, "underflow%"))
+        cases.append((not limit.passed, share, choice, limit))
+    if not cases:
         return None
-    share, site, ratio = worst
+    rejected, share, choice, limit = max(cases, key=lambda case: (case[0], case[1]))
+    verdict = (
+        f"over the limit of {limit.limit:g}×: rejected"
+        if rejected
+        else f"within the limit of {limit.limit:g}×"
+    )
     return (
-        f"{fmt} flushes up to {share:.1f}% of the wgrad grad_output of {site}, and its backward error there "
-        f"reaches {ratio:.0f}× {reference}'s: rejected"
+        f"{fmt} flushes up to {share:.1f}% of the {choice.gemm} grad_output of {choice.site}, and its "
+        f"backward error there reaches {limit.value:.3g}× {recommendation.reference}'s, {verdict}"
     )
 
 
@@ -470,13 +538,22 @@ def _operand_sizes(analysis: Any) -> dict[str, dict[tuple[str, str], int]]:
     return sizes
 
 
+def _fp16_flush_binade() -> int:
+    """log2 of half fp16's smallest subnormal: nearest rounding sends smaller magnitudes (and ties) to 0."""
+    from numscope.formats.spec import format as get_format
+
+    return round(math.log2(get_format("fp16").min_subnormal / 2))
+
+
 def fp16_underflow_by_site(analysis: Any, loss_scale: float) -> list[dict[str, Any]]:
     """Per site, the share (%) of nonzero ``grad_output`` values (the gradient flowing into the site's
     output) that fp16 flushes to zero: without loss scaling (``before%``) and multiplied by ``loss_scale``
     first (``after%``), both from the FP32 run's log2 histograms (all sampled steps together). A value
-    flushes when it lies below 2^-25, i.e. in a binade under :data:`FP16_FLUSH_BINADE` (2^-25 itself, a
-    tie, also rounds to 0 and is counted as kept: the estimate is low by at most that one value)."""
+    flushes when it lies below half fp16's smallest subnormal (2^-25), i.e. in a lower binade (2^-25
+    itself, a tie, also rounds to 0 and is counted as kept: the estimate is low by at most that one
+    binade's lowest value)."""
     shift = math.log2(loss_scale) if loss_scale > 0 else 0.0
+    flush = _fp16_flush_binade()
     rows = []
     for site in analysis.sites():
         key = (site, "wgrad", "grad_output")
@@ -497,11 +574,18 @@ def fp16_underflow_by_site(analysis: Any, loss_scale: float) -> list[dict[str, A
         rows.append(
             {
                 "site": site,
-                "before%": 100.0 * lost(FP16_FLUSH_BINADE) / nonzero,
-                "after%": 100.0 * lost(FP16_FLUSH_BINADE - shift) / nonzero,
+                "before%": 100.0 * lost(flush) / nonzero,
+                "after%": 100.0 * lost(flush - shift) / nonzero,
             }
         )
     return rows
+
+
+def _scale_text(scale: float) -> str:
+    """A loss scale as 2^k when it is a power of two, else as a number."""
+    if scale > 0 and math.isfinite(scale) and math.log2(scale).is_integer():
+        return f"2^{int(math.log2(scale))}"
+    return f"{scale:g}"
 
 
 def _setup(config: DemoConfig, data: DemoData) -> dict[str, Any]:
@@ -537,12 +621,13 @@ def _claims(
 
     claims: list[tuple[str, bool]] = []
     if unigram is not None:
-        learned = fp32 < unigram - 0.05
+        learned = fp32 <= unigram - LEARNED_MARGIN_NATS
         claims.append(
             (
                 f"FP32 learned from context: validation loss {fp32:.3f} nats against {unigram:.3f} for a "
                 f"model that ignores context (the training set's token frequencies), {fp32 - unigram:+.3f} "
-                f"nats — {verdict(learned)}; the gaps below mean something only when it does.",
+                f"nats — the claim (at least {LEARNED_MARGIN_NATS:g} nats below) {verdict(learned)}; the "
+                "gaps below mean something only when it does.",
                 learned,
             )
         )
@@ -568,15 +653,16 @@ def _claims(
         worst = max(underflow, key=lambda r: r["before%"])
         mean_before = sum(r["before%"] for r in underflow) / len(underflow)
         mean_after = sum(r["after%"] for r in underflow) / len(underflow)
-        loses = worst["before%"] > 0.0
+        loses = worst["before%"] >= FLUSH_CLAIM_PERCENT
         scale = by["fp16+scaling"]["final_scale"]
         claims.append(
             (
                 f"FP16 without loss scaling flushes to zero {mean_before:.2f}% of the gradient values "
                 f"entering a GEMM, averaged over the {len(underflow)} sites "
                 f"(worst {worst['before%']:.2f}% at {worst['site']}); at the loss scale "
-                f"2^{math.log2(scale):.0f} it is {mean_after:.2f}% — the claim that fp16 alone loses "
-                f"gradient information {verdict(loses)}.",
+                f"{_scale_text(scale)} it is {mean_after:.2f}% — the claim that fp16 alone loses "
+                f"gradient information (at least {FLUSH_CLAIM_PERCENT:g}% flushed at some site) "
+                f"{verdict(loses)}.",
                 loses,
             )
         )
@@ -598,7 +684,8 @@ def _claims(
         (
             f"Uniform MXFP4: gap to FP32 {gap('mxfp4'):+.2f}% at {by['mxfp4']['avg_bits']:.2f} bits, against "
             f"the per-site plan's {gap(RECOMMENDED):+.2f}% at {rec['avg_bits']:.2f} bits — the claim that "
-            f"uniform low bits fall behind per-site choice {verdict(behind)}.",
+            f"uniform low bits fall behind per-site choice (a gap above both {WITHIN_PERCENT:g}% and the "
+            f"plan's) {verdict(behind)}.",
             behind,
         )
     )
