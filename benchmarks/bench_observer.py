@@ -1,8 +1,9 @@
 """Observer overhead on the tiny BERT MLM train step, as ratios to the plain step, in one run.
 
 Model and batch as ``bench_train_step.py`` (BertForMaskedLM, hidden 128, 2 layers, seq 128, batch 32,
-eager attention; forward + backward + AdamW step). The observer measures 8 candidate formats (see
-``CANDIDATES``) on every operand of every GEMM site. Rows:
+eager attention; forward + backward + AdamW step). The observer measures its default candidate formats
+(:data:`numscope.observe.DEFAULT_CANDIDATES`, as ``numscope analyze`` and ``numscope demo`` do) on every
+operand of every GEMM site. Rows:
 
 * ``plain``: no observer (the baseline, 1.00x);
 * ``every=10, step not sampled``: the median of the steps the observer skips (its handler's cost alone);
@@ -36,9 +37,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_train_step import BATCH, HIDDEN, LAYERS, SEQ, VOCAB, batch, make_model
-from numscope.observe import Observer, observe
+from numscope.observe import DEFAULT_CANDIDATES, Observer, observe
 
-CANDIDATES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "mxfp8_e4m3", "mxfp4_e2m1", "nvfp4")
+CANDIDATES = DEFAULT_CANDIDATES
 WINDOW = 10
 
 

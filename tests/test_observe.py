@@ -351,3 +351,12 @@ def test_state_dict_resumes_observing_as_if_never_interrupted() -> None:
     assert resumed.steps == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="recorded with candidates"):
         observe(tiny_bert(), ("bf16",)).load_state_dict(state)
+
+
+def test_one_default_candidate_list_for_observe_analyze_and_the_demo() -> None:
+    from numscope import workflow
+    from numscope.demo.main import DemoConfig
+    from numscope.observe import DEFAULT_CANDIDATES, ObserveConfig
+
+    assert ObserveConfig().candidates == DEFAULT_CANDIDATES
+    assert workflow.DEFAULT_CANDIDATES == DEFAULT_CANDIDATES == DemoConfig().candidates

@@ -134,11 +134,13 @@ DEFAULT_CANDIDATES: tuple[str, ...] = (
     "int8",
     "mxfp8_e4m3",
     "mxfp6_e3m2",
+    "mxfp6_e2m3",
     "mxfp4_e2m1",
     "nvfp4",
 )
-"""What :func:`observe` measures unless told otherwise: bf16 (the reference), the 16-, 8-, 6- and 4-bit
-formats of current hardware."""
+"""What :func:`observe` measures unless told otherwise, and the one default list of numscope: ``numscope
+analyze``, ``numscope demo`` and ``benchmarks/bench_observer.py`` measure these too. bf16 (the advisor's
+reference), fp16, the 8-bit element formats, and the 8-, 6- and 4-bit block formats of current hardware."""
 
 HIGH_LABEL = "fp32"
 BE_RECORDED = ("mean", "p99", "max", "count", "excluded")

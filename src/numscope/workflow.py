@@ -73,6 +73,7 @@ from numscope.demo.experiment import (
 )
 from numscope.demo.tokenizer import TokenizerInfo
 from numscope.formats.spec import format as get_format
+from numscope.observe import DEFAULT_CANDIDATES as OBSERVED_BY_DEFAULT
 from numscope.plan import Plan, PlanError
 
 __all__ = [
@@ -99,19 +100,8 @@ class WorkflowError(ValueError):
     """A user mistake in a workflow call: a missing file, a bad model, plan, flag or run folder."""
 
 
-DEFAULT_CANDIDATES: tuple[str, ...] = (
-    "bf16",
-    "fp16",
-    "fp8_e4m3",
-    "fp8_e5m2",
-    "int8",
-    "mxfp8_e4m3",
-    "mxfp8_e5m2",
-    "mxfp6_e3m2",
-    "mxfp4_e2m1",
-    "nvfp4",
-)
-"""Formats ``analyze`` measures by default (those of ``numscope demo``)."""
+DEFAULT_CANDIDATES: tuple[str, ...] = OBSERVED_BY_DEFAULT
+"""Formats ``analyze`` measures by default: :data:`numscope.observe.DEFAULT_CANDIDATES`."""
 
 REFERENCE_FORMAT = "bf16"
 """The advisor's reference format, always measured."""

@@ -29,6 +29,7 @@ from numscope.demo.data import load_or_make_blocks, unigram_loss
 from numscope.demo.experiment import DemoData, RunResult, RunSpec, TrainConfig, read_log, train_run
 from numscope.demo.model import ModelConfig
 from numscope.demo.tokenizer import TokenizerInfo, load_or_train_tokenizer
+from numscope.observe import DEFAULT_CANDIDATES
 from numscope.plan import Plan
 
 WITHIN_PERCENT = 1.0
@@ -204,18 +205,7 @@ class DemoConfig:
     max_train_blocks: int | None = None
     val_blocks: int = 256
     observe_every: int = 25
-    candidates: tuple[str, ...] = (
-        "bf16",
-        "fp16",
-        "fp8_e4m3",
-        "fp8_e5m2",
-        "int8",
-        "mxfp8_e4m3",
-        "mxfp6_e3m2",
-        "mxfp6_e2m3",
-        "mxfp4_e2m1",
-        "nvfp4",
-    )
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     advisor: AdvisorRequest = field(default_factory=AdvisorRequest)
     fast: bool = True
     threads: int | None = 1
