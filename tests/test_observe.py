@@ -315,6 +315,22 @@ def test_forwards_without_gradients_are_measured_only_when_asked(no_grad_forward
     assert analysis.steps == ([0] if no_grad_forwards else [])
 
 
+@pytest.mark.parametrize("no_grad_forwards", [False, True])
+def test_an_evaluation_on_a_sampled_step_runs_without_interception(no_grad_forwards: bool) -> None:
+    model = tiny_bert()
+    intercepted = []
+    model.bert.encoder.layer[0].attention.self.query.register_forward_pre_hook(
+        lambda module, args: intercepted.append(torch._C._is_torch_function_mode_enabled())
+    )
+    batch = batches(1)[0]
+    with observe(model, ("bf16",), every=1, no_grad_forwards=no_grad_forwards) as obs:
+        assert obs.sampling
+        model(**batch).loss.backward()  # a training forward (the first one also finds the sites)
+        with torch.no_grad():  # an evaluation in the same, sampled step
+            model(input_ids=batch["input_ids"])
+    assert intercepted[-2] is True and intercepted[-1] is no_grad_forwards
+
+
 def test_state_dict_resumes_observing_as_if_never_interrupted() -> None:
     data = batches(4)
     whole_model = tiny_bert()

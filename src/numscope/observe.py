@@ -218,13 +218,18 @@ class _Half:
 
 class _Handler:
     """The operand handler the observer attaches: it measures on sampled steps and is neither active nor
-    wanted on the others, so that their forward runs the model's own operations without interception."""
+    wanted on the others, so that their forward runs the model's own operations without interception. A
+    forward without gradients (an evaluation) is not measured unless ``no_grad_forwards``: then it is not
+    active either (the per-operand check in :meth:`Observer._observe` still skips such a forward when
+    another handler, e.g. ``numscope.convert``'s, keeps the interception on)."""
 
     def __init__(self, observer: Observer) -> None:
         self.observer = observer
 
     def active(self) -> bool:
-        return self.observer.sampling
+        """Asked as a forward starts (its grad mode known to :func:`numscope.sites.forward_has_grad`)."""
+        observer = self.observer
+        return observer.sampling and (observer.config.no_grad_forwards or forward_has_grad(observer.model))
 
     def wants(self, site: Site) -> bool:
         return self.observer.sampling
