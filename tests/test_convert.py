@@ -246,3 +246,28 @@ def test_weight_grad_and_input_reuse_is_bit_identical() -> None:
     plain = run(model)
     assert torch.equal(reused[0], plain[0])
     assert all(torch.equal(reused[1][n], plain[1][n]) for n in plain[1])
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        OperandSpec("fp8_e4m3", scaling="tensor"),
+        OperandSpec("fp8_e4m3", scaling=numscope.Scaling("delayed")),
+        OperandSpec("int8", scaling="row"),
+        OperandSpec("mxfp8_e4m3"),
+        OperandSpec("nvfp4"),
+    ],
+    ids=lambda spec: f"{spec.format}-{spec.effective_scaling().kind if spec.effective_scaling() else 'none'}",
+)
+def test_a_site_with_no_rows_trains(spec: OperandSpec) -> None:
+    """A head over masked positions only, on a batch without a masked token: every GEMM operand of the site
+    but the weight is empty (dgrad's and wgrad's too) and their delayed scalers record nothing."""
+    torch.manual_seed(0)
+    head = nn.Linear(32, 16)
+    convert(head, Plan(SiteSpec.uniform(spec)))
+    hidden = torch.randn(4, 32, requires_grad=True)
+    out = head(hidden[torch.zeros(4, dtype=torch.bool)])
+    out.sum().backward()
+    assert out.shape == (0, 16) and not hidden.grad.any() and not head.weight.grad.any()
+    for key, scaler in _quantizer(head).scalers.items():
+        assert scaler.steps == (1 if key.endswith("weight") else 0), key

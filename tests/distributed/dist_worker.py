@@ -188,7 +188,20 @@ def scenario_amax(rank: int, world_size: int, args: dict[str, Any]) -> dict[str,
         name: distributed.all_gather_quantized(part, fmt, scaling=scaling)
         for name, (fmt, scaling) in GATHER_CASES.items()
     }
+    # rank 0's share of a batch is empty (a masked-only head without a masked token): it must take part
+    # in every amax reduction rank 1 issues, or rank 1 waits for ever
+    mine = part[:0] if rank == 0 else part
+    empty_delayed = numscope.DelayedScaler(numscope.Scaling("delayed", history_len=4))
+    empty_share = {
+        "tensor": numscope.quantize(mine, "fp8_e4m3", scaling="tensor"),
+        "nvfp4": numscope.quantize(mine, "nvfp4"),
+        "delayed": [
+            numscope.quantize(mine * (step + 1), "fp8_e4m3", scaling=empty_delayed) for step in range(2)
+        ],
+        "delayed_history": empty_delayed.amax_history.clone(),
+    }
     return {
+        "empty_share": empty_share,
         "reduced": numscope.quantize(part, "fp8_e4m3", scaling="tensor"),
         "local": numscope.quantize(part, "fp8_e4m3", scaling=numscope.Scaling("tensor", reduce_amax=False)),
         "nvfp4_reduced": numscope.quantize(part, "nvfp4"),

@@ -106,6 +106,20 @@ def test_delayed_scaling_records_the_global_amax(amax_ranks: list[dict]) -> None
         assert torch.equal(result["delayed_history"], reference.amax_history)
 
 
+def test_a_rank_with_an_empty_share_keeps_the_amax_reductions_in_step(amax_ranks: list[dict]) -> None:
+    part = whole_tensor()[4:]  # rank 1's half; rank 0 quantized an empty tensor at the same calls
+    empty, full = (result["empty_share"] for result in amax_ranks)
+    assert empty["tensor"].shape == (0, 64) and empty["nvfp4"].shape == (0, 64)
+    assert torch.equal(full["tensor"], numscope.quantize(part, "fp8_e4m3", scaling="tensor"))
+    assert torch.equal(full["nvfp4"], numscope.quantize(part, "nvfp4"))
+    reference = numscope.DelayedScaler(numscope.Scaling("delayed", history_len=4))
+    for step in range(2):
+        expected = numscope.quantize(part * (step + 1), "fp8_e4m3", scaling=reference)
+        assert torch.equal(full["delayed"][step], expected)
+    assert torch.equal(empty["delayed_history"], reference.amax_history)  # the ranks' histories agree
+    assert torch.equal(full["delayed_history"], reference.amax_history)
+
+
 @pytest.mark.parametrize("name", sorted(GATHER_CASES))
 def test_low_precision_all_gather_equals_quantizing_the_whole(amax_ranks: list[dict], name: str) -> None:
     fmt, scaling = GATHER_CASES[name]

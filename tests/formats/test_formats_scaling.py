@@ -181,3 +181,57 @@ def test_quantize_keeps_shape_and_dtype() -> None:
             assert y.shape == x.shape and y.dtype == x.dtype
     assert numscope.quantize(torch.tensor(3.3), "fp4_e2m1").item() == 3.0
     assert numscope.quantize(torch.tensor(3.3), "mxfp4_e2m1").shape == ()
+
+
+EMPTY_SCALINGS = [None, "tensor", "row", "column", Scaling("block", block_shape=(1, 4)), "delayed"]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("shape", [(0, 8), (8, 0), (0,), (2, 0, 3)])
+@pytest.mark.parametrize("name", [fmt.name for fmt in numscope.formats()])
+def test_an_empty_tensor_quantizes_to_itself_under_every_scaling(name: str, shape: tuple, fast: bool) -> None:
+    """An MLM head over masked positions sees a batch without a masked token: nothing to scale or round,
+    no amax recorded (before, torch's 'amax(): Expected reduction dim' error)."""
+    from numscope.formats import fast_enabled, set_fast
+
+    before = fast_enabled()
+    set_fast(fast)
+    try:
+        block = isinstance(numscope.format(name), numscope.BlockFormat)
+        for scaling in [None, Scaling("block", axis=0)] if block else EMPTY_SCALINGS:
+            for dtype in (torch.float32, torch.float16):
+                x = torch.empty(shape, dtype=dtype)
+                delayed = DelayedScaler(Scaling("delayed")) if scaling == "delayed" else None
+                out = numscope.quantize(x, name, scaling=delayed or scaling)
+                assert out.shape == x.shape and out.dtype == dtype, (name, scaling)
+                if delayed is not None:
+                    assert delayed.steps == 0 and not delayed.amax_history.any()
+                if not (isinstance(scaling, Scaling) and scaling.block_shape is not None):
+                    decoded = numscope.encode(x, name, scaling=delayed or scaling).decode()
+                    assert decoded.shape == x.shape, (name, scaling)
+    finally:
+        set_fast(before)
+
+
+def test_an_empty_tensor_still_gets_the_argument_checks() -> None:
+    empty = torch.empty(0, 8)
+    with pytest.raises(ValueError, match="needs block_shape"):
+        numscope.quantize(empty, "fp8_e4m3", scaling=Scaling("block"))
+    with pytest.raises(ValueError, match="brings its own block scaling; scaling 'tensor' does not apply"):
+        numscope.quantize(empty, "mxfp8_e4m3", scaling="tensor")
+    with pytest.raises(ValueError, match=r"block axis 2 is out of range for a tensor of shape \(0, 8\)"):
+        numscope.quantize(empty, "nvfp4", scaling=Scaling("block", axis=2))
+    with pytest.raises(
+        ValueError, match=r"block_shape \(2, 4\) needs a tensor of >= 2 dims, got shape \(0,\)"
+    ):
+        numscope.quantize(torch.empty(0), "fp8_e4m3", scaling=Scaling("block", block_shape=(2, 4)))
+
+
+def test_a_delayed_scaler_keeps_its_history_through_an_empty_tensor() -> None:
+    scaler = DelayedScaler(Scaling("delayed", history_len=4))
+    x = randn(16, 16)
+    numscope.quantize(x, "fp8_e4m3", scaling=scaler)
+    history = scaler.amax_history.clone()
+    assert numscope.quantize(torch.empty(0, 16), "fp8_e4m3", scaling=scaler).shape == (0, 16)
+    assert scaler.steps == 1 and torch.equal(scaler.amax_history, history)
+    assert torch.equal(scaler.scale_for(torch.empty(0), 448.0), torch.tensor(448.0) / x.abs().max())

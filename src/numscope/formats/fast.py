@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from numscope.formats.cast import cast
-from numscope.formats.scaling import Scaling, reduce_amax_, scale_from_amax
+from numscope.formats.scaling import Scaling, reduce_amax_, reduces_across_ranks, scale_from_amax
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
 
 _enabled = os.environ.get("NUMSCOPE_FAST", "0").strip().lower() not in ("", "0", "false", "no", "off")
@@ -140,11 +140,6 @@ def compiled_configurations() -> list[tuple[str, dict[str, Any]]]:
 _COMPILED_TAGS: list[tuple[str, dict[str, Any]]] = []
 
 
-def _distributed_reduction(enabled: bool) -> bool:
-    """Whether an amax must be reduced across ranks before it is used (``torch.distributed`` is up)."""
-    return enabled and torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
 # -- kernels (plain tensor code; compiled per configuration) --------------------------------------------
 
 
@@ -217,7 +212,7 @@ def element(
     """
     mode = None if scale is not None or scaling is None else scaling.kind
     amax = None
-    if mode == "tensor" and _distributed_reduction(scaling.reduce_amax):  # type: ignore[union-attr]
+    if mode == "tensor" and reduces_across_ranks(scaling.reduce_amax):  # type: ignore[union-attr]
         amax = reduce_amax_(abs_amax(x, "tensor").reshape(1))[0]
     _dynamic(x, scale)
     margin, power_of_two = (scaling.margin, scaling.power_of_two) if mode is not None else (0, False)  # type: ignore[union-attr]
@@ -243,7 +238,7 @@ def block(x: torch.Tensor, fmt: BlockFormat, reduce_amax: bool = True) -> torch.
     pad = (-length) % fmt.block_size
     padded = F.pad(x, (0, pad)) if pad else x
     tensor_amax = None
-    if fmt.tensor_scale and _distributed_reduction(reduce_amax):
+    if fmt.tensor_scale and reduces_across_ranks(reduce_amax):
         tensor_amax = reduce_amax_(abs_amax(padded, "tensor").reshape(1))[0]
     _dynamic(padded)
     out = _compiled("block", fmt=fmt)(padded, tensor_amax)

@@ -170,16 +170,22 @@ def _block_parts(
     )
 
 
-def _tiles(x: torch.Tensor, block_shape: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+def _tile_shape(x: torch.Tensor, fmt: Format, scaling: Scaling) -> tuple[int, int]:
+    """The (rows, columns) tile of an element format's block scaling, checked against ``x``'s rank."""
+    if scaling.block_shape is None:
+        raise ValueError(
+            f"block scaling of the element format {fmt.name!r} needs block_shape, e.g. (1, 128) or (128, 128)"
+        )
+    block_shape = scaling.block_shape
+    rows_per, cols_per = (1, block_shape[0]) if len(block_shape) == 1 else block_shape
+    if x.dim() < 2 and rows_per != 1:
+        raise ValueError(f"block_shape {block_shape} needs a tensor of >= 2 dims, got shape {tuple(x.shape)}")
+    return rows_per, cols_per
+
+
+def _tiles(x: torch.Tensor, rows_per: int, cols_per: int) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
     """View float32 ``x`` as (..., rows/M, M, cols/N, N) tiles over its last two axes, zero-padded."""
-    if len(block_shape) == 1:
-        block_shape = (1, block_shape[0])
-    rows_per, cols_per = block_shape
     if x.dim() < 2:
-        if rows_per != 1:
-            raise ValueError(
-                f"block_shape {block_shape} needs a tensor of >= 2 dims, got shape {tuple(x.shape)}"
-            )
         x = x.reshape(1, -1)
     rows, cols = x.shape[-2], x.shape[-1]
     pad_rows, pad_cols = (-rows) % rows_per, (-cols) % cols_per
@@ -218,12 +224,7 @@ def _quantize_element(
     if scaling is None:
         return cast(xf, fmt, rounding, overflow, flush_subnormals, generator)
     if scaling.kind == "block":
-        if scaling.block_shape is None:
-            raise ValueError(
-                f"block scaling of the element format {fmt.name!r} needs block_shape, "
-                "e.g. (1, 128) or (128, 128)"
-            )
-        tiles, (rows, cols, _, _) = _tiles(xf, scaling.block_shape)
+        tiles, (rows, cols, _, _) = _tiles(xf, *_tile_shape(xf, fmt, scaling))
         amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
         scale = scale_from_amax(amax, fmt.max, scaling.margin, scaling.power_of_two)
         q = cast(tiles * scale, fmt, rounding, overflow, flush_subnormals, generator) * (1.0 / scale)
@@ -259,7 +260,11 @@ def quantize(
     parsed, delayed = _resolve_scaling(scaling)
     xf = x.detach().float() if x.dtype != torch.float32 else x.detach()
     kind = None if parsed is None else parsed.kind
-    if fast.fast_enabled() and xf.numel() > 0 and fast.supports(spec, kind, rounding):
+    if xf.numel() == 0:  # nothing to scale or round
+        _check_layout(xf, spec, parsed)
+        _share_empty_amax(xf, spec, parsed, delayed)
+        return x.detach().clone()
+    if fast.fast_enabled() and fast.supports(spec, kind, rounding):
         out = _quantize_fast(xf, spec, parsed, delayed, overflow, flush_subnormals)
     elif isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
@@ -268,6 +273,28 @@ def quantize(
     else:
         out = _quantize_element(xf, spec, parsed, delayed, rounding, overflow, flush_subnormals, generator)
     return out.to(x.dtype)
+
+
+def _check_layout(x: torch.Tensor, spec: Format, parsed: Scaling | None) -> None:
+    """Raise where ``parsed`` does not fit ``spec`` and ``x``'s shape (what quantizing would check)."""
+    if isinstance(spec, BlockFormat):
+        _axis_last_2d(x, _block_axis(spec, parsed))
+    elif parsed is not None and parsed.kind == "block":
+        _tile_shape(x, spec, parsed)
+
+
+def _share_empty_amax(
+    x: torch.Tensor, spec: Format, parsed: Scaling | None, delayed: DelayedScaler | None
+) -> None:
+    """An empty tensor's part in the per-tensor amax reduction: none in one process (a delayed scaler
+    records nothing), 0 (the identity of the maximum) where amaxes are reduced across ranks, so that a rank
+    whose share of a batch is empty issues the collectives the others do (and records what they record)."""
+    if delayed is not None:
+        delayed.scale_for(x, spec.max)
+    elif (parsed is not None and parsed.kind == "tensor") or (
+        isinstance(spec, BlockFormat) and spec.tensor_scale
+    ):
+        reduce_amax_(torch.zeros(1, device=x.device), _reduces(parsed))
 
 
 def _reduces(parsed: Scaling | None) -> bool:
@@ -430,6 +457,8 @@ class Encoded:
     def decode(self) -> torch.Tensor:
         """The float32 values (equal to :func:`quantize` with the same arguments)."""
         fmt = self.fmt
+        if isinstance(fmt, BlockFormat) and self.scales is None:  # a tensor without elements
+            return torch.zeros(self.shape)
         if isinstance(fmt, BlockFormat):
             elements = _element_values(self.codes, fmt.element)
             scales = _float_decode(self.scales, fmt.scale_format)  # type: ignore[arg-type]
@@ -460,6 +489,16 @@ def encode(
     spec = get_format(fmt)
     parsed, delayed = _resolve_scaling(scaling)
     xf = x.detach().float()
+    if not isinstance(spec, BlockFormat) and parsed is not None and parsed.kind == "block":
+        raise ValueError(
+            "encode does not support tile (block_shape) scaling of element formats; use quantize"
+        )
+    if xf.numel() == 0:  # no codes, no scales
+        _check_layout(xf, spec, parsed)
+        _share_empty_amax(xf, spec, parsed, delayed)
+        element = spec.element if isinstance(spec, BlockFormat) else spec
+        axis = _block_axis(spec, parsed) if isinstance(spec, BlockFormat) else -1
+        return Encoded(spec, _element_codes(xf, element), None, None, tuple(x.shape), axis)
     if isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
         parts = _block_parts(xf, spec, axis, rounding, generator, _reduces(parsed))
@@ -472,10 +511,6 @@ def encode(
             tuple(x.shape),
             axis,
             parts.length,
-        )
-    if parsed is not None and parsed.kind == "block":
-        raise ValueError(
-            "encode does not support tile (block_shape) scaling of element formats; use quantize"
         )
     if parsed is None:
         values = cast(xf, spec, rounding, overflow, flush_subnormals, generator)

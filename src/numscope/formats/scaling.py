@@ -104,9 +104,15 @@ class Scaling:
         return replace(self, **changes)
 
 
+def reduces_across_ranks(enabled: bool = True) -> bool:
+    """Whether an amax is reduced over the ranks: ``enabled`` (``Scaling.reduce_amax``) and a
+    ``torch.distributed`` process group is initialised."""
+    return enabled and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def reduce_amax_(amax: torch.Tensor, enabled: bool = True) -> torch.Tensor:
     """All-reduce (max) ``amax`` in place over the default process group when one is initialised."""
-    if enabled and torch.distributed.is_available() and torch.distributed.is_initialized():
+    if reduces_across_ranks(enabled):
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
     return amax
 
@@ -132,7 +138,9 @@ class DelayedScaler:
 
     Each call of :meth:`scale_for` returns the scale computed from the history *before* this tensor, then
     records the tensor's amax. On the very first call, with an empty history, the current amax is used
-    (TE would use scale 1 there), so the first step does not overflow.
+    (TE would use scale 1 there), so the first step does not overflow. A tensor without elements has no
+    amax to record; where amaxes are reduced across ranks it takes part with 0 and records the reduced
+    amax, as the other ranks do.
     """
 
     scaling: Scaling = field(default_factory=lambda: Scaling(kind="delayed"))
@@ -157,7 +165,10 @@ class DelayedScaler:
         amax: ``amax(|x|)`` where the caller has it already (this rank's; it is reduced here).
         """
         if amax is None:
-            amax = x.detach().abs().amax()
+            amax = x.detach().abs().amax() if x.numel() else torch.zeros((), device=x.device)
+            if not x.numel() and not reduces_across_ranks(self.scaling.reduce_amax):
+                used = self.history_amax() if self.steps > 0 else amax
+                return scale_from_amax(used, fmt_max, self.scaling.margin, self.scaling.power_of_two)
         current = reduce_amax_(amax.float().reshape(1).clone(), self.scaling.reduce_amax)
         used = self.history_amax() if self.steps > 0 else current[0]
         scale = scale_from_amax(used, fmt_max, self.scaling.margin, self.scaling.power_of_two)
