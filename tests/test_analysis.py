@@ -113,6 +113,30 @@ def test_merge_is_exact_for_fractions_maxima_and_histograms():
         merge([])
 
 
+def test_merge_weighs_each_candidate_by_the_sample_it_was_measured_on(tmp_path):
+    """Element formats are measured on the element sample, block formats on a sample of whole rows: a
+    merge weighs each candidate's metrics by its own sample, and the sizes survive a save."""
+    one, two = small_analysis(1.0, sampled=100), small_analysis(3.0, sampled=100)
+    one.operands[KEY][0].sampled_by_candidate["mxfp8_e4m3"] = 1000
+    two.operands[KEY][0].sampled_by_candidate["mxfp8_e4m3"] = 3000
+    record = merge([one, two]).record(KEY, 0)
+    assert record.metrics["mxfp8_e4m3"]["underflow%"] == pytest.approx((1.5 * 1000 + 4.5 * 3000) / 4000)
+    assert record.sample_size("mxfp8_e4m3") == 4000 and record.sample_size("bf16") == record.sampled == 200
+    one.save(tmp_path)
+    assert Analysis.load(tmp_path).record(KEY, 0).sample_size("mxfp8_e4m3") == 1000
+
+
+def test_merged_backward_errors_weigh_each_part_by_its_entries():
+    one, two = small_analysis(), small_analysis()
+    one.backward_errors[(SITE, "wgrad")][("mxfp8_e4m3", "fp32")][0].update(count=10.0, excluded=5.0)
+    two.backward_errors[(SITE, "wgrad")][("mxfp8_e4m3", "fp32")][0].update(
+        mean=5e-3, count=30.0, excluded=0.0
+    )
+    stats = merge([one, two]).backward_errors[(SITE, "wgrad")][("mxfp8_e4m3", "fp32")][0]
+    assert stats["mean"] == pytest.approx((1e-3 * 10 + 5e-3 * 30) / 40)
+    assert stats["count"] == 40 and stats["excluded"] == 5 and stats["max"] == 9e-3
+
+
 def test_tensorboard_sink_is_optional(tmp_path):
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

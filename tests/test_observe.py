@@ -169,6 +169,51 @@ def _same_numbers(a: dict, b: dict) -> bool:
     )
 
 
+PLAN_SCALINGS = [
+    numscope.Scaling("row"),
+    numscope.Scaling("column"),
+    numscope.Scaling("block", block_shape=(1, 16)),
+    numscope.Scaling("block", block_shape=(8, 16)),
+]
+
+
+@pytest.mark.parametrize("scaling", PLAN_SCALINGS, ids=["row", "column", "tile 1x16", "tile 8x16"])
+def test_plan_row_column_and_tile_scaling_are_measured_as_quantize_scales(scaling) -> None:
+    from numscope.plan import OperandSpec, SiteSpec
+
+    torch.manual_seed(0)
+    layer = nn.Linear(40, 24, bias=False)
+    x = torch.distributions.StudentT(3.0).sample((30, 40)).requires_grad_()
+    plan = Plan(SiteSpec.uniform(OperandSpec("int8", scaling=scaling)))
+    with observe(nn.Sequential(layer), ("bf16",), plan=plan) as obs:  # every tensor measured whole
+        obs.model(x).sum().backward()
+    for operand, tensor in (("input", x), ("weight", layer.weight)):
+        found = obs.analysis().record(("0", "fprop", operand), 0).metrics["plan"]
+        expected = operand_metrics(tensor.detach(), "int8", scaling)
+        for name in ("sqnr_db", "rel_error", "cosine", "mse", "underflow%"):
+            assert found[name] == pytest.approx(expected[name], rel=1e-12), name
+        assert found["overflow%"] == 0.0  # per-row/column/tile scaling maps each amax onto the max
+
+
+@pytest.mark.parametrize("scaling", PLAN_SCALINGS, ids=["row", "column", "tile 1x16", "tile 8x16"])
+def test_plan_scaling_of_a_large_tensor_is_measured_on_the_sample(scaling) -> None:
+    from numscope.plan import OperandSpec, SiteSpec
+
+    torch.manual_seed(0)
+    layer = nn.Linear(300, 64, bias=False)
+    x = torch.randn(512, 300).requires_grad_()
+    plan = Plan(SiteSpec.uniform(OperandSpec("int8", scaling=scaling)))
+    limit = 4096
+    with observe(nn.Sequential(layer), ("bf16", "mxfp8_e4m3"), plan=plan, max_elements=limit) as obs:
+        obs.model(x).sum().backward()
+    record = obs.analysis().record(("0", "fprop", "input"), 0)
+    assert record.sampled == record.sample_size("plan") == limit < x.numel()
+    # block formats: rows of the contraction axis (max_elements // K of them), weighed as such in merges
+    assert record.sample_size("mxfp8_e4m3") == (limit // 300) * 300
+    whole = operand_metrics(x.detach(), "int8", scaling)
+    assert record.metrics["plan"]["sqnr_db"] == pytest.approx(whole["sqnr_db"], abs=0.5)
+
+
 def test_observed_analysis_round_trips_and_recommends_a_convertible_plan(observed, tmp_path):
     _, watched, analysis, names = observed
     analysis.save(tmp_path / "analysis")

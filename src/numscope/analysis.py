@@ -76,14 +76,22 @@ class OperandRecord:
 
     stats: statistics of the high-precision tensor (see :func:`numscope.metrics.tensor_stats`).
     metrics: candidate label -> metric name -> value (see :func:`numscope.metrics.operand_metrics`).
-    sampled: how many elements the metrics were computed on (≤ the observer's ``max_elements``).
+    sampled: how many elements the statistics and the metrics were computed on (≤ the observer's
+        ``max_elements``), except for the candidates in ``sampled_by_candidate``.
     elements: how many elements the full tensor had.
+    sampled_by_candidate: candidate label -> elements its metrics were computed on, where that is not
+        ``sampled`` (the observer measures block formats on a sample of whole rows).
     """
 
     stats: dict[str, float]
     metrics: dict[str, dict[str, float]]
     sampled: int
     elements: int
+    sampled_by_candidate: dict[str, int] = field(default_factory=dict)
+
+    def sample_size(self, candidate: str) -> int:
+        """How many elements the metrics of ``candidate`` were computed on (their weight in a merge)."""
+        return self.sampled_by_candidate.get(candidate, self.sampled)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -91,6 +99,7 @@ class OperandRecord:
             "metrics": self.metrics,
             "sampled": self.sampled,
             "elements": self.elements,
+            **({"sampled_by_candidate": self.sampled_by_candidate} if self.sampled_by_candidate else {}),
         }
 
     @classmethod
@@ -100,6 +109,7 @@ class OperandRecord:
             {c: {k: float(v) for k, v in m.items()} for c, m in data["metrics"].items()},
             int(data["sampled"]),
             int(data["elements"]),
+            {c: int(n) for c, n in data.get("sampled_by_candidate", {}).items()},
         )
 
 
@@ -608,11 +618,18 @@ def merge_records(records: list[OperandRecord], reduce: Reduce = default_reduce)
             name: reduce(
                 name,
                 [
-                    (r.metrics[candidate][name], r.sampled)
+                    (r.metrics[candidate][name], r.sample_size(candidate))
                     for r in records
                     if name in r.metrics.get(candidate, {})
                 ],
             )
             for name in names
         }
-    return OperandRecord(stats, metrics, sum(r.sampled for r in records), sum(r.elements for r in records))
+    apart = dict.fromkeys(c for r in records for c in r.sampled_by_candidate)
+    return OperandRecord(
+        stats,
+        metrics,
+        sum(r.sampled for r in records),
+        sum(r.elements for r in records),
+        {c: sum(r.sample_size(c) for r in records if c in r.metrics) for c in apart},
+    )

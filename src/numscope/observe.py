@@ -97,6 +97,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from numscope.analysis import (
@@ -111,12 +112,14 @@ from numscope.analysis import (
 from numscope.convert import HANDLER_NAME as CONVERT_HANDLER
 from numscope.convert import converted_plan
 from numscope.distributed import is_parameter_operand, merge_analysis, world_size
-from numscope.formats.scaling import Scaling, reduce_amax_
+from numscope.formats.quantize import quantize
+from numscope.formats.scaling import Scaling, reduce_amax_, scale_from_amax
 from numscope.formats.spec import BlockFormat, Format
 from numscope.formats.spec import format as get_format
-from numscope.metrics import candidate_metrics, log2_histogram, operand_metrics, quantize_sample, tensor_stats
+from numscope.metrics import candidate_metrics, log2_histogram, quantize_sample, tensor_stats
 from numscope.metrics.errors import (
     BE_STATS,
+    Quantized,
     backward_error_stats,
     finite_or_zero,
     metrics_of_quantized,
@@ -464,6 +467,8 @@ class Observer:
         }
         metrics.update(metrics_of_quantized(clean, blocks))
         metrics = {label: metrics[label] for label in self.config.candidates}
+        # block formats are measured on the rows, the rest on the element sample
+        sizes = {label: clean.numel() for label in self._block_labels if clean.numel() != shared.sampled}
         plan = self._current_plan()
         if plan is not None:
             spec = plan.for_site(site.name).operand(gemm, operand)
@@ -471,8 +476,10 @@ class Observer:
                 metrics[PLAN_LABEL] = self._plan_metrics(
                     tensor, shared, clean, spec, metrics, local_amax, amax
                 )
+                if isinstance(spec.format_spec(), BlockFormat) and clean.numel() != shared.sampled:
+                    sizes[PLAN_LABEL] = clean.numel()
                 self._plan_formats[key] = spec.format
-        record = OperandRecord(dict(shared.stats), metrics, shared.sampled, tensor.numel())
+        record = OperandRecord(dict(shared.stats), metrics, shared.sampled, tensor.numel(), sizes)
         per_step = self._records.setdefault(key, {})
         if step in per_step:
             record = merge_records([per_step[step], record], default_reduce)
@@ -508,7 +515,7 @@ class Observer:
         tensor (same memory, same version, still alive) comes again in this step: the weight in fprop and
         dgrad, the input in fprop and wgrad, grad_output in dgrad and wgrad, one activation entering
         several projections. None of these depend on the contraction axis."""
-        sample = self._element_sample(tensor)
+        sample, index = self._element_sample(tensor)
         stats = tensor_stats(sample)
         stats["amax"] = float(local_amax)
         shared = _Shared(
@@ -519,6 +526,7 @@ class Observer:
             candidate_metrics(sample, self._element_candidates, amax=amax),
             log2_histogram(sample),
             sample.numel(),
+            index,
         )
         if identity is not None and shared.owner() is not None:
             self._shared[identity] = shared
@@ -536,15 +544,16 @@ class Observer:
     def _draw(self, high: int, count: int) -> torch.Tensor:
         return torch.randint(high, (count,), generator=self.generator, device=self.generator.device)
 
-    def _element_sample(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The whole tensor (flattened, float32) or ``max_elements`` uniformly drawn elements."""
+    def _element_sample(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole tensor (flattened, float32) or ``max_elements`` uniformly drawn elements, and the
+        drawn elements' indices into the flattened tensor (None for the whole tensor)."""
         limit = self.config.max_elements
         if tensor.numel() <= limit:
-            return tensor.reshape(-1).float()
+            return tensor.reshape(-1).float(), None
         index = self._draw(tensor.numel(), limit).to(tensor.device)
         if tensor.is_contiguous():
-            return tensor.reshape(-1)[index].float()
-        return tensor[torch.unravel_index(index, tensor.shape)].float()
+            return tensor.reshape(-1)[index].float(), index
+        return tensor[torch.unravel_index(index, tensor.shape)].float(), index
 
     def _plan_metrics(
         self,
@@ -558,8 +567,10 @@ class Observer:
     ) -> dict[str, float]:
         """The plan's format and scaling (rounding to nearest). A spec that is a candidate with its default
         scaling reuses that candidate's numbers. Delayed scaling is measured as current per-tensor scaling
-        (the observer does not hold the runtime's amax history); row, column and tile scaling on the whole
-        tensor."""
+        (the observer does not hold the runtime's amax history). Row, column and tile scaling are measured
+        on the element sample, each element scaled by its row's, column's or tile's amax in the whole tensor
+        (:func:`_scaling_amax`: reductions that keep one value per row, column or tile), as
+        ``numscope.quantize`` scales it."""
         fmt = spec.format_spec()
         assert fmt is not None
         if spec.scaling is None and fmt.name in measured:
@@ -577,7 +588,16 @@ class Observer:
         if scaling is None or scaling.kind == "tensor":
             scale_amax = amax if scaling is None or scaling.reduce_amax else local_amax
             return candidate_metrics(shared.sample, {PLAN_LABEL: (fmt, scaling)}, amax=scale_amax)[PLAN_LABEL]
-        return operand_metrics(tensor.float(), fmt, scaling=scaling)
+        index = shared.index
+        if index is None:
+            index = torch.arange(tensor.numel(), device=tensor.device)
+        clean = finite_or_zero(shared.sample)
+        scale = scale_from_amax(
+            _scaling_amax(tensor, index, scaling), fmt.max, scaling.margin, scaling.power_of_two
+        )
+        scaled = clean * scale  # as numscope.quantize: cast(x · scale) · (1 / scale)
+        kept = Quantized(quantize(scaled, fmt) * (1.0 / scale), scaled, None, fmt, -1)
+        return metrics_of_quantized(clean, {PLAN_LABEL: kept})[PLAN_LABEL]
 
     # -- backward error ---------------------------------------------------------------------------
     def _pair(self, gemm_key: tuple[str, str], operand: str, half: _Half, step: int) -> None:
@@ -677,6 +697,39 @@ class _Shared:
     metrics: dict[str, dict[str, float]]
     histogram: Log2Histogram
     sampled: int
+    index: torch.Tensor | None  # the sample's indices into the flattened tensor (None: the whole tensor)
+
+
+def _absmax(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """max|·| over ``dims`` as float32, without a full-size |tensor| temporary."""
+    return torch.maximum(tensor.amax(dim=dims).abs(), tensor.amin(dim=dims).abs()).float()
+
+
+def _scaling_amax(tensor: torch.Tensor, index: torch.Tensor, scaling: Scaling) -> torch.Tensor:
+    """For the elements at ``index`` of the flattened ``tensor``, the amax of their row, column or tile (an
+    element format's block scaling over the last two axes), as ``numscope.quantize`` derives the scales:
+    computed by reductions that hold one value per row, column or tile."""
+    matrix = tensor.reshape(1, -1) if tensor.dim() < 2 else tensor  # quantize treats a vector as one row
+    rows, cols = matrix.shape[-2], matrix.shape[-1]
+    if scaling.kind == "row":
+        return _absmax(matrix, (-1,)).reshape(-1)[index // cols]
+    if scaling.kind == "column":
+        return _absmax(matrix, tuple(range(matrix.dim() - 1))).reshape(-1)[index % cols]
+    assert scaling.kind == "block" and scaling.block_shape is not None
+    shape = scaling.block_shape
+    rows_per, cols_per = (1, shape[0]) if len(shape) == 1 else shape
+    whole = cols // cols_per * cols_per
+    parts = []
+    if whole:
+        parts.append(_absmax(matrix[..., :whole].unflatten(-1, (whole // cols_per, cols_per)), (-1,)))
+    if whole < cols:
+        parts.append(_absmax(matrix[..., whole:], (-1,))[..., None])
+    per_row_tile = torch.cat(parts, dim=-1)  # (..., rows, column tiles), ≥ 0: zero padding is neutral
+    padded = F.pad(per_row_tile, (0, 0, 0, (-rows) % rows_per))
+    tiles = padded.unflatten(-2, (-1, rows_per)).amax(dim=-2)
+    tiles = tiles.reshape(-1, tiles.shape[-2], tiles.shape[-1])
+    leading, within = index // (rows * cols), index % (rows * cols)
+    return tiles[leading, within // cols // rows_per, within % cols // cols_per]
 
 
 def _weak(tensor: torch.Tensor) -> Callable[[], torch.Tensor | None]:
