@@ -56,6 +56,8 @@ def main() -> None:
     args = parser.parse_args()
 
     if "RANK" in os.environ:
+        if not torch.cuda.is_available():
+            distributed.use_loopback_on_one_node()  # one machine: gloo over loopback
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = distributed.rank(), distributed.world_size()
     if args.batch % world:

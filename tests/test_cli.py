@@ -764,29 +764,14 @@ def test_the_python_api_example_trains_under_its_recommended_plan(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_train_under_torchrun_is_data_parallel_over_gloo(ws: Path, tmp_path: Path) -> None:
+def test_train_under_torchrun_is_data_parallel_over_gloo(ws: Path, tmp_path: Path, torchrun) -> None:
     """2 processes × 4 sequences against 1 process × 8, under the fp8 plan with dynamic loss scaling."""
     model = f"{ws / 'cli_models.py'}:bert"
     args = [*flags(ws, model), "--plan", "fp8", "--loss-scaling", "dynamic"]
     (tmp_path / "ddp").mkdir()
     (tmp_path / "one").mkdir()
-    ddp = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "numscope.cli",
-            "train",
-            *args,
-            "--out",
-            str(tmp_path / "ddp-run"),
-        ],
-        capture_output=True,
-        text=True,
+    ddp = torchrun(
+        ["-m", "numscope.cli", "train", *args, "--out", str(tmp_path / "ddp-run")],
         timeout=300,
         env={**ENV, "NUMSCOPE_TEST_PARAMETERS": str(tmp_path / "ddp")},
     )

@@ -25,7 +25,9 @@ This module adds what needs an explicit call:
 * :func:`all_gather_quantized`: a low-precision all-gather (each rank sends the 1-byte codes of its shard
   in a ≤8-bit format plus its scales) whose result equals quantizing the whole tensor in one process;
 * :func:`parameter_divergence`: the largest difference between a module's parameters on any rank and on
-  rank 0 (0.0 when data parallelism keeps replicas identical).
+  rank 0 (0.0 when data parallelism keeps replicas identical);
+* :func:`use_loopback_on_one_node`: before ``init_process_group("gloo")``, keep gloo on the loopback
+  interface when every rank runs on this machine.
 
 Every function works outside distributed runs too (a world of one rank), so code need not branch.
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from collections.abc import Container, Iterable
 from pathlib import Path
 
@@ -63,6 +66,7 @@ __all__ = [
     "rank",
     "save_analysis",
     "to_wire",
+    "use_loopback_on_one_node",
     "world_size",
 ]
 
@@ -386,3 +390,23 @@ def parameter_divergence(module: nn.Module, group: Group = None) -> float:
             largest = torch.maximum(largest, difference.max().reshape(1).to(largest.device))
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
     return float(largest.item())
+
+
+def use_loopback_on_one_node() -> str | None:
+    """Point gloo at the loopback interface (``GLOO_SOCKET_IFNAME``) when torchrun put every rank on this
+    machine (``LOCAL_WORLD_SIZE == WORLD_SIZE``) and the user chose no interface; return the interface set.
+
+    Gloo otherwise connects the ranks through the address the host name resolves to; in containers and
+    sandboxes that address can drop connections, and the ranks then wait for the process group's
+    timeout (30 minutes) instead of training. Call it before ``init_process_group("gloo")``.
+    """
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return None
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if local is None or local != world:
+        return None
+    names = [name for _, name in socket.if_nameindex()]
+    loopback = "lo" if "lo" in names else next((n for n in names if n.startswith("lo")), None)
+    if loopback is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    return loopback

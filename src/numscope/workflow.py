@@ -731,6 +731,7 @@ def _init_distributed() -> bool:
     world = _env_world_size()
     if world <= 1 or (dist.is_available() and dist.is_initialized()):
         return False
+    distributed.use_loopback_on_one_node()
     try:
         dist.init_process_group("gloo")
     except (ValueError, RuntimeError) as error:

@@ -1,0 +1,109 @@
+"""Shared test helpers: a real 2-process ``torchrun`` that cannot outlive its test."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _loopback() -> str:
+    names = [name for _, name in socket.if_nameindex()]
+    return "lo" if "lo" in names else names[0]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its workers in sessions of their own, so killing
+    torchrun's process group leaves them running, holding its output open)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    below = _descendants(process.pid) if sys.platform == "linux" else []
+    process.send_signal(signal.SIGTERM)  # torchrun stops its workers on SIGTERM
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def run_torchrun(
+    args: list[str], *, env: dict[str, str] | None = None, timeout: float = 300, nproc: int = 2
+) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run --nproc-per-node nproc <args>`` on 127.0.0.1, gloo on loopback.
+
+    Output goes to files, not pipes, and a run past ``timeout`` seconds fails the test after every process
+    of it (workers included) is killed; CI never waits on a stuck rank.
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        *args,
+    ]
+    environment = {
+        **(os.environ if env is None else env),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "GLOO_SOCKET_IFNAME": _loopback(),
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = Path(folder) / "stdout", Path(folder) / "stderr"
+        with out.open("w") as stdout, err.open("w") as stderr:
+            process = subprocess.Popen(command, env=environment, stdout=stdout, stderr=stderr, text=True)
+            start = time.monotonic()
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_tree(process)
+                waited = time.monotonic() - start
+                pytest.fail(
+                    f"torchrun {' '.join(args)} did not finish in {timeout:.0f}s ({waited:.0f}s):\n"
+                    f"{out.read_text()[-2000:]}\n{err.read_text()[-3000:]}"
+                )
+        return subprocess.CompletedProcess(command, process.returncode, out.read_text(), err.read_text())
+
+
+@pytest.fixture
+def torchrun() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """:func:`run_torchrun`, for tests in any folder."""
+    return run_torchrun
