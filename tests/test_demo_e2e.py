@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,9 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     vocab = 4000  # DemoConfig.quick(): an untrained model's loss is about ln(vocab)
     assert runs["fp32"]["val_loss"] < math.log(vocab) - 0.5
     assert runs["recommended"]["avg_bits"] < 32
+    # the table's bits are the [plan] line's: both weigh the fp32 analysis's operand sizes
+    stated = re.search(r"\[plan\] ([\d.]+) average bits", result.stderr + result.stdout)
+    assert stated is not None and f"{runs['recommended']['avg_bits']:.2f}" == stated.group(1)
     assert len(summary["claims"]) == 5 and all(isinstance(c["held"], bool) for c in summary["claims"])
     assert summary["unigram_loss"] < math.log(vocab)
 

@@ -432,8 +432,9 @@ def _run_demo(
     rows = []
     for result in results.values():
         row = result.to_dict()
-        if row.get("avg_bits") is None:
-            row["avg_bits"] = RunSpec(result.name, result.plan).load_plan().average_bits(sizes)
+        # every run weighted by the fp32 analysis's operand sizes, as the [plan] line (a run's own figure
+        # weighs its first batch: a masked-only head's operands change size with each batch's masks)
+        row["avg_bits"] = RunSpec(result.name, result.plan).load_plan().average_bits(sizes)
         row["train_log"] = read_log(out_dir / "runs" / result.name / "log.csv")
         rows.append(row)
     scaled = next(r for r in rows if r["name"] == "fp16+scaling")
