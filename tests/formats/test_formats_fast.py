@@ -171,3 +171,60 @@ def test_a_failed_compile_warns_and_runs_the_same_kernel_eagerly() -> None:
     assert_bits_equal(first, expected)
     set_fast(False)
     assert_bits_equal(second, numscope.quantize(x * 2, "fp6_e2m3", scaling="row"))
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _mismatched(x: torch.Tensor) -> torch.Tensor:
+    return x @ torch.ones(x.shape[1] + 1, 2)
+
+
+def test_a_compile_failure_warns_once_and_runs_the_kernel_eagerly(monkeypatch) -> None:
+    from torch._inductor.exc import InductorError, InvalidCxxCompiler
+
+    calls = []
+
+    def fails_to_compile(*args):
+        calls.append(args)
+        raise InductorError(InvalidCxxCompiler("/nonexistent/g++"), None)
+
+    monkeypatch.setattr(fast.torch, "compile", lambda kernel, **options: fails_to_compile)
+    kernel = fast._Kernel(_double, "a test kernel")
+    x = torch.arange(6.0).reshape(2, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = kernel(x)
+        second = kernel(x + 1)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "a test kernel" in messages[0] and "InductorError" in messages[0]
+    assert "/nonexistent/g++" in messages[0] and "runs eagerly" in messages[0]
+    assert len(calls) == 1 and kernel.compiled is None
+    assert torch.equal(first, x * 2) and torch.equal(second, (x + 1) * 2)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("a bug in the kernel"), KeyboardInterrupt()])
+def test_an_error_that_is_not_a_compile_failure_propagates(monkeypatch, error: BaseException) -> None:
+    def raises(*args):
+        raise error
+
+    monkeypatch.setattr(fast.torch, "compile", lambda kernel, **options: raises)
+    kernel = fast._Kernel(_double, "a test kernel")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(type(error), match=str(error) or None):
+            kernel(torch.ones(2, 3))
+    assert not [w for w in caught if "numscope fast path" in str(w.message)]
+    assert kernel.compiled is raises  # still compiled: the next call tries again
+
+
+def test_a_shape_error_in_a_compiled_kernel_propagates() -> None:
+    # dynamo traces the kernel and fails on its matmul before inductor runs (no C++ compile)
+    kernel = fast._Kernel(_mismatched, "a mismatched kernel")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="a and b must have same reduction dim"):
+            kernel(torch.ones(4, 3))
+    assert not [w for w in caught if "numscope fast path" in str(w.message)]
+    assert kernel.compiled is not None

@@ -27,7 +27,8 @@ sizes, so new shapes do not recompile (only sizes 1 are specialised; block forma
 before the kernel). Compiling one takes seconds of CPU (the benchmark
 reports the first call). Tensors are flattened to two dimensions first, so that tensors of different rank
 share one compiled kernel. Should compiling fail (no C++ compiler, say), the configuration warns once and
-runs the same kernel eagerly, with the same results.
+runs the same kernel eagerly, with the same results; any other error (one in the kernel's own code, an
+interrupt) propagates.
 """
 
 from __future__ import annotations
@@ -85,8 +86,29 @@ def _own_copy(function: Callable[..., Any], tag: str, static: dict[str, Any]) ->
     return copy
 
 
+@functools.cache
+def _compile_failures() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean ``torch.compile`` could not build a kernel, unlike a kernel's own error.
+
+    Inductor wraps what goes wrong in it (no working C++ compiler, a C++ compile error, a lowering it
+    lacks) in ``BackendCompilerFailed`` (``InductorError``); the two compiler errors are also listed for
+    the paths that raise them unwrapped, and ``InternalTorchDynamoError`` is a bug in dynamo itself. An
+    error of the kernel's code (a shape mismatch while tracing is ``TorchRuntimeError``, a Python error is
+    itself) is none of these and propagates, as it would eagerly. Imported here, on a failure, because
+    importing ``torch._dynamo`` costs about a second.
+    """
+    from torch._dynamo.exc import BackendCompilerFailed, InternalTorchDynamoError
+    from torch._inductor.exc import CppCompileError, InvalidCxxCompiler
+
+    return (BackendCompilerFailed, InternalTorchDynamoError, InvalidCxxCompiler, CppCompileError)
+
+
 class _Kernel:
-    """One configuration's kernel: compiled, or run eagerly after compiling it failed (same results)."""
+    """One configuration's kernel: compiled, or run eagerly after compiling it failed (same results).
+
+    Only a failure to compile (:func:`_compile_failures`) switches the configuration to eager, with one
+    warning that gives the reason; any other error, the kernel's own included, propagates.
+    """
 
     def __init__(self, kernel: Callable[..., torch.Tensor], description: str) -> None:
         self.kernel = kernel
@@ -100,11 +122,12 @@ class _Kernel:
         if self.compiled is not None:
             try:
                 return self.compiled(*args)
-            except Exception as error:  # compiling failed: this configuration runs eagerly from now on
+            except _compile_failures() as error:  # this configuration runs eagerly from now on
                 self.compiled = None
+                reason = str(error).strip().splitlines()
                 warnings.warn(
-                    f"numscope fast path: compiling {self.description} failed ({type(error).__name__}: "
-                    f"{str(error).splitlines()[0] if str(error) else ''}); it runs eagerly instead",
+                    f"numscope fast path: compiling {self.description} failed ({type(error).__name__}"
+                    f"{': ' + reason[0] if reason else ''}); it runs eagerly instead",
                     RuntimeWarning,
                     stacklevel=3,
                 )
