@@ -1,0 +1,49 @@
+"""The README's promises: its Python example runs as printed, and its two set-up commands are the ones
+``run`` and CI use."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_python_example_runs(tmp_path: Path) -> None:
+    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+    assert blocks, "README.md has no ```python block"
+    for block in blocks:
+        script = tmp_path / "example.py"
+        script.write_text(block, encoding="utf-8")
+        result = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "4.625" in result.stdout  # the bits the comment promises for nvfp4 on a 4 × 64 tensor
+    assert (tmp_path / "plan.yaml").is_file()
+
+
+def test_the_two_set_up_commands_are_what_run_and_ci_do() -> None:
+    setup = re.search(r"## Set-up: two commands\n(.*?)\n## ", README, flags=re.DOTALL)
+    assert setup is not None, "README.md lost its set-up section"
+    commands = re.findall(r"^(\./run \w+)", setup.group(1), flags=re.MULTILINE)
+    assert commands[:2] == ["./run demo", "./run test"]
+    run = (ROOT / "run").read_text()
+    assert "demo) setup; exec .venv/bin/numscope demo" in run
+    assert "test) setup; exec .venv/bin/python -m pytest" in run
+    assert (ROOT / ".ci" / "run").read_text().rstrip().endswith("./run test")
+
+
+def test_the_formats_table_is_what_numscope_formats_prints() -> None:
+    from numscope.cli import formats_table, render_table
+
+    assert render_table(formats_table()) in README
