@@ -40,12 +40,12 @@ import io
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from numscope._atomic import atomic_write_text
 from numscope.metrics.stats import Log2Histogram
 
 OperandKey = tuple[str, str, str]
@@ -299,8 +299,8 @@ class Analysis:
         """Write ``analysis.json`` and ``analysis.csv`` into ``directory`` (created), each atomically."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path / JSON_NAME, json.dumps(self.to_dict(), indent=1, allow_nan=True))
-        _write_atomic(path / CSV_NAME, self._csv_text())
+        atomic_write_text(path / JSON_NAME, json.dumps(self.to_dict(), indent=1, allow_nan=True))
+        atomic_write_text(path / CSV_NAME, self._csv_text())
         return path
 
     def _csv_text(self) -> str:
@@ -349,20 +349,6 @@ class Analysis:
 
 def _csv_number(value: float | None) -> str:
     return "" if value is None else repr(float(value))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
 
 
 # -- sensitivity ---------------------------------------------------------------------------------------
@@ -485,7 +471,7 @@ class Sensitivity:
         """Write ``sensitivity.json`` into ``directory`` (created), atomically; returns its path."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path / SENSITIVITY_JSON, json.dumps(self.to_dict(), indent=1, allow_nan=True))
+        atomic_write_text(path / SENSITIVITY_JSON, json.dumps(self.to_dict(), indent=1, allow_nan=True))
         return path / SENSITIVITY_JSON
 
     @classmethod

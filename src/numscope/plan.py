@@ -50,7 +50,6 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import os
-import tempfile
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -58,6 +57,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
+from numscope._atomic import atomic_write_text
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS
 from numscope.formats.scaling import KINDS, Scaling
 from numscope.formats.spec import BlockFormat, Format
@@ -639,16 +639,7 @@ class Plan:
         text = "# numscope precision plan (see numscope.plan for the keys)\n" + yaml.safe_dump(
             self.to_dict(), sort_keys=False, default_flow_style=None, width=110, allow_unicode=True
         )
-        handle, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as tmp:
-                tmp.write(text)
-                tmp.flush()
-                os.fsync(tmp.fileno())
-            os.replace(tmp_name, target)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+        atomic_write_text(target, text)
 
 
 # -- presets --------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from numscope import __version__, distributed
+from numscope._atomic import atomic_write_text
 from numscope.analysis import Analysis
 from numscope.convert import convert
 from numscope.demo.corpus import CorpusError
@@ -65,7 +66,6 @@ from numscope.demo.experiment import (
     RunResult,
     RunSpec,
     TrainConfig,
-    _atomic_write_text,
     get_objective,
     read_log,
     read_result,
@@ -608,7 +608,7 @@ def analyze(
     prepared, factory, resolved = _prepare_run(model, data, config, objective, Plan.uniform("fp32"))
     settings["objective_resolved"] = resolved
     out_dir.mkdir(parents=True, exist_ok=True)
-    _atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
+    atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
 
     def observer(module: nn.Module) -> Any:
         return observe(module, candidates=names, every=every).__enter__()
@@ -681,7 +681,7 @@ def train(
         writer = distributed.is_rank_zero()
         if writer:
             out_dir.mkdir(parents=True, exist_ok=True)
-            _atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
+            atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
         on_step, close = _progress(config.steps, run_name, progress and writer)
         try:
             return train_run(

@@ -12,8 +12,6 @@ from the caller's seed, drawn on the CPU, so that the same seed gives the same b
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from numscope._atomic import atomic_write
 from numscope.demo.corpus import CorpusError, corpus_hash
 from numscope.demo.tokenizer import TokenizerInfo, default_cache_dir
 
@@ -103,9 +102,7 @@ def load_or_make_blocks(
         return torch.load(path, weights_only=True)
     blocks = make_blocks(documents, tokenizer, seq_len)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as file:
-        torch.save(blocks, file)
-    os.replace(file.name, path)
+    atomic_write(path, lambda file: torch.save(blocks, file))
     return blocks
 
 

@@ -16,10 +16,10 @@ process's on the whole batch, and only rank 0 writes files.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from numscope import distributed
+from numscope._atomic import atomic_write_text
 from numscope.convert import convert, load_numerics_state_dict, numerics_state_dict, site_sizes
 from numscope.demo.data import IGNORE_INDEX, MLMEvaluation, batches, derive_seed, evaluate_mlm, num_batches
 from numscope.demo.tokenizer import TokenizerInfo
@@ -262,16 +263,6 @@ class _Batches:
         return self.batches[index]
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    with tempfile.NamedTemporaryFile(
-        "w", dir=path.parent, suffix=".tmp", delete=False, encoding="utf-8"
-    ) as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(f.name, path)
-
-
 LOG_FIELDS = ["step", "lr", "loss", "scale", "skipped", "val_loss", "val_accuracy", "seconds"]
 
 
@@ -453,7 +444,7 @@ def train_run(
     if writer:
         if save_model:
             save_checkpoint(out_dir / "model.pt", {"model": model.state_dict()})
-        _atomic_write_text(result_path, json.dumps(result.to_dict(), indent=1))
+        atomic_write_text(result_path, json.dumps(result.to_dict(), indent=1))
         if checkpoint_path.exists():
             checkpoint_path.unlink()
     if world > 1:
@@ -485,7 +476,8 @@ def _truncate_log(log_path: Path, step: int) -> None:
         return
     with log_path.open(newline="") as f:
         rows = [row for row in csv.DictReader(f) if int(row["step"]) <= step]
-    with log_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=LOG_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=LOG_FIELDS)
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(log_path, text.getvalue())  # a crash mid-rewrite must not lose the run's log

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from numscope._atomic import atomic_write_text
 from numscope.demo.corpus import load_corpus, split_corpus
 from numscope.demo.data import load_or_make_blocks, unigram_loss
 from numscope.demo.experiment import DemoData, RunResult, RunSpec, TrainConfig, read_log, train_run
@@ -336,9 +337,7 @@ def _check_settings(out_dir: Path, config: DemoConfig, text_paths: Sequence[Path
             f"{out_dir} holds demo runs but no {SETTINGS_FILE} to tell which settings made them; "
             "choose another --out"
         )
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(settings, indent=1))
-    temporary.replace(path)
+    atomic_write_text(path, json.dumps(settings, indent=1))
 
 
 def _changes(old: Any, new: Any, where: str = "") -> list[str]:
@@ -475,7 +474,7 @@ def _run_demo(
         "out_dir": str(out_dir),
         "report": str(report),
     }
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=1, default=str))
     return summary
 
 

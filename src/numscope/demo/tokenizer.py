@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from numscope._atomic import atomic_write_text
 from numscope.demo.corpus import corpus_hash
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
@@ -190,9 +190,5 @@ def load_or_train_tokenizer(
         return Tokenizer.from_file(str(path))
     tokenizer = train_tokenizer(documents, vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(
-        "w", dir=path.parent, suffix=".tmp", delete=False, encoding="utf-8"
-    ) as file:
-        file.write(tokenizer.to_str())
-    os.replace(file.name, path)
+    atomic_write_text(path, tokenizer.to_str())
     return tokenizer

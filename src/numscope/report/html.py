@@ -19,13 +19,13 @@ import math
 import os
 import re
 import statistics
-import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numscope
+from numscope._atomic import atomic_write_text
 from numscope.formats.spec import BlockFormat, IntFormat
 from numscope.formats.spec import format as get_format
 from numscope.report import plots
@@ -970,16 +970,4 @@ def write_report(
         progress=progress,
         loss_label=loss_label,
     )
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, target)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-        raise
-    return target
+    return atomic_write_text(target, text)

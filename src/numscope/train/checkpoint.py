@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import pickle
 import random
-import secrets
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -21,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from numscope._atomic import atomic_write
 
 __all__ = [
     "FORMAT_VERSION",
@@ -48,34 +49,8 @@ def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> N
     left behind on failure. ``state`` is typically ``{"model": ..., "optimizer": ..., "scaler": ...,
     "master": ..., "rng": rng_state(), "step": n}``.
     """
-    target = Path(path)
-    directory = target.parent
     payload = {_VERSION_KEY: FORMAT_VERSION, "state": dict(state)}
-    # O_EXCL on a unique name instead of tempfile.mkstemp: mkstemp creates mode 0600, which the rename
-    # would hand to the checkpoint; os.open with 0o666 honours the user's umask like a plain open().
-    temporary = directory / f".{target.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(descriptor, "wb") as file:
-            torch.save(payload, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable: fsync the directory entry (POSIX; Windows has no directory fsync)."""
-    if os.name != "posix":
-        return
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    atomic_write(path, lambda file: torch.save(payload, file))
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
