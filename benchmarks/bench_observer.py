@@ -31,11 +31,12 @@ import pstats
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import int_at_least, positive_int
 from bench_train_step import BATCH, HIDDEN, LAYERS, SEQ, VOCAB, batch, make_model
 from numscope.observe import DEFAULT_CANDIDATES, Observer, observe
 
@@ -68,22 +69,33 @@ def timed(step: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (one window each)")
-    parser.add_argument("--every1-steps", type=int, default=3, help="every=1 steps per round")
+    parser.add_argument("--rounds", type=positive_int, default=4, help="interleaved rounds (one window each)")
+    parser.add_argument(
+        "--every1-steps",
+        type=int_at_least(0, WINDOW),
+        default=3,
+        help=f"every=1 steps per round, 0 to {WINDOW} (0: no every=1 row)",
+    )
     parser.add_argument("--profile", action="store_true", help="profile one sampled step")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--max-elements", type=int, default=None, help="observer max_elements (default: its)")
-    args = parser.parse_args()
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--max-elements", type=positive_int, default=None, help="observer max_elements (default: its)"
+    )
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     options = {} if args.max_elements is None else {"max_elements": args.max_elements}
 
     plain, _ = trainer(None)
     sparse, sparse_observer = trainer(WINDOW, **options)
-    dense, _ = trainer(1, **options)
-    for step in (plain, dense):  # warm-up (site discovery, allocator)
+    dense = trainer(1, **options)[0] if args.every1_steps else None
+    for step in (plain, dense) if dense is not None else (plain,):  # warm-up (site discovery, allocator)
         step()
         step()
     for _ in range(WINDOW):  # a whole window: the next sparse step is a sampled one
@@ -99,7 +111,7 @@ def main() -> None:
             seconds = timed(sparse)
             window.append(seconds)
             times["sampled" if sampled else "skipped"].append(seconds)
-            if index < args.every1_steps:
+            if dense is not None and index < args.every1_steps:
                 times["dense"].append(timed(dense))
         times["window"].append(sum(window) / WINDOW)
 
@@ -118,13 +130,16 @@ def main() -> None:
         ("every=1", "dense"),
     ]
     for label, key in rows:
+        if not times[key]:
+            print(f"{label:40s} not timed (--every1-steps 0)")
+            continue
         seconds = statistics.median(times[key])
         print(f"{label:40s} {seconds * 1e3:9.1f} ms  {seconds / base:6.2f}x  (n={len(times[key])})")
 
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
-        dense()
+        (dense or sparse)()
         profiler.disable()
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
 

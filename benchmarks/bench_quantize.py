@@ -21,12 +21,15 @@ import ctypes.util
 import importlib.util
 import os
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numscope
+from _cli import positive_int, shape_2d
 from numscope.formats import set_fast
 
 CASES: list[tuple[str, str, str | None]] = [
@@ -84,8 +87,15 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}" if seconds >= 0.1 else f"{seconds * 1e3:.3g}"
 
 
+def _missing(peer: str, error: ImportError) -> str:
+    """The note of a skipped peer row: not installed, or installed but failing to import (and why)."""
+    if importlib.util.find_spec(peer) is None:
+        return "not installed (pip install -e '.[bench]')"
+    return f"not importable: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
 def peers(x: torch.Tensor) -> list[tuple[str, Callable[[], object] | None, str]]:
-    """(name, function or None, note) of every peer row; None where the peer is not installed."""
+    """(name, function or None, note) of every peer row; None where the peer cannot be imported."""
 
     def torch_tensor_fp8(values: torch.Tensor) -> torch.Tensor:
         scale = 448.0 / values.abs().amax()
@@ -96,19 +106,22 @@ def peers(x: torch.Tensor) -> list[tuple[str, Callable[[], object] | None, str]]
         ("torch x.to(float8_e4m3fn).float()", lambda: x.to(torch.float8_e4m3fn).float(), ""),
         ("torch.compile'd per-tensor fp8 round trip", lambda: compiled_fp8(x), "amax, scale, .to(fp8)"),
     ]
-    if importlib.util.find_spec("torchao") is not None:
+    try:
         from torchao.prototype.mx_formats.mx_tensor import MXTensor
+    except ImportError as error:  # not installed, or installed but not importable here
+        rows.append(("torchao MXTensor", None, _missing("torchao", error)))
+    else:
 
         def to_mx(dtype: torch.dtype) -> Callable[[], object]:
             return lambda: MXTensor.to_mx(x, dtype, 32).dequantize(torch.float32)
 
         rows.append(("torchao MXTensor mxfp8_e4m3", to_mx(torch.float8_e4m3fn), ""))
         rows.append(("torchao MXTensor mxfp4_e2m1", to_mx(torch.float4_e2m1fn_x2), ""))
-    else:
-        rows.append(("torchao MXTensor", None, "not installed"))
-    if importlib.util.find_spec("qtorch") is not None:
+    try:
         from qtorch.quant import float_quantize
-
+    except ImportError as error:
+        rows.append(("qtorch float_quantize", None, _missing("qtorch", error)))
+    else:
         rows.append(
             (
                 "qtorch float_quantize e4m3",
@@ -116,27 +129,31 @@ def peers(x: torch.Tensor) -> list[tuple[str, Callable[[], object] | None, str]]
                 "no scaling",
             )
         )
-    else:
-        rows.append(("qtorch float_quantize", None, "not installed"))
     return rows
 
 
-def main() -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 1M-element input and fewer runs")
-    parser.add_argument("--runs", type=int, default=None, help="timed runs per row (default 9, quick 5)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--shape", default=None, help="input shape ROWSxCOLS (default 4096x4096)")
+    parser.add_argument(
+        "--runs", type=positive_int, default=None, help="timed runs per row (default 9, quick 5)"
+    )
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--shape",
+        type=shape_2d,
+        default=None,
+        help="input shape ROWSxCOLS (default 4096x4096, quick 1024x1024)",
+    )
     parser.add_argument("--only", default="", help="run only rows whose name contains this text")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    rows, cols = (1024, 1024) if args.quick else (4096, 4096)
-    if args.shape:
-        try:
-            rows, cols = (int(n) for n in args.shape.lower().split("x"))
-        except ValueError:
-            parser.error(f"--shape {args.shape!r}: expected ROWSxCOLS, e.g. 64x128")
+    rows, cols = args.shape or ((1024, 1024) if args.quick else (4096, 4096))
     runs = args.runs or (5 if args.quick else 9)
     x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
     elements = x.numel()
@@ -149,14 +166,10 @@ def main() -> None:
     def row(name: str, function: Callable[[], object] | None, note: str = "") -> None:
         if args.only not in name:
             return
-        if function is None:
+        if function is None:  # a peer that cannot be imported here: skipped, with the reason
             table.append((name, *["-"] * 7, note))
             return
-        try:
-            wall, clone_wall, cpu, clone_cpu = paired_seconds(function, clone, runs)
-        except Exception as error:  # a peer that fails on this machine is reported, not fatal
-            table.append((name, *["-"] * 7, f"failed: {type(error).__name__}"))
-            return
+        wall, clone_wall, cpu, clone_cpu = paired_seconds(function, clone, runs)  # errors propagate
         table.append(
             (
                 name,

@@ -24,13 +24,16 @@ import argparse
 import contextlib
 import os
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import BertConfig, BertForMaskedLM
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numscope
+from _cli import non_negative_int, positive_int
 from numscope.convert import convert
 from numscope.formats.fast import set_fast
 
@@ -157,14 +160,20 @@ def profile(name: str, build: Callable[[], Callable[[], None]], warmup: int) -> 
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
-def main() -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row before the rounds")
-    parser.add_argument("--rounds", type=int, default=5, help="timed steps per row, taken in turn")
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=2, help="untimed steps per row before the rounds"
+    )
+    parser.add_argument("--rounds", type=positive_int, default=5, help="timed steps per row, taken in turn")
     parser.add_argument("--rows", help="comma-separated row names (default: all; fp32 is always first)")
     parser.add_argument("--profile", metavar="ROW", help="profile one step of ROW instead of timing")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
-    args = parser.parse_args()
+    parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's)")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     available = rows()

@@ -1,0 +1,86 @@
+"""The benchmarks' command lines: a value they cannot run with is one argparse error line, not a crash later.
+
+(The benchmarks themselves are not run here: they take minutes.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str) -> ModuleType:
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def rejected(capsys, module: ModuleType, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args(argv)
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message.startswith(f"{Path(sys.argv[0]).name}: error: argument ")
+    return message
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--rounds", "0"], "--rounds: must be at least 1, got 0"),
+        (["--rounds", "two"], "--rounds: expected a whole number, got 'two'"),
+        (["--warmup", "-1"], "--warmup: must be at least 0, got -1"),
+        (["--threads", "0"], "--threads: must be at least 1, got 0"),
+    ],
+)
+def test_bench_train_step_rejects(capsys, argv: list[str], expected: str) -> None:
+    assert rejected(capsys, load("bench_train_step"), argv).endswith(expected)
+
+
+def test_bench_train_step_accepts_the_smallest_run() -> None:
+    args = load("bench_train_step").parse_args(["--rounds", "1", "--warmup", "0", "--threads", "1"])
+    assert (args.rounds, args.warmup, args.threads) == (1, 0, 1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--rounds", "0"], "--rounds: must be at least 1, got 0"),
+        (["--every1-steps", "-1"], "--every1-steps: must be from 0 to 10, got -1"),
+        (["--every1-steps", "11"], "--every1-steps: must be from 0 to 10, got 11"),
+        (["--threads", "0"], "--threads: must be at least 1, got 0"),
+        (["--max-elements", "0"], "--max-elements: must be at least 1, got 0"),
+    ],
+)
+def test_bench_observer_rejects(capsys, argv: list[str], expected: str) -> None:
+    assert rejected(capsys, load("bench_observer"), argv).endswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--runs", "0"], "--runs: must be at least 1, got 0"),
+        (["--threads", "-2"], "--threads: must be at least 1, got -2"),
+        (["--shape", "64"], "--shape: expected ROWSxCOLS, e.g. 64x128, got '64'"),
+        (["--shape", "64x"], "--shape: expected ROWSxCOLS, e.g. 64x128, got '64x'"),
+        (["--shape", "2x3x4"], "--shape: expected ROWSxCOLS, e.g. 64x128, got '2x3x4'"),
+        (["--shape", "0x128"], "--shape: both sizes must be at least 1, got '0x128'"),
+    ],
+)
+def test_bench_quantize_rejects(capsys, argv: list[str], expected: str) -> None:
+    assert rejected(capsys, load("bench_quantize"), argv).endswith(expected)
+
+
+def test_bench_quantize_parses_a_shape() -> None:
+    assert load("bench_quantize").parse_args(["--shape", "64X128"]).shape == (64, 128)
