@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,20 @@ def test_helpers_outside_distributed_runs_are_a_world_of_one() -> None:
         distributed.all_gather_quantized(whole_tensor(), "fp8_e4m3"),
         numscope.quantize(whole_tensor(), "fp8_e4m3", scaling="tensor"),
     )
+
+
+def test_gloo_goes_over_loopback_only_when_every_rank_is_on_this_machine(monkeypatch) -> None:
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two machines: the user's network decides
+    assert distributed.use_loopback_on_one_node() is None and "GLOO_SOCKET_IFNAME" not in os.environ
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # not under torchrun
+    assert distributed.use_loopback_on_one_node() is None and "GLOO_SOCKET_IFNAME" not in os.environ
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    loopback = distributed.use_loopback_on_one_node()
+    assert loopback is not None and loopback.startswith("lo") and os.environ["GLOO_SOCKET_IFNAME"] == loopback
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the user's choice stands
+    assert distributed.use_loopback_on_one_node() is None and os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
 
 
 def test_low_precision_all_gather_rejects_what_it_cannot_gather() -> None:
