@@ -236,8 +236,7 @@ def _e4m3_as_fp16(codes: torch.Tensor) -> torch.Tensor:
     is the E4M3 one over 2⁸. The caller multiplies 2⁸ back in with its descale: ``(q / 2⁸) · (2⁸ · d)``
     rounds once to the same float32 as ``q · d`` wherever ``2⁸ · d`` is finite (a power of two times a
     float32 is exact short of overflow). The integer moves and fp16 → float32 are vectorized in torch, its
-    E4M3 → float32 conversion is not (about 2.5 times slower on one thread). The NaN code would decode to
-    480: only finite codes may come here.
+    E4M3 → float32 conversion is not. The NaN code would decode to 480: only finite codes may come here.
     """
     bits = codes.view(torch.uint8).to(torch.int16)
     sign = (bits & 0x80).mul_(-256)  # 0x80 → 0x8000 as an int16 (-32768), without overflowing a shift

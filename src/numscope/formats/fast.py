@@ -6,12 +6,13 @@ column and delayed scaling) and of the block formats (MX, NVFP4); everything els
 toward-zero rounding, tile scaling, ``e8m0``) runs eagerly.
 
 Why off by default: the results are the same bits either way, so the choice is only about time, and the
-first call of each configuration compiles. On a shared 2-core machine that took 2-20 s per configuration
-from a cold cache and 0.3-3 s from inductor's on-disk cache, after a one-time inductor set-up of about
-35 s per machine; it also needs a C++ compiler at run time. Once compiled it is 4-25x faster than eager
-on 16M elements, but on 8K elements from 0.4x (bf16: the call's own overhead) to 6x (nvfp4)
-(``benchmarks/bench_quantize.py``, ``--shape 64x128``). Tests, the quick demo and small models spend more
-on compiling than they save; long runs on large tensors should turn it on.
+first call of each configuration compiles: seconds per configuration (less from inductor's on-disk cache),
+after a one-time inductor set-up per machine; ``benchmarks/bench_quantize.py`` reports each fast row's
+first call, compile included. It also needs a C++ compiler at run time. Once compiled it is 4-25x faster
+than eager on 16M elements, but on 8K elements from 0.4x (bf16: the call's own overhead) to 6x (nvfp4)
+(``benchmarks/bench_quantize.py`` measures both: 16M elements by default, 8K with ``--shape 64x128``).
+Tests, the quick demo and small models spend more on compiling than they save; long runs on large tensors
+should turn it on.
 
 The compiled kernels call the very functions the eager path calls (:func:`numscope.formats.cast.cast`,
 :func:`numscope.formats.scaling.scale_from_amax`, the MX and NVFP4 block arithmetic), so they compute the
@@ -95,7 +96,7 @@ def _compile_failures() -> tuple[type[BaseException], ...]:
     the paths that raise them unwrapped, and ``InternalTorchDynamoError`` is a bug in dynamo itself. An
     error of the kernel's code (a shape mismatch while tracing is ``TorchRuntimeError``, a Python error is
     itself) is none of these and propagates, as it would eagerly. Imported here, on a failure, because
-    importing ``torch._dynamo`` costs about a second.
+    importing ``torch._dynamo`` is slow (``python -X importtime -c "import torch._dynamo"``).
     """
     from torch._dynamo.exc import BackendCompilerFailed, InternalTorchDynamoError
     from torch._inductor.exc import CppCompileError, InvalidCxxCompiler

@@ -15,8 +15,8 @@ reductions CUDA kernels accumulate in fp32 anyway (``mean``, ``var``, ``std``) a
   ``F.scaled_dot_product_attention``) with an operand in the working dtype runs on fp32 copies of its
   operands (exact: every fp16/bf16 value is a float32 value) and its result is rounded to the working
   dtype: FP16 multiplication with FP32 accumulation, written in FP16 (the paper's §3.2, what tensor cores
-  do). Torch's own CPU fp16 GEMM gives no such guarantee and, without AVX512-FP16, is some 80 times slower
-  than float32. A GEMM whose operands are all fp32 (a layer kept in fp32) runs as called;
+  do). Torch's own CPU fp16 GEMM gives no such guarantee and, without AVX512-FP16, is much slower than
+  float32. A GEMM whose operands are all fp32 (a layer kept in fp32) runs as called;
 * every other op runs as called (torch's type promotion).
 
 The casts are ordinary autograd ops: backward runs each kept op in fp32 too, GEMM gradients accumulate in
