@@ -209,6 +209,15 @@ def test_formats_command_prints_the_table() -> None:
     assert "| fp8_e4m3 " in result.stdout and "| nvfp4 " in result.stdout
 
 
+def test_the_formats_table_never_prints_a_rounded_range() -> None:
+    """Every printed range figure reads back as the format's exact value (2^-9 is not 0.00195312)."""
+    for row, fmt in zip(formats_table(), numscope.formats(), strict=True):
+        for column, value in (("min normal", fmt.min_normal), ("min subnormal", fmt.min_subnormal)):
+            text = row[column]
+            exact = 2.0 ** int(text[2:]) if text.startswith("2^") else float(text)
+            assert exact == value, (fmt.name, column, text)
+
+
 def test_unknown_command_fails_with_usage(capsys) -> None:
     try:
         main(["no-such-command"])

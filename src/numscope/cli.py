@@ -19,12 +19,15 @@ class CLIError(Exception):
 
 
 def _number(value: float) -> str:
+    """Six significant digits, except a power of two that is far from 1 or that six digits would round
+    (2^-9 is 0.001953125): those print as 2^k, exactly."""
     if value == 0 or math.isinf(value):
         return str(value)
     exponent = math.log2(value)
-    if exponent == int(exponent) and abs(exponent) > 12:
+    short = f"{value:.6g}"
+    if exponent == int(exponent) and (abs(exponent) > 12 or float(short) != value):
         return f"2^{int(exponent)}"
-    return f"{value:.6g}"
+    return short
 
 
 def formats_table() -> list[dict[str, str]]:
