@@ -185,3 +185,17 @@ def test_bad_arguments_are_named():
             ("cls.predictions.decoder", ALL, ALL)
         ]["bf16"]["loss"]
     )
+
+
+def test_the_callers_random_streams_are_left_as_they_were():
+    # train mode reseeds torch (CPU and every CUDA device) for each batch; the caller's streams, on the CPU
+    # and on the GPU, continue afterwards exactly where they were
+    model, data = tiny_bert(), batches(2)
+    torch.manual_seed(123)
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    sensitivity(model, data, candidates=["bf16"], sites=["cls.*"], train_mode=True)
+    assert torch.equal(torch.get_rng_state(), cpu)
+    if torch.cuda.is_available():
+        after = torch.cuda.get_rng_state_all()
+        assert len(after) == len(cuda) and all(torch.equal(a, b) for a, b in zip(after, cuda, strict=True))

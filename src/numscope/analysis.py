@@ -357,14 +357,6 @@ ALL = "*"
 """The gemm and operand of a site-level sensitivity key: ``(site, "*", "*")`` (all six operands)."""
 SENSITIVITY_VERSION = 1
 SENSITIVITY_JSON = "sensitivity.json"
-SENSITIVITY_METRICS: tuple[str, ...] = (
-    "loss",
-    "loss_change",
-    "loss_change%",
-    "grad_cosine",
-    "grad_cosine_min",
-    "grad_rel_error",
-)
 
 
 @dataclass

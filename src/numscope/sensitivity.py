@@ -177,7 +177,9 @@ class _Runner:
         for index, batch in enumerate(self.data):
             for parameter in self.parameters:
                 parameter.grad = None
-            with torch.random.fork_rng(devices=[]):
+            # torch.manual_seed reseeds every CUDA generator too: fork those with the CPU's, so that a
+            # user's GPU run does not see its random stream reset or shifted by the measurement
+            with torch.random.fork_rng(devices=_cuda_devices()):
                 if self.train_mode:
                     torch.manual_seed(self.seed + index)
                 loss = self.loss_fn(self.model, batch)
@@ -187,6 +189,11 @@ class _Runner:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
             out.append((float(loss.detach()), torch.cat([g.detach().reshape(-1).float() for g in grads])))
         return out
+
+
+def _cuda_devices() -> list[int]:
+    """Every CUDA device (none without CUDA): the generators a forked random state must save and restore."""
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
 def _compare(run: list[tuple[float, torch.Tensor]], reference: list[tuple[float, torch.Tensor]]) -> dict:
