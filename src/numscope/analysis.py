@@ -316,15 +316,7 @@ class Analysis:
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> Analysis:
         """Read an analysis written by :meth:`save` (the directory, or its ``analysis.json``)."""
-        path = Path(directory)
-        file = path if path.suffix == ".json" else path / JSON_NAME
-        if not file.exists():
-            where = "directory does not exist" if not file.parent.exists() else f"no {file.name} in it"
-            raise AnalysisError(f"cannot load an analysis from {str(directory)!r}: {where}")
-        try:
-            data = json.loads(file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise AnalysisError(f"{str(file)!r} is not valid JSON (corrupt or truncated): {error}") from error
+        file, data = _read_json(directory, JSON_NAME, "an analysis")
         try:
             return cls.from_dict(data)
         except AnalysisError as error:
@@ -349,6 +341,19 @@ class Analysis:
 
 def _csv_number(value: float | None) -> str:
     return "" if value is None else repr(float(value))
+
+
+def _read_json(directory: str | os.PathLike[str], name: str, what: str) -> tuple[Path, Any]:
+    """The file a ``load`` reads (``directory/name``, or ``directory`` itself if a ``.json``) and its JSON."""
+    path = Path(directory)
+    file = path if path.suffix == ".json" else path / name
+    if not file.exists():
+        where = "directory does not exist" if not file.parent.exists() else f"no {file.name} in it"
+        raise AnalysisError(f"cannot load {what} from {str(directory)!r}: {where}")
+    try:
+        return file, json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise AnalysisError(f"{str(file)!r} is not valid JSON (corrupt or truncated): {error}") from error
 
 
 # -- sensitivity ---------------------------------------------------------------------------------------
@@ -469,16 +474,7 @@ class Sensitivity:
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> Sensitivity:
         """Read a sensitivity written by :meth:`save` (the directory, or its ``sensitivity.json``)."""
-        path = Path(directory)
-        file = path if path.suffix == ".json" else path / SENSITIVITY_JSON
-        if not file.exists():
-            where = "directory does not exist" if not file.parent.exists() else f"no {file.name} in it"
-            raise AnalysisError(f"cannot load a sensitivity from {str(directory)!r}: {where}")
-        try:
-            data = json.loads(file.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise AnalysisError(f"{str(file)!r} is not valid JSON (corrupt or truncated): {error}") from error
-        return cls.from_dict(data)
+        return cls.from_dict(_read_json(directory, SENSITIVITY_JSON, "a sensitivity")[1])
 
 
 # -- merging (ranks, runs) -------------------------------------------------------------------------

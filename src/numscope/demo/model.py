@@ -23,12 +23,13 @@ import torch
 from transformers import BertConfig, BertForMaskedLM
 from transformers.modeling_outputs import MaskedLMOutput
 
+from numscope.demo.data import IGNORE_INDEX
+
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
 """``eager`` computes attention with explicit matmuls (visible to GEMM-site discovery); ``sdpa`` calls
 ``torch.nn.functional.scaled_dot_product_attention`` (a fused kernel where the device has one)."""
 MLM_HEADS = ("masked", "all")
 """Where the MLM head runs given labels: ``masked`` positions only (BERT's pre-training), or ``all``."""
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)

@@ -173,34 +173,22 @@ def plan_table(plan: Any, sites: Sequence[str] = ()) -> list[dict[str, Any]]:
     """The adapter from a :class:`numscope.Plan` to rows ``site, gemm, operand, format, scaling, bits,
     reason``: one row per operand of each of ``sites`` when given, else one per operand of each rule
     pattern (``site`` then holds the pattern). ``bits`` are storage bits per element (32 for ``high``)."""
-    rows = []
     if sites:
+        entries = []
         for site in sites:
-            spec = plan.for_site(site)
             rule = plan.rule_for(site)
             reasons = rule.reasons if rule is not None else plan.default_reasons
-            for gemm, operand in OPERAND_ORDER:
-                op = spec.operand(gemm, operand)
-                rows.append(
-                    {
-                        "site": site,
-                        "gemm": gemm,
-                        "operand": operand,
-                        "format": op.format,
-                        "scaling": op.describe_scaling(),
-                        "bits": op.bits_per_element(),
-                        "reason": reasons.get(f"{gemm}/{operand}", ""),
-                    }
-                )
-        return rows
-    entries = [("(default)", plan.default, plan.default_reasons)]
-    entries += [(rule.pattern, rule.spec, rule.reasons) for rule in plan.rules]
-    for pattern, spec, reasons in entries:
+            entries.append((site, plan.for_site(site), reasons))
+    else:
+        entries = [("(default)", plan.default, plan.default_reasons)]
+        entries += [(rule.pattern, rule.spec, rule.reasons) for rule in plan.rules]
+    rows = []
+    for site, spec, reasons in entries:
         for gemm, operand in OPERAND_ORDER:
             op = spec.operand(gemm, operand)
             rows.append(
                 {
-                    "site": pattern,
+                    "site": site,
                     "gemm": gemm,
                     "operand": operand,
                     "format": op.format,
