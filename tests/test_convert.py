@@ -213,6 +213,37 @@ def test_native_cast_path_equals_quantize(fmt: str, overflow: str) -> None:
             assert torch.equal(torch.signbit(got), torch.signbit(expected))
 
 
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp16"])
+def test_native_cast_path_with_a_margin_near_float32s_max_equals_quantize(fmt: str) -> None:
+    # 2^8 / scale overflows float32 here: E4M3 leaves its fp16 decode for the plain descale
+    x = torch.tensor([3.0e38, -1.0e38, 1.0, -2.5e-30, 0.0, 7.0e37])
+    scaling = numscope.Scaling("tensor", margin=3)
+    spec = OperandSpec(fmt, scaling=scaling, overflow="saturate")
+    got = _Quantizer(Plan(SiteSpec.uniform(spec)), None)(Site("s", "s", "linear"), "fprop", "input", x, -1)
+    expected = numscope.quantize(x, fmt, scaling=scaling, overflow="saturate")
+    assert torch.equal(got, expected) and torch.equal(torch.signbit(got), torch.signbit(expected))
+
+
+@pytest.mark.parametrize("scaling", ["none", "tensor"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "bf16"])
+def test_a_native_saturating_cast_reads_the_device_once(monkeypatch, fmt: str, scaling: str) -> None:
+    # each host read of a tensor is a synchronisation on an accelerator: one per quantized operand
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__"):
+        method = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _method=method, _name=name):
+            reads.append(_name)
+            return _method(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    spec = OperandSpec(fmt, scaling=scaling, overflow="saturate")
+    quantizer = _Quantizer(Plan(SiteSpec.uniform(spec)), None)
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    quantizer(Site("s", "s", "linear"), "fprop", "input", x, -1)
+    assert len(reads) == 1, reads
+
+
 def test_weight_grad_and_input_reuse_is_bit_identical() -> None:
     model = bert(dropout=0.0)
     convert(model, Plan.uniform("fp8"))

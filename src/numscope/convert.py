@@ -188,12 +188,15 @@ def _rounds_to_max(fmt: FloatFormat) -> float:
     return fmt.max + 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits - 1)
 
 
-def _rounds_within_range(amax: torch.Tensor | None, scale: torch.Tensor | None, fmt: FloatFormat) -> bool:
-    """Whether every value of magnitude at most ``amax``, times ``scale``, rounds to at most ``fmt.max``."""
-    if amax is None:
-        return False
-    bound = amax if scale is None else amax * scale
-    return bool(torch.isfinite(bound)) and bound.item() < _rounds_to_max(fmt)
+def _host_floats(*values: torch.Tensor | float | None) -> tuple[float | None, ...]:
+    """``values`` as Python floats (None stays None), every 0-d tensor among them read in one transfer.
+
+    One device-to-host read (a synchronisation on an accelerator) instead of one per value; the read is
+    exact (``tolist`` of a float32 or float64 tensor).
+    """
+    tensors = [value.reshape(()) for value in values if isinstance(value, torch.Tensor)]
+    read = iter(torch.stack(tensors).tolist() if tensors else ())
+    return tuple(next(read) if isinstance(value, torch.Tensor) else value for value in values)
 
 
 def _fake_cast(
@@ -209,21 +212,28 @@ def _fake_cast(
     ``amax`` bounds ``|values|`` (saturation needs it; ``None`` otherwise): where ``amax · scale`` is below
     the format's max plus half its unit in the last place (every scaled value then rounds to at most the
     max: rounding is monotone), the clamp of saturation changes nothing and the scaled copy is cast and
-    descaled in place: one fresh float32 buffer instead of one per operation, the same bits.
+    descaled in place: one fresh float32 buffer instead of one per operation, the same bits. That bound,
+    and for E4M3 whether ``2⁸ / scale`` is finite, are read to the host together, once per call.
     """
     scaled = values if scale is None else values * scale
-    if overflow == "saturate" and not _rounds_within_range(amax, scale, fmt):
-        quantized = _cast_native(scaled, dtype, fmt)
-        return quantized if scale is None else quantized * (1.0 / scale)
-    rounded = scaled.to(dtype)
     descale = None if scale is None else 1.0 / scale
-    if dtype == torch.float8_e4m3fn and overflow == "saturate":  # no NaN code on this path: E4M3 → fp16
+    saturate = overflow == "saturate"
+    bound = None if amax is None or not saturate else amax if scale is None else amax * scale
+    redescale = None  # E4M3 decodes through fp16 as q / 2⁸ (see _e4m3_as_fp16), multiplied by 2⁸ · descale
+    if saturate and dtype == torch.float8_e4m3fn:  # no NaN code on this path
         redescale = 256.0 if descale is None else 256.0 * descale  # exact unless it overflows
-        if bool(torch.isfinite(torch.as_tensor(redescale))):
-            halves = _e4m3_as_fp16(rounded)
-            decoded = halves.float() if scale is None else scaled.copy_(halves)
-            return decoded.mul_(redescale)
-    if scale is None:
+    bound_value, redescale_value = _host_floats(bound, redescale)
+    if saturate and not (
+        bound_value is not None and math.isfinite(bound_value) and bound_value < _rounds_to_max(fmt)
+    ):
+        quantized = _cast_native(scaled, dtype, fmt)
+        return quantized if descale is None else quantized * descale
+    rounded = scaled.to(dtype)
+    if redescale is not None and math.isfinite(redescale_value):  # type: ignore[arg-type]
+        halves = _e4m3_as_fp16(rounded)
+        decoded = halves.float() if scale is None else scaled.copy_(halves)
+        return decoded.mul_(redescale)
+    if descale is None:
         return rounded.float()
     return scaled.copy_(rounded).mul_(descale)
 
