@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from numscope._rng import fork_rng
 from numscope.analysis import ALL, OperandKey, Sensitivity
 from numscope.convert import convert, unconvert
 from numscope.formats.spec import format as get_format
@@ -179,7 +180,7 @@ class _Runner:
                 parameter.grad = None
             # torch.manual_seed reseeds every CUDA generator too: fork those with the CPU's, so that a
             # user's GPU run does not see its random stream reset or shifted by the measurement
-            with torch.random.fork_rng(devices=_cuda_devices()):
+            with fork_rng():
                 if self.train_mode:
                     torch.manual_seed(self.seed + index)
                 loss = self.loss_fn(self.model, batch)
@@ -189,11 +190,6 @@ class _Runner:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters]
             out.append((float(loss.detach()), torch.cat([g.detach().reshape(-1).float() for g in grads])))
         return out
-
-
-def _cuda_devices() -> list[int]:
-    """Every CUDA device (none without CUDA): the generators a forked random state must save and restore."""
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
 def _compare(run: list[tuple[float, torch.Tensor]], reference: list[tuple[float, torch.Tensor]]) -> dict:

@@ -73,6 +73,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
 
+from numscope._rng import fork_rng
 from numscope._root_call import SITES, RootCall, RootCalls, remove_mode
 
 GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
@@ -832,7 +833,7 @@ class _Runtime:
         self.table.clear()
         self.order.clear()
         try:
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
+            with fork_rng(), torch.no_grad():
                 model.eval()
                 model(*args, **kwargs)
         finally:

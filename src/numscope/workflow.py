@@ -56,6 +56,7 @@ from torch import nn
 
 from numscope import __version__, distributed
 from numscope._atomic import atomic_write_text
+from numscope._rng import fork_rng
 from numscope.analysis import Analysis
 from numscope.convert import convert
 from numscope.demo.corpus import CorpusError
@@ -72,6 +73,7 @@ from numscope.demo.experiment import (
     train_run,
 )
 from numscope.demo.tokenizer import TokenizerInfo
+from numscope.formats.fast import fast_enabled, set_fast
 from numscope.formats.spec import format as get_format
 from numscope.observe import DEFAULT_CANDIDATES as OBSERVED_BY_DEFAULT
 from numscope.plan import Plan, PlanError
@@ -527,7 +529,7 @@ def _prepare_run(
     example = next(
         get_objective(resolved).batches(prepared.train_blocks[:2], 2, prepared.tokenizer, config.seed, 0)
     )
-    with torch.random.fork_rng(devices=[]):
+    with fork_rng():
         probe = factory()
         if source.factory is not None:
             _check_interface(model, probe, example)
@@ -683,6 +685,9 @@ def train(
             out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
         on_step, close = _progress(config.steps, run_name, progress and writer)
+        was_fast = fast_enabled()
+        if "NUMSCOPE_FAST" not in os.environ:  # the user's explicit choice stands
+            set_fast(loaded.uses_block_formats())  # the same bits, compiled where it pays
         try:
             return train_run(
                 RunSpec(run_name, plan_source, loss_scaling, init_scale),
@@ -695,6 +700,7 @@ def train(
                 save_model=True,
             )
         finally:
+            set_fast(was_fast)
             close()
     finally:
         if started:

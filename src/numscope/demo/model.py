@@ -23,6 +23,7 @@ import torch
 from transformers import BertConfig, BertForMaskedLM
 from transformers.modeling_outputs import MaskedLMOutput
 
+from numscope._rng import fork_rng
 from numscope.demo.data import IGNORE_INDEX
 
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -139,7 +140,7 @@ def bert_mlm_from_config(config: ModelConfig) -> BertForMaskedLM:
     The seed is applied inside a forked RNG, so building a model leaves the global torch RNG untouched.
     """
     model_class = BertForMaskedLMAtMasks if config.mlm_head == "masked" else BertForMaskedLM
-    with torch.random.fork_rng(devices=[]):
+    with fork_rng():
         torch.manual_seed(config.seed)
         model = model_class(config.to_bert_config())
     return model
