@@ -139,3 +139,15 @@ def test_truncate_log_interrupted_while_rewriting_keeps_the_whole_log(tmp_path, 
     monkeypatch.undo()
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["log.csv"]
+
+
+def test_truncate_log_drops_a_row_a_crash_cut_off(tmp_path):
+    """A torn last row ('1' of '105', no line end) is not taken for step 1, nor kept half-written."""
+    path = tmp_path / "log.csv"
+    _log(path, range(5))
+    _log(tmp_path / "expected.csv", range(5))
+    with path.open("a", encoding="utf-8", newline="") as handle:
+        handle.write("1")  # the crash hit while writing step 105's row
+    experiment._truncate_log(path, 100)
+    assert path.read_bytes() == (tmp_path / "expected.csv").read_bytes()
+    assert [row["step"] for row in experiment.read_log(path)] == [0, 1, 2, 3, 4]

@@ -13,6 +13,7 @@ format (common random numbers), seeded from ``(seed, trial, ν)``.
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from numscope._atomic import atomic_write_text
 from numscope.formats.quantize import quantize
 from numscope.formats.scaling import Scaling
 from numscope.formats.spec import format as get_format
@@ -232,11 +234,12 @@ def write_csv(rows: Sequence[StudyRow], path: str | Path) -> Path:
     """Write the rows as CSV (one line per ν and format; ν = inf written as ``inf``)."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=[f.name for f in fields(StudyRow)])
-        writer.writeheader()
-        for row in rows:
-            writer.writerow(asdict(row))
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=[f.name for f in fields(StudyRow)])
+    writer.writeheader()
+    for row in rows:
+        writer.writerow(asdict(row))
+    atomic_write_text(out, text.getvalue())
     return out
 
 

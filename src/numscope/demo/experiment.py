@@ -471,11 +471,18 @@ def read_log(path: Path) -> list[dict[str, float]]:
 
 
 def _truncate_log(log_path: Path, step: int) -> None:
-    """Drop log rows after ``step`` (written after the last checkpoint of an interrupted run)."""
+    """Drop log rows after ``step`` (written after the last checkpoint of an interrupted run), and a last
+    row that a crash cut off (no line end: "1" of "105" would otherwise pass for step 1)."""
     if not log_path.exists():
         return
-    with log_path.open(newline="") as f:
-        rows = [row for row in csv.DictReader(f) if int(row["step"]) <= step]
+    raw = log_path.read_text(encoding="utf-8")
+    if raw and not raw.endswith("\n"):
+        raw = raw[: raw.rfind("\n") + 1]
+    rows = [
+        row
+        for row in csv.DictReader(io.StringIO(raw, newline=""))
+        if None not in row.values() and row["step"].isdigit() and int(row["step"]) <= step
+    ]
     text = io.StringIO(newline="")
     writer = csv.DictWriter(text, fieldnames=LOG_FIELDS)
     writer.writeheader()
