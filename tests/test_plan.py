@@ -600,3 +600,10 @@ def test_ieee_presets_overflow_to_inf_so_the_loss_scaler_sees_it(name: str) -> N
     spec = Plan.uniform(name).for_site("any.site")
     for key in OPERAND_KEYS:
         assert spec.operand(*key).overflow == "propagate"
+
+
+def test_uses_block_formats_names_the_plans_worth_compiling() -> None:
+    assert Plan.uniform("mxfp8").uses_block_formats() and Plan.uniform("nvfp4").uses_block_formats()
+    assert not Plan.uniform("fp8").uses_block_formats() and not Plan.uniform("fp32").uses_block_formats()
+    one_block_operand = Plan(SiteSpec(), (Rule("head", SiteSpec({"wgrad/input": "mxfp4_e2m1"})),))
+    assert one_block_operand.uses_block_formats()

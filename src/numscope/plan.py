@@ -527,6 +527,13 @@ class Plan:
                 )
         return rows
 
+    def uses_block_formats(self) -> bool:
+        """Whether any operand is in a block format (MX, NVFP4): where numscope's compiled quantizers
+        (:func:`numscope.formats.set_fast`) repay their compilation; element casts run as fast eagerly."""
+        return any(
+            row.format != HIGH and isinstance(get_format(row.format), BlockFormat) for row in self.describe()
+        )
+
     def average_bits(
         self, site_sizes: Mapping[str, Mapping[tuple[str, str], int]], high_bits: float = 32.0
     ) -> float:

@@ -351,17 +351,6 @@ def _changes(old: Any, new: Any, where: str = "") -> list[str]:
     return [] if old == new else [f"{where}: {old} → {new}"]
 
 
-def uses_block_formats(plan: Plan) -> bool:
-    """Whether any operand of ``plan`` is in a block format (MX, NVFP4)."""
-    from numscope.formats.spec import BlockFormat
-    from numscope.formats.spec import format as get_format
-    from numscope.plan import HIGH
-
-    return any(
-        row.format != HIGH and isinstance(get_format(row.format), BlockFormat) for row in plan.describe()
-    )
-
-
 def _run_demo(
     out_dir: Path,
     config: DemoConfig,
@@ -395,7 +384,7 @@ def _run_demo(
         from numscope.formats.fast import set_fast
 
         # the compiled path pays for its compilation only on block formats; element casts run faster eagerly
-        set_fast(config.fast and observer_factory is None and uses_block_formats(spec.load_plan()))
+        set_fast(config.fast and observer_factory is None and spec.load_plan().uses_block_formats())
         bar = tqdm(total=config.train.steps, desc=f"{spec.name:>13}", disable=not progress, leave=True)
 
         def on_step(step: int, loss: float) -> None:
