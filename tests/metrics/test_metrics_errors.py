@@ -174,6 +174,31 @@ def test_backward_error_stats_exclude_zero_denominators_and_flag_nonfinite_produ
     assert all(math.isnan(v) for v in everything_zero[:4]) and everything_zero[4:] == [0.0, 4.0]
 
 
+@pytest.mark.parametrize("entries", [1, 2, 7, 99, 100, 101, 250, 4096])
+def test_backward_error_p99_without_the_median_is_the_same_bits(entries: int) -> None:
+    """median=False finds the 99th percentile among each row's largest entries (topk) instead of a sort:
+    every other column is the same bits, with excluded, infinite and all-excluded rows among them."""
+    from numscope.metrics.errors import backward_error_stats
+
+    generator = torch.Generator().manual_seed(entries)
+    exact = torch.randn(entries, generator=generator, dtype=torch.float64)
+    magnitude = exact.abs() + torch.rand(entries, generator=generator, dtype=torch.float64)
+    magnitude[torch.rand(entries, generator=generator) < 0.3] = 0.0  # excluded where the product is finite
+    products = exact + torch.randn(6, entries, generator=generator, dtype=torch.float64) * 1e-3
+    products[1, : entries // 3] = math.inf  # BE inf
+    products[2] = products[2].round(decimals=2)  # ties between entries
+    products[3] = exact  # BE 0 everywhere
+    magnitude_all_excluded = magnitude.clone()
+    with_sort = backward_error_stats(exact, products, magnitude)
+    with_topk = backward_error_stats(exact, products, magnitude, median=False)
+    assert torch.isnan(with_topk[:, 1]).all()
+    keep = [0, 2, 3, 4, 5]
+    assert torch.equal(with_sort[:, keep].nan_to_num(-1.0), with_topk[:, keep].nan_to_num(-1.0))
+    magnitude_all_excluded[:] = 0.0
+    nothing = backward_error_stats(exact, exact[None].clone(), magnitude_all_excluded, median=False)[0]
+    assert torch.isnan(nothing[:4]).all() and nothing[4:].tolist() == [0.0, float(entries)]
+
+
 def test_block_formats_run_their_blocks_along_the_contraction_dim():
     rng = np.random.default_rng(5)
     # columns of a (and rows of b) differ in scale by 2^12: blocks across k would mix them
