@@ -158,3 +158,12 @@ X = torch.ones(4, 8)
 def test_error_message(call, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=re.escape(message)):
         call()
+
+
+@pytest.mark.parametrize("name", ["fp9", "float8_e4m3", "bfloat8", "halff"])
+def test_an_unknown_format_suggests_each_near_format_once_by_its_own_name(name: str) -> None:
+    with pytest.raises(ValueError, match="did you mean") as error:
+        numscope.format(name)
+    suggested = re.findall(r"'([^']+)'", str(error.value).split("did you mean", 1)[1].split("?", 1)[0])
+    assert suggested and len(suggested) == len(set(suggested))  # 'fp9' offered 'fp32' twice (an alias)
+    assert all(numscope.format(s).name == s for s in suggested)

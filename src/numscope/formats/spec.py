@@ -378,7 +378,10 @@ def format(name: str | Format) -> Format:
             found = FloatFormat(base, e, m, "ieee", description=f"IEEE-like E{e}M{m} with inf and NaN")
     if found is None:
         known = sorted(_REGISTRY)
-        close = difflib.get_close_matches(base, known + sorted(_ALIASES), n=3, cutoff=0.5)
+        names = sorted(set(known) | set(_ALIASES))
+        # an alias stands for its format: each format is suggested once, by its own name
+        matches = difflib.get_close_matches(base, names, n=3, cutoff=0.5)
+        close = list(dict.fromkeys(_ALIASES.get(match, match) for match in matches))
         hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
         raise ValueError(f"unknown format {name!r}; {hint}known: {', '.join(known)}, or eXmY (e.g. 'e3m4')")
     if rule:
