@@ -61,6 +61,10 @@ def test_bench_train_step_accepts_the_smallest_run() -> None:
         (["--every1-steps", "11"], "--every1-steps: must be from 0 to 10, got 11"),
         (["--threads", "0"], "--threads: must be at least 1, got 0"),
         (["--max-elements", "0"], "--max-elements: must be at least 1, got 0"),
+        (
+            ["--candidates", "fp9"],
+            "mxfp8_e5m2, mxint8, nvfp4, tf32, or eXmY (e.g. 'e3m4')",
+        ),
     ],
 )
 def test_bench_observer_rejects(capsys, argv: list[str], expected: str) -> None:
@@ -84,3 +88,12 @@ def test_bench_quantize_rejects(capsys, argv: list[str], expected: str) -> None:
 
 def test_bench_quantize_parses_a_shape() -> None:
     assert load("bench_quantize").parse_args(["--shape", "64X128"]).shape == (64, 128)
+
+
+def test_bench_observer_measures_the_issues_8_candidates_unless_told() -> None:
+    from numscope.observe import DEFAULT_CANDIDATES
+
+    bench = load("bench_observer")
+    assert len(bench.parse_args([]).candidates) == 8
+    assert bench.parse_args(["--candidates", "default"]).candidates == list(DEFAULT_CANDIDATES)
+    assert bench.parse_args(["--candidates", "fp8_e4m3", "e3m4"]).candidates == ["fp8_e4m3", "e3m4"]
