@@ -811,3 +811,31 @@ def test_train_under_torchrun_is_data_parallel_over_gloo(ws: Path, tmp_path: Pat
     assert ddp_losses == pytest.approx(one_losses, rel=1e-4)
     alone = torch.load(tmp_path / "one" / "rank0.pt", weights_only=True)
     assert max(float((alone[name] - rank0[name]).abs().max()) for name in alone) < 5e-3
+
+
+def test_demo_size_flags_reach_the_model_and_the_folder_keeps_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path / "cache"))
+    text = write_text(tmp_path / "text.txt", paragraphs=200)
+    sizes = ["--hidden", "24", "--layers", "1", "--heads", "3", "--intermediate", "40", "--seq-len", "12"]
+    sizes += ["--vocab-size", "300", "--batch-size", "4"]
+    out = tmp_path / "demo"
+    result = cli("demo", "--quick", "--steps", "1", "--text", text, "--out", out, *sizes)
+    assert result.code == 0, result.err
+    settings = json.loads((out / "demo.json").read_text())
+    assert (settings["hidden"], settings["layers"], settings["heads"], settings["intermediate"]) == (
+        24,
+        1,
+        3,
+        40,
+    )
+    assert (settings["seq_len"], settings["vocab_size"], settings["train"]["batch_size"]) == (12, 300, 4)
+    analysis = Analysis.load(out / "runs" / "fp32" / "analysis")  # the fp32 model's GEMMs, measured
+    assert analysis.elements[("bert.encoder.layer.0.intermediate.dense", "fprop", "weight")] == 40 * 24
+    assert not any(site.startswith("bert.encoder.layer.1.") for site, _, _ in analysis.elements)
+    assert "hidden: 24 → 30" in _demo_error(out, "--steps", "1", "--text", text, "--hidden", "30", *sizes[2:])
+    assert "--hidden 30 must be a multiple of --heads 4" in _demo_error(
+        tmp_path / "x", "--hidden", "30", "--heads", "4"
+    )
+    assert "--seq-len: expected an integer ≥ 3, got 2" in _demo_error(tmp_path / "x", "--seq-len", "2")

@@ -109,6 +109,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         config = replace(config, train=replace(config.train, steps=args.steps))
     if args.threads is not None:
         config = replace(config, threads=args.threads)
+    sizes = {name: getattr(args, name) for name in _DEMO_SIZES if getattr(args, name) is not None}
+    config = replace(config, **{k: v for k, v in sizes.items() if k != "batch_size"})
+    if args.batch_size is not None:
+        config = replace(config, train=replace(config.train, batch_size=args.batch_size))
+    if config.hidden % config.heads:
+        raise CLIError(
+            f"--hidden {config.hidden} must be a multiple of --heads {config.heads} (each head gets "
+            "hidden / heads dimensions)"
+        )
     out = Path(args.out or ("runs/demo-quick" if args.quick else "runs/demo"))
     for path in args.text or ():
         if not Path(path).is_file():
@@ -153,7 +162,27 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--text", nargs="+", metavar="PATH", help="your own text files instead of the Wikipedia corpus"
     )
+    defaults = DemoConfig()
+    size = p.add_argument_group(
+        "model and data size (a folder keeps the sizes it was made with: change them with a new --out)"
+    )
+    for name, (least, text) in _DEMO_SIZES.items():
+        default = defaults.train.batch_size if name == "batch_size" else getattr(defaults, name)
+        size.add_argument(
+            f"--{name.replace('_', '-')}", type=_int_at_least(least), help=f"{text} (default {default})"
+        )
     p.set_defaults(func=_cmd_demo)
+
+
+_DEMO_SIZES = {  # flag: (smallest value, help)
+    "hidden": (1, "BERT hidden size"),
+    "layers": (1, "encoder layers"),
+    "heads": (1, "attention heads (must divide --hidden)"),
+    "intermediate": (1, "feed-forward size"),
+    "seq_len": (3, "tokens per sequence, [CLS] and [SEP] included"),
+    "vocab_size": (6, "most tokens of the WordPiece vocabulary trained on the corpus (5 are special)"),
+    "batch_size": (1, "sequences per step"),
+}
 
 
 # ------------------------------------------------------------------ the user's own work (numscope.workflow)
