@@ -351,7 +351,7 @@ def _read_json(directory: str | os.PathLike[str], name: str, what: str) -> tuple
         where = "directory does not exist" if not file.parent.exists() else f"no {file.name} in it"
         raise AnalysisError(f"cannot load {what} from {str(directory)!r}: {where}")
     try:
-        return file, json.loads(file.read_text())
+        return file, json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise AnalysisError(f"{str(file)!r} is not valid JSON (corrupt or truncated): {error}") from error
 

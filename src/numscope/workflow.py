@@ -477,7 +477,7 @@ def _check_settings(out: Path, settings: dict[str, Any]) -> None:
     if not path.is_file():
         return
     try:
-        stored = json.loads(path.read_text())
+        stored = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise WorkflowError(
             f"{path}: unreadable ({error}); choose another --out or delete the folder"
@@ -812,7 +812,8 @@ def load_run(directory: str | os.PathLike[str]) -> dict[str, Any]:
         raise WorkflowError(f"{directory}: not a numscope run folder (no result.json)")
     try:
         run = read_result(result).to_dict()
-        settings = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
+        settings_file = path / "run.json"
+        settings = json.loads(settings_file.read_text(encoding="utf-8")) if settings_file.is_file() else {}
         run["train_log"] = read_log(path / "log.csv") if (path / "log.csv").is_file() else []
     except (OSError, ValueError, KeyError) as error:
         raise WorkflowError(f"{directory}: unreadable run files ({error})") from error
