@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -45,18 +46,17 @@ from numscope.observe import DEFAULT_CANDIDATES, Observer, observe
 # the issue's benchmark: 8 candidate formats (the observer's 10 defaults less the two MXFP6);
 # --candidates default measures all 10, --candidates A B ... any list
 BENCH_CANDIDATES = tuple(name for name in DEFAULT_CANDIDATES if not name.startswith("mxfp6"))
-CANDIDATES: tuple[str, ...] = BENCH_CANDIDATES
 WINDOW = 10
 
 
-def trainer(observer_every: int | None, **options: int) -> tuple[Callable[[], None], Observer | None]:
+def trainer(observer_every: int | None, **options: Any) -> tuple[Callable[[], None], Observer | None]:
     """One train step of a fresh model (and its observer, attached, when ``observer_every`` is set)."""
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     inputs = batch()
     observer = None
     if observer_every is not None:
-        observer = observe(model, CANDIDATES, every=observer_every, **options).attach()
+        observer = observe(model, every=observer_every, **options).attach()  # candidates=, max_elements=
 
     def step() -> None:
         model(**inputs).loss.backward()
@@ -114,12 +114,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> None:
-    global CANDIDATES
     args = parse_args()
-    CANDIDATES = tuple(args.candidates)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    options = {} if args.max_elements is None else {"max_elements": args.max_elements}
+    options: dict[str, Any] = {"candidates": list(args.candidates)}
+    if args.max_elements is not None:
+        options["max_elements"] = args.max_elements
 
     plain, _ = trainer(None)
     sparse, sparse_observer = trainer(WINDOW, **options)
@@ -147,7 +147,8 @@ def main() -> None:
     base = statistics.median(times["plain"])
     print(
         f"observer overhead, tiny BERT MLM: hidden {HIDDEN}, {LAYERS} layers, seq {SEQ}, batch {BATCH}, "
-        f"vocab {VOCAB}; {len(CANDIDATES)} candidates ({', '.join(CANDIDATES)}); torch {torch.__version__}, "
+        f"vocab {VOCAB}; {len(args.candidates)} candidates ({', '.join(args.candidates)}); "
+        f"torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; max_elements {sparse_observer.config.max_elements}; "
         f"{args.rounds} interleaved rounds; load {os.getloadavg()[0]:.2f}"
     )

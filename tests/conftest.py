@@ -15,16 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from numscope.distributed import loopback_interface
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-def _loopback() -> str:
-    names = [name for _, name in socket.if_nameindex()]
-    return "lo" if "lo" in names else names[0]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -84,7 +81,7 @@ def run_torchrun(
         **(os.environ if env is None else env),
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
-        "GLOO_SOCKET_IFNAME": _loopback(),
+        "GLOO_SOCKET_IFNAME": loopback_interface() or "lo",
     }
     with tempfile.TemporaryDirectory() as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"

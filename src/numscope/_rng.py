@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 
@@ -13,12 +12,10 @@ def cuda_devices() -> list[int]:
     return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
-@contextlib.contextmanager
-def fork_rng() -> Iterator[None]:
+def fork_rng() -> contextlib.AbstractContextManager[None]:
     """``torch.random.fork_rng`` over the CPU generator and every CUDA device's.
 
     ``torch.manual_seed`` reseeds every CUDA generator as well (or queues the seed until CUDA starts), so a
     fork of the CPU generator alone would hand a GPU user's random stream numscope's seed.
     """
-    with torch.random.fork_rng(devices=cuda_devices()):
-        yield
+    return torch.random.fork_rng(devices=cuda_devices())

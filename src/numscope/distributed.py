@@ -60,6 +60,7 @@ __all__ = [
     "is_distributed",
     "is_parameter_operand",
     "is_rank_zero",
+    "loopback_interface",
     "merge_analysis",
     "parameter_divergence",
     "parameter_operands",
@@ -405,8 +406,13 @@ def use_loopback_on_one_node() -> str | None:
     local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
     if local is None or local != world:
         return None
-    names = [name for _, name in socket.if_nameindex()]
-    loopback = "lo" if "lo" in names else next((n for n in names if n.startswith("lo")), None)
+    loopback = loopback_interface()
     if loopback is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback
     return loopback
+
+
+def loopback_interface() -> str | None:
+    """This machine's loopback network interface (``lo`` on Linux), None if it has none by that name."""
+    names = [name for _, name in socket.if_nameindex()]
+    return "lo" if "lo" in names else next((n for n in names if n.startswith("lo")), None)

@@ -112,7 +112,7 @@ from numscope.analysis import (
 from numscope.convert import HANDLER_NAME as CONVERT_HANDLER
 from numscope.convert import converted_plan
 from numscope.distributed import is_parameter_operand, merge_analysis, world_size
-from numscope.formats.quantize import quantize
+from numscope.formats.quantize import _tile_shape, quantize
 from numscope.formats.scaling import Scaling, reduce_amax_, scale_from_amax
 from numscope.formats.spec import BlockFormat, Format
 from numscope.formats.spec import format as get_format
@@ -593,7 +593,7 @@ class Observer:
             index = torch.arange(tensor.numel(), device=tensor.device)
         clean = finite_or_zero(shared.sample)
         scale = scale_from_amax(
-            _scaling_amax(tensor, index, scaling), fmt.max, scaling.margin, scaling.power_of_two
+            _scaling_amax(tensor, index, fmt, scaling), fmt.max, scaling.margin, scaling.power_of_two
         )
         scaled = clean * scale  # as numscope.quantize: cast(x · scale) · (1 / scale)
         kept = Quantized(quantize(scaled, fmt) * (1.0 / scale), scaled, None, fmt, -1)
@@ -705,7 +705,7 @@ def _absmax(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return torch.maximum(tensor.amax(dim=dims).abs(), tensor.amin(dim=dims).abs()).float()
 
 
-def _scaling_amax(tensor: torch.Tensor, index: torch.Tensor, scaling: Scaling) -> torch.Tensor:
+def _scaling_amax(tensor: torch.Tensor, index: torch.Tensor, fmt: Format, scaling: Scaling) -> torch.Tensor:
     """For the elements at ``index`` of the flattened ``tensor``, the amax of their row, column or tile (an
     element format's block scaling over the last two axes), as ``numscope.quantize`` derives the scales:
     computed by reductions that hold one value per row, column or tile."""
@@ -715,9 +715,8 @@ def _scaling_amax(tensor: torch.Tensor, index: torch.Tensor, scaling: Scaling) -
         return _absmax(matrix, (-1,)).reshape(-1)[index // cols]
     if scaling.kind == "column":
         return _absmax(matrix, tuple(range(matrix.dim() - 1))).reshape(-1)[index % cols]
-    assert scaling.kind == "block" and scaling.block_shape is not None
-    shape = scaling.block_shape
-    rows_per, cols_per = (1, shape[0]) if len(shape) == 1 else shape
+    assert scaling.kind == "block"
+    rows_per, cols_per = _tile_shape(tensor, fmt, scaling)
     whole = cols // cols_per * cols_per
     parts = []
     if whole:

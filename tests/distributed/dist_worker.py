@@ -457,6 +457,8 @@ def launch(
     Raises ``RuntimeError`` with every rank's stderr tail when a rank fails or the world outlives
     ``timeout`` seconds; no rank process survives this function.
     """
+    from numscope.distributed import loopback_interface
+
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
     directory.mkdir(parents=True, exist_ok=True)
@@ -473,7 +475,7 @@ def launch(
                 "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": "1",
                 "HF_HUB_OFFLINE": "1",
-                "GLOO_SOCKET_IFNAME": _loopback_interface(),
+                "GLOO_SOCKET_IFNAME": loopback_interface() or "lo",
             }
             log = directory / f"rank{rank}.log"
             with log.open("wb") as handle:
@@ -508,11 +510,6 @@ def launch(
                 process.kill()
             process.wait()
     return [torch.load(directory / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
-
-
-def _loopback_interface() -> str:
-    names = [name for _, name in socket.if_nameindex()]
-    return "lo" if "lo" in names else names[0]
 
 
 def main(argv: list[str]) -> None:

@@ -644,6 +644,7 @@ def backward_error_stats(
     be = torch.where(excluded, torch.full_like(raw, math.nan), raw)
     count = (~excluded).sum(dim=1)
     last = (count - 1).clamp_min(0)
+    below_all = torch.where(excluded, torch.full_like(be, -math.inf), be)  # excluded entries: -inf
     if median or not be.shape[1]:
         ordered = be.sort(dim=1).values  # ascending; NaN (excluded) sorts last
 
@@ -654,7 +655,7 @@ def backward_error_stats(
         # of the row's count entries is the (count - 1 - index)-th largest, excluded entries (-inf) last
         entries = be.shape[1]
         top = min(entries, math.ceil(0.01 * (entries - 1)) + 1)
-        largest_first = torch.where(excluded, torch.full_like(be, -math.inf), be).topk(top, dim=1).values
+        largest_first = below_all.topk(top, dim=1).values
 
         def at(index: torch.Tensor) -> torch.Tensor:
             return largest_first.gather(1, (last - index).clamp(0, top - 1)[:, None])[:, 0]
@@ -672,7 +673,7 @@ def backward_error_stats(
     none = count == 0
     nan = torch.full((rows,), math.nan, dtype=be.dtype, device=be.device)
     mean = torch.where(none, nan, total / count.clamp_min(1).double())
-    largest = torch.where(excluded, torch.full_like(be, -math.inf), be).amax(dim=1)
+    largest = below_all.amax(dim=1)
     columns = [mean, quantile(0.5) if median else nan, quantile(0.99), largest]
     columns = [torch.where(none, nan, column) for column in columns]
     columns += [count.double(), excluded.sum(dim=1).double()]
