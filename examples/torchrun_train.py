@@ -59,60 +59,66 @@ def main() -> None:
         if not torch.cuda.is_available():
             distributed.use_loopback_on_one_node()  # one machine: gloo over loopback
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        train(args)
+    except BaseException as error:
+        distributed.destroy_process_group(error)
+        raise
+    # after train() has returned, with its DDP wrapper: one that outlives the group can hang the exit
+    distributed.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
+    """Build, convert, wrap and train the model; every object that holds the process group dies with this
+    frame."""
     rank, world = distributed.rank(), distributed.world_size()
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} does not divide over {world} ranks")
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    try:
-        model = make_bert_mlm(
-            VOCAB, hidden=64, layers=2, heads=2, intermediate=128, max_position=SEQUENCE, dropout=0.0
-        ).to(device)
-        example = {"input_ids": synthetic_batch(0, 2)["input_ids"].to(device)}
-        observer = None
-        if args.analysis:  # attach before convert, so the observer sees the high-precision operands
-            observer = numscope.observe(
-                model, ["bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3"], every=5
-            ).attach()
-        numscope.convert(model, numscope.Plan.uniform("fp8"), example_inputs=example)
-        trained = model
-        if world > 1:
-            trained = shard(model, args.param_dtype) if args.fsdp2 else DistributedDataParallel(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        scaler = numscope.LossScaler(init_scale=2.0**12).track(model)
-        rows = args.batch // world
-        for step in range(args.steps):
-            whole = synthetic_batch(step, args.batch)
-            batch = {name: value[rank * rows : (rank + 1) * rows].to(device) for name, value in whole.items()}
-            logits = trained(input_ids=batch["input_ids"]).logits.float()  # bf16 under --param-dtype bf16
-            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1))
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            if observer is not None:
-                observer.step()  # a collective on sampled steps: every rank calls it
-            reported = loss.detach().clone()
-            if world > 1:
-                dist.all_reduce(reported)
-            if distributed.is_rank_zero():
-                print(
-                    f"step {step:3d}  loss {float(reported) / world:.4f}  scale {scaler.get_scale():g}  "
-                    f"skipped {scaler.skipped_steps}"
-                )
+    model = make_bert_mlm(
+        VOCAB, hidden=64, layers=2, heads=2, intermediate=128, max_position=SEQUENCE, dropout=0.0
+    ).to(device)
+    example = {"input_ids": synthetic_batch(0, 2)["input_ids"].to(device)}
+    observer = None
+    if args.analysis:  # attach before convert, so the observer sees the high-precision operands
+        observer = numscope.observe(model, ["bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3"], every=5).attach()
+    numscope.convert(model, numscope.Plan.uniform("fp8"), example_inputs=example)
+    trained = model
+    if world > 1:
+        trained = shard(model, args.param_dtype) if args.fsdp2 else DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    scaler = numscope.LossScaler(init_scale=2.0**12).track(model)
+    rows = args.batch // world
+    for step in range(args.steps):
+        whole = synthetic_batch(step, args.batch)
+        batch = {name: value[rank * rows : (rank + 1) * rows].to(device) for name, value in whole.items()}
+        logits = trained(input_ids=batch["input_ids"]).logits.float()  # bf16 under --param-dtype bf16
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         if observer is not None:
-            written = distributed.save_analysis(observer.analysis(), args.analysis)
-            if written is not None:
-                print(f"analysis merged over {world} ranks, written once: {written}")
-        if not args.fsdp2:
-            divergence = distributed.parameter_divergence(model)  # a collective: every rank calls it
-            if distributed.is_rank_zero():
-                print(f"largest parameter difference between ranks: {divergence:g}")
+            observer.step()  # a collective on sampled steps: every rank calls it
+        reported = loss.detach().clone()
         if world > 1:
-            dist.barrier()  # no rank tears down gloo while a peer still finishes the last collective
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            dist.all_reduce(reported)
+        if distributed.is_rank_zero():
+            print(
+                f"step {step:3d}  loss {float(reported) / world:.4f}  scale {scaler.get_scale():g}  "
+                f"skipped {scaler.skipped_steps}"
+            )
+    if observer is not None:
+        written = distributed.save_analysis(observer.analysis(), args.analysis)
+        if written is not None:
+            print(f"analysis merged over {world} ranks, written once: {written}")
+    if not args.fsdp2:
+        divergence = distributed.parameter_divergence(model)  # a collective: every rank calls it
+        if distributed.is_rank_zero():
+            print(f"largest parameter difference between ranks: {divergence:g}")
+    if world > 1:
+        dist.barrier()  # no rank tears down gloo while a peer still finishes the last collective
 
 
 def shard(model: nn.Module, param_dtype: str) -> nn.Module:

@@ -702,9 +702,13 @@ def train(
         finally:
             set_fast(was_fast)
             close()
+    except BaseException as error:
+        if started:  # the traceback's frames must not keep a DDP wrapper alive past the group
+            distributed.destroy_process_group(error)
+        raise
     finally:
-        if started:
-            dist.destroy_process_group()
+        if started:  # train_run, with its DDP wrapper, has returned (a no-op after the line above)
+            distributed.destroy_process_group()
 
 
 def _load_plan(plan: str) -> tuple[Plan, str]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -152,6 +154,34 @@ def test_gloo_goes_over_loopback_only_when_every_rank_is_on_this_machine(monkeyp
     assert loopback is not None and loopback.startswith("lo") and os.environ["GLOO_SOCKET_IFNAME"] == loopback
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the user's choice stands
     assert distributed.use_loopback_on_one_node() is None and os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+
+
+def test_destroy_process_group_lets_a_failed_runs_ddp_go_first(tmp_path: Path) -> None:
+    """The traceback of a failed run keeps its DDP wrapper (which holds the gloo group) alive; torch hangs
+    at exit now and then when that wrapper outlives the group, so the frames are cleared before it goes."""
+    from torch import distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    alive: list[weakref.ref] = []
+
+    def failing_run() -> None:
+        wrapped = DistributedDataParallel(torch.nn.Linear(2, 2))
+        wrapped(torch.ones(1, 2)).sum().backward()
+        alive.append(weakref.ref(wrapped))
+        raise ValueError("the run failed")
+
+    try:
+        with pytest.raises(ValueError, match="the run failed") as caught:
+            failing_run()
+        gc.collect()
+        assert alive[0]() is not None  # held by the traceback's frame
+        distributed.destroy_process_group(caught.value)
+        assert alive[0]() is None and not dist.is_initialized()
+        distributed.destroy_process_group()  # without a group: nothing to do
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_low_precision_all_gather_rejects_what_it_cannot_gather() -> None:
