@@ -130,12 +130,24 @@ def _resolve_scaling(spec: Format, scaling: ScalingChoice, axis: int) -> Scaling
 
 
 @dataclass(frozen=True)
+class Blocked:
+    """A block format's view of x: its blocks as the cast saw them (what :func:`quantize_kept` keeps)."""
+
+    x: torch.Tensor  # x's blocks, (blocks, block) float32, each row zero-padded to whole blocks
+    scales: torch.Tensor  # each block's decode scale, (blocks, 1): x / scales is what the cast sees
+
+    def overflows(self, element: FloatFormat | IntFormat) -> torch.Tensor:
+        """(blocks, block) bool: where the scaled finite element lies past the element format's max."""
+        return _overflows(self.x / self.scales, element) & torch.isfinite(self.x)
+
+
+@dataclass(frozen=True)
 class Quantized:
     """A tensor quantized, with what the cast saw (see :func:`quantize_kept`)."""
 
     q: torch.Tensor  # what x becomes (float32, shape of x)
-    scaled: torch.Tensor | None  # x in the element format's units (what the cast sees); None if unknown
-    unit: torch.Tensor | None  # block formats: each element's decode scale (its block's scale)
+    scaled: torch.Tensor | None  # element formats: x in the format's units (what the cast sees), or None
+    blocks: Blocked | None  # block formats (kept): the blocks and their scales
     spec: Format
     axis: int
 
@@ -153,8 +165,9 @@ def quantize_kept(
 
     ``q`` equals ``numscope.quantize(x, spec, scaling=...)`` bit for bit. ``amax``: the max|·| that
     per-tensor scales (and NVFP4's tensor scale) derive from, already reduced across ranks; ``None``: x's
-    own, reduced as ``quantize`` reduces it. ``keep=False`` skips the block formats' scaled values and
-    units (only ``q`` is wanted).
+    own, reduced as ``quantize`` reduces it. Block formats keep x's blocks and scales in the blocked layout
+    (:class:`Blocked`), where the block metrics read them; ``keep=False`` skips that (only ``q`` is
+    wanted).
     """
     delayed = scaling if isinstance(scaling, DelayedScaler) else None
     parsed = delayed.scaling if delayed is not None else Scaling.parse(scaling)  # type: ignore[arg-type]
@@ -220,11 +233,11 @@ def _quantize_blocks(
         flat = blocked.reshape(rows.shape[0], -1)[:, :length]
         return flat.reshape(moved.shape).movedim(-1, axis).reshape(xf.shape)
 
+    q = back(parts.elements * parts.scales)
     if not keep:
-        return Quantized(back(parts.elements * parts.scales), None, None, spec, axis)
-    blocks = F.pad(rows, (0, (-length) % spec.block_size)).reshape(parts.elements.shape)
-    unit = parts.scales.expand_as(parts.elements)
-    return Quantized(back(parts.elements * parts.scales), back(blocks / unit), back(unit), spec, axis)
+        return Quantized(q, None, None, spec, axis)
+    blocks = F.pad(rows, (0, (-length) % spec.block_size)).reshape(-1, spec.block_size)
+    return Quantized(q, None, Blocked(blocks, parts.scales.reshape(-1, 1)), spec, axis)
 
 
 def _overflows(scaled: torch.Tensor, element: FloatFormat | IntFormat) -> torch.Tensor:
@@ -246,6 +259,8 @@ def _overflow_of(x: torch.Tensor, kept: Quantized) -> float:
     count = int(finite.sum())
     if count == 0:
         return 0.0
+    if kept.blocks is not None:
+        return int(kept.blocks.overflows(_element_of(kept.spec)).sum()) / count
     if kept.scaled is None:
         return math.nan
     return int((_overflows(kept.scaled, _element_of(kept.spec)) & finite).sum()) / count
@@ -271,17 +286,6 @@ def overflow_fraction(
 # -- block formats --------------------------------------------------------------------------------------
 
 
-def _blocked(t: torch.Tensor, axis: int, block: int) -> torch.Tensor:
-    """(blocks, block) view of ``t`` with blocks of consecutive elements along ``axis``, zero-padded."""
-    if t.dim() == 0:
-        t = t.reshape(1)
-    moved = t.movedim(axis, -1)
-    pad = (-moved.shape[-1]) % block
-    if pad:
-        moved = F.pad(moved, (0, pad))
-    return moved.reshape(-1, block)
-
-
 def _require_block(spec: Format) -> BlockFormat:
     if not isinstance(spec, BlockFormat):
         raise ValueError(
@@ -290,12 +294,11 @@ def _require_block(spec: Format) -> BlockFormat:
     return spec
 
 
-def _saturated_blocks_of(x: torch.Tensor, kept: Quantized) -> float:
+def _saturated_blocks_of(kept: Quantized) -> float:
     spec = _require_block(kept.spec)
-    assert kept.scaled is not None
-    over = _overflows(kept.scaled, spec.element) & torch.isfinite(x.detach())
-    blocks = _blocked(over, kept.axis, spec.block_size)
-    return float(blocks.any(dim=-1).float().mean()) if blocks.shape[0] else 0.0
+    assert kept.blocks is not None
+    over = kept.blocks.overflows(spec.element)
+    return float(over.any(dim=-1).float().mean()) if over.shape[0] else 0.0
 
 
 def saturated_block_fraction(x: torch.Tensor, fmt: str | Format, *, axis: int = -1) -> float:
@@ -305,7 +308,7 @@ def saturated_block_fraction(x: torch.Tensor, fmt: str | Format, *, axis: int = 
     """
     spec = _require_block(get_format(fmt))
     kept = quantize_kept(x, spec, Scaling("block", axis=axis), "nearest", None)
-    return _saturated_blocks_of(x, kept)
+    return _saturated_blocks_of(kept)
 
 
 @dataclass(frozen=True)
@@ -330,11 +333,11 @@ class BlockScaleSpread:
         return self.flushed / total if total else 0.0
 
 
-def _spread_of(x: torch.Tensor, kept: Quantized) -> BlockScaleSpread:
-    spec = _require_block(kept.spec)
-    assert kept.unit is not None
-    amax = _blocked(x.detach().float().abs(), kept.axis, spec.block_size).amax(dim=-1)
-    scale = _blocked(kept.unit, kept.axis, spec.block_size)[:, 0]
+def _spread_of(kept: Quantized) -> BlockScaleSpread:
+    _require_block(kept.spec)
+    assert kept.blocks is not None
+    amax = kept.blocks.x.abs().amax(dim=-1)
+    scale = kept.blocks.scales[:, 0]
     nonzero = amax > 0
     usable = nonzero & (scale > 0) & torch.isfinite(scale)
     count = int(usable.sum())
@@ -351,7 +354,7 @@ def block_scale_spread(x: torch.Tensor, fmt: str | Format, *, axis: int = -1) ->
     """The spread of the decode scales of a block format over the blocks of x along ``axis``."""
     spec = _require_block(get_format(fmt))
     kept = quantize_kept(x, spec, Scaling("block", axis=axis), "nearest", None)
-    return _spread_of(x, kept)
+    return _spread_of(kept)
 
 
 def operand_metrics(
@@ -430,16 +433,18 @@ def metrics_of_quantized(clean: torch.Tensor, kept: Mapping[str, Quantized]) -> 
         torch.linalg.vector_norm(quantized, dim=1) ** 2,
         torch.count_nonzero(quantized, dim=1),  # zero stays zero: the underflows are nnz(x) − nnz(q)
     ]
+    block_labels = [label for label in labels if isinstance(kept[label].spec, BlockFormat)]
+    summaries = {label: _block_summary(kept[label]) for label in block_labels}  # overflow count first
     for label in labels:
         item = kept[label]
-        if item.scaled is None:
+        if label in summaries:
+            parts.append(summaries[label][:1])
+        elif item.scaled is None:
             parts.append(values.new_full((1,), math.nan))
         else:
             parts.append(torch.count_nonzero(_overflows(item.scaled, _element_of(item.spec))).reshape(1))
-    block_labels = [label for label in labels if isinstance(kept[label].spec, BlockFormat)]
-    for label in block_labels:
-        parts.append(_block_summary(clean, kept[label]))
-    numbers = torch.cat([p.to(torch.float64) for p in parts]).tolist()
+    parts.extend(summaries[label][1:] for label in block_labels)
+    numbers = torch.cat(parts).tolist()  # one host transfer (cat promotes the counts to float64)
     signal, nonzeros = numbers[0], numbers[1]
     size = len(labels)
     noise, dot, power, nonzero_q, overflows = (numbers[2 + i * size : 2 + (i + 1) * size] for i in range(5))
@@ -472,18 +477,19 @@ def metrics_of_quantized(clean: torch.Tensor, kept: Mapping[str, Quantized]) -> 
     return out
 
 
-def _block_summary(clean: torch.Tensor, kept: Quantized) -> torch.Tensor:
-    """(saturated fraction, usable blocks, flushed blocks, max, min, mean and variance of log2 scale) as
-    one tensor, without host transfers (see :func:`saturated_block_fraction`, :class:`BlockScaleSpread`)."""
+def _block_summary(kept: Quantized) -> torch.Tensor:
+    """(overflowing elements, saturated fraction, usable blocks, flushed blocks, max, min, mean and
+    variance of log2 scale) as one float64 tensor, without host transfers (see :func:`overflow_fraction`,
+    :func:`saturated_block_fraction`, :class:`BlockScaleSpread`), read in the blocked layout."""
     spec = _require_block(kept.spec)
-    assert kept.scaled is not None and kept.unit is not None
-    if clean.numel() == 0:
-        return torch.zeros(7, dtype=torch.float64, device=clean.device)
-    over = _overflows(kept.scaled, spec.element) & torch.isfinite(clean)
-    saturated_blocks = _blocked(over, kept.axis, spec.block_size).any(dim=-1)
-    saturated = saturated_blocks.double().mean()
-    amax = _blocked(clean.float().abs(), kept.axis, spec.block_size).amax(dim=-1)
-    scale = _blocked(kept.unit, kept.axis, spec.block_size)[:, 0].double()
+    blocks = kept.blocks
+    assert blocks is not None
+    if blocks.x.numel() == 0:
+        return torch.zeros(8, dtype=torch.float64, device=blocks.x.device)
+    over = blocks.overflows(spec.element)
+    saturated = over.any(dim=-1).double().mean()
+    amax = blocks.x.abs().amax(dim=-1)
+    scale = blocks.scales[:, 0].double()
     nonzero = amax > 0
     usable = nonzero & (scale > 0) & torch.isfinite(scale)
     exponents = torch.log2(torch.where(usable, scale, torch.ones_like(scale)))
@@ -496,7 +502,8 @@ def _block_summary(clean: torch.Tensor, kept: Quantized) -> torch.Tensor:
     low = torch.where(usable, exponents, torch.full_like(exponents, math.inf)).amin()
     return torch.stack(
         [
-            saturated.double(),
+            over.sum().double(),
+            saturated,
             count.double(),
             (nonzero.sum() - count).double(),
             high,
