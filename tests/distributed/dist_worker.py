@@ -517,11 +517,15 @@ def main(argv: list[str]) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from numscope import distributed
+
     try:
         result = SCENARIOS[scenario](rank, world_size, json.loads(raw_args))
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    except BaseException as error:
+        distributed.destroy_process_group(error)  # no DDP of a failed scenario outlives the group
+        raise
+    distributed.destroy_process_group()  # the scenario's DDP wrappers are gone (collected, if in cycles)
     torch.save(result, Path(directory) / f"rank{rank}.pt")
 
 
