@@ -714,7 +714,10 @@ def _scaling_amax(tensor: torch.Tensor, index: torch.Tensor, fmt: Format, scalin
     if scaling.kind == "row":
         return _absmax(matrix, (-1,)).reshape(-1)[index // cols]
     if scaling.kind == "column":
-        return _absmax(matrix, tuple(range(matrix.dim() - 1))).reshape(-1)[index % cols]
+        columns = _absmax(matrix, tuple(range(matrix.dim() - 1))).reshape(-1)
+        if tensor.dim() >= 2:  # reduced across ranks as quantize reduces it (rows split over the ranks)
+            columns = reduce_amax_(columns, scaling.reduce_amax)
+        return columns[index % cols]
     assert scaling.kind == "block"
     rows_per, cols_per = _tile_shape(tensor, fmt, scaling)
     whole = cols // cols_per * cols_per

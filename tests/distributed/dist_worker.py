@@ -199,8 +199,21 @@ def scenario_amax(rank: int, world_size: int, args: dict[str, Any]) -> dict[str,
             numscope.quantize(mine * (step + 1), "fp8_e4m3", scaling=empty_delayed) for step in range(2)
         ],
         "delayed_history": empty_delayed.amax_history.clone(),
+        "column": numscope.quantize(mine, "int8", scaling="column"),
     }
+    from numscope.formats.fast import set_fast
+
+    set_fast(True)  # the compiled path takes its column amax over the ranks too
+    try:
+        column_fast = numscope.quantize(part, "int8", scaling="column")
+    finally:
+        set_fast(False)
     return {
+        "column_reduced": numscope.quantize(part, "int8", scaling="column"),
+        "column_fast": column_fast,
+        "column_local": numscope.quantize(
+            part, "int8", scaling=numscope.Scaling("column", reduce_amax=False)
+        ),
         "empty_share": empty_share,
         "reduced": numscope.quantize(part, "fp8_e4m3", scaling="tensor"),
         "local": numscope.quantize(part, "fp8_e4m3", scaling=numscope.Scaling("tensor", reduce_amax=False)),

@@ -99,6 +99,16 @@ def test_nvfp4_tensor_amax_is_reduced_unless_switched_off(amax_ranks: list[dict]
     assert not torch.equal(amax_ranks[0]["nvfp4_local"], amax_ranks[0]["nvfp4_reduced"])
 
 
+def test_column_amax_runs_over_every_rank_s_rows(amax_ranks: list[dict]) -> None:
+    """A column's scale comes from all its rows, and data parallelism splits the rows over the ranks."""
+    whole = whole_tensor()
+    one_process = numscope.quantize(whole, "int8", scaling="column")
+    assert torch.equal(torch.cat([r["column_reduced"] for r in amax_ranks]), one_process)
+    assert torch.equal(torch.cat([r["column_fast"] for r in amax_ranks]), one_process)
+    assert torch.equal(amax_ranks[0]["column_local"], numscope.quantize(whole[:4], "int8", scaling="column"))
+    assert not torch.equal(amax_ranks[0]["column_local"], amax_ranks[0]["column_reduced"])
+
+
 def test_delayed_scaling_records_the_global_amax(amax_ranks: list[dict]) -> None:
     whole = whole_tensor()
     reference = numscope.DelayedScaler(numscope.Scaling("delayed", history_len=4))
@@ -113,6 +123,8 @@ def test_a_rank_with_an_empty_share_keeps_the_amax_reductions_in_step(amax_ranks
     part = whole_tensor()[4:]  # rank 1's half; rank 0 quantized an empty tensor at the same calls
     empty, full = (result["empty_share"] for result in amax_ranks)
     assert empty["tensor"].shape == (0, 64) and empty["nvfp4"].shape == (0, 64)
+    assert empty["column"].shape == (0, 64)
+    assert torch.equal(full["column"], numscope.quantize(part, "int8", scaling="column"))
     assert torch.equal(full["tensor"], numscope.quantize(part, "fp8_e4m3", scaling="tensor"))
     assert torch.equal(full["nvfp4"], numscope.quantize(part, "nvfp4"))
     reference = numscope.DelayedScaler(numscope.Scaling("delayed", history_len=4))

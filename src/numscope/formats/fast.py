@@ -236,8 +236,9 @@ def element(
     """
     mode = None if scale is not None or scaling is None else scaling.kind
     amax = None
-    if mode == "tensor" and reduces_across_ranks(scaling.reduce_amax):  # type: ignore[union-attr]
-        amax = reduce_amax_(abs_amax(x, "tensor").reshape(1))[0]
+    if mode in ("tensor", "column") and reduces_across_ranks(scaling.reduce_amax):  # type: ignore[union-attr]
+        # amaxes that span the rows, which data parallelism splits over the ranks
+        amax = reduce_amax_(abs_amax(x, mode).reshape(1, -1)).reshape(() if mode == "tensor" else (1, -1))
     _dynamic(x, scale)
     margin, power_of_two = (scaling.margin, scaling.power_of_two) if mode is not None else (0, False)  # type: ignore[union-attr]
     kernel = _compiled(

@@ -205,9 +205,9 @@ def _element_scale(
         amax = reduce_amax_(x.abs().amax().reshape(1), scaling.reduce_amax)[0]
     elif scaling.kind == "row":
         amax = x.abs().amax(dim=-1, keepdim=True) if x.dim() else x.abs()
-    else:  # column
+    else:  # column: its amax runs over every row, and data parallelism splits the rows over the ranks
         dims = tuple(range(x.dim() - 1))
-        amax = x.abs().amax(dim=dims, keepdim=True) if dims else x.abs()
+        amax = reduce_amax_(x.abs().amax(dim=dims, keepdim=True), scaling.reduce_amax) if dims else x.abs()
     return scale_from_amax(amax, fmt.max, scaling.margin, scaling.power_of_two)
 
 
@@ -286,15 +286,18 @@ def _check_layout(x: torch.Tensor, spec: Format, parsed: Scaling | None) -> None
 def _share_empty_amax(
     x: torch.Tensor, spec: Format, parsed: Scaling | None, delayed: DelayedScaler | None
 ) -> None:
-    """An empty tensor's part in the per-tensor amax reduction: none in one process (a delayed scaler
-    records nothing), 0 (the identity of the maximum) where amaxes are reduced across ranks, so that a rank
-    whose share of a batch is empty issues the collectives the others do (and records what they record)."""
+    """An empty tensor's part in the per-tensor (and per-column) amax reduction: none in one process (a
+    delayed scaler records nothing), 0 (the identity of the maximum) where amaxes are reduced across ranks,
+    so that a rank whose share of a batch is empty issues the collectives the others do (and records what
+    they record)."""
     if delayed is not None:
         delayed.scale_for(x, spec.max)
     elif (parsed is not None and parsed.kind == "tensor") or (
         isinstance(spec, BlockFormat) and spec.tensor_scale
     ):
         reduce_amax_(torch.zeros(1, device=x.device), _reduces(parsed))
+    elif parsed is not None and parsed.kind == "column" and x.dim() >= 2:
+        reduce_amax_(torch.zeros((1,) * (x.dim() - 1) + (x.shape[-1],), device=x.device), parsed.reduce_amax)
 
 
 def _reduces(parsed: Scaling | None) -> bool:

@@ -36,7 +36,9 @@ class Scaling:
     history_len, amax_compute: delayed scaling's amax history length and rule (``max`` of the history or
         ``most_recent``), as Transformer Engine's ``DelayedScaling``.
     reduce_amax: under ``torch.distributed``, take the amax over the default process group so that every
-        rank quantizes identically (as Transformer Engine's ``reduce_amax``).
+        rank quantizes identically (as Transformer Engine's ``reduce_amax``): the per-tensor amax (current,
+        delayed, NVFP4's tensor scale) and the per-column amax, whose columns run over the batch's rows
+        that data parallelism splits. Row and tile scales stay local (a row lives on one rank).
     """
 
     kind: ScalingKind = "tensor"
