@@ -725,6 +725,31 @@ def test_demo_with_a_corrupt_settings_file_is_one_clear_line(tmp_path: Path) -> 
     assert "demo.json is not readable JSON" in _demo_error(tmp_path)
 
 
+def test_analyze_writes_the_analysis_to_tensorboard(
+    ws: Path, flow: dict[str, Result], tmp_path: Path
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    copy = tmp_path / "fp32"  # a finished run: analyze returns it, and writes the scalars
+    shutil.copytree(ws / "runs" / "fp32", copy)
+    args = ["analyze", *flags(ws), "--candidates", "fp8_e4m3", "mxfp4_e2m1", "--every", "4", "--out", copy]
+    result = cli(*args, "--tensorboard", tmp_path / "tb")
+    assert result.code == 0, result.err
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    flat = Analysis.load(copy / "analysis").flat()
+    assert set(events.Tags()["scalars"]) == {name for row in flat.values() for name in row}
+
+
+def test_analyze_without_tensorboard_stops_before_training(
+    ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    result = cli("analyze", *flags(ws), "--out", tmp_path / "run", "--tensorboard", tmp_path / "tb")
+    assert result.code == 2 and "--tensorboard needs the tensorboard package" in result.err, result.err
+    assert not (tmp_path / "run").exists()
+
+
 def test_analyze_refuses_torchrun(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WORLD_SIZE", "2")
     result = cli("analyze", *flags(ws), "--out", ws / "e")

@@ -402,6 +402,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         candidates=args.candidates,
         every=args.every,
         objective=args.objective,
+        tensorboard=args.tensorboard,
         progress=not args.no_progress,
     )
     _print_result(result, args.out)
@@ -436,6 +437,12 @@ def _register_analyze(sub: argparse._SubParsersAction) -> None:
         default=5,
         metavar="K",
         help="measure every K-th optimizer step; measuring costs several plain steps (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        metavar="LOGDIR",
+        help="also write the analysis as TensorBoard scalars to LOGDIR, one per site/gemm/operand/format/"
+        "metric (needs the tensorboard package; default: none)",
     )
     p.set_defaults(func=_cmd_analyze)
 

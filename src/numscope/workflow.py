@@ -579,16 +579,20 @@ def analyze(
     every: int = 5,
     objective: str = "auto",
     progress: bool = False,
+    tensorboard: str | os.PathLike[str] | None = None,
 ) -> RunResult:
     """Train ``model`` in FP32 on ``data`` and observe every GEMM operand every ``every`` steps.
 
     Writes the run folder ``out`` (run name ``fp32``) with ``out/analysis``, from which
     :func:`recommend_plan` recommends a plan. ``bf16`` (the advisor's reference) is always measured.
+    ``tensorboard``: also write the analysis there as TensorBoard scalars (needs ``tensorboard``).
     One process only: under ``torchrun`` with more than one rank use :mod:`numscope.distributed`.
     """
     from numscope.observe import observe
 
     config = config if config is not None else TrainConfig()
+    if tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
+        raise WorkflowError("--tensorboard needs the tensorboard package: pip install tensorboard")
     if distributed.world_size() > 1 or _env_world_size() > 1:
         raise WorkflowError(
             "analyze runs in one process; run it without torchrun (train runs under torchrun)"
@@ -606,6 +610,7 @@ def analyze(
     )
     _check_settings(out_dir, settings)
     if (finished := _finished(out_dir)) is not None:
+        _write_tensorboard(out_dir, tensorboard)
         return finished
     prepared, factory, resolved = _prepare_run(model, data, config, objective, Plan.uniform("fp32"))
     settings["objective_resolved"] = resolved
@@ -617,7 +622,7 @@ def analyze(
 
     on_step, close = _progress(config.steps, "fp32 (observed)", progress)
     try:
-        return train_run(
+        result = train_run(
             RunSpec("fp32", "fp32", description="FP32, observed"),
             factory,
             config,
@@ -629,6 +634,14 @@ def analyze(
         )
     finally:
         close()
+    _write_tensorboard(out_dir, tensorboard)
+    return result
+
+
+def _write_tensorboard(out_dir: Path, log_dir: str | os.PathLike[str] | None) -> None:
+    """The run's analysis as TensorBoard scalars in ``log_dir`` (nothing when None)."""
+    if log_dir is not None and not Analysis.load(out_dir / "analysis").write_tensorboard(log_dir):
+        raise WorkflowError("--tensorboard needs the tensorboard package: pip install tensorboard")
 
 
 def train(
