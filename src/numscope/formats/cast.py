@@ -88,9 +88,17 @@ def _grid_e8(
 def _grid_small(
     x: torch.Tensor, fmt: FloatFormat, rounding: str, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """Round finite float32 to a float format with fewer than 8 exponent bits, ignoring its max."""
+    """Round finite float32 to a float format with fewer than 8 exponent bits, ignoring its max.
+
+    The spacing's exponent is capped at 126: ``inverse`` is built from an exponent field, and 2^-127 (the
+    inverse of a spacing 2^127, which a format without mantissa bits would give |x| >= 2^127) is a float32
+    subnormal that field cannot hold (it would read 0 and round every such x to 0). Only |x| >= 2^127
+    reaches the cap, far beyond the max of any format here (< 2^64), so a finer spacing changes nothing:
+    the result still lies beyond max and overflows as it must.
+    """
     exponent = ((x.view(torch.int32) >> 23) & 0xFF) - 127  # floor(log2|x|) for normal x; -127 for 0/subnormal
     exponent = torch.clamp(exponent, min=fmt.emin) - fmt.mantissa_bits  # exponent of the local spacing
+    exponent = torch.clamp(exponent, max=126)  # keeps inverse a normal float32 (mantissa_bits == 0)
     spacing = ((exponent + 127) << 23).view(torch.float32)
     inverse = ((127 - exponent) << 23).view(torch.float32)
     return _round_scaled(x * inverse, rounding, generator) * spacing
