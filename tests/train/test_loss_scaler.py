@@ -55,8 +55,10 @@ def test_scale_trajectory_and_params_match_grad_scaler(init_scale, growth_factor
     arguments = dict(
         init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor, growth_interval=3
     )
-    ours, our_model = _train(LossScaler(**arguments), PATTERN)
-    theirs, their_model = _train(torch.amp.GradScaler("cpu", **arguments), PATTERN)
+    ours, our_model = _train(
+        LossScaler(device="cpu", **arguments), PATTERN
+    )  # GradScaler's arguments as they are
+    theirs, their_model = _train(torch.amp.GradScaler(device="cpu", **arguments), PATTERN)
     assert ours == theirs
     assert len(set(ours)) > 2  # the pattern exercised growth and backoff
     for mine, reference in zip(our_model.parameters(), their_model.parameters(), strict=True):
@@ -295,6 +297,8 @@ def test_disabled_scaler_is_a_pass_through():
         (dict(min_scale=4.0, max_scale=2.0, init_scale=3.0), r"min_scale must be <= max_scale"),
         (dict(min_scale=-1.0), r"min_scale must be None or a finite number > 0, got -1.0"),
         (dict(init_scale=1.0, min_scale=2.0), r"init_scale must lie in \[min_scale, max_scale\]"),
+        (dict(device="gpu0"), r"device must name a torch device such as 'cpu' or 'cuda', got 'gpu0'"),
+        (dict(device=3.5), r"device must name a torch device .* got 3.5"),
     ],
 )
 def test_bad_arguments_are_named(arguments, message):

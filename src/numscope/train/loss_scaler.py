@@ -136,6 +136,9 @@ class LossScaler:
         found_inf_reduce: called on a one-element float32 tensor (1.0 if this rank found inf/NaN in the
             optimizer's gradients, else 0.0) before deciding whether to skip; nonzero in the result skips.
             Default :func:`all_reduce_max_if_distributed`; ``None`` lets each rank decide alone.
+        device: GradScaler's first argument, accepted by keyword so that ``GradScaler(device="cuda", ...)``
+            becomes ``LossScaler(device="cuda", ...)`` unchanged; it must name a device, and changes
+            nothing: the scaler works on whatever device the loss and gradients are on.
     """
 
     def __init__(
@@ -150,7 +153,15 @@ class LossScaler:
         max_scale: float | None = None,
         *,
         found_inf_reduce: Callable[[Tensor], Tensor] | None = all_reduce_max_if_distributed,
+        device: str | torch.device | None = None,
     ) -> None:
+        if device is not None:
+            try:
+                torch.device(device)
+            except (RuntimeError, TypeError) as error:
+                raise ValueError(
+                    f"device must name a torch device such as 'cpu' or 'cuda', got {device!r}"
+                ) from error
         _check_factors(growth_factor, backoff_factor, growth_interval)
         if not (
             isinstance(init_scale, (int, float))
