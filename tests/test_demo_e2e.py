@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from numscope.train.checkpoint import load_checkpoint
+
 
 @pytest.mark.slow
 def test_demo_quick_end_to_end(tmp_path: Path) -> None:
@@ -25,14 +27,22 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
         env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| recommended " in result.stdout and "| mxfp4 " in result.stdout
+    names = ["fp32", "recommended", "bf16", "fp16", "fp16+scaling", "fp8", "mxfp8", "int8", "mxfp4"]
+    table = [line.split("|")[1].strip() for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert table[1:] == names  # the header, then one row per run in this order
     report = (out / "report.html").read_text()
     assert "data:image/png;base64," in report and 'id="claims"' in report
+    assert all(f"<b>{name}</b>" in report for name in names) and "model.pt" in report
     assert (out / "plan.yaml").is_file()
     summary = json.loads((out / "summary.json").read_text())
     runs = {run["name"]: run for run in summary["runs"]}
-    assert set(runs) == {"fp32", "recommended", "bf16", "fp16", "fp16+scaling", "fp8", "mxfp4"}
+    assert list(runs) == names
     vocab = 4000  # DemoConfig.quick(): an untrained model's loss is about ln(vocab)
+    for name in names:  # every run keeps its final model, a BertForMaskedLM state dict, and no checkpoint
+        folder = out / "runs" / name
+        assert runs[name]["model"] == str(folder / "model.pt") and not (folder / "checkpoint.pt").exists()
+        state = load_checkpoint(folder / "model.pt")["model"]
+        assert state["cls.predictions.decoder.weight"].shape[0] == vocab
     assert runs["fp32"]["val_loss"] < math.log(vocab) - 0.5
     assert runs["recommended"]["avg_bits"] < 32
     # the table's bits are the [plan] line's: both weigh the fp32 analysis's operand sizes

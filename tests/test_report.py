@@ -223,6 +223,38 @@ def test_a_diverged_run_shows_nan_and_no_gap(tmp_path: Path) -> None:
     assert '<td class="num">nan</td>' in row and '<td class="num gap">—</td>' in row
 
 
+def test_the_demos_runs_each_get_a_colour_a_row_and_a_legend_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numscope demo's nine runs (fp32, recommended and every uniform baseline, mxfp8 and int8 included)."""
+    from numscope.demo.main import BASELINES, RECOMMENDED, REFERENCE
+    from numscope.report import plots
+
+    names = [REFERENCE.name, RECOMMENDED, *(spec.name for spec in BASELINES)]
+    assert {"mxfp8", "int8"} <= set(names) and len(names) == 9
+    assert len(set(plots.run_colours(names).values())) == len(names)
+    template = synthetic_runs()[1]
+    runs = [
+        {**template, "name": name, "plan": name, "val_loss": 2.0 + index / 1000}
+        for index, name in enumerate(names)
+    ]
+    legends: list[list[str]] = []
+    real_legend = plots._unique_legend
+
+    def recorded(fig):
+        handles, labels = real_legend(fig)
+        legends.append(labels)
+        return handles, labels
+
+    monkeypatch.setattr(plots, "_unique_legend", recorded)
+    text = write_report(tmp_path / "r.html", title="demo runs", runs=runs, context_free_loss=2.5).read_text()
+    _parse(text)
+    for name in names:
+        assert f"<b>{name}</b>" in text
+    assert re.search(r'<tr class="good">.*?<b>int8</b>.*?\+0\.35%', text)  # 2.007 vs 2.0
+    assert legends and set(names) <= set(legends[0])
+
+
 def test_gap_to_reference() -> None:
     assert gap_to_reference(2.02, 2.0) == pytest.approx(1.0)
     assert gap_to_reference(1.9, 2.0) == pytest.approx(-5.0)

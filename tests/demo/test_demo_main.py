@@ -66,16 +66,9 @@ def test_an_interrupted_demo_resumes_bit_exactly_and_keeps_finished_runs(
     monkeypatch.setattr(demo_main, "train_run", real_train_run)
     summary = run_demo(folder, TINY, [text_file], log=lambda _: None, progress=False)
     assert all(path.stat().st_mtime_ns == mtime for path, mtime in finished.items()), "finished runs rerun"
-    assert [r["name"] for r in summary["runs"]] == [
-        "fp32",
-        "recommended",
-        "bf16",
-        "fp16",
-        "fp16+scaling",
-        "fp8",
-        "mxfp4",
-    ]
+    assert [r["name"] for r in summary["runs"]] == RUN_NAMES
     assert (folder / "report.html").is_file() and len(summary["claims"]) == 5
+    _assert_final_models(folder, summary, RUN_NAMES)
 
     # the resumed fp16 run equals one trained without interruption: every evaluation and every logged loss
     data = demo_main.prepare_data(TINY, [text_file])
@@ -88,6 +81,74 @@ def test_an_interrupted_demo_resumes_bit_exactly_and_keeps_finished_runs(
         for path in (folder / "runs" / "fp16", tmp_path / "whole")
     ]
     assert losses[0] == losses[1] and len(losses[0]) == TINY.train.steps
+
+
+RUN_NAMES = ["fp32", "recommended", "bf16", "fp16", "fp16+scaling", "fp8", "mxfp8", "int8", "mxfp4"]
+
+
+def _assert_final_models(folder: Path, summary: dict, names: list[str]) -> None:
+    """Every named run keeps its final model (a BertForMaskedLM state dict) and drops its checkpoint."""
+    from numscope.train.checkpoint import load_checkpoint
+
+    rows = {row["name"]: row for row in summary["runs"]}
+    for name in names:
+        run = folder / "runs" / name
+        assert not (run / "checkpoint.pt").exists(), name
+        assert rows[name]["model"] == str(run / demo_main.MODEL_FILE), name
+        state = load_checkpoint(run / demo_main.MODEL_FILE)["model"]
+        assert state["bert.embeddings.word_embeddings.weight"].shape[1] == TINY.hidden, name
+
+
+def test_the_baselines_include_the_issues_uniform_formats_with_per_tensor_int8() -> None:
+    from numscope.formats.spec import format as get_format
+    from numscope.plan import default_scaling
+
+    specs = {spec.name: spec for spec in demo_main.BASELINES}
+    assert [spec.name for spec in demo_main.BASELINES] == RUN_NAMES[2:]
+    assert all(spec.description for spec in (*demo_main.BASELINES, demo_main.REFERENCE))
+    for name, fmt, scaling in (("mxfp8", "mxfp8_e4m3", "block"), ("int8", "int8", "tensor")):
+        plan = specs[name].load_plan()
+        assert not plan.rules
+        for gemm in ("fprop", "dgrad", "wgrad"):
+            for operand in {"fprop": ("input", "weight"), "dgrad": ("grad_output", "weight")}.get(
+                gemm, ("grad_output", "input")
+            ):
+                spec = plan.default.operand(gemm, operand)
+                effective = spec.scaling or default_scaling(get_format(spec.format))
+                assert spec.format == fmt and effective.kind == scaling, (name, gemm, operand)
+
+
+def test_a_demo_folder_of_an_earlier_demo_keeps_its_runs_and_adds_the_new_ones(
+    tmp_path: Path, text_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder made before the mxfp8/int8 baselines and model.pt existed: its finished runs are reused as
+    they are (and said to lack a model), the new baselines run and keep theirs."""
+    monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path / "cache"))
+    real_train_run = demo_main.train_run
+    folder = tmp_path / "demo"
+    earlier = tuple(spec for spec in demo_main.BASELINES if spec.name not in ("mxfp8", "int8"))
+    monkeypatch.setattr(demo_main, "BASELINES", earlier)
+    monkeypatch.setattr(
+        demo_main,
+        "train_run",
+        lambda *args, **kwargs: real_train_run(*args, **{**kwargs, "save_model": False}),
+    )
+    run_demo(folder, TINY, [text_file], log=lambda _: None, progress=False)
+    finished = {p: p.stat().st_mtime_ns for p in folder.glob("runs/*/result.json")}
+    assert len(finished) == 7 and not list(folder.glob("runs/*/model.pt"))
+
+    monkeypatch.undo()
+    monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path / "cache"))
+    lines: list[str] = []
+    summary = run_demo(folder, TINY, [text_file], log=lines.append, progress=False)
+    assert all(path.stat().st_mtime_ns == mtime for path, mtime in finished.items()), "finished runs rerun"
+    assert [r["name"] for r in summary["runs"]] == RUN_NAMES
+    _assert_final_models(folder, summary, ["mxfp8", "int8"])
+    old = [name for name in RUN_NAMES if name not in ("mxfp8", "int8")]
+    assert all(row["model"] is None for row in summary["runs"] if row["name"] in old)
+    assert sum("finished without model.pt" in line for line in lines) == len(old)
+    report = (folder / "report.html").read_text(encoding="utf-8")
+    assert "<b>mxfp8</b>" in report and "<b>int8</b>" in report
 
 
 def test_the_observer_measures_training_steps_only() -> None:
@@ -149,6 +210,8 @@ def test_claims_are_stated_as_held_or_not_with_their_numbers() -> None:
         _row("fp16", 6.20, 16),
         _row("fp16+scaling", 6.01, 16, skipped=3, scale=2.0**15),
         _row("fp8", 6.02, 8),
+        _row("mxfp8", 6.04, 8.25),
+        _row("int8", 6.3, 8),
         _row("mxfp4", 6.6, 4.25),
     ]
     underflow = [{"site": "a", "before%": 3.0, "after%": 0.0}, {"site": "b", "before%": 1.0, "after%": 0.5}]
@@ -164,8 +227,10 @@ def test_claims_are_stated_as_held_or_not_with_their_numbers() -> None:
         assert _verdict(claims, start) is True, start
     text = " ".join(text for text, _ in claims)
     assert "+0.50%" in text and "7.10 average bits" in text and "8.00 bits" in text and "2^15" in text
+    plan = next(text for text, _ in claims if text.startswith("Recommended plan"))
+    assert "the other uniform 8-bit runs: MXFP8 +0.67% at 8.25 bits, INT8 +5.00% at 8.00 bits" in plan
     rows[1] = _row("recommended", 6.09, 7.1)  # 1.5% behind: the plan claim fails, and says so
-    rows[6] = _row("mxfp4", 6.05, 4.25)
+    rows[8] = _row("mxfp4", 6.05, 4.25)
     claims = demo_main._claims(rows, underflow, unigram=6.6)
     assert _verdict(claims, "Recommended plan") is False and _verdict(claims, "Uniform MXFP4") is False
     assert "does NOT hold" in next(text for text, _ in claims if text.startswith("Recommended plan"))

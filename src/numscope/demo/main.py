@@ -7,8 +7,12 @@ Stages (each skipped when its output exists, so an interrupted demo resumes):
 3. ``recommended`` — :func:`numscope.advisor.advise` on that analysis (asked as :class:`AdvisorRequest`
    says) writes ``plan.yaml``, then a run under it;
 4. the baselines — ``bf16``, ``fp16`` without loss scaling, ``fp16`` with dynamic loss scaling, ``fp8``
-   (hybrid E4M3/E5M2, per-tensor scaling), ``mxfp4``;
+   (hybrid E4M3/E5M2, per-tensor scaling), ``mxfp8`` (E4M3 in blocks of 32), ``int8`` (per-tensor scaling),
+   ``mxfp4``;
 5. ``report.html``, ``summary.json`` and the final table, with each claim checked against the numbers.
+
+Every run keeps its folder ``runs/NAME/``: ``log.csv``, ``plan.yaml``, ``result.json`` and its final model,
+``model.pt`` (:data:`MODEL_FILE`).
 """
 
 from __future__ import annotations
@@ -227,10 +231,20 @@ BASELINES: tuple[RunSpec, ...] = (
     RunSpec("fp16", "fp16", description="every GEMM operand in fp16, no loss scaling"),
     RunSpec("fp16+scaling", "fp16", "dynamic", description="fp16 with dynamic loss scaling (init 2^16)"),
     RunSpec("fp8", "fp8", description="TE hybrid: E4M3 forward, E5M2 gradients, per-tensor scaling"),
-    RunSpec("mxfp4", "mxfp4", description="every GEMM operand in MXFP4"),
+    RunSpec(
+        "mxfp8", "mxfp8", description="every GEMM operand in MXFP8: 32 × E4M3, E8M0 scale, gradients too"
+    ),
+    RunSpec("int8", "int8", description="every GEMM operand in int8 (±127), per-tensor current scaling"),
+    RunSpec("mxfp4", "mxfp4", description="every GEMM operand in MXFP4: 32 × E2M1, E8M0 scale"),
 )
 REFERENCE = RunSpec("fp32", "fp32", description="the reference: every GEMM in fp32")
 RECOMMENDED = "recommended"
+RECOMMENDED_DESCRIPTION = "numscope's plan from the fp32 analysis (plan.yaml)"
+UNIFORM_8BIT = ("fp8", "mxfp8", "int8")
+"""The uniform 8-bit baselines the recommended plan is compared with (FP8 is the claim's bar)."""
+MODEL_FILE = "model.pt"
+"""Each run's final parameters, in its folder: ``numscope.load_checkpoint(path)["model"]`` is the state dict
+of a ``transformers.BertForMaskedLM`` (the plan that trained it is ``plan.yaml`` beside it)."""
 
 
 def prepare_data(
@@ -392,12 +406,18 @@ def _run_demo(
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
             bar.refresh()
 
+        folder = out_dir / "runs" / spec.name
         try:
             result = train_run(
-                spec, mcfg, config.train, data, out_dir / "runs" / spec.name, on_step, observer_factory
+                spec, mcfg, config.train, data, folder, on_step, observer_factory, save_model=True
             )
         finally:
             bar.close()
+        if not (folder / MODEL_FILE).is_file():  # finished by a demo that did not keep models
+            log(
+                f"[{spec.name}] finished without {MODEL_FILE} (an earlier demo did not keep models); "
+                f"delete {folder} to train it again with its model"
+            )
         results[spec.name] = result
         return result
 
@@ -412,7 +432,7 @@ def _run_demo(
             f"({config.advisor.describe()})"
         )
     default_bits = _default_limits_bits(analysis)
-    run(RunSpec(RECOMMENDED, str(plan_path), description="numscope's plan from the fp32 analysis"))
+    run(RunSpec(RECOMMENDED, str(plan_path), description=RECOMMENDED_DESCRIPTION))
     for spec in BASELINES:
         run(spec)
 
@@ -424,6 +444,8 @@ def _run_demo(
         # weighs its first batch: a masked-only head's operands change size with each batch's masks)
         row["avg_bits"] = RunSpec(result.name, result.plan).load_plan().average_bits(sizes)
         row["train_log"] = read_log(out_dir / "runs" / result.name / "log.csv")
+        model = out_dir / "runs" / result.name / MODEL_FILE
+        row["model"] = str(model) if model.is_file() else None
         rows.append(row)
     scaled = next(r for r in rows if r["name"] == "fp16+scaling")
     underflow = fp16_underflow_by_site(analysis, scaled["final_scale"])
@@ -568,6 +590,7 @@ def _scale_text(scale: float) -> str:
 
 
 def _setup(config: DemoConfig, data: DemoData) -> dict[str, Any]:
+    specs = (REFERENCE, RunSpec(RECOMMENDED, "plan.yaml", description=RECOMMENDED_DESCRIPTION), *BASELINES)
     return {
         "model": f"BertForMaskedLM, {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "
         f"FFN {config.intermediate}, dropout {config.dropout:g}, vocabulary {data.tokenizer.vocab_size}",
@@ -579,6 +602,10 @@ def _setup(config: DemoConfig, data: DemoData) -> dict[str, Any]:
         "observer": f"every {config.observe_every} steps of the fp32 run; candidates "
         f"{', '.join(config.candidates)}",
         "advisor": config.advisor.describe(),
+        "runs": "; ".join(f"{spec.name}: {spec.description}" for spec in specs),
+        "outputs": f"runs/NAME/ per run: log.csv (every step), plan.yaml, result.json and {MODEL_FILE}, the "
+        'final model (numscope.load_checkpoint(path)["model"], a BertForMaskedLM state dict); fp32 also '
+        "analysis/; plan.yaml, summary.json and report.html beside runs/",
     }
 
 
@@ -618,11 +645,17 @@ def _claims(
             f" (under the advisor's default limits, which also cap the share of flushed and clamped "
             f"values, the plan would need {default_bits:.2f} bits)"
         )
+    others = [name for name in UNIFORM_8BIT if name != "fp8" and name in by]
+    also = ""
+    if others:
+        also = "; the other uniform 8-bit runs: " + ", ".join(
+            f"{name.upper()} {gap(name):+.2f}% at {by[name]['avg_bits']:.2f} bits" for name in others
+        )
     claims.append(
         (
             f"Recommended plan: gap to FP32 {gap(RECOMMENDED):+.2f}% at {rec['avg_bits']:.2f} average bits "
             f"per GEMM operand element, against uniform FP8's {fp8['avg_bits']:.2f} bits "
-            f"(gap {gap('fp8'):+.2f}%)"
+            f"(gap {gap('fp8'):+.2f}%{also})"
             f"{default} — the claim, within {WITHIN_PERCENT:g}% of FP32 with fewer bits than FP8, "
             f"{verdict(held)}.",
             held,
