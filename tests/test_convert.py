@@ -57,10 +57,18 @@ def run(model: nn.Module, seed: int = 1) -> tuple[torch.Tensor, dict[str, torch.
     return out.logits.detach(), grads
 
 
-def gpt2(impl: str = "eager") -> GPT2LMHeadModel:
+def gpt2(impl: str = "eager", dropout: float = 0.1) -> GPT2LMHeadModel:
     torch.manual_seed(0)
     config = GPT2Config(
-        vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=32, attn_implementation=impl
+        vocab_size=100,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=32,
+        attn_implementation=impl,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
     )
     return GPT2LMHeadModel(config)
 
@@ -83,8 +91,9 @@ def test_fp32_plan_is_bit_identical_and_unconvert_restores(make, impl: str) -> N
     assert list(model.state_dict()) == list(state) and not model._forward_pre_hooks
 
 
-def test_bf16_plan_is_close_to_autocast() -> None:
-    model = bert(dropout=0.0)
+@pytest.mark.parametrize("make", [bert, gpt2])
+def test_bf16_plan_is_close_to_autocast(make) -> None:
+    model = make(dropout=0.0)
     exact, exact_grads = run(model)
     with torch.autocast("cpu", torch.bfloat16):
         autocast, autocast_grads = run(model)
@@ -103,8 +112,9 @@ def test_bf16_plan_is_close_to_autocast() -> None:
         assert 0 < plan_relative <= 2 * autocast_relative, name
 
 
-def test_fp8_plan_changes_outputs_and_trains() -> None:
-    model = bert(dropout=0.0)
+@pytest.mark.parametrize("make", [bert, gpt2])
+def test_fp8_plan_changes_outputs_and_trains(make) -> None:
+    model = make(dropout=0.0)
     exact = run(model)[0]
     convert(model, Plan.uniform("fp8"), example_inputs={"input_ids": IDS})
     assert not torch.equal(run(model)[0], exact)
@@ -118,8 +128,33 @@ def test_fp8_plan_changes_outputs_and_trains() -> None:
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
     sizes = site_sizes(model)
-    assert sizes["bert.encoder.layer.0.attention.self.query"][("fprop", "input")] == 2 * 16 * 32
+    first = "bert.encoder.layer.0.attention.self.query" if make is bert else "transformer.h.0.attn.c_attn"
+    assert sizes[first][("fprop", "input")] == 2 * 16 * 32
     assert 8 <= converted_plan(model).average_bits(sizes) < 8.5
+
+
+@pytest.mark.parametrize("accumulate", ["bf16", "fp16"])
+def test_a_plans_accumulate_reaches_fprop_dgrad_and_wgrad(accumulate: str) -> None:
+    """From a plan file's ``accumulate`` key to every GEMM of a converted layer: outputs and both gradients
+    equal the emulated narrow-accumulator products (and differ from fp32 accumulation). 512 rows make the
+    wgrad sum long enough for the narrow accumulator to show."""
+    from numscope.sites import accumulate_matmul
+
+    torch.manual_seed(0)
+    layer = nn.Linear(256, 4, bias=False)
+    x = torch.rand(512, 256, requires_grad=True)
+    dy = torch.rand(512, 4)
+    w = layer.weight.detach()
+    plan = Plan.from_dict({"numscope_plan": 1, "default": {"all": "high", "accumulate": accumulate}})
+    convert(layer, plan)
+    y = layer(x)
+    y.backward(dy)
+    assert torch.equal(y, accumulate_matmul(x.detach(), w.t(), accumulate))  # fprop
+    assert torch.equal(x.grad, accumulate_matmul(dy, w, accumulate))  # dgrad
+    assert torch.equal(layer.weight.grad, accumulate_matmul(x.detach().t(), dy, accumulate).t())  # wgrad
+    exact_wgrad = dy.double().t() @ x.detach().double()
+    fp32_error = ((dy.t() @ x.detach()).double() - exact_wgrad).abs().max()
+    assert ((layer.weight.grad.double() - exact_wgrad).abs().max() > 10 * fp32_error).item()
 
 
 def test_clear_errors() -> None:
