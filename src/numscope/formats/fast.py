@@ -196,12 +196,14 @@ def _element_kernel(
     return cast(x * scale, fmt, "nearest", overflow, flush) * (1.0 / scale)
 
 
-def _block_kernel(x: torch.Tensor, tensor_amax: torch.Tensor | None, *, fmt: BlockFormat) -> torch.Tensor:
+def _block_kernel(
+    x: torch.Tensor, tensor_amax: torch.Tensor | None, *, fmt: BlockFormat, flush: bool
+) -> torch.Tensor:
     from numscope.formats.quantize import block_parts_2d
 
     if fmt.tensor_scale and tensor_amax is None:
         tensor_amax = x.abs().amax()
-    parts = block_parts_2d(x, fmt, tensor_amax, "nearest", None)
+    parts = block_parts_2d(x, fmt, tensor_amax, "nearest", None, flush)
     return (parts.elements * parts.scales).reshape(x.shape[0], -1)
 
 
@@ -253,8 +255,10 @@ def element(
     return kernel(x, amax, scale)
 
 
-def block(x: torch.Tensor, fmt: BlockFormat, reduce_amax: bool = True) -> torch.Tensor:
+def block(x: torch.Tensor, fmt: BlockFormat, reduce_amax: bool = True, flush: bool = False) -> torch.Tensor:
     """A 2-D float32 tensor (blocks along its last axis) quantized to the block format ``fmt``.
+
+    ``flush`` flushes the elements' subnormals after the block scale (``quantize``'s ``flush_subnormals``).
 
     A last axis that does not divide the block is zero-padded here, before the compiled kernel, so that
     one kernel (which sees whole blocks only) serves every shape; the result is a view without the padding.
@@ -266,5 +270,5 @@ def block(x: torch.Tensor, fmt: BlockFormat, reduce_amax: bool = True) -> torch.
     if fmt.tensor_scale and reduces_across_ranks(reduce_amax):
         tensor_amax = reduce_amax_(abs_amax(padded, "tensor").reshape(1))[0]
     _dynamic(padded)
-    out = _compiled("block", fmt=fmt)(padded, tensor_amax)
+    out = _compiled("block", fmt=fmt, flush=flush)(padded, tensor_amax)
     return out[:, :length] if pad else out

@@ -14,6 +14,9 @@ Block formats:
   E4M3 decode scale s_b = e4m3(amax_b / 6 · S) (nearest, saturated); elements e2m1(v / (s_b / S)) with
   saturation; decoded value e · (s_b / S). A block whose s_b is 0 decodes to 0.
 
+``flush_subnormals=True`` flushes the elements of a block format after the block scale, as the element cast
+does: an element below its format's smallest normal becomes zero (integer elements have no subnormals).
+
 A last axis that does not divide the block is padded with zeros (which never change an amax) and the
 padding is dropped from the result.
 """
@@ -95,7 +98,9 @@ class BlockParts:
     length: int
 
 
-def _mx_parts(blocks: torch.Tensor, fmt: BlockFormat, rounding: str, generator) -> tuple[torch.Tensor, ...]:
+def _mx_parts(
+    blocks: torch.Tensor, fmt: BlockFormat, rounding: str, generator, flush_subnormals: bool = False
+) -> tuple[torch.Tensor, ...]:
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     element = fmt.element
     if fmt.scale_rule == "rceil":
@@ -107,31 +112,44 @@ def _mx_parts(blocks: torch.Tensor, fmt: BlockFormat, rounding: str, generator) 
         shared = log2_floor(amax) - element.emax
     shared = shared.clamp(-127, 127)
     scale = exact_pow2(shared)
-    elements = cast(blocks * exact_pow2(-shared), element, rounding, "saturate", False, generator)
+    elements = cast(blocks * exact_pow2(-shared), element, rounding, "saturate", flush_subnormals, generator)
     scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
     return elements, scale, scale
 
 
 def _nvfp4_parts(
-    blocks: torch.Tensor, fmt: BlockFormat, encode_scale: torch.Tensor, rounding: str, generator
+    blocks: torch.Tensor,
+    fmt: BlockFormat,
+    encode_scale: torch.Tensor,
+    rounding: str,
+    generator,
+    flush_subnormals: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     element, scale_format = fmt.element, fmt.scale_format
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     stored = cast_float(amax / element.max * encode_scale, scale_format, "nearest", "saturate")  # type: ignore[arg-type]
     decode = stored / encode_scale
     safe = torch.where(decode > 0, decode, torch.ones_like(decode))
-    elements = cast(blocks / safe, element, rounding, "saturate", False, generator)
+    elements = cast(blocks / safe, element, rounding, "saturate", flush_subnormals, generator)
     elements = torch.where(decode > 0, elements, elements * 0.0)
     decode = torch.where(torch.isfinite(amax), decode, torch.full_like(decode, float("nan")))
     return elements, decode, stored
 
 
 def block_parts_2d(
-    x: torch.Tensor, fmt: BlockFormat, tensor_amax: torch.Tensor | None, rounding: str, generator
+    x: torch.Tensor,
+    fmt: BlockFormat,
+    tensor_amax: torch.Tensor | None,
+    rounding: str,
+    generator,
+    flush_subnormals: bool = False,
 ) -> BlockParts:
     """Quantize a 2-D float32 tensor to ``fmt`` with blocks along its last axis (zero-padded to whole blocks).
 
     ``tensor_amax`` is NVFP4's amax of the whole tensor (already reduced across ranks); ignored for MX.
+    ``flush_subnormals`` flushes the elements as the element cast does, after the block scale: an element
+    whose scaled value rounds below the element format's smallest normal becomes zero (integer elements
+    have no subnormals: no effect).
     Shared by the eager path and the compiled fast path (:mod:`numscope.formats.fast`).
     """
     length = x.shape[-1]
@@ -142,14 +160,22 @@ def block_parts_2d(
     if fmt.tensor_scale:
         assert tensor_amax is not None
         encode_scale = scale_from_amax(tensor_amax, fmt.scale_format.max * fmt.element.max)
-        elements, scales, stored = _nvfp4_parts(blocks, fmt, encode_scale, rounding, generator)
+        elements, scales, stored = _nvfp4_parts(
+            blocks, fmt, encode_scale, rounding, generator, flush_subnormals
+        )
         return BlockParts(elements, scales, stored, encode_scale, length)
-    elements, scales, stored = _mx_parts(blocks, fmt, rounding, generator)
+    elements, scales, stored = _mx_parts(blocks, fmt, rounding, generator, flush_subnormals)
     return BlockParts(elements, scales, stored, None, length)
 
 
 def _block_parts(
-    x: torch.Tensor, fmt: BlockFormat, axis: int, rounding: str, generator, reduce_amax: bool = True
+    x: torch.Tensor,
+    fmt: BlockFormat,
+    axis: int,
+    rounding: str,
+    generator,
+    reduce_amax: bool = True,
+    flush_subnormals: bool = False,
 ) -> BlockParts:
     """Block parts of ``x`` with blocks along ``axis``, shaped (..., nblocks, block) with that axis last.
 
@@ -159,7 +185,7 @@ def _block_parts(
     tensor_amax = (
         reduce_amax_(x.abs().amax().float().reshape(1), reduce_amax)[0] if fmt.tensor_scale else None
     )
-    parts = block_parts_2d(x2d, fmt, tensor_amax, rounding, generator)
+    parts = block_parts_2d(x2d, fmt, tensor_amax, rounding, generator, flush_subnormals)
     lead = tuple(moved[:-1])
     return BlockParts(
         parts.elements.reshape(*lead, -1, fmt.block_size),
@@ -252,7 +278,9 @@ def quantize(
         own block scaling; ``Scaling("block", axis=0)`` chooses the axis their blocks run along.
     rounding: ``"nearest"`` (ties to even), ``"stochastic"``, ``"zero"``.
     overflow: ``"saturate"`` or ``"propagate"`` (the format's own inf/NaN; see :mod:`numscope.formats.cast`).
-    flush_subnormals: results below the format's smallest normal become zero.
+    flush_subnormals: results below the format's smallest normal become zero; for block formats the
+        elements after the block scale (an element below its format's smallest normal becomes zero; no
+        effect on integer elements).
     generator: the random source of stochastic rounding (reproducible runs).
     """
     _check_args(x, rounding, overflow)
@@ -268,7 +296,7 @@ def quantize(
         out = _quantize_fast(xf, spec, parsed, delayed, overflow, flush_subnormals)
     elif isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
-        parts = _block_parts(xf, spec, axis, rounding, generator, _reduces(parsed))
+        parts = _block_parts(xf, spec, axis, rounding, generator, _reduces(parsed), flush_subnormals)
         out = _unblock(parts.elements * parts.scales, xf.shape, axis, parts.length)
     else:
         out = _quantize_element(xf, spec, parsed, delayed, rounding, overflow, flush_subnormals, generator)
@@ -332,7 +360,7 @@ def _quantize_fast(
     if isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
         x2d, moved = _axis_last_2d(xf, axis)
-        out = fast.block(x2d, spec, _reduces(parsed)).reshape(moved)
+        out = fast.block(x2d, spec, _reduces(parsed), flush_subnormals).reshape(moved)
         return out.reshape(xf.shape) if xf.dim() == 0 else out.movedim(-1, axis)
     x2d = xf.reshape(-1, xf.shape[-1]) if xf.dim() > 0 else xf.reshape(1, 1)
     if delayed is not None:
@@ -504,7 +532,7 @@ def encode(
         return Encoded(spec, _element_codes(xf, element), None, None, tuple(x.shape), axis)
     if isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
-        parts = _block_parts(xf, spec, axis, rounding, generator, _reduces(parsed))
+        parts = _block_parts(xf, spec, axis, rounding, generator, _reduces(parsed), flush_subnormals)
         scale_codes = _float_codes(parts.stored, spec.scale_format).to(torch.uint8)
         return Encoded(
             spec,
