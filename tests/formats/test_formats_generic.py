@@ -132,3 +132,12 @@ def test_generic_codes_decode_to_the_quantized_values(name: str) -> None:
         expected = numscope.quantize(tensor, name, overflow=overflow).numpy()
         decoded = numscope.encode(tensor, name, overflow=overflow).decode().numpy()
         assert_bits_equal(x, decoded, expected)
+
+
+def test_encode_refuses_nan_where_no_code_holds_it() -> None:
+    """Without mantissa bits the all-ones exponent is one code, inf: NaN has none (it encoded as inf)."""
+    x = torch.tensor([1.0, float("nan")])
+    assert torch.isnan(numscope.quantize(x, "e4m0")[1])
+    with pytest.raises(ValueError, match="e4m0 has no code for NaN"):
+        numscope.encode(x, "e4m0")
+    assert torch.isnan(numscope.encode(x, "e4m1").decode()[1])

@@ -439,6 +439,9 @@ def _element_codes(values: torch.Tensor, fmt: FloatFormat | IntFormat) -> torch.
         return torch.round(values * float(2**fmt.fraction_bits)).to(
             torch.int8 if fmt.bits <= 8 else torch.int32
         )
+    if fmt.special == "ieee" and fmt.mantissa_bits == 0 and torch.isnan(values).any():
+        # the all-ones exponent has a single code, inf: there is none left for NaN (it would decode as inf)
+        raise ValueError(f"{fmt.name} has no code for NaN (no mantissa bits); the input holds NaN")
     dtype = torch.uint8 if fmt.bits <= 8 else (torch.int16 if fmt.bits <= 16 else torch.int32)
     codes = _float_codes(values, fmt)
     return (
