@@ -174,6 +174,17 @@ def test_saturate_sends_every_finite_overflow_to_max(name: str, random_patterns:
     assert_bits_equal(x[inside], y[inside], ours(x[inside], name, overflow="propagate"))
 
 
+def test_e8m0_saturates_finite_overflow_and_propagates_nan() -> None:
+    """E8M0 has NaN and no inf: past 2^127 (from 1.5 · 2^127 on, nearest by value) saturate gives 2^127,
+    propagate NaN (ml_dtypes' cast); zero, negatives and ±inf are NaN under both."""
+    x = np.array([1.4 * 2.0**127, 1.5 * 2.0**127, 3.0e38, 0.0, -1.0, np.inf], np.float32)
+    assert ours(x, "e8m0").tolist()[:3] == [2.0**127] * 3
+    assert np.isnan(ours(x, "e8m0")[3:]).all()
+    propagated = ours(x, "e8m0", overflow="propagate")
+    assert propagated[0] == 2.0**127 and np.isnan(propagated[1:]).all()
+    assert_bits_equal(x, propagated, reference_cast(x, "e8m0"))
+
+
 @pytest.mark.parametrize(
     ("name", "expected"),
     [

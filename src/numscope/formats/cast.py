@@ -104,8 +104,12 @@ def _grid_small(
     return _round_scaled(x * inverse, rounding, generator) * spacing
 
 
-def _e8m0(x: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
-    """Round to E8M0 (powers of two 2^-127..2^127). Zero, negative and non-finite inputs give NaN.
+def _e8m0(
+    x: torch.Tensor, rounding: str, generator: torch.Generator | None, overflow: str = "saturate"
+) -> torch.Tensor:
+    """Round to E8M0 (powers of two 2^-127..2^127). Zero, negative and non-finite inputs give NaN; a
+    finite value that rounds past 2^127 gives 2^127 under ``overflow="saturate"``, NaN (the format's only
+    special, as ``ml_dtypes``) under ``"propagate"``.
 
     The OCP MX v1.0 spec defines E8M0 (bias 127, exponents -127..127, 0xFF NaN, no zero, no inf) but no
     rule for rounding an arbitrary float to it: its MX scale is built from an exponent
@@ -131,7 +135,9 @@ def _e8m0(x: torch.Tensor, rounding: str, generator: torch.Generator | None) -> 
     field = field.clamp(min=0)
     result = (field.clamp(min=1, max=254) << 23).view(torch.float32)
     result = torch.where(field == 0, torch.full_like(result, 2.0**-127), result)
-    invalid = (x <= 0) | ~torch.isfinite(x) | (field >= 255)
+    invalid = (x <= 0) | ~torch.isfinite(x)
+    if overflow != "saturate":
+        invalid = invalid | (field >= 255)  # else clamped to 254 above: 2^127
     return torch.where(invalid, torch.full_like(result, float("nan")), result)
 
 
@@ -178,7 +184,7 @@ def cast_float(
 ) -> torch.Tensor:
     """Return float32 ``x`` rounded to ``fmt`` (see the module docstring for the rules)."""
     if fmt.special == "e8m0":
-        return _e8m0(x, rounding, generator)
+        return _e8m0(x, rounding, generator, overflow)
     if fmt.name == "fp32":
         return x.clone()
     dtype = native_dtype(fmt)
