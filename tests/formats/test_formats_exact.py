@@ -269,3 +269,27 @@ def test_e8m0_below_2_pow_minus_126_rounds_to_nearest_by_value() -> None:
     assert_bits_equal(x, ours(x, "e8m0"), reference_cast(x, "e8m0"))
     normal = np.array([1.0, 1.5 * 2.0**-126, np.nextafter(np.float32(1.5), np.float32(0)), 1.5], np.float32)
     assert ours(normal, "e8m0").tolist() == [1.0, 2.0**-125, 1.0, 2.0]
+
+
+def test_float64_input_rounds_once_not_twice() -> None:
+    """float64 goes to float32 rounded to odd, so nearest rounding is that of the float64 value itself:
+    numpy's direct float64 -> float16 cast on values a hair off fp16 midpoints (where going through
+    float32's nearest would land on the midpoint and round to even, the wrong way half the time)."""
+    rng = np.random.default_rng(0)
+    low = rng.integers(1, 0x7BFF, 20_000).astype(np.uint16).view(np.float16)
+    high = np.nextafter(low, np.float16(np.inf))
+    midpoint = (low.astype(np.float64) + high.astype(np.float64)) / 2
+    nudge = np.abs(midpoint) * 2.0**-40 * rng.choice([-1.0, 1.0], midpoint.size)
+    x = np.concatenate([midpoint + nudge, -(midpoint + nudge), midpoint, [1e300, -1e300, 1e-300, np.inf]])
+    ours64 = numscope.quantize(torch.from_numpy(x), "fp16", overflow="propagate").numpy()
+    assert ours64.dtype == np.float64
+    with np.errstate(over="ignore"):  # ±1e300 overflow to ±inf, as they should
+        expected = x.astype(np.float16).astype(np.float64)
+        through_float32 = x.astype(np.float32).astype(np.float16).astype(np.float64)
+    assert np.array_equal(ours64, expected)
+    assert not np.array_equal(through_float32, expected)  # the double rounding this avoids
+    # bf16: 1 + 2^-8 + 2^-40 lies just above the midpoint of 1 and 1 + 2^-7; float32 alone would drop 2^-40
+    assert numscope.quantize(torch.tensor([1 + 2.0**-8 + 2.0**-40], dtype=torch.float64), "bf16").item() == (
+        1 + 2.0**-7
+    )
+    assert numscope.quantize(torch.tensor([1 + 2.0**-30], dtype=torch.float64), "fp32").item() == 1.0

@@ -260,6 +260,27 @@ def _quantize_element(
     return cast(xf * scale, fmt, rounding, overflow, flush_subnormals, generator) * (1.0 / scale)
 
 
+def as_float32(x: torch.Tensor, spec: Format) -> torch.Tensor:
+    """``x`` as float32 for a cast to ``spec``: float64 rounded to odd unless ``spec`` is fp32 itself.
+
+    Rounding to odd (Boldo & Melquiond) keeps the float32 result off every midpoint of a format with at
+    least two fewer significand bits than float32's 24 (every format here but fp32, at every magnitude:
+    below float32's normals its grid is still finer than theirs), so rounding it to that format again
+    gives the nearest-even rounding of the float64 value. fp32 takes float64's own nearest-even cast.
+    """
+    if x.dtype == torch.float32:
+        return x
+    nearest = x.float()
+    if x.dtype != torch.float64 or (isinstance(spec, FloatFormat) and spec.name == "fp32"):
+        return nearest
+    back = nearest.double()
+    inexact = (back != x) & ~torch.isnan(x)
+    bits = nearest.view(torch.int32)
+    bits = bits - (back.abs() > x.abs()).to(torch.int32)  # one step toward zero (inf: to ±max)
+    bits = torch.where(inexact, bits | 1, nearest.view(torch.int32))  # the neighbour with an odd significand
+    return bits.view(torch.float32)
+
+
 def quantize(
     x: torch.Tensor,
     fmt: str | Format,
@@ -282,11 +303,15 @@ def quantize(
         elements after the block scale (an element below its format's smallest normal becomes zero; no
         effect on integer elements).
     generator: the random source of stochastic rounding (reproducible runs).
+
+    The arithmetic is float32's. float64 input is first rounded to float32 *to odd* (see
+    :func:`as_float32`), so that unscaled nearest rounding to any format narrower than fp32 is that of the
+    float64 value itself, without double rounding; float16 and bfloat16 input is exact in float32.
     """
     _check_args(x, rounding, overflow)
     spec = get_format(fmt)
     parsed, delayed = _resolve_scaling(scaling)
-    xf = x.detach().float() if x.dtype != torch.float32 else x.detach()
+    xf = as_float32(x.detach(), spec)
     kind = None if parsed is None else parsed.kind
     if xf.numel() == 0:  # nothing to scale or round
         _check_layout(xf, spec, parsed)
@@ -522,7 +547,7 @@ def encode(
     _check_args(x, rounding, overflow)
     spec = get_format(fmt)
     parsed, delayed = _resolve_scaling(scaling)
-    xf = x.detach().float()
+    xf = as_float32(x.detach(), spec)
     if not isinstance(spec, BlockFormat) and parsed is not None and parsed.kind == "block":
         raise ValueError(
             "encode does not support tile (block_shape) scaling of element formats; use quantize"
