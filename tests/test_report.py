@@ -255,6 +255,37 @@ def test_the_demos_runs_each_get_a_colour_a_row_and_a_legend_entry(
     assert legends and set(names) <= set(legends[0])
 
 
+def test_a_diverging_run_leaves_the_loss_axes_to_the_others_and_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import matplotlib.pyplot as plt
+
+    from numscope.report import plots
+
+    runs = synthetic_runs()
+    diverged = {**runs[0], "name": "int8", "plan": "int8"}  # from fp32's start up to 14 nats
+    diverged["train_log"] = [{**row, "loss": 2.0 + row["step"] / 5} for row in runs[0]["train_log"]]
+    diverged["curve"] = [{**point, "val_loss": 2.0 + point["step"] / 5} for point in runs[0]["curve"]]
+    figures = []
+    monkeypatch.setattr(plots, "_png", lambda fig, tight=True: figures.append(fig) or b"")
+    plots.loss_curves([*runs, diverged], context_free_loss=4.0)
+    (figure,) = figures
+    try:
+        train_ax, val_ax = figure.axes[:2]
+        first = max(run["train_log"][0]["loss"] for run in runs)  # the highest EMA point: a run's first loss
+        assert first <= train_ax.get_ylim()[1] < 8.0  # every other run whole, the diverged one cut
+        assert 4.0 < val_ax.get_ylim()[1] < 8.0  # the context-free line and the other runs' curves
+        for ax, last in ((train_ax, "ends at 1"), (val_ax, "ends at 14.00")):
+            notes = [text.get_text() for text in ax.texts]
+            assert len(notes) == 1 and notes[0].startswith("↑ int8 above the axis") and last in notes[0]
+    finally:
+        plt.close(figure)
+    figures.clear()
+    plots.loss_curves(runs)  # no run off the scale: no note
+    assert not any(ax.texts for ax in figures[0].axes)
+    plt.close(figures[0])
+
+
 def test_gap_to_reference() -> None:
     assert gap_to_reference(2.02, 2.0) == pytest.approx(1.0)
     assert gap_to_reference(1.9, 2.0) == pytest.approx(-5.0)

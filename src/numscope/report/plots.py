@@ -110,6 +110,9 @@ def loss_curves(
     train_ax, val_ax = axes[0], axes[1]
     finite_losses: list[float] = []
     val_losses: list[float] = []
+    # per panel and run: (name, colour, highest and last value drawn), to set the top and name runs above it
+    train_drawn: list[tuple[str, str, float, float]] = []
+    val_drawn: list[tuple[str, str, float, float]] = []
     for run in runs:
         colour = colours[run["name"]]
         width = 2.2 if run["name"] == REFERENCE_RUN else 1.3
@@ -118,10 +121,12 @@ def loss_curves(
         if log:
             steps = [float(row["step"]) for row in log]
             losses = [float(row["loss"]) for row in log]
-            train_ax.plot(
-                steps, ema(losses, smoothing), color=colour, lw=width, label=run["name"], zorder=order
-            )
-            finite_losses += [v for v in losses if math.isfinite(v)]
+            smoothed = ema(losses, smoothing)
+            train_ax.plot(steps, smoothed, color=colour, lw=width, label=run["name"], zorder=order)
+            finite = [v for v in losses if math.isfinite(v)]
+            finite_losses += finite
+            if finite:
+                train_drawn.append((run["name"], colour, *_high_and_last(smoothed)))
         curve = run.get("curve") or []
         if curve:
             values = [float(p["val_loss"]) for p in curve]
@@ -135,7 +140,10 @@ def loss_curves(
                 label=run["name"],
                 zorder=order,
             )
-            val_losses += [v for v in values if math.isfinite(v)]
+            finite = [v for v in values if math.isfinite(v)]
+            val_losses += finite
+            if finite:
+                val_drawn.append((run["name"], colour, *_high_and_last(values)))
     train_ax.set_title(f"training loss (EMA, weight {smoothing:g} per step)")
     val_ax.set_title(f"validation {loss_label}")
     for ax in (train_ax, val_ax):
@@ -150,27 +158,72 @@ def loss_curves(
                 zorder=1,
                 label="no context (token frequencies)",
             )
-    if finite_losses:  # keep a diverging run from flattening everyone else's curve
-        low, high = min(finite_losses), float(np.percentile(finite_losses, 99))
-        train_ax.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
+    # keep a diverging run from flattening everyone else's curve: the top leaves out the runs far above the
+    # others (see _typical_top), and a run drawn above it is named with its last value
+    if finite_losses:
+        low = min(finite_losses)
+        high = _typical_top(train_drawn, low)
+        top = high + 0.05 * (high - low)
+        train_ax.set_ylim(low - 0.05 * (high - low), top)
+        _note_off_scale(train_ax, train_drawn, top)
     if val_losses:
-        low, high = min(val_losses), float(np.percentile(val_losses, 98))
+        low = min(val_losses)
+        high = _typical_top(val_drawn, low)
         if context_free_loss is not None and math.isfinite(context_free_loss):
             high = max(high, context_free_loss)
-        val_ax.set_ylim(low - 0.05 * (high - low), high + 0.08 * (high - low))
+        top = high + 0.08 * (high - low)
+        val_ax.set_ylim(low - 0.05 * (high - low), top)
+        _note_off_scale(val_ax, val_drawn, top)
     if reference is not None:
         _gap_panel(axes[2], runs, reference, colours)
     handles, labels = _unique_legend(fig)
+    rows = max(1, math.ceil(len(labels) / 9))
     fig.legend(
         handles,
         labels,
         loc="lower center",
-        ncol=min(len(labels), 9),
+        ncol=max(1, math.ceil(len(labels) / rows)),  # rows of equal length
         frameon=False,
         bbox_to_anchor=(0.5, -0.02),
     )
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.tight_layout(rect=(0, 0.04 + 0.03 * rows, 1, 1))
     return _png(fig)
+
+
+def _high_and_last(values: Sequence[float]) -> tuple[float, float]:
+    """The highest and the last finite value of a drawn series (NaN when it has none)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return (max(finite), finite[-1]) if finite else (math.nan, math.nan)
+
+
+def _typical_top(drawn: Sequence[tuple[str, str, float, float]], low: float) -> float:
+    """The top of a loss axis: the highest value drawn by a run that is not far above the others, i.e. whose
+    highest value lies at most half the typical range (``low`` to the median of the runs' highest values)
+    above that median; the reference run always counts. ``drawn``: name, colour, highest and last value of
+    each run with a finite value."""
+    median = float(np.median([high for _, _, high, _ in drawn]))
+    limit = median + 0.5 * max(0.0, median - low)
+    # never empty: the runs at or below the median count
+    return max(high for name, _, high, _ in drawn if high <= limit or name == REFERENCE_RUN)
+
+
+def _note_off_scale(ax, drawn: Sequence[tuple[str, str, float, float]], top: float) -> None:
+    """Name, in the panel's top right corner and in its colour, every run drawn above ``top``, with its last
+    value: its curve leaves the axis there."""
+    off = [(name, colour, last) for name, colour, high, last in drawn if math.isfinite(high) and high > top]
+    for index, (name, colour, last) in enumerate(off):
+        ax.text(
+            0.98,
+            0.97 - 0.075 * index,
+            f"↑ {name} above the axis, ends at {last:.2f}",
+            transform=ax.transAxes,
+            ha="right",
+            va="top",
+            fontsize=7.5,
+            color=colour,
+            bbox={"facecolor": "white", "alpha": 0.85, "lw": 0, "pad": 1.5},
+            zorder=5,
+        )
 
 
 def _gap_panel(ax, runs: Sequence[Mapping], reference: Mapping, colours: Mapping[str, str]) -> None:
