@@ -89,6 +89,7 @@ def test_every_site_gemm_and_operand_is_recorded(observed):
             pairs = analysis.backward_errors[(name, gemm)]
             for label in CANDIDATES:
                 assert {(label, "fp32"), ("fp32", label), (label, label)} <= set(pairs)
+            assert ("fp8_e5m2", "fp8_e4m3") in pairs  # the fp8 hybrid's mixed pair, by default
             be = pairs[("fp8_e5m2", "fp32")][0]
             assert 0 < be["mean"] <= be["p99"] <= be["max"] < 1
 
@@ -231,17 +232,31 @@ def test_observed_analysis_round_trips_and_recommends_a_convertible_plan(observe
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="unknown format 'fp8_e4m4'"):
         observe(nn.Linear(2, 2), ("fp8_e4m4",))
+    with pytest.raises(ValueError, match=r"pair \('fp8_e5m2', 'int8'\): 'int8' is not a candidate"):
+        observe(nn.Linear(2, 2), ("fp8_e5m2", "fp8_e4m3"), pairs=[("fp8_e5m2", "int8")])
+    with pytest.raises(ValueError, match="a pair is two candidate formats"):
+        observe(nn.Linear(2, 2), ("fp8_e5m2",), pairs=["fp8_e5m2"])
     with pytest.raises(ValueError, match="every must be a positive int, got 0"):
         observe(nn.Linear(2, 2), every=0)
 
 
-@pytest.mark.parametrize("pair", [("fp8_e4m3", "fp32"), ("fp32", "fp8_e5m2"), ("mxfp8_e4m3", "mxfp8_e4m3")])
+@pytest.mark.parametrize(
+    "pair",
+    [
+        ("fp8_e4m3", "fp32"),
+        ("fp32", "fp8_e5m2"),
+        ("mxfp8_e4m3", "mxfp8_e4m3"),
+        ("fp8_e5m2", "fp8_e4m3"),  # the default mixed pair (the fp8 hybrid's)
+        ("mxfp8_e4m3", "fp8_e5m2"),  # one asked for
+    ],
+)
 def test_backward_error_equals_the_float64_reference_when_every_row_is_measured(pair):
     torch.manual_seed(0)
     layer = nn.Linear(48, 24, bias=False)
     x = torch.distributions.StudentT(3.0).sample((40, 48)).requires_grad_()  # dgrad runs
     model = nn.Sequential(layer)
-    with observe(model, ("fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3"), be_rows=64) as obs:
+    pairs = None if pair != ("mxfp8_e4m3", "fp8_e5m2") else [pair]
+    with observe(model, ("fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3"), be_rows=64, pairs=pairs) as obs:
         model(x).sum().backward()
     found = obs.analysis().backward_errors[("0", "fprop")][pair][0]
     scaling = {name: None if name == "fp32" else "auto" for name in pair}

@@ -354,6 +354,15 @@ def test_short_site_names() -> None:
     }
 
 
+def test_the_heatmap_adds_the_mixed_pairs_after_the_formats() -> None:
+    analysis = synthetic_analysis()
+    gemm_key = (SITES[0], "wgrad")
+    analysis.backward_errors[gemm_key][("fp8_e5m2", "fp8_e4m3")] = {0: {"mean": 0.25}, 1: {"mean": 0.75}}
+    view = analysis_tables(analysis)
+    assert view.backward_error_columns == (*CANDIDATES, "fp8_e5m2×fp8_e4m3")
+    assert view.backward_errors["wgrad"][SITES[0]]["fp8_e5m2×fp8_e4m3"] == pytest.approx(0.5)
+
+
 def test_full_report_with_analysis_and_plan(tmp_path: Path) -> None:
     analysis = synthetic_analysis()
     view = analysis_tables(analysis)

@@ -25,7 +25,10 @@ and without it is bit-identical. On a *sampled* step (``step % every == 0``; ste
   block formats);
 * a log2 histogram of the sample (:func:`numscope.metrics.log2_histogram`), summed over sampled steps;
 * per GEMM, once both of its operands have passed, the backward error of each candidate on the left
-  operand, on the right one, and on both (``(fmt, "fp32")``, ``("fp32", fmt)``, ``(fmt, fmt)``), on a
+  operand, on the right one, and on both (``(fmt, "fp32")``, ``("fp32", fmt)``, ``(fmt, fmt)``), and of
+  each mixed pair ``(A, B)`` of ``pairs`` (the left operand in A, the right in B; by default the fp8
+  hybrid's ``("fp8_e5m2", "fp8_e4m3")``: E5M2 gradients times E4M3 weights or inputs in dgrad and wgrad,
+  where both are candidates), on a
   sub-product of sampled rows (see below): its mean, p99 and max over the output entries whose |L|·|R| is
   nonzero, with ``count`` (those entries) and ``excluded`` (the others: e.g. the rows of a gradient that
   is zero at positions without loss), as :func:`numscope.metrics.errors.backward_error_stats` and
@@ -165,6 +168,10 @@ class ObserveConfig:
     max_elements: the most elements measured per operand and sampled step (see the module docstring).
     be_rows: rows of each operand in the backward-error sub-product (``be_rows × be_rows`` inner products).
     backward_error: whether to compute backward errors at all.
+    pairs: mixed candidate pairs ``(A, B)`` whose backward error is measured in every GEMM, the GEMM's left
+        operand (fprop: input, dgrad and wgrad: grad_output) in A and its right one in B; ``None``: the fp8
+        hybrid's ``("fp8_e5m2", "fp8_e4m3")`` where both are candidates. Pairs of one format are always
+        measured.
     reduce_ranks: under ``torch.distributed``, merge each sampled step across the ranks at
         :meth:`Observer.step`.
     no_grad_forwards: also measure forwards run without gradients (``torch.no_grad()``: evaluation,
@@ -180,16 +187,35 @@ class ObserveConfig:
     backward_error: bool = True
     reduce_ranks: bool = True
     no_grad_forwards: bool = False
+    pairs: tuple[tuple[str, str], ...] | None = None
 
     def __post_init__(self) -> None:
         names = tuple(dict.fromkeys(get_format(c).name for c in self.candidates))
         if not names:
             raise ValueError("observe needs at least one candidate format")
         object.__setattr__(self, "candidates", names)
+        if self.pairs is None:
+            hybrid = ("fp8_e5m2", "fp8_e4m3")
+            pairs = (hybrid,) if set(hybrid) <= set(names) else ()
+        else:
+            pairs = tuple(self._pair(pair) for pair in self.pairs)
+        object.__setattr__(self, "pairs", tuple(dict.fromkeys(p for p in pairs if p[0] != p[1])))
         for name in ("every", "max_elements", "be_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"observe: {name} must be a positive int, got {value!r}")
+
+    def _pair(self, pair: Any) -> tuple[str, str]:
+        if isinstance(pair, str) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise ValueError(f"observe: a pair is two candidate formats (left, right), got {pair!r}")
+        left, right = (get_format(name).name for name in pair)
+        for name in (left, right):
+            if name not in self.candidates:
+                raise ValueError(
+                    f"observe: pair {tuple(pair)!r}: {name!r} is not a candidate; candidates: "
+                    f"{', '.join(self.candidates)}"
+                )
+        return left, right
 
 
 @dataclass
@@ -380,6 +406,7 @@ class Observer:
                 "every": self.config.every,
                 "max_elements": self.config.max_elements,
                 "be_rows": self.config.be_rows,
+                "pairs": [list(pair) for pair in self.config.pairs],
                 "steps_seen": self._step,
                 **({"ranks": self._ranks} if self._ranks > 1 else {}),
             },
@@ -665,15 +692,18 @@ class Observer:
         quantized_right = quantized_right.transpose(-1, -2)
         exact = exact_left @ exact_right
         magnitude = exact_left.abs() @ exact_right.abs()
+        index = {label: i for i, label in enumerate(labels)}
+        mixed = [quantized_left[index[a]] @ quantized_right[index[b]] for a, b in self.config.pairs]
         products = torch.cat(
             [
                 quantized_left @ exact_right,  # (fmt, fp32): the left operand quantized
                 exact_left @ quantized_right,  # (fp32, fmt)
                 quantized_left @ quantized_right,  # (fmt, fmt)
+                *([torch.stack(mixed)] if mixed else []),  # (A, B): the mixed pairs
             ]
         )
         pairs = [(c, HIGH_LABEL) for c in labels] + [(HIGH_LABEL, c) for c in labels]
-        pairs += [(c, c) for c in labels]
+        pairs += [(c, c) for c in labels] + list(self.config.pairs)
         numbers = backward_error_stats(exact, products, magnitude, median=False).tolist()  # median unrecorded
         per_gemm = self._be.setdefault(gemm_key, {})
         for pair, row in sorted(zip(pairs, numbers, strict=True)):
@@ -772,6 +802,7 @@ def observe(
     generator: torch.Generator | None = None,
     reduce_ranks: bool = True,
     no_grad_forwards: bool = False,
+    pairs: Sequence[tuple[str, str]] | None = None,
 ) -> Observer:
     """An :class:`Observer` of ``model`` (use it as a context manager; see the module docstring).
 
@@ -782,9 +813,18 @@ def observe(
     reduce_ranks: under ``torch.distributed``, merge each sampled step across the ranks at ``step()``.
     no_grad_forwards: also measure forwards run under ``torch.no_grad()`` (evaluation, inference); by
     default only training forwards (and their backward) are measured.
+    pairs: mixed candidate pairs (left format, right format) whose backward error is measured in every GEMM
+    (see :class:`ObserveConfig`); default: the fp8 hybrid's E5M2 × E4M3 where both are candidates.
     """
     config = ObserveConfig(
-        tuple(candidates), every, max_elements, be_rows, backward_error, reduce_ranks, no_grad_forwards
+        tuple(candidates),
+        every,
+        max_elements,
+        be_rows,
+        backward_error,
+        reduce_ranks,
+        no_grad_forwards,
+        None if pairs is None else tuple(tuple(pair) for pair in pairs),  # type: ignore[misc]
     )
     return Observer(model, config, plan=plan, generator=generator)
 

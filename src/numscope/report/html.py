@@ -73,7 +73,8 @@ class AnalysisView:
     """What the report shows of an analysis.
 
     backward_errors: gemm → site → column label → mean backward error. Columns are candidate formats
-    (both operands in that format) when the analysis measured such pairs, else ``left×right`` labels.
+    (both operands in that format) when the analysis measured such pairs, then its mixed pairs as
+    ``left×right`` (the fp8 hybrid's ``fp8_e5m2×fp8_e4m3``); else ``left×right`` labels of every pair.
     """
 
     candidates: tuple[str, ...]
@@ -130,8 +131,10 @@ def analysis_tables(analysis: Any) -> AnalysisView:
     pairs = {pair for per_pair in analysis.backward_errors.values() for pair in per_pair}
     same = sorted({left for left, right in pairs if left == right}, key=_candidate_order(analysis.candidates))
     if same:
-        columns = tuple(same)
         label = {(fmt, fmt): fmt for fmt in same}
+        mixed = sorted(pair for pair in pairs if pair[0] != pair[1] and "fp32" not in pair)
+        label.update({pair: f"{pair[0]}×{pair[1]}" for pair in mixed})  # e.g. the fp8 hybrid's E5M2 × E4M3
+        columns = tuple(label.values())
     else:
         label = {pair: f"{pair[0]}×{pair[1]}" for pair in sorted(pairs)}
         columns = tuple(label.values())
