@@ -750,10 +750,24 @@ def test_analyze_without_tensorboard_stops_before_training(
     assert not (tmp_path / "run").exists()
 
 
-def test_analyze_refuses_torchrun(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    result = cli("analyze", *flags(ws), "--out", ws / "e")
-    assert result.code == 2 and "analyze runs in one process" in result.err
+@pytest.mark.slow
+def test_analyze_under_torchrun_merges_the_ranks(ws: Path, flow: dict[str, Result], tmp_path: Path, torchrun):
+    """2 processes × 4 sequences: one analysis, merged over both ranks at each sampled step, written once,
+    of the same operands and steps as one process on the whole batch measures."""
+    args = [*flags(ws), "--candidates", "fp8_e4m3", "mxfp4_e2m1", "--every", "4"]
+    run = torchrun(
+        ["-m", "numscope.cli", "analyze", *args, "--out", str(tmp_path / "ddp")], timeout=300, env=ENV
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("analysis: ") == 1  # rank 0 prints
+    merged = Analysis.load(tmp_path / "ddp" / "analysis")
+    one = Analysis.load(ws / "runs" / "fp32" / "analysis")
+    assert merged.meta["ranks"] == 2 and "ranks" not in one.meta
+    assert set(merged.operands) == set(one.operands) and merged.steps == one.steps
+    key = next(k for k in one.operands if k[1:] == ("fprop", "input"))
+    # an activation: each rank saw half of the batch, the merge counts both halves, as one process does
+    assert merged.elements[key] == one.elements[key]
+    assert json.loads((tmp_path / "ddp" / "result.json").read_text())["world_size"] == 2
 
 
 @pytest.mark.parametrize(

@@ -405,10 +405,12 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         tensorboard=args.tensorboard,
         progress=not args.no_progress,
     )
-    _print_result(result, args.out)
-    print(
-        f"analysis: {Path(args.out) / 'analysis'}  (next: numscope recommend {Path(args.out) / 'analysis'})"
-    )
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 prints
+        _print_result(result, args.out)
+        print(
+            f"analysis: {Path(args.out) / 'analysis'}  "
+            f"(next: numscope recommend {Path(args.out) / 'analysis'})"
+        )
     return 0
 
 
@@ -420,7 +422,8 @@ def _register_analyze(sub: argparse._SubParsersAction) -> None:
         help="train your model in FP32 and measure every GEMM operand in candidate formats",
         description="Train the model in FP32 on your text while an observer measures every GEMM operand "
         "(input, weight, grad_output of fprop, dgrad, wgrad) in each candidate format every K steps. Writes "
-        "the run folder (run name fp32) with DIR/analysis, the input of 'numscope recommend'.",
+        "the run folder (run name fp32) with DIR/analysis, the input of 'numscope recommend'. Under torchrun "
+        "it trains with DDP and merges the ranks' measurements at each sampled step; rank 0 writes.",
     )
     _add_run_flags(p)
     p.add_argument(

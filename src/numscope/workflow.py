@@ -586,17 +586,14 @@ def analyze(
     Writes the run folder ``out`` (run name ``fp32``) with ``out/analysis``, from which
     :func:`recommend_plan` recommends a plan. ``bf16`` (the advisor's reference) is always measured.
     ``tensorboard``: also write the analysis there as TensorBoard scalars (needs ``tensorboard``).
-    One process only: under ``torchrun`` with more than one rank use :mod:`numscope.distributed`.
+    Under ``torchrun`` with ``WORLD_SIZE`` > 1 it trains with DDP over gloo, as :func:`train`; the observer
+    merges each sampled step across the ranks (:mod:`numscope.distributed`), and rank 0 writes.
     """
     from numscope.observe import observe
 
     config = config if config is not None else TrainConfig()
     if tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         raise WorkflowError("--tensorboard needs the tensorboard package: pip install tensorboard")
-    if distributed.world_size() > 1 or _env_world_size() > 1:
-        raise WorkflowError(
-            "analyze runs in one process; run it without torchrun (train runs under torchrun)"
-        )
     _positive("--every", every)
     names = list(dict.fromkeys([REFERENCE_FORMAT, *candidates]))
     for name in names:
@@ -605,37 +602,50 @@ def analyze(
         except ValueError as error:
             raise WorkflowError(f"--candidates: {error}") from error
     out_dir = Path(out)
-    settings = _settings(
-        "analyze", model, objective, data, config, candidates=names, every=every, plan="fp32"
-    )
-    _check_settings(out_dir, settings)
-    if (finished := _finished(out_dir)) is not None:
-        _write_tensorboard(out_dir, tensorboard)
-        return finished
-    prepared, factory, resolved = _prepare_run(model, data, config, objective, Plan.uniform("fp32"))
-    settings["objective_resolved"] = resolved
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
-
-    def observer(module: nn.Module) -> Any:
-        return observe(module, candidates=names, every=every).__enter__()
-
-    on_step, close = _progress(config.steps, "fp32 (observed)", progress)
+    started = _init_distributed()
     try:
-        result = train_run(
-            RunSpec("fp32", "fp32", description="FP32, observed"),
-            factory,
-            config,
-            prepared,
-            out_dir,
-            on_step,
-            observer,
-            objective=resolved,
+        settings = _settings(
+            "analyze", model, objective, data, config, candidates=names, every=every, plan="fp32"
         )
+        _check_settings(out_dir, settings)
+        writer = distributed.is_rank_zero()
+        if (finished := _finished(out_dir)) is not None:
+            if writer:
+                _write_tensorboard(out_dir, tensorboard)
+            return finished
+        prepared, factory, resolved = _prepare_run(model, data, config, objective, Plan.uniform("fp32"))
+        settings["objective_resolved"] = resolved
+        if writer:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
+
+        def observer(module: nn.Module) -> Any:
+            return observe(module, candidates=names, every=every).__enter__()
+
+        on_step, close = _progress(config.steps, "fp32 (observed)", progress and writer)
+        try:
+            result = train_run(
+                RunSpec("fp32", "fp32", description="FP32, observed"),
+                factory,
+                config,
+                prepared,
+                out_dir,
+                on_step,
+                observer,
+                objective=resolved,
+            )
+        finally:
+            close()
+        if writer:
+            _write_tensorboard(out_dir, tensorboard)
+        return result
+    except BaseException as error:
+        if started:  # the traceback's frames must not keep a DDP wrapper alive past the group
+            distributed.destroy_process_group(error)
+        raise
     finally:
-        close()
-    _write_tensorboard(out_dir, tensorboard)
-    return result
+        if started:  # train_run, with its DDP wrapper, has returned (a no-op after the line above)
+            distributed.destroy_process_group()
 
 
 def _write_tensorboard(out_dir: Path, log_dir: str | os.PathLike[str] | None) -> None:

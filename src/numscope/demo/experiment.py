@@ -290,15 +290,15 @@ def train_run(
     save_model: also write the trained parameters to ``out_dir/model.pt`` (atomically).
 
     Under ``torch.distributed`` with more than one rank the run is DDP over the default group (``batch_size``
-    is the global batch and must divide evenly); every rank returns the result, only rank 0 writes.
+    is the global batch and must divide evenly); every rank returns the result, only rank 0 writes. An
+    observer merges each sampled step across the ranks at ``step()`` (its default ``reduce_ranks``), so rank
+    0's analysis is that of the whole batch.
     """
     objective = get_objective(objective)
     world, rank = distributed.world_size(), distributed.rank()
     writer = rank == 0
     if cfg.batch_size % world:
         raise ValueError(f"batch size {cfg.batch_size} does not divide evenly over {world} ranks")
-    if observer_factory is not None and world > 1:
-        raise ValueError("an observed run trains in one process; numscope.distributed merges ranks' analyses")
     if writer:
         out_dir.mkdir(parents=True, exist_ok=True)
     result_path, checkpoint_path, log_path = (
