@@ -741,6 +741,30 @@ def test_analyze_writes_the_analysis_to_tensorboard(
     assert set(events.Tags()["scalars"]) == {name for row in flat.values() for name in row}
 
 
+def test_analyze_measures_sensitivity_for_recommend(ws: Path, tmp_path: Path) -> None:
+    run = tmp_path / "fp32"
+    args = ["analyze", *flags(ws), "--candidates", "fp8_e4m3", "mxfp4_e2m1", "--every", "4", "--out", run]
+    result = cli(*args, "--sensitivity", 1)
+    assert result.code == 0, result.err
+    analysis = Analysis.load(run / "analysis")
+    assert analysis.sensitivity is not None and set(analysis.sensitivity.candidates) == {
+        "bf16",
+        "fp8_e4m3",
+        "mxfp4_e2m1",
+    }
+    assert (run / "model.pt").is_file()  # the trained model the sensitivity was measured on
+    rows = analysis.sensitivity.table()
+    assert rows and all(math.isfinite(float(row["loss_change%"])) for row in rows)
+    mxfp4 = [float(r["loss_change%"]) for r in rows if r["candidate"] == "mxfp4_e2m1"]
+    bf16 = [float(r["loss_change%"]) for r in rows if r["candidate"] == "bf16"]
+    assert max(map(abs, mxfp4)) > max(map(abs, bf16))  # 4 bits move the loss more than 16
+    plan = ws / "sensitive.yaml"
+    chosen = cli("recommend", run, "-o", plan, "--criterion", "max_loss_increase_pct=0.01")
+    assert chosen.code == 0, chosen.err
+    assert cli(*args, "--sensitivity", 2).code == 2  # other settings than the run folder's: refused
+    assert cli(*args, "--sensitivity", 1).code == 0  # finished: returned as it is
+
+
 def test_analyze_without_tensorboard_stops_before_training(
     ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

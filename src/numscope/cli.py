@@ -403,6 +403,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         every=args.every,
         objective=args.objective,
         tensorboard=args.tensorboard,
+        sensitivity_batches=args.sensitivity,
         progress=not args.no_progress,
     )
     if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 prints
@@ -440,6 +441,16 @@ def _register_analyze(sub: argparse._SubParsersAction) -> None:
         default=5,
         metavar="K",
         help="measure every K-th optimizer step; measuring costs several plain steps (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sensitivity",
+        type=_int_at_least(0),
+        default=0,
+        metavar="N",
+        help="after training, quantize one site at a time in each candidate and measure the loss and "
+        "gradient change of the trained model on N validation batches (costs N x (1 + sites x candidates) "
+        "forward and backward passes); stored with the analysis for recommend's --criterion "
+        "max_loss_increase_pct=... and min_grad_cosine=...; one process only (default: 0, not measured)",
     )
     p.add_argument(
         "--tensorboard",

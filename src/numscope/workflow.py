@@ -580,12 +580,17 @@ def analyze(
     objective: str = "auto",
     progress: bool = False,
     tensorboard: str | os.PathLike[str] | None = None,
+    sensitivity_batches: int = 0,
 ) -> RunResult:
     """Train ``model`` in FP32 on ``data`` and observe every GEMM operand every ``every`` steps.
 
     Writes the run folder ``out`` (run name ``fp32``) with ``out/analysis``, from which
     :func:`recommend_plan` recommends a plan. ``bf16`` (the advisor's reference) is always measured.
     ``tensorboard``: also write the analysis there as TensorBoard scalars (needs ``tensorboard``).
+    ``sensitivity_batches`` > 0: then quantize one site at a time in each candidate and measure the loss and
+    gradient change of the trained model on that many validation batches (:func:`numscope.sensitivity`),
+    stored with the analysis for ``recommend``'s ``max_loss_increase_pct`` / ``min_grad_cosine``; the
+    trained model is kept as ``out/model.pt``. One process only.
     Under ``torchrun`` with ``WORLD_SIZE`` > 1 it trains with DDP over gloo, as :func:`train`; the observer
     merges each sampled step across the ranks (:mod:`numscope.distributed`), and rank 0 writes.
     """
@@ -601,15 +606,29 @@ def analyze(
             get_format(name)
         except ValueError as error:
             raise WorkflowError(f"--candidates: {error}") from error
+    if (
+        isinstance(sensitivity_batches, bool)
+        or not isinstance(sensitivity_batches, int)
+        or sensitivity_batches < 0
+    ):
+        raise WorkflowError(f"--sensitivity must be a number of batches >= 0; got {sensitivity_batches!r}")
+    if sensitivity_batches and _env_world_size() > 1:
+        raise WorkflowError("--sensitivity runs in one process; run analyze without torchrun to measure it")
     out_dir = Path(out)
     started = _init_distributed()
     try:
+        extra = {"sensitivity_batches": sensitivity_batches} if sensitivity_batches else {}
         settings = _settings(
-            "analyze", model, objective, data, config, candidates=names, every=every, plan="fp32"
+            "analyze", model, objective, data, config, candidates=names, every=every, plan="fp32", **extra
         )
         _check_settings(out_dir, settings)
         writer = distributed.is_rank_zero()
         if (finished := _finished(out_dir)) is not None:
+            if sensitivity_batches:  # an earlier call may have stopped between the run and its sensitivity
+                prepared, factory, resolved = _prepare_run(
+                    model, data, config, objective, Plan.uniform("fp32")
+                )
+                _measure_sensitivity(out_dir, factory, prepared, config, resolved, names, sensitivity_batches)
             if writer:
                 _write_tensorboard(out_dir, tensorboard)
             return finished
@@ -633,9 +652,12 @@ def analyze(
                 on_step,
                 observer,
                 objective=resolved,
+                save_model=bool(sensitivity_batches),
             )
         finally:
             close()
+        if sensitivity_batches:
+            _measure_sensitivity(out_dir, factory, prepared, config, resolved, names, sensitivity_batches)
         if writer:
             _write_tensorboard(out_dir, tensorboard)
         return result
@@ -646,6 +668,38 @@ def analyze(
     finally:
         if started:  # train_run, with its DDP wrapper, has returned (a no-op after the line above)
             distributed.destroy_process_group()
+
+
+def _measure_sensitivity(
+    out_dir: Path,
+    factory: Callable[[], nn.Module],
+    prepared: DemoData,
+    config: TrainConfig,
+    objective: str,
+    candidates: Sequence[str],
+    count: int,
+) -> None:
+    """The trained model's sensitivity on ``count`` validation batches, stored in ``out_dir/analysis``;
+    skipped when the analysis already holds it (a finished run asked again)."""
+    from numscope.sensitivity import sensitivity
+    from numscope.train.checkpoint import load_checkpoint
+
+    analysis = Analysis.load(out_dir / "analysis")
+    if analysis.sensitivity is not None:
+        return
+    model = factory()
+    model.load_state_dict(load_checkpoint(out_dir / "model.pt")["model"])
+    split = get_objective(objective).batches(
+        prepared.val_blocks, config.batch_size, prepared.tokenizer, config.seed, 0
+    )
+    batches = list(split)[:count]
+    if len(batches) < count:
+        raise WorkflowError(
+            f"--sensitivity {count}: the validation split holds {len(batches)} batch(es) of "
+            f"{config.batch_size}; ask for fewer"
+        )
+    analysis.sensitivity = sensitivity(model, batches, candidates=list(candidates))
+    analysis.save(out_dir / "analysis")
 
 
 def _write_tensorboard(out_dir: Path, log_dir: str | os.PathLike[str] | None) -> None:
