@@ -763,6 +763,10 @@ def test_analyze_measures_sensitivity_for_recommend(ws: Path, tmp_path: Path) ->
     assert chosen.code == 0, chosen.err
     assert cli(*args, "--sensitivity", 2).code == 2  # other settings than the run folder's: refused
     assert cli(*args, "--sensitivity", 1).code == 0  # finished: returned as it is
+    too_many = cli("analyze", *flags(ws), "--out", tmp_path / "other", "--sensitivity", 99)
+    assert too_many.code == 2, too_many.err
+    assert "--sensitivity 99: the validation split holds 1 batch(es) of 8" in too_many.err
+    assert not (tmp_path / "other").exists()  # refused before training
 
 
 def test_analyze_without_tensorboard_stops_before_training(

@@ -634,6 +634,8 @@ def analyze(
             return finished
         prepared, factory, resolved = _prepare_run(model, data, config, objective, Plan.uniform("fp32"))
         settings["objective_resolved"] = resolved
+        if sensitivity_batches:  # too few validation batches: say so before training, not after
+            _sensitivity_batches(prepared, config, resolved, sensitivity_batches)
         if writer:
             out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
@@ -687,8 +689,15 @@ def _measure_sensitivity(
     analysis = Analysis.load(out_dir / "analysis")
     if analysis.sensitivity is not None:
         return
+    batches = _sensitivity_batches(prepared, config, objective, count)
     model = factory()
     model.load_state_dict(load_checkpoint(out_dir / "model.pt")["model"])
+    analysis.sensitivity = sensitivity(model, batches, candidates=list(candidates))
+    analysis.save(out_dir / "analysis")
+
+
+def _sensitivity_batches(prepared: DemoData, config: TrainConfig, objective: str, count: int) -> list[Any]:
+    """The first ``count`` validation batches (of ``config.batch_size``), or a clear error if fewer exist."""
     split = get_objective(objective).batches(
         prepared.val_blocks, config.batch_size, prepared.tokenizer, config.seed, 0
     )
@@ -696,10 +705,9 @@ def _measure_sensitivity(
     if len(batches) < count:
         raise WorkflowError(
             f"--sensitivity {count}: the validation split holds {len(batches)} batch(es) of "
-            f"{config.batch_size}; ask for fewer"
+            f"{config.batch_size}; ask for fewer (or more --val-blocks)"
         )
-    analysis.sensitivity = sensitivity(model, batches, candidates=list(candidates))
-    analysis.save(out_dir / "analysis")
+    return batches
 
 
 def _write_tensorboard(out_dir: Path, log_dir: str | os.PathLike[str] | None) -> None:
