@@ -476,3 +476,13 @@ def test_a_loss_scale_that_never_moved_is_a_sentence_not_a_flat_chart(tmp_path: 
     steady = write_report(tmp_path / "b.html", title="t", runs=runs).read_text()
     assert 'alt="loss scale"' not in steady
     assert "the loss scale stayed at 2<sup>16</sup> for all 60 steps: no gradient overflowed" in steady
+
+
+def test_the_loss_axis_top_leaves_out_a_diverging_run_and_survives_nan_curves() -> None:
+    from numscope.report.plots import _typical_top
+
+    drawn = [("fp32", "k", 6.0, 5.0), ("bf16", "b", 6.1, 5.0), ("int8", "r", 11.3, 11.3)]
+    assert _typical_top(drawn, 4.0) == 6.1  # int8 is far above the others: named, not scaled to
+    nan_first = [("fp16", "g", math.nan, math.nan), ("bf16", "b", 6.1, 5.0)]  # a curve NaN throughout
+    assert _typical_top(nan_first, 4.0) == 6.1
+    assert _typical_top([("fp16", "g", math.nan, math.nan)], 4.0) == 4.0

@@ -201,10 +201,13 @@ def _typical_top(drawn: Sequence[tuple[str, str, float, float]], low: float) -> 
     highest value lies at most half the typical range (``low`` to the median of the runs' highest values)
     above that median; the reference run always counts. ``drawn``: name, colour, highest and last value of
     each run with a finite value."""
-    median = float(np.median([high for _, _, high, _ in drawn]))
+    highs = [(name, high) for name, _, high, _ in drawn if math.isfinite(high)]
+    if not highs:  # e.g. a smoothed curve that is NaN throughout
+        return low
+    median = float(np.median([high for _, high in highs]))
     limit = median + 0.5 * max(0.0, median - low)
     # never empty: the runs at or below the median count
-    return max(high for name, _, high, _ in drawn if high <= limit or name == REFERENCE_RUN)
+    return max(high for name, high in highs if high <= limit or name == REFERENCE_RUN)
 
 
 def _note_off_scale(ax, drawn: Sequence[tuple[str, str, float, float]], top: float) -> None:
