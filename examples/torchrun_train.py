@@ -59,13 +59,10 @@ def main() -> None:
         if not torch.cuda.is_available():
             distributed.use_loopback_on_one_node()  # one machine: gloo over loopback
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    try:
+    # the group goes after train() has returned, with its DDP wrapper: one that outlives the group can hang
+    # the exit (see numscope.distributed.destroy_process_group)
+    with distributed.destroyed_on_exit():
         train(args)
-    except BaseException as error:
-        distributed.destroy_process_group(error)
-        raise
-    # after train() has returned, with its DDP wrapper: one that outlives the group can hang the exit
-    distributed.destroy_process_group()
 
 
 def train(args: argparse.Namespace) -> None:

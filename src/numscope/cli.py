@@ -390,6 +390,12 @@ def _print_result(result: Any, out: str) -> None:
     print(f"run folder: {out}")
 
 
+def _launched_as_rank_zero() -> bool:
+    """Whether this process prints: not a torchrun rank other than 0 (read from the environment, as the
+    process group is gone once a command returns)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from numscope import workflow
 
@@ -406,7 +412,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         sensitivity_batches=args.sensitivity,
         progress=not args.no_progress,
     )
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 prints
+    if _launched_as_rank_zero():
         _print_result(result, args.out)
         print(
             f"analysis: {Path(args.out) / 'analysis'}  "
@@ -477,7 +483,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         name=args.name,
         progress=not args.no_progress,
     )
-    if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 prints
+    if _launched_as_rank_zero():
         _print_result(result, args.out)
     return 0
 

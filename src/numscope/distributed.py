@@ -28,7 +28,8 @@ This module adds what needs an explicit call:
   rank 0 (0.0 when data parallelism keeps replicas identical);
 * :func:`use_loopback_on_one_node`: before ``init_process_group("gloo")``, keep gloo on the loopback
   interface when every rank runs on this machine;
-* :func:`destroy_process_group`: tear the default group down without torch's exit-time deadlock (see there).
+* :func:`destroy_process_group` / :func:`destroyed_on_exit`: tear the default group down without torch's
+  exit-time deadlock (see there).
 
 Every function works outside distributed runs too (a world of one rank), so code need not branch.
 """
@@ -40,7 +41,8 @@ import math
 import os
 import socket
 import traceback
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -437,3 +439,16 @@ def destroy_process_group(error: BaseException | None = None) -> None:
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextmanager
+def destroyed_on_exit() -> Iterator[None]:
+    """Destroy the default process group when the block ends, with :func:`destroy_process_group`: on an
+    exception, with that exception's frames cleared first. Build the DDP wrapper in a function called inside
+    the block, so that it is gone when the block ends."""
+    try:
+        yield
+    except BaseException as error:
+        destroy_process_group(error)
+        raise
+    destroy_process_group()

@@ -693,13 +693,14 @@ class Observer:
         exact = exact_left @ exact_right
         magnitude = exact_left.abs() @ exact_right.abs()
         index = {label: i for i, label in enumerate(labels)}
-        mixed = [quantized_left[index[a]] @ quantized_right[index[b]] for a, b in self.config.pairs]
+        left_index = [index[a] for a, _ in self.config.pairs]
+        right_index = [index[b] for _, b in self.config.pairs]
         products = torch.cat(
             [
                 quantized_left @ exact_right,  # (fmt, fp32): the left operand quantized
                 exact_left @ quantized_right,  # (fp32, fmt)
                 quantized_left @ quantized_right,  # (fmt, fmt)
-                *([torch.stack(mixed)] if mixed else []),  # (A, B): the mixed pairs
+                quantized_left[left_index] @ quantized_right[right_index],  # (A, B): the mixed pairs
             ]
         )
         pairs = [(c, HIGH_LABEL) for c in labels] + [(HIGH_LABEL, c) for c in labels]

@@ -45,7 +45,8 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -615,8 +616,7 @@ def analyze(
     if sensitivity_batches and _env_world_size() > 1:
         raise WorkflowError("--sensitivity runs in one process; run analyze without torchrun to measure it")
     out_dir = Path(out)
-    started = _init_distributed()
-    try:
+    with _process_group():
         extra = {"sensitivity_batches": sensitivity_batches} if sensitivity_batches else {}
         settings = _settings(
             "analyze", model, objective, data, config, candidates=names, every=every, plan="fp32", **extra
@@ -663,13 +663,6 @@ def analyze(
         if writer:
             _write_tensorboard(out_dir, tensorboard)
         return result
-    except BaseException as error:
-        if started:  # the traceback's frames must not keep a DDP wrapper alive past the group
-            distributed.destroy_process_group(error)
-        raise
-    finally:
-        if started:  # train_run, with its DDP wrapper, has returned (a no-op after the line above)
-            distributed.destroy_process_group()
 
 
 def _measure_sensitivity(
@@ -746,8 +739,7 @@ def train(
     loaded, plan_source = _load_plan(plan)
     out_dir = Path(out)
     run_name = name or out_dir.resolve().name
-    started = _init_distributed()
-    try:
+    with _process_group():
         settings = _settings(
             "train",
             model,
@@ -787,13 +779,6 @@ def train(
         finally:
             set_fast(was_fast)
             close()
-    except BaseException as error:
-        if started:  # the traceback's frames must not keep a DDP wrapper alive past the group
-            distributed.destroy_process_group(error)
-        raise
-    finally:
-        if started:  # train_run, with its DDP wrapper, has returned (a no-op after the line above)
-            distributed.destroy_process_group()
 
 
 def _load_plan(plan: str) -> tuple[Plan, str]:
@@ -819,6 +804,15 @@ def _env_world_size() -> int:
     if not world.isdigit() or int(world) < 1:
         raise WorkflowError(f"WORLD_SIZE={world!r} is not a number of processes; launch with torchrun")
     return int(world)
+
+
+@contextmanager
+def _process_group() -> Iterator[None]:
+    """Under torchrun (``WORLD_SIZE`` > 1, no group yet): the gloo group for the block's duration, destroyed
+    when it ends (:func:`numscope.distributed.destroyed_on_exit`; train_run, which builds the DDP wrapper,
+    has returned by then)."""
+    with distributed.destroyed_on_exit() if _init_distributed() else nullcontext():
+        yield
 
 
 def _init_distributed() -> bool:

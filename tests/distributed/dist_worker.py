@@ -532,13 +532,9 @@ def main(argv: list[str]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     from numscope import distributed
 
-    try:
+    with distributed.destroyed_on_exit():  # no DDP of a scenario outlives the group, failed or not
         result = SCENARIOS[scenario](rank, world_size, json.loads(raw_args))
         dist.barrier()
-    except BaseException as error:
-        distributed.destroy_process_group(error)  # no DDP of a failed scenario outlives the group
-        raise
-    distributed.destroy_process_group()  # the scenario's DDP wrappers are gone (collected, if in cycles)
     torch.save(result, Path(directory) / f"rank{rank}.pt")
 
 
