@@ -408,6 +408,23 @@ def test_builtin_gpt2_trains_as_a_causal_lm(ws: Path) -> None:
     assert "val causal LM loss" in html and "MLM" not in html
 
 
+def test_a_grouped_query_attention_llama_config_is_analyzed_and_trained(ws: Path) -> None:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    config.to_json_file(ws / "llama_gqa.json")
+    out = ws / "runs" / "llama_gqa"
+    result = cli("analyze", *flags(ws, ws / "llama_gqa.json"), "--out", out)
+    assert result.code == 0, result.err
+    assert "model.layers.0.self_attn.scores" in (out / "analysis" / "analysis.json").read_text()
+    result = cli(
+        "train", *flags(ws, ws / "llama_gqa.json"), "--plan", "fp8", "--out", ws / "runs" / "llama_fp8"
+    )
+    assert result.code == 0, result.err
+    assert math.isfinite(json.loads((ws / "runs" / "llama_fp8" / "result.json").read_text())["val_loss"])
+
+
 def test_factories_from_a_file_and_from_a_module(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from_file = cli(
         "train",

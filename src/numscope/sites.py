@@ -400,10 +400,9 @@ def sdpa_reference(
     product = matmul if matmul is not None else (lambda role, a, b: torch.matmul(a, b))
     length, source = query.size(-2), key.size(-2)
     factor = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
-    if enable_gqa and key.size(-3) != query.size(-3):
-        repeat = query.size(-3) // key.size(-3)
-        key = key.repeat_interleave(repeat, dim=-3)
-        value = value.repeat_interleave(repeat, dim=-3)
+    key, value = _sdpa_kv_heads(
+        {"query": query, "key": key, "value": value, "enable_gqa": enable_gqa}
+    )
     scores = product("scores", query, key.transpose(-2, -1)).float() * factor
     if is_causal:
         keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
@@ -426,6 +425,24 @@ def _sdpa_arguments(args: tuple, kwargs: dict) -> dict[str, Any]:
     bound = dict(zip(_SDPA_ARGS, args, strict=False))
     bound.update(kwargs)
     return bound
+
+
+def _sdpa_kv_heads(bound: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value with their heads as the products see them: under ``enable_gqa`` (grouped-query
+    attention: fewer key/value heads than query heads, each shared by a group of consecutive query heads)
+    every key/value head repeated to its group, as ``F.scaled_dot_product_attention`` does; a head count
+    that does not divide the query's is the error SDPA itself raises."""
+    query, key, value = bound["query"], bound["key"], bound["value"]
+    if not bound.get("enable_gqa", False) or query.dim() < 3 or key.size(-3) == query.size(-3):
+        return key, value
+    heads, kv_heads = query.size(-3), key.size(-3)
+    if heads % kv_heads or value.size(-3) != kv_heads:
+        raise RuntimeError(
+            f"scaled_dot_product_attention with enable_gqa: query heads ({heads}) must be a multiple of "
+            f"key heads ({kv_heads}), and value heads ({value.size(-3)}) must equal key heads"
+        )
+    repeat = heads // kv_heads
+    return key.repeat_interleave(repeat, dim=-3), value.repeat_interleave(repeat, dim=-3)
 
 
 def _sdpa_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[dict, dict]:
@@ -799,7 +816,7 @@ class _Runtime:
     def sdpa_call(self, frame: _Frame, func, args: tuple, kwargs: dict):
         scores_site, context_site = self.anonymous(frame, "sdpa")
         bound = _sdpa_arguments(args, kwargs)
-        q, k, v = bound["query"], bound["key"], bound["value"]
+        q, k, v = bound["query"], *_sdpa_kv_heads(bound)
         self.sizes[scores_site.name], self.sizes[context_site.name] = _sdpa_sizes(q, k, v)
         calls = {"scores": self._call(scores_site, "batched"), "context": self._call(context_site, "batched")}
         if all(c is None for c in calls.values()):
