@@ -411,8 +411,15 @@ def test_builtin_gpt2_trains_as_a_causal_lm(ws: Path) -> None:
 def test_a_grouped_query_attention_llama_config_is_analyzed_and_trained(ws: Path) -> None:
     from transformers import LlamaConfig
 
-    config = LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=200,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     config.to_json_file(ws / "llama_gqa.json")
     out = ws / "runs" / "llama_gqa"
     result = cli("analyze", *flags(ws, ws / "llama_gqa.json"), "--out", out)

@@ -22,8 +22,11 @@ from transformers import (
 import numscope
 from numscope.sites import attach, sdpa_reference
 
-FAMILIES = {"llama": (LlamaForCausalLM, LlamaConfig), "mistral": (MistralForCausalLM, MistralConfig),
-            "qwen2": (Qwen2ForCausalLM, Qwen2Config)}  # fmt: skip
+FAMILIES = {
+    "llama": (LlamaForCausalLM, LlamaConfig),
+    "mistral": (MistralForCausalLM, MistralConfig),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config),
+}
 IDS = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 LAYERS = 2
 
@@ -31,8 +34,17 @@ LAYERS = 2
 def model(family: str, impl: str, kv_heads: int = 2):
     torch.manual_seed(0)
     cls, config = FAMILIES[family]
-    return cls(config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=kv_heads, attn_implementation=impl))  # fmt: skip
+    return cls(
+        config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=kv_heads,
+            attn_implementation=impl,
+        )
+    )
 
 
 def step(net) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -400,9 +400,7 @@ def sdpa_reference(
     product = matmul if matmul is not None else (lambda role, a, b: torch.matmul(a, b))
     length, source = query.size(-2), key.size(-2)
     factor = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
-    key, value = _sdpa_kv_heads(
-        {"query": query, "key": key, "value": value, "enable_gqa": enable_gqa}
-    )
+    key, value = _sdpa_kv_heads({"query": query, "key": key, "value": value, "enable_gqa": enable_gqa})
     scores = product("scores", query, key.transpose(-2, -1)).float() * factor
     if is_causal:
         keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
