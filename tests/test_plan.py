@@ -44,7 +44,7 @@ def test_contract_constants():
         "dgrad": ("grad_output", "weight"),
         "wgrad": ("grad_output", "input"),
     }
-    assert ACCUMULATE == ("fp32", "bf16", "fp16")
+    assert ACCUMULATE == ("fp32", "bf16", "fp16", "fp22", "fp22_promote128")
     assert issubclass(PlanError, ValueError)
     assert numscope.Plan is Plan
 
@@ -179,7 +179,9 @@ def test_python_constructors_validate():
         OperandSpec("fp8_e4m4")
     with pytest.raises(PlanError, match="format 'high' leaves the operand unquantized; rounding does not"):
         OperandSpec("high", rounding="stochastic")
-    with pytest.raises(PlanError, match="unknown rounding 'up'; allowed: nearest, stochastic, zero"):
+    with pytest.raises(
+        PlanError, match="unknown rounding 'up'; allowed: nearest, nearest_away, stochastic, zero"
+    ):
         OperandSpec("bf16", rounding="up")
     with pytest.raises(PlanError, match="unknown accumulate 'fp8'; allowed: fp32, bf16, fp16"):
         SiteSpec(accumulate="fp8")

@@ -33,7 +33,7 @@ from torch import nn
 from numscope.formats.cast import native_dtype
 from numscope.formats.fast import fast_enabled
 from numscope.formats.quantize import quantize
-from numscope.formats.scaling import DelayedScaler, Scaling, reduce_amax_, scale_from_amax
+from numscope.formats.scaling import DelayedScaler, Scaling, reduce_amax_
 from numscope.formats.spec import BlockFormat, FloatFormat
 from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec
 from numscope.sites import Handle, Site, attach, is_discovered, on_discovered, operand_sizes, sites
@@ -112,7 +112,16 @@ class _Quantizer:
 
     def quantize(self, key: str, spec: OperandSpec, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         """``tensor`` in ``spec``, as float32 values (not rounded to an fp16/bf16 operand's dtype: a site
-        that multiplies in float32 takes them as they are, any other casts them to its operand's dtype)."""
+        that multiplies in float32 takes them as they are, any other casts them to its operand's dtype).
+        An operand with a transform is quantized rotated along ``axis`` and rotated back."""
+        rotation = spec.rotation()
+        if rotation is not None:
+            return rotation.quantized(
+                tensor, axis, lambda rotated, last: self._quantize(key, spec, rotated, last)
+            )
+        return self._quantize(key, spec, tensor, axis)
+
+    def _quantize(self, key: str, spec: OperandSpec, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         fmt = spec.format_spec()
         scaling = spec.effective_scaling()
         native = None if fast_enabled() else _native_cast(spec, fmt, scaling)
@@ -125,7 +134,7 @@ class _Quantizer:
                 scale = self.scaler(key, scaling).scale_for(xf, fmt.max, amax=amax)  # type: ignore[union-attr]
             else:
                 amax = reduce_amax_(amax.reshape(1), scaling.reduce_amax)[0]
-                scale = scale_from_amax(amax, fmt.max, scaling.margin, scaling.power_of_two)  # type: ignore[union-attr]
+                scale = scaling.scale(amax, fmt.max)  # type: ignore[union-attr]
             return _fake_cast(xf, native, fmt, scale, amax, spec.overflow)  # type: ignore[arg-type]
         if isinstance(fmt, BlockFormat):
             reduce = scaling is None or scaling.reduce_amax
@@ -254,7 +263,11 @@ def _e4m3_as_fp16(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _axis_independent(spec: OperandSpec) -> bool:
-    if spec.rounding == "stochastic" or isinstance(spec.format_spec(), BlockFormat):
+    if (
+        spec.rounding == "stochastic"
+        or spec.transform is not None
+        or isinstance(spec.format_spec(), BlockFormat)
+    ):
         return False
     scaling = spec.effective_scaling()
     return scaling is None or scaling.kind == "tensor"

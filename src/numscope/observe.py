@@ -116,7 +116,7 @@ from numscope.convert import HANDLER_NAME as CONVERT_HANDLER
 from numscope.convert import converted_plan
 from numscope.distributed import is_parameter_operand, merge_analysis, world_size
 from numscope.formats.quantize import _tile_shape, quantize
-from numscope.formats.scaling import Scaling, reduce_amax_, scale_from_amax
+from numscope.formats.scaling import Scaling, reduce_amax_
 from numscope.formats.spec import BlockFormat, Format
 from numscope.formats.spec import format as get_format
 from numscope.metrics import candidate_metrics, log2_histogram, quantize_sample, tensor_stats
@@ -609,6 +609,7 @@ class Observer:
                 margin=scaling.margin,
                 power_of_two=scaling.power_of_two,
                 reduce_amax=scaling.reduce_amax,
+                amax_epsilon=scaling.amax_epsilon,
             )
         if isinstance(fmt, BlockFormat):
             return candidate_metrics(rows, {PLAN_LABEL: (fmt, BLOCKS_LAST)}, amax=amax)[PLAN_LABEL]
@@ -619,9 +620,7 @@ class Observer:
         if index is None:
             index = torch.arange(tensor.numel(), device=tensor.device)
         clean = finite_or_zero(shared.sample)
-        scale = scale_from_amax(
-            _scaling_amax(tensor, index, fmt, scaling), fmt.max, scaling.margin, scaling.power_of_two
-        )
+        scale = scaling.scale(_scaling_amax(tensor, index, fmt, scaling), fmt.max)
         scaled = clean * scale  # as numscope.quantize: cast(x · scale) · (1 / scale)
         kept = Quantized(quantize(scaled, fmt) * (1.0 / scale), scaled, None, fmt, -1)
         return metrics_of_quantized(clean, {PLAN_LABEL: kept})[PLAN_LABEL]

@@ -39,10 +39,12 @@ Keys of a site spec (``default`` or a rule), applied broadest first, later ones 
 operand by operand: ``all`` (the six operands) → ``forward`` (fprop) / ``backward`` (dgrad and wgrad) →
 ``input`` / ``weight`` / ``grad_output`` (that operand in every GEMM that takes it) → ``fprop`` /
 ``dgrad`` / ``wgrad`` (a mapping operand → spec, or one spec for both operands). Besides: ``accumulate``
-(``fp32``, ``bf16``, ``fp16``; default ``fp32``), ``reasons`` (``"gemm/operand"`` → text) and, in a rule,
-``match``. An operand spec is a format name, ``high``, or a mapping with ``format`` and optionally
-``scaling`` (a kind name or a mapping of :class:`numscope.Scaling` fields), ``rounding``, ``overflow``,
-``flush_subnormals``.
+(``fp32``, ``bf16``, ``fp16``, ``fp22``, ``fp22_promote128``; default ``fp32``), ``reasons``
+(``"gemm/operand"`` → text) and, in a rule, ``match``. An operand spec is a format name, ``high``, or a
+mapping with ``format`` and optionally ``scaling`` (a kind name or a mapping of :class:`numscope.Scaling`
+fields), ``rounding``, ``overflow``, ``flush_subnormals``, ``transform`` (``rht16``: a random Hadamard
+transform of blocks of 16 along the GEMM's contraction axis before the cast, undone after it;
+``rht32:7`` blocks of 32 with sign seed 7).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from numscope.formats.cast import OVERFLOWS, ROUNDINGS
 from numscope.formats.scaling import KINDS, Scaling
 from numscope.formats.spec import BlockFormat, Format
 from numscope.formats.spec import format as get_format
+from numscope.formats.transform import Rotation
 
 GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
 OPERANDS: dict[str, tuple[str, ...]] = {
@@ -69,7 +72,8 @@ OPERANDS: dict[str, tuple[str, ...]] = {
     "dgrad": ("grad_output", "weight"),
     "wgrad": ("grad_output", "input"),
 }
-ACCUMULATE: tuple[str, ...] = ("fp32", "bf16", "fp16")
+#: the accumulators of :data:`numscope.sites.ACCUMULATORS`
+ACCUMULATE: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp22", "fp22_promote128")
 HIGH = "high"
 PLAN_VERSION = 1
 VERSION_KEY = "numscope_plan"
@@ -83,7 +87,14 @@ SCALE_BITS = 32
 
 _ROLE_KEYS: tuple[str, ...] = ("input", "weight", "grad_output")
 _GROUP_KEYS: dict[str, tuple[str, ...]] = {"forward": ("fprop",), "backward": ("dgrad", "wgrad")}
-_OPERAND_FIELDS: tuple[str, ...] = ("format", "scaling", "rounding", "overflow", "flush_subnormals")
+_OPERAND_FIELDS: tuple[str, ...] = (
+    "format",
+    "scaling",
+    "rounding",
+    "overflow",
+    "flush_subnormals",
+    "transform",
+)
 _SCALING_TYPES: dict[str, type] = {
     "kind": str,
     "margin": int,
@@ -92,10 +103,11 @@ _SCALING_TYPES: dict[str, type] = {
     "history_len": int,
     "amax_compute": str,
     "reduce_amax": bool,
+    "amax_epsilon": float,
 }
 
 
-_A_TYPE: dict[type, str] = {str: "a string", int: "an int", bool: "a bool", list: "a list"}
+_A_TYPE: dict[type, str] = {str: "a string", int: "an int", bool: "a bool", list: "a list", float: "a number"}
 
 
 class PlanError(ValueError):
@@ -177,8 +189,12 @@ class OperandSpec:
         ``None``, so that equal numerics compare equal. Block formats accept only ``Scaling("block")``
         without ``block_shape``; element formats accept ``block`` only with a ``block_shape``. ``axis`` is
         not a plan setting: the runtime passes the GEMM's contraction axis.
-    rounding: ``nearest``, ``stochastic`` or ``zero``. overflow: ``saturate`` or ``propagate`` (element
-        formats; block formats always saturate). flush_subnormals: element formats only.
+    rounding: ``nearest``, ``nearest_away``, ``stochastic`` or ``zero``. overflow: ``saturate`` or
+        ``propagate`` (element formats; block formats always saturate). flush_subnormals: element formats
+        only.
+    transform: ``None``, or a random Hadamard transform along the GEMM's contraction axis applied before
+        the cast and undone after it (``"rht16"``, ``"rht32:7"``: size and sign seed; see
+        :class:`numscope.formats.transform.Rotation`), as NVFP4's and MXFP4's recipes do for wgrad.
     """
 
     format: str
@@ -186,6 +202,7 @@ class OperandSpec:
     rounding: str = "nearest"
     overflow: str = "saturate"
     flush_subnormals: bool = False
+    transform: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.format, str):
@@ -196,6 +213,15 @@ class OperandSpec:
             raise PlanError(_unknown("overflow", str(self.overflow), OVERFLOWS))
         if not isinstance(self.flush_subnormals, bool):
             raise PlanError(f"flush_subnormals must be a bool, got {_type_name(self.flush_subnormals)}")
+        if self.transform is not None:
+            if not isinstance(self.transform, str):
+                raise PlanError(
+                    f"transform must be a string such as 'rht16', got {_type_name(self.transform)}"
+                )
+            try:
+                object.__setattr__(self, "transform", Rotation.parse(self.transform).name)
+            except ValueError as error:
+                raise PlanError(str(error)) from None
         scaling = self.scaling
         if scaling is not None and not isinstance(scaling, Scaling):
             try:
@@ -206,7 +232,7 @@ class OperandSpec:
             object.__setattr__(self, "format", HIGH)
             changed = [
                 name
-                for name in ("scaling", "rounding", "overflow", "flush_subnormals")
+                for name in ("scaling", "rounding", "overflow", "flush_subnormals", "transform")
                 if (scaling if name == "scaling" else getattr(self, name)) != _OPERAND_DEFAULTS[name]
             ]
             if changed:
@@ -271,13 +297,19 @@ class OperandSpec:
         return bits
 
     def describe_scaling(self) -> str:
-        """A short legible name of the effective scaling (``tensor``, ``block/32 e8m0``, ``delayed(...)``)."""
+        """A short legible name of the effective scaling (``tensor``, ``block/32 e8m0``, ``delayed(...)``),
+        with the transform where there is one (``block/16 fp8_e4m3 + fp32 tensor, rht16``)."""
+        text = self._describe_scaling()
+        return text if self.transform is None else f"{text}, {self.transform}"
+
+    def _describe_scaling(self) -> str:
         fmt = self.format_spec()
         if fmt is None:
             return "-"
         if isinstance(fmt, BlockFormat):
-            text = f"block/{fmt.block_size} {fmt.scale_format.name}"
-            return text + " + fp32 tensor" if fmt.tensor_scale else text
+            shape = f"{fmt.block_rows}x{fmt.block_size}" if fmt.block_rows > 1 else str(fmt.block_size)
+            text = f"block/{shape} {fmt.scale_format.name}"
+            return text + f" + fp32 {'row' if fmt.row_scale else 'tensor'}" if fmt.tensor_scale else text
         scaling = self.effective_scaling()
         if scaling is None:
             return "none"
@@ -285,6 +317,10 @@ class OperandSpec:
         if not extra:
             return scaling.kind
         return f"{scaling.kind}({', '.join(f'{k}={v}' for k, v in extra.items())})"
+
+    def rotation(self) -> Rotation | None:
+        """The random Hadamard transform of this operand, if any."""
+        return None if self.transform is None else Rotation.parse(self.transform)
 
 
 _OPERAND_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(OperandSpec) if f.name != "format"}
@@ -350,7 +386,9 @@ class SiteSpec:
 
     operands: keys ``(gemm, operand)`` (``"gemm/operand"`` strings and bare format names are accepted);
         missing keys mean ``high``. ``high`` entries are dropped, so equal numerics compare equal.
-    accumulate: the precision the GEMM's products are summed in: ``fp32`` (default), ``bf16``, ``fp16``.
+    accumulate: the precision the GEMM's products are summed in: ``fp32`` (default), ``bf16``, ``fp16``,
+        ``fp22`` (E8M13, an FP8 tensor core's accumulator) or ``fp22_promote128`` (fp22 promoted to an
+        fp32 sum every 128 products, as DeepSeek-V3); see :data:`numscope.sites.ACCUMULATORS`.
     """
 
     operands: Mapping[tuple[str, str], OperandSpec] = field(default_factory=dict)
@@ -704,7 +742,7 @@ def _operand_to_value(spec: OperandSpec) -> str | dict[str, Any]:
     if spec.scaling is not None:
         scaling = spec.scaling.to_dict()
         extra["scaling"] = scaling["kind"] if len(scaling) == 1 else scaling
-    for name in ("rounding", "overflow", "flush_subnormals"):
+    for name in ("rounding", "overflow", "flush_subnormals", "transform"):
         if getattr(spec, name) != _OPERAND_DEFAULTS[name]:
             extra[name] = getattr(spec, name)
     return {"format": spec.format, **extra} if extra else spec.format
@@ -779,7 +817,8 @@ def _parse_scaling(value: Any, where: str) -> Scaling:
         if key not in data:
             continue
         item = data[key]
-        wrong = not isinstance(item, expected) or (expected is int and isinstance(item, bool))
+        accepted = (int, float) if expected is float else expected  # YAML writes 0.0 as 0 only if asked
+        wrong = not isinstance(item, accepted) or (expected in (int, float) and isinstance(item, bool))
         if wrong:
             raise PlanError(f"{_at(where, key)} must be {_A_TYPE[expected]}, got {_type_name(item)}")
     if data["kind"] not in KINDS:
@@ -811,6 +850,8 @@ def _parse_operand(value: Any, where: str) -> OperandSpec:
             args[key] = _parse_scaling(item, _at(where, key))
             continue
         expected = bool if key == "flush_subnormals" else str
+        if key == "transform" and item is None:
+            continue
         if not isinstance(item, expected):
             raise PlanError(f"{_at(where, key)} must be {_A_TYPE[expected]}, got {_type_name(item)}")
         args[key] = item

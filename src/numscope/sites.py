@@ -34,7 +34,7 @@ those of the unconverted model: the products are the ones autograd itself issues
 ``addmm``, ``mm`` and ``matmul`` (for a 2-D @ ≥3-D matmul, and ≥3-D matmuls whose batch of 1 broadcasts,
 the batched decomposition is used: equal in value, not guaranteed in bits). A handler may define
 ``wants(site) -> bool`` (sites nobody wants run the original op untouched: an unwanted SDPA stays the
-fused kernel), ``accumulate(site) -> str | None`` (``fp32``, ``bf16``, ``fp16``) and
+fused kernel), ``accumulate(site) -> str | None`` (a name of :data:`ACCUMULATORS`) and
 ``shares_input(site) -> bool``: when every handler of a site says True (its wgrad input would be its
 fprop input, handled identically), the function saves the handled fprop input for backward instead of
 the raw one and passes it to wgrad without calling the chain again. A handler may also define
@@ -49,11 +49,12 @@ interception mode that defines ``fp32_gemm_dtype() -> torch.dtype | None`` (as
 float32 values (fp16/bf16 operands cast up exactly, handlers' float32 results kept as they are) and
 returns the working dtype, its gradients each input's dtype, as the mode itself would compute it.
 
-Accumulation in bf16/fp16 is emulated: the reduction dimension is split into chunks of
+Accumulation in bf16, fp16 or fp22 is emulated: the reduction dimension is split into chunks of
 :data:`ACCUMULATE_CHUNK` (32) products; each chunk's partial sum is computed in fp32 and rounded to the
 accumulator format; the partials are added one after another with rounding to the accumulator format
 after each addition (as a tensor core that accumulates a short dot product exactly and adds it to a
-narrow accumulator). A bias is added in fp32 to the rounded result.
+narrow accumulator). ``fp22_promote128`` does so for each run of 128 products and adds the runs' sums in
+fp32 (DeepSeek-V3's promotion to CUDA cores). A bias is added in fp32 to the rounded result.
 
 Matmuls with a 1-D operand (dot, mv) are not sites. Only calls inside the attached model's own forward
 are intercepted (not a submodule called directly), and only modules present at attach time are tracked.
@@ -77,12 +78,29 @@ from numscope._rng import fork_rng
 from numscope._root_call import SITES, RootCall, RootCalls, remove_mode
 
 GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
-#: number of products summed exactly (in fp32) before a rounding to a bf16/fp16 accumulator
+#: number of products summed exactly (in fp32) before a rounding to a narrow accumulator
 ACCUMULATE_CHUNK = 32
-ACCUMULATE_DTYPES: dict[str, torch.dtype | None] = {
-    "fp32": None,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
+
+
+@dataclass(frozen=True)
+class Accumulator:
+    """How a GEMM sums its products: in ``format`` (``None``: fp32, torch's own matmul), and, where
+    ``promote_every`` is set, with the narrow partial sum added into an fp32 total every that many
+    products (DeepSeek-V3's promotion of the tensor cores' limited accumulation, every 128)."""
+
+    format: str | None
+    promote_every: int | None = None
+
+
+#: the accumulators a plan's ``accumulate`` names: fp32; bf16 and fp16; fp22 (E8M13, the ~14 significant
+#: bits that FP8 tensor cores keep, as the DeepSeek-V3 report measured on H800), alone or promoted to fp32
+#: every 128 products
+ACCUMULATORS: dict[str, Accumulator] = {
+    "fp32": Accumulator(None),
+    "bf16": Accumulator("bf16"),
+    "fp16": Accumulator("fp16"),
+    "fp22": Accumulator("e8m13"),
+    "fp22_promote128": Accumulator("e8m13", 128),
 }
 _LOW = (torch.float16, torch.bfloat16)
 STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -146,13 +164,22 @@ def accumulate_matmul(
     """``a @ b`` (broadcasting, ≥2-D) with the sum over the contraction axis in the ``accumulate`` format.
 
     See the module docstring for the model (chunks of ``chunk`` products exact in fp32, then sequential
-    additions rounded to bf16/fp16). ``fp32`` is ``torch.matmul``. Returns ``a``'s dtype.
+    additions rounded to the accumulator's format; with promotion, each run of ``promote_every`` products
+    summed so and then added into an fp32 total). ``fp32`` is ``torch.matmul``. Returns ``a``'s dtype.
     """
-    dtype = ACCUMULATE_DTYPES.get(accumulate, "unknown")
-    if dtype == "unknown":
-        raise ValueError(f"unknown accumulate {accumulate!r}; allowed: {', '.join(ACCUMULATE_DTYPES)}")
-    if dtype is None:
+    accumulator = ACCUMULATORS.get(accumulate)
+    if accumulator is None:
+        raise ValueError(f"unknown accumulate {accumulate!r}; allowed: {', '.join(ACCUMULATORS)}")
+    if accumulator.format is None:
         return torch.matmul(a, b)
+    from numscope.formats.cast import cast_float
+    from numscope.formats.spec import format as get_format
+
+    narrow = get_format(accumulator.format)
+
+    def rounded(values: torch.Tensor) -> torch.Tensor:
+        return cast_float(values, narrow, "nearest", "propagate")  # type: ignore[arg-type]
+
     out_dtype = a.dtype
     a, b = a.float(), b.float()
     length = a.shape[-1]
@@ -163,10 +190,15 @@ def accumulate_matmul(
     chunks = (length + pad) // chunk
     a_chunks = a.reshape(*a.shape[:-1], chunks, chunk).movedim(-2, -3)
     b_chunks = b.reshape(*b.shape[:-2], chunks, chunk, b.shape[-1])
-    partials = torch.matmul(a_chunks, b_chunks).to(dtype)
-    total = partials.select(-3, 0)
-    for index in range(1, chunks):
-        total = (total.float() + partials.select(-3, index).float()).to(dtype)
+    partials = rounded(torch.matmul(a_chunks, b_chunks))
+    per_group = chunks if accumulator.promote_every is None else max(accumulator.promote_every // chunk, 1)
+    total = None
+    for first in range(0, chunks, per_group):
+        group = partials.select(-3, first)
+        for index in range(first + 1, min(first + per_group, chunks)):
+            group = rounded(group + partials.select(-3, index))
+        total = group if total is None else total + group  # the promotion: an fp32 addition
+    assert total is not None
     return total.to(out_dtype)
 
 
@@ -730,9 +762,10 @@ class _Runtime:
                 choice = chooser(site) if chooser is not None else None
                 if choice is not None:
                     accumulate = choice
-            if accumulate not in ACCUMULATE_DTYPES:
+            if accumulate not in ACCUMULATORS:
                 raise ValueError(
-                    f"unknown accumulate {accumulate!r} for site {site.name!r}; allowed: fp32, bf16, fp16"
+                    f"unknown accumulate {accumulate!r} for site {site.name!r}; "
+                    f"allowed: {', '.join(ACCUMULATORS)}"
                 )
             cached = (wanted, accumulate)
             self._wanted[site.name] = cached

@@ -52,11 +52,16 @@ def mx_block(block: np.ndarray, fmt) -> np.ndarray:
     return (elements.astype(np.float64) * scale).astype(np.float32)
 
 
-def nvfp4_reference(x: np.ndarray) -> np.ndarray:
-    """NVFP4 along the last axis: S = 448·6/amax; s_b = e4m3(amax_b/6·S); e = e2m1(v/(s_b/S)); e·(s_b/S)."""
+def nvfp4_reference(x: np.ndarray, divide: bool = False) -> np.ndarray:
+    """NVFP4 along the last axis, S = 448·6/amax (the largest float32 where that overflows).
+
+    Transformer Engine's order (the default): s_b = e4m3(amax_b · (S · (1/6))), e = e2m1(v · (1 / (s_b ·
+    (1/S)))), value e · (s_b · (1/S)). ``divide``: s_b = e4m3(amax_b/6·S); e = e2m1(v/(s_b/S)); e·(s_b/S).
+    """
     f32 = np.float32
+    big = np.finfo(np.float32).max
     amax = f32(np.abs(x).max()) if x.size else f32(0)
-    encode = f32(f32(448 * 6) / amax) if np.isfinite(amax) and amax > 0 else f32(1)
+    encode = f32(min(f32(f32(448 * 6) / amax), big)) if np.isfinite(amax) and amax > 0 else f32(1)
     e2m1 = numscope.format("fp4_e2m1")
     out = np.empty_like(x)
     for index in np.ndindex(*x.shape[:-1]):
@@ -67,13 +72,19 @@ def nvfp4_reference(x: np.ndarray) -> np.ndarray:
             if not np.isfinite(block).all():
                 result.append(np.full(16, np.nan, np.float32))
                 continue
-            stored = np.array([f32(f32(np.abs(block).max()) / f32(6)) * encode], np.float32)
-            stored = np.clip(stored, 0, 448).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)[0]
-            decode = f32(stored / encode)
+            block_amax = f32(np.abs(block).max())
+            if divide:
+                wanted = f32(f32(block_amax / f32(6)) * encode)
+            else:
+                wanted = f32(block_amax * f32(encode * f32(1 / 6)))
+            stored = np.clip(np.array([wanted], np.float32), 0, 448)
+            stored = stored.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)[0]
+            decode = f32(stored / encode) if divide else f32(stored * f32(f32(1) / encode))
             if decode == 0:  # the block underflows: signed zeros
                 result.append(block * np.float32(0))
                 continue
-            elements = saturating_cast((block / decode).astype(np.float32), e2m1)
+            scaled = (block / decode) if divide else block * f32(min(f32(f32(1) / decode), big))
+            elements = saturating_cast(scaled.astype(np.float32), e2m1)
             result.append((elements * decode).astype(np.float32))
         out[index] = np.concatenate(result)[: row.size]
     return out
@@ -93,7 +104,8 @@ def mx_reference(x: np.ndarray, fmt, axis: int = -1) -> np.ndarray:
 def reference(x: np.ndarray, name: str, axis: int = -1) -> np.ndarray:
     fmt = numscope.format(name)
     if fmt.tensor_scale:
-        return np.moveaxis(nvfp4_reference(np.ascontiguousarray(np.moveaxis(x, axis, -1))), -1, axis)
+        moved = np.ascontiguousarray(np.moveaxis(x, axis, -1))
+        return np.moveaxis(nvfp4_reference(moved, fmt.scale_math == "divide"), -1, axis)
     return mx_reference(x, fmt, axis)
 
 
@@ -116,7 +128,9 @@ def ours(x: np.ndarray, name: str, **kwargs) -> np.ndarray:
     return numscope.quantize(torch.from_numpy(np.ascontiguousarray(x)), name, **kwargs).numpy()
 
 
-@pytest.mark.parametrize("name", [*MX, "mxfp8_e4m3@rceil", "mxfp4_e2m1@rceil", "mxint8@rceil", "nvfp4"])
+@pytest.mark.parametrize(
+    "name", [*MX, "mxfp8_e4m3@rceil", "mxfp4_e2m1@rceil", "mxint8@rceil", "nvfp4", "nvfp4@divide"]
+)
 @pytest.mark.parametrize("shape", [(6, 64), (5, 70), (3, 17)])
 def test_block_formats_match_the_spec_reference(name: str, shape: tuple[int, ...]) -> None:
     x = sample(shape, seed=shape[1])

@@ -25,17 +25,24 @@ X = torch.ones(4, 8)
         (lambda: numscope.format("mxfp9"), ValueError, "known: bf16, e8m0, fp16"),
         (lambda: numscope.format("e9m2"), ValueError, "generic format 'e9m2': exponent bits must be 2..8"),
         (lambda: numscope.format(8), TypeError, "a format is named by a string, got int: 8"),
-        (lambda: numscope.format("fp8_e4m3@rceil"), ValueError, "applies only to the MX block formats"),
-        (lambda: numscope.format("nvfp4@rceil"), ValueError, "applies only to the MX block formats"),
+        (lambda: numscope.format("fp8_e4m3@rceil"), ValueError, "apply only to the block formats"),
+        (
+            lambda: numscope.format("nvfp4@rceil"),
+            ValueError,
+            "format 'nvfp4': unknown option 'rceil'; the NVFP4 formats take: 2d, row, 4over6, divide",
+        ),
+        (lambda: numscope.format("nvfp4@2d@row"), ValueError, "'2d' blocks and a per-row scale ('row')"),
+        (lambda: numscope.format("mxfp8@rceil@even"), ValueError, "one scale rule at most, got even, rceil"),
+        (lambda: numscope.format("mxfp4@full"), ValueError, "option 'full' applies only to integer elements"),
         (
             lambda: numscope.format("mxfp8@up"),
             ValueError,
-            "unknown scale rule 'up'; allowed: 'floor', 'rceil'",
+            "format 'mxfp8_e4m3': unknown option 'up'; the MX formats take: rceil, ceil, even, full",
         ),
         (
             lambda: numscope.quantize(X, "fp8_e4m3", rounding="up"),
             ValueError,
-            "unknown rounding 'up'; allowed: nearest, stochastic, zero",
+            "unknown rounding 'up'; allowed: nearest, nearest_away, stochastic, zero",
         ),
         (
             lambda: numscope.quantize(X, "fp8_e4m3", overflow="wrap"),
@@ -151,7 +158,7 @@ X = torch.ones(4, 8)
         (
             lambda: numscope.format("mxfp8").with_scale_rule("round"),
             ValueError,
-            "scale_rule must be 'floor' or 'rceil', got 'round'",
+            "scale_rule must be one of 'floor', 'rceil', 'ceil', 'even', got 'round'",
         ),
     ],
 )

@@ -3,6 +3,8 @@
 Rules (the same for every element format):
 
 * ``rounding="nearest"``: round to nearest, ties to even (IEEE 754 default).
+* ``rounding="nearest_away"``: round to nearest, ties away from zero (IEEE 754's roundTiesToAway, what
+  microxcaling calls "nearest").
 * ``rounding="zero"``: truncate toward zero; a finite overflow gives ±max (IEEE 754's rule for this mode).
 * ``rounding="stochastic"``: round up with probability equal to the distance from the lower grid point
   in units of the local spacing, so that E[q(x)] = x inside the range; reproducible with a generator.
@@ -27,9 +29,9 @@ import torch
 
 from numscope.formats.spec import FloatFormat, IntFormat
 
-Rounding = Literal["nearest", "stochastic", "zero"]
+Rounding = Literal["nearest", "nearest_away", "stochastic", "zero"]
 Overflow = Literal["saturate", "propagate"]
-ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic", "zero")
+ROUNDINGS: tuple[str, ...] = ("nearest", "nearest_away", "stochastic", "zero")
 OVERFLOWS: tuple[str, ...] = ("saturate", "propagate")
 
 _NATIVE: dict[str, torch.dtype] = {
@@ -56,6 +58,8 @@ def _round_scaled(t: torch.Tensor, rounding: str, generator: torch.Generator | N
     """Round values already expressed in units of their grid spacing to integers."""
     if rounding == "nearest":
         return torch.round(t)
+    if rounding == "nearest_away":
+        return torch.copysign(torch.floor(t.abs() + 0.5), t)
     if rounding == "zero":
         return torch.trunc(t)
     return torch.floor(t + _uniform_like(t, generator))
@@ -78,6 +82,8 @@ def _grid_e8(
     if rounding == "nearest":
         half = (1 << (drop - 1)) - 1
         magnitude = magnitude + half + ((magnitude >> drop) & 1)
+    elif rounding == "nearest_away":
+        magnitude = magnitude + (1 << (drop - 1))
     elif rounding == "stochastic":
         noise = torch.randint(0, 1 << drop, x.shape, generator=generator, dtype=torch.int32, device=x.device)
         magnitude = magnitude + noise
@@ -125,7 +131,7 @@ def _e8m0(
     """
     bits = x.view(torch.int32)
     subnormal = (bits > 0) & (bits < 0x800000)
-    if rounding == "nearest":
+    if rounding in ("nearest", "nearest_away"):  # ties go up: away from zero too
         bits = bits + 0x400000 - (subnormal.to(torch.int32) << 21)  # half a binade; 0x200000 below 2^-126
     elif rounding == "stochastic":
         noise = torch.randint(0, 1 << 23, x.shape, generator=generator, dtype=torch.int32, device=x.device)
@@ -228,11 +234,13 @@ def cast_int(
 ) -> torch.Tensor:
     """Round float32 ``x`` to the symmetric integer grid of ``fmt`` (scaled by 2^-fraction_bits), saturating.
 
-    Integers have no inf or NaN: ±inf saturate to ±max and NaN stays NaN in the float32 result (it has no
-    code; :func:`numscope.encode` rejects it).
+    Integers have no inf or NaN: ±inf saturate to ±max (to the most negative code with ``full_range``) and
+    NaN stays NaN in the float32 result (it has no code; :func:`numscope.encode` rejects it). Nor have they
+    −0: a negative value that rounds to zero gives +0, as decoding its code does.
     """
     t = x * float(2**fmt.fraction_bits)
-    code = _round_scaled(t, rounding, generator).clamp(-fmt.max_code, fmt.max_code)
+    code = _round_scaled(t, rounding, generator).clamp(fmt.min_code, fmt.max_code)
+    code = torch.where(code == 0, torch.zeros_like(code), code)  # the codes have no -0
     return code * float(2.0**-fmt.fraction_bits)
 
 

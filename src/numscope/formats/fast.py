@@ -186,11 +186,12 @@ def _element_kernel(
     mode: str | None,
     margin: int,
     power_of_two: bool,
+    amax_epsilon: float,
 ) -> torch.Tensor:
     if scale is None and mode is not None:
         if amax is None:
             amax = _abs_amax_kernel(x, mode=mode)
-        scale = scale_from_amax(amax, fmt.max, margin, power_of_two)
+        scale = scale_from_amax(amax, fmt.max, margin, power_of_two, amax_epsilon)
     if scale is None:
         return cast(x, fmt, "nearest", overflow, flush)
     return cast(x * scale, fmt, "nearest", overflow, flush) * (1.0 / scale)
@@ -201,7 +202,7 @@ def _block_kernel(
 ) -> torch.Tensor:
     from numscope.formats.quantize import block_parts_2d
 
-    if fmt.tensor_scale and tensor_amax is None:
+    if fmt.tensor_scale and not fmt.row_scale and tensor_amax is None:
         tensor_amax = x.abs().amax()
     parts = block_parts_2d(x, fmt, tensor_amax, "nearest", None, flush)
     return (parts.elements * parts.scales).reshape(x.shape[0], -1)
@@ -242,7 +243,9 @@ def element(
         # amaxes that span the rows, which data parallelism splits over the ranks
         amax = reduce_amax_(abs_amax(x, mode).reshape(1, -1)).reshape(() if mode == "tensor" else (1, -1))
     _dynamic(x, scale)
-    margin, power_of_two = (scaling.margin, scaling.power_of_two) if mode is not None else (0, False)  # type: ignore[union-attr]
+    margin, power_of_two, epsilon = (
+        (scaling.margin, scaling.power_of_two, scaling.amax_epsilon) if mode is not None else (0, False, 0.0)  # type: ignore[union-attr]
+    )
     kernel = _compiled(
         "element",
         fmt=fmt,
@@ -251,6 +254,7 @@ def element(
         mode=mode,
         margin=margin,
         power_of_two=power_of_two,
+        amax_epsilon=epsilon,
     )
     return kernel(x, amax, scale)
 
@@ -267,7 +271,7 @@ def block(x: torch.Tensor, fmt: BlockFormat, reduce_amax: bool = True, flush: bo
     pad = (-length) % fmt.block_size
     padded = F.pad(x, (0, pad)) if pad else x
     tensor_amax = None
-    if fmt.tensor_scale and reduces_across_ranks(reduce_amax):
+    if fmt.tensor_scale and not fmt.row_scale and reduces_across_ranks(reduce_amax):
         tensor_amax = reduce_amax_(abs_amax(padded, "tensor").reshape(1))[0]
     _dynamic(padded)
     out = _compiled("block", fmt=fmt, flush=flush)(padded, tensor_amax)

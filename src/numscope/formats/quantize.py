@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from numscope.formats import fast
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS, cast, cast_float
 from numscope.formats.scaling import (
+    FLOAT32_MAX,
     DelayedScaler,
     Scaling,
     exact_pow2,
@@ -98,23 +99,78 @@ class BlockParts:
     length: int
 
 
-def _mx_parts(
-    blocks: torch.Tensor, fmt: BlockFormat, rounding: str, generator, flush_subnormals: bool = False
-) -> tuple[torch.Tensor, ...]:
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
+def _element_mantissa_bits(element: FloatFormat | IntFormat) -> int:
+    """Significand bits below the leading one: a float's mantissa bits; an integer's bits less sign and
+    leading bit (MXINT8's 1.xxxxxx·2^0 has 6)."""
+    return element.mantissa_bits if isinstance(element, FloatFormat) else element.int_bits - 2
+
+
+def _mx_shared_exponent(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The unclamped exponent of the E8M0 scale of each block under ``fmt.scale_rule`` (int32).
+
+    floor: floor(log2 amax) − emax; ceil: ceil(log2 amax) − emax; even: floor(log2 ρ(amax)) − emax, ρ
+    rounding amax half up to the element's mantissa bits on its bit pattern (torchao's EVEN); rceil:
+    ceil(log2(amax / max_elem)) on the float32 quotient, −127 where the quotient underflows to 0.
+    """
     element = fmt.element
     if fmt.scale_rule == "rceil":
         ratio = amax / element.max
         below = log2_floor(ratio)
         shared = below + (exact_pow2(below) != ratio).to(torch.int32)  # ceil(log2 ratio)
-        shared = torch.where(amax > 0, shared, torch.full_like(shared, -127))
-    else:
-        shared = log2_floor(amax) - element.emax
-    shared = shared.clamp(-127, 127)
+        # an amax so small that amax / max underflows: the true exponent lies below -149, E8M0's floor
+        return torch.where(ratio > 0, shared, torch.full_like(shared, -127))
+    if fmt.scale_rule == "ceil":
+        below = log2_floor(amax)
+        return below + (exact_pow2(below) != amax).to(torch.int32) - element.emax
+    if fmt.scale_rule == "even":
+        half = 1 << (22 - _element_mantissa_bits(element))
+        rounded = ((amax.view(torch.int32) + half) & 0x7F800000).view(torch.float32)
+        return log2_floor(rounded) - element.emax
+    return log2_floor(amax) - element.emax
+
+
+def _mx_parts(
+    blocks: torch.Tensor, fmt: BlockFormat, rounding: str, generator, flush_subnormals: bool = False
+) -> tuple[torch.Tensor, ...]:
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    shared = _mx_shared_exponent(amax, fmt).clamp(-127, 127)
     scale = exact_pow2(shared)
-    elements = cast(blocks * exact_pow2(-shared), element, rounding, "saturate", flush_subnormals, generator)
+    elements = cast(
+        blocks * exact_pow2(-shared), fmt.element, rounding, "saturate", flush_subnormals, generator
+    )
     scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
     return elements, scale, scale
+
+
+def _nvfp4_candidate(
+    blocks: torch.Tensor,
+    amax: torch.Tensor,
+    fmt: BlockFormat,
+    encode_scale: torch.Tensor,
+    target: float,
+    rounding: str,
+    generator,
+    flush_subnormals: bool,
+) -> tuple[torch.Tensor, ...]:
+    """Elements, decode scale and stored E4M3 scale of NVFP4 blocks whose amax maps to ``target`` (6, or 4
+    for Four Over Six), in the arithmetic order of ``fmt.scale_math`` (see :class:`BlockFormat`)."""
+    element, scale_format = fmt.element, fmt.scale_format
+    if fmt.scale_math == "divide":
+        wanted = amax / target * encode_scale
+    else:  # Transformer Engine: amax_b · (S · (1/6)); elements times 1 / (s_b · (1/S))
+        wanted = amax * (encode_scale * torch.tensor(1.0 / target, dtype=torch.float32))
+    stored = cast_float(wanted.clamp(max=FLOAT32_MAX), scale_format, "nearest", "saturate")  # type: ignore[arg-type]
+    if fmt.scale_math == "divide":
+        decode = stored / encode_scale
+        safe = torch.where(decode > 0, decode, torch.ones_like(decode))
+        scaled = blocks / safe
+    else:
+        decode = stored * (1.0 / encode_scale)
+        scaled = blocks * torch.clamp(1.0 / decode, max=FLOAT32_MAX)
+    elements = cast(scaled, element, rounding, "saturate", flush_subnormals, generator)
+    elements = torch.where(stored > 0, elements, elements * 0.0)  # a block whose scale underflows: zeros
+    decode = torch.where(torch.isfinite(amax), decode, torch.full_like(decode, float("nan")))
+    return elements, decode, stored
 
 
 def _nvfp4_parts(
@@ -124,16 +180,27 @@ def _nvfp4_parts(
     rounding: str,
     generator,
     flush_subnormals: bool = False,
+    amax: torch.Tensor | None = None,
+    tile_rows: int = 1,
 ) -> tuple[torch.Tensor, ...]:
-    element, scale_format = fmt.element, fmt.scale_format
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
-    stored = cast_float(amax / element.max * encode_scale, scale_format, "nearest", "saturate")  # type: ignore[arg-type]
-    decode = stored / encode_scale
-    safe = torch.where(decode > 0, decode, torch.ones_like(decode))
-    elements = cast(blocks / safe, element, rounding, "saturate", flush_subnormals, generator)
-    elements = torch.where(decode > 0, elements, elements * 0.0)
-    decode = torch.where(torch.isfinite(amax), decode, torch.full_like(decode, float("nan")))
-    return elements, decode, stored
+    """NVFP4 block parts; ``amax``: each block's amax where it is not its own (2-D tiles); ``tile_rows``:
+    rows that share a scale, over which Four Over Six sums a tile's error."""
+    if amax is None:
+        amax = blocks.abs().amax(dim=-1, keepdim=True)
+    six = _nvfp4_candidate(blocks, amax, fmt, encode_scale, 6.0, rounding, generator, flush_subnormals)
+    if not fmt.four_over_six:
+        return six
+    four = _nvfp4_candidate(blocks, amax, fmt, encode_scale, 4.0, rounding, generator, flush_subnormals)
+
+    def error(candidate: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        squared = ((candidate[0] * candidate[1] - blocks) ** 2).sum(dim=-1, keepdim=True)
+        if tile_rows == 1:
+            return squared
+        tiles = squared.reshape(-1, tile_rows, *squared.shape[1:]).sum(dim=1, keepdim=True)
+        return tiles.expand(-1, tile_rows, *squared.shape[1:]).reshape(squared.shape)
+
+    pick_four = error(four) < error(six)  # ties keep 6, the plain NVFP4 choice
+    return tuple(torch.where(pick_four, f, s) for f, s in zip(four, six, strict=True))
 
 
 def block_parts_2d(
@@ -146,7 +213,9 @@ def block_parts_2d(
 ) -> BlockParts:
     """Quantize a 2-D float32 tensor to ``fmt`` with blocks along its last axis (zero-padded to whole blocks).
 
-    ``tensor_amax`` is NVFP4's amax of the whole tensor (already reduced across ranks); ignored for MX.
+    ``tensor_amax`` is NVFP4's amax of the whole tensor (already reduced across ranks); ignored for MX and
+    for NVFP4 with a per-row scale (each row's own amax). 2-D NVFP4 blocks (``@2d``) are 16 × 16 tiles of
+    ``x``: rows are zero-padded to whole tiles for the amax, and each row keeps its tile's scale.
     ``flush_subnormals`` flushes the elements as the element cast does, after the block scale: an element
     whose scaled value rounds below the element format's smallest normal becomes zero (integer elements
     have no subnormals: no effect).
@@ -157,15 +226,28 @@ def block_parts_2d(
     if pad:
         x = F.pad(x, (0, pad))
     blocks = x.reshape(x.shape[0], -1, fmt.block_size)
-    if fmt.tensor_scale:
+    if not fmt.tensor_scale:
+        elements, scales, stored = _mx_parts(blocks, fmt, rounding, generator, flush_subnormals)
+        return BlockParts(elements, scales, stored, None, length)
+    target = (256.0 if fmt.four_over_six else fmt.scale_format.max) * fmt.element.max
+    if fmt.row_scale:
+        encode_scale = scale_from_amax(blocks.abs().amax(dim=(-2, -1), keepdim=True), target)
+    else:
         assert tensor_amax is not None
-        encode_scale = scale_from_amax(tensor_amax, fmt.scale_format.max * fmt.element.max)
-        elements, scales, stored = _nvfp4_parts(
-            blocks, fmt, encode_scale, rounding, generator, flush_subnormals
-        )
-        return BlockParts(elements, scales, stored, encode_scale, length)
-    elements, scales, stored = _mx_parts(blocks, fmt, rounding, generator, flush_subnormals)
-    return BlockParts(elements, scales, stored, None, length)
+        encode_scale = scale_from_amax(tensor_amax, target)
+    amax, tile_rows = None, fmt.block_rows
+    rows = blocks.shape[0]
+    if tile_rows > 1:  # one amax per tile of block_rows x block_size, repeated for each of its rows
+        padded = F.pad(blocks, (0, 0, 0, 0, 0, (-rows) % tile_rows))
+        tiles = padded.reshape(-1, tile_rows, *blocks.shape[1:]).abs().amax(dim=(1, -1), keepdim=True)
+        amax = tiles.expand(-1, tile_rows, -1, -1).reshape(padded.shape[0], -1, 1)
+        blocks = padded
+    elements, scales, stored = _nvfp4_parts(
+        blocks, fmt, encode_scale, rounding, generator, flush_subnormals, amax, tile_rows
+    )
+    if tile_rows > 1:
+        elements, scales, stored = elements[:rows], scales[:rows], stored[:rows]
+    return BlockParts(elements, scales, stored, encode_scale, length)
 
 
 def _block_parts(
@@ -183,15 +265,20 @@ def _block_parts(
     """
     x2d, moved = _axis_last_2d(x, axis)
     tensor_amax = (
-        reduce_amax_(x.abs().amax().float().reshape(1), reduce_amax)[0] if fmt.tensor_scale else None
+        reduce_amax_(x.abs().amax().float().reshape(1), reduce_amax)[0]
+        if fmt.tensor_scale and not fmt.row_scale
+        else None
     )
     parts = block_parts_2d(x2d, fmt, tensor_amax, rounding, generator, flush_subnormals)
     lead = tuple(moved[:-1])
+    tensor_scale = parts.tensor_scale
+    if fmt.row_scale:
+        tensor_scale = tensor_scale.reshape(*lead, 1, 1)  # type: ignore[union-attr]
     return BlockParts(
         parts.elements.reshape(*lead, -1, fmt.block_size),
         parts.scales.reshape(*lead, -1, 1),
         parts.stored.reshape(*lead, -1, 1),
-        parts.tensor_scale,
+        tensor_scale,
         parts.length,
     )
 
@@ -234,7 +321,7 @@ def _element_scale(
     else:  # column: its amax runs over every row, and data parallelism splits the rows over the ranks
         dims = tuple(range(x.dim() - 1))
         amax = reduce_amax_(x.abs().amax(dim=dims, keepdim=True), scaling.reduce_amax) if dims else x.abs()
-    return scale_from_amax(amax, fmt.max, scaling.margin, scaling.power_of_two)
+    return scaling.scale(amax, fmt.max)
 
 
 def _quantize_element(
@@ -252,7 +339,7 @@ def _quantize_element(
     if scaling.kind == "block":
         tiles, (rows, cols, _, _) = _tiles(xf, *_tile_shape(xf, fmt, scaling))
         amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
-        scale = scale_from_amax(amax, fmt.max, scaling.margin, scaling.power_of_two)
+        scale = scaling.scale(amax, fmt.max)
         q = cast(tiles * scale, fmt, rounding, overflow, flush_subnormals, generator) * (1.0 / scale)
         q = q.reshape(*tiles.shape[:-4], tiles.shape[-4] * tiles.shape[-3], -1)[..., :rows, :cols]
         return q.reshape(xf.shape)
@@ -297,7 +384,8 @@ def quantize(
     scaling: ``None``, ``"tensor"``, ``"row"``, ``"column"``, a :class:`Scaling` (e.g. ``Scaling("block",
         block_shape=(1, 128))``), or a :class:`DelayedScaler` for delayed scaling. Block formats bring their
         own block scaling; ``Scaling("block", axis=0)`` chooses the axis their blocks run along.
-    rounding: ``"nearest"`` (ties to even), ``"stochastic"``, ``"zero"``.
+    rounding: ``"nearest"`` (ties to even), ``"nearest_away"`` (ties away from zero), ``"stochastic"``,
+        ``"zero"``.
     overflow: ``"saturate"`` or ``"propagate"`` (the format's own inf/NaN; see :mod:`numscope.formats.cast`).
     flush_subnormals: results below the format's smallest normal become zero; for block formats the
         elements after the block scale (an element below its format's smallest normal becomes zero; no
@@ -346,7 +434,7 @@ def _share_empty_amax(
     if delayed is not None:
         delayed.scale_for(x, spec.max)
     elif (parsed is not None and parsed.kind == "tensor") or (
-        isinstance(spec, BlockFormat) and spec.tensor_scale
+        isinstance(spec, BlockFormat) and spec.tensor_scale and not spec.row_scale
     ):
         reduce_amax_(torch.zeros(1, device=x.device), _reduces(parsed))
     elif parsed is not None and parsed.kind == "column" and x.dim() >= 2:
@@ -508,9 +596,13 @@ class Encoded:
         total = int(torch.Size(self.shape).numel()) * self.fmt.bits
         if self.scales is not None:
             scale_bits = self.fmt.scale_format.bits if isinstance(self.fmt, BlockFormat) else 32
-            total += self.scales.numel() * scale_bits
+            count = self.scales.numel()
+            if isinstance(self.fmt, BlockFormat) and self.fmt.block_rows > 1:  # one scale per tile of rows
+                rows, blocks = math.prod(self.scales.shape[:-2]), self.scales.shape[-2]
+                count = -(-rows // self.fmt.block_rows) * blocks
+            total += count * scale_bits
         if self.tensor_scale is not None:
-            total += 32
+            total += 32 * self.tensor_scale.numel()
         return total
 
     def decode(self) -> torch.Tensor:
@@ -521,8 +613,9 @@ class Encoded:
         if isinstance(fmt, BlockFormat):
             elements = _element_values(self.codes, fmt.element)
             scales = _float_decode(self.scales, fmt.scale_format)  # type: ignore[arg-type]
-            if self.tensor_scale is not None:
-                scales = scales / self.tensor_scale
+            if self.tensor_scale is not None:  # NVFP4: in the order the format's scale_math says
+                divide = fmt.scale_math == "divide"
+                scales = scales / self.tensor_scale if divide else scales * (1.0 / self.tensor_scale)
             return _unblock(elements * scales, torch.Size(self.shape), self.axis, self.length)
         values = _element_values(self.codes, fmt)  # type: ignore[arg-type]
         if self.scales is None:

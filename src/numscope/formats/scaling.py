@@ -8,7 +8,9 @@ kinds: ``none``; ``tensor`` (current amax of the whole tensor); ``delayed`` (ama
 see :class:`DelayedScaler`); ``row`` (one scale per slice along the last axis); ``column`` (one scale per
 index of the last axis); ``block`` (element formats: tiles of ``block_shape`` over the last two axes,
 e.g. ``(1, 128)`` or ``(128, 128)``; block formats: their own block scale, blocks along ``axis``).
-A zero or non-finite amax gives the scale 1, so all-zero tensors and blocks quantize to zero.
+A zero or non-finite amax gives the scale 1, so all-zero tensors and blocks quantize to zero. A tiny but
+nonzero amax whose ``max / amax`` overflows float32 gives the largest float32 (as Transformer Engine clamps
+it), so the unit still maps as far up into the format as float32 allows instead of to zero.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class Scaling:
         contraction axis).
     history_len, amax_compute: delayed scaling's amax history length and rule (``max`` of the history or
         ``most_recent``), as Transformer Engine's ``DelayedScaling``.
+    amax_epsilon: a floor under the amax before the scale is computed (Transformer Engine's
+        ``amax_epsilon``): ``max(amax, amax_epsilon)``, so that a near-zero unit is not scaled up to the
+        format's max; 0 (the default) leaves the amax as it is.
     reduce_amax: under ``torch.distributed``, take the amax over the default process group so that every
         rank quantizes identically (as Transformer Engine's ``reduce_amax``): the per-tensor amax (current,
         delayed, NVFP4's tensor scale) and the per-column amax, whose columns run over the batch's rows
@@ -49,12 +54,18 @@ class Scaling:
     history_len: int = 16
     amax_compute: Literal["max", "most_recent"] = "max"
     reduce_amax: bool = True
+    amax_epsilon: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown scaling {self.kind!r}; allowed: {', '.join(KINDS)}")
         if not isinstance(self.margin, int) or isinstance(self.margin, bool):
             raise TypeError(f"scaling margin must be an int (binades), got {self.margin!r}")
+        if isinstance(self.amax_epsilon, bool) or not isinstance(self.amax_epsilon, int | float):
+            raise TypeError(f"scaling amax_epsilon must be a float >= 0, got {self.amax_epsilon!r}")
+        if not (math.isfinite(self.amax_epsilon) and self.amax_epsilon >= 0):
+            raise ValueError(f"scaling amax_epsilon must be a finite float >= 0, got {self.amax_epsilon!r}")
+        object.__setattr__(self, "amax_epsilon", float(self.amax_epsilon))
         if self.history_len < 1:
             raise ValueError(f"scaling history_len must be >= 1, got {self.history_len}")
         if self.amax_compute not in AMAX_COMPUTE:
@@ -105,6 +116,10 @@ class Scaling:
     def replace(self, **changes: Any) -> Scaling:
         return replace(self, **changes)
 
+    def scale(self, amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
+        """The multiplier this scaling gives a unit whose amax is ``amax`` (see :func:`scale_from_amax`)."""
+        return scale_from_amax(amax, fmt_max, self.margin, self.power_of_two, self.amax_epsilon)
+
 
 def reduces_across_ranks(enabled: bool = True) -> bool:
     """Whether an amax is reduced over the ranks: ``enabled`` (``Scaling.reduce_amax``) and a
@@ -119,18 +134,33 @@ def reduce_amax_(amax: torch.Tensor, enabled: bool = True) -> torch.Tensor:
     return amax
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def scale_from_amax(
-    amax: torch.Tensor, fmt_max: float, margin: int = 0, power_of_two: bool = False
+    amax: torch.Tensor,
+    fmt_max: float,
+    margin: int = 0,
+    power_of_two: bool = False,
+    amax_epsilon: float = 0.0,
 ) -> torch.Tensor:
-    """The multiplier that maps ``amax`` onto ``fmt_max / 2^margin``; 1 where amax is zero or not finite."""
+    """The multiplier that maps ``amax`` onto ``fmt_max / 2^margin``, float32.
+
+    ``amax`` is first raised to ``amax_epsilon``. 1 where the amax is zero or not finite; the largest
+    float32 where ``fmt_max / amax`` overflows (a tiny nonzero amax), as Transformer Engine's current
+    scaling clamps it; ``power_of_two`` then rounds the scale down to a power of two (2^127 at most).
+    """
     amax = amax.float()
+    if amax_epsilon:
+        amax = torch.clamp(amax, min=amax_epsilon)
     # a true division (``fmt_max / amax`` would be ``amax.reciprocal() * fmt_max``: rounded twice)
     scale = torch.div(torch.full_like(amax, fmt_max), amax) / float(2**margin)
+    scale = torch.clamp(scale, max=FLOAT32_MAX)  # inf (tiny amax) -> the largest float32; NaN stays NaN
     if power_of_two:
         mantissa, exponent = torch.frexp(scale)
         scale = torch.ldexp(torch.full_like(scale, 0.5), exponent)
         del mantissa
-    usable = (amax > 0) & torch.isfinite(amax) & torch.isfinite(scale)
+    usable = (amax > 0) & torch.isfinite(amax)
     return torch.where(usable, scale, torch.ones_like(scale))
 
 
@@ -170,10 +200,10 @@ class DelayedScaler:
             amax = x.detach().abs().amax() if x.numel() else torch.zeros((), device=x.device)
             if not x.numel() and not reduces_across_ranks(self.scaling.reduce_amax):
                 used = self.history_amax() if self.steps > 0 else amax
-                return scale_from_amax(used, fmt_max, self.scaling.margin, self.scaling.power_of_two)
+                return self.scaling.scale(used, fmt_max)
         current = reduce_amax_(amax.float().reshape(1).clone(), self.scaling.reduce_amax)
         used = self.history_amax() if self.steps > 0 else current[0]
-        scale = scale_from_amax(used, fmt_max, self.scaling.margin, self.scaling.power_of_two)
+        scale = self.scaling.scale(used, fmt_max)
         if torch.isfinite(current).all():
             self.amax_history = torch.roll(self.amax_history, 1)
             self.amax_history[0] = current[0].to(self.amax_history.device)

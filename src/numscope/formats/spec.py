@@ -18,11 +18,17 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 Special = Literal["ieee", "fn", "finite", "fnuz", "e8m0"]
-ScaleRule = Literal["floor", "rceil"]
+ScaleRule = Literal["floor", "rceil", "ceil", "even"]
+ScaleMath = Literal["multiply", "divide"]
+#: the MX shared-scale rules (``floor`` is OCP MX v1.0's; see :class:`BlockFormat`)
+SCALE_RULES: tuple[str, ...] = ("floor", "rceil", "ceil", "even")
+#: the options a block format's name may carry after ``@``, per family, in canonical order
+MX_OPTIONS: tuple[str, ...] = ("rceil", "ceil", "even", "full")
+NVFP4_OPTIONS: tuple[str, ...] = ("2d", "row", "4over6", "divide")
 
 
 @dataclass(frozen=True)
@@ -149,12 +155,17 @@ class FloatFormat:
 
 @dataclass(frozen=True)
 class IntFormat:
-    """A symmetric integer format: values ±(2^(bits−1) − 1), optionally times 2^−fraction_bits."""
+    """A two's complement integer format, optionally times 2^−fraction_bits.
+
+    Symmetric by default: codes ±(2^(bits−1) − 1), the most negative code unused (as OCP MX's MXINT8 and
+    most int8 training kernels do). ``full_range=True`` also uses it: −2^(bits−1) (MXINT8's −2.0).
+    """
 
     name: str
     int_bits: int
     fraction_bits: int = 0
     description: str = ""
+    full_range: bool = False
 
     @property
     def kind(self) -> str:
@@ -179,6 +190,11 @@ class IntFormat:
     @property
     def max_code(self) -> int:
         return 2 ** (self.int_bits - 1) - 1
+
+    @property
+    def min_code(self) -> int:
+        """The most negative code used: −max_code, or −2^(bits−1) with ``full_range``."""
+        return -self.max_code - int(self.full_range)
 
     @property
     def max(self) -> float:
@@ -209,9 +225,22 @@ ElementFormat = FloatFormat | IntFormat
 class BlockFormat:
     """Elements that share one scale per ``block_size`` consecutive values along an axis.
 
-    OCP MX v1.0: 32 elements, an E8M0 scale X = 2^(floor(log2 amax) − emax_elem) (``scale_rule="floor"``)
-    or the round-up rule X = 2^ceil(log2(amax / max_elem)) (``"rceil"``); elements cast with saturation.
-    NVFP4: 16 E2M1 elements, an E4M3 block scale and an FP32 per-tensor scale (``tensor_scale=True``).
+    OCP MX v1.0: 32 elements, an E8M0 scale X = 2^(e − emax_elem) with e = floor(log2 amax)
+    (``scale_rule="floor"``, the spec's); ``"ceil"``: e = ceil(log2 amax); ``"even"``: e = floor(log2 of
+    amax rounded, half up, to the element's mantissa bits) (torchao's EVEN: the scale steps up where amax
+    passes the midpoint above the element's largest value); ``"rceil"``: X = 2^ceil(log2(amax / max_elem))
+    (the round-up rule of Transformer Engine and NVIDIA's kernels). Elements are cast with saturation.
+
+    NVFP4 (``tensor_scale=True``): 16 E2M1 elements, an E4M3 block scale and an FP32 per-tensor scale S
+    (per row with ``row_scale``). ``scale_math="multiply"`` (the default) computes as Transformer
+    Engine's NVFP4 quantizer: s_b = e4m3(amax_b · (S · (1/6))), elements e2m1(v · (1 / (s_b · (1/S))));
+    ``"divide"`` as the formula is written: s_b = e4m3(amax_b / 6 · S), elements e2m1(v / (s_b / S)). The
+    two differ in the last float32 bit of the scale, which moves a block scale across an E4M3 rounding
+    tie now and then (1 in ~4M random blocks). ``block_rows=16``: 2-D blocks of 16 × 16 (NVFP4's weight
+    recipe: the same scale serves a weight and its transpose). ``four_over_six``: each block maps its amax
+    to 6 or to 4, whichever reconstructs the block with the smaller squared error ("Four Over Six", Cook
+    et al. 2025); S then maps the tensor's amax to 256 · 6, so a block scaled to 4 keeps its E4M3 scale
+    (≤ 256 · 1.5 = 384) within E4M3's 448.
     """
 
     name: str
@@ -221,6 +250,10 @@ class BlockFormat:
     scale_rule: ScaleRule = "floor"
     tensor_scale: bool = False
     description: str = ""
+    scale_math: ScaleMath = "multiply"
+    block_rows: int = 1
+    row_scale: bool = False
+    four_over_six: bool = False
 
     @property
     def kind(self) -> str:
@@ -233,7 +266,23 @@ class BlockFormat:
     @property
     def bits_per_element(self) -> float:
         """Element bits plus the block scale's share (the per-tensor FP32 scale is negligible)."""
-        return self.element.bits + self.scale_format.bits / self.block_size
+        return self.element.bits + self.scale_format.bits / (self.block_size * self.block_rows)
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The ``@`` options this format differs from its family's default by, in canonical order."""
+        chosen = {
+            "rceil": self.scale_rule == "rceil",
+            "ceil": self.scale_rule == "ceil",
+            "even": self.scale_rule == "even",
+            "full": isinstance(self.element, IntFormat) and self.element.full_range,
+            "2d": self.block_rows > 1,
+            "row": self.row_scale,
+            "4over6": self.four_over_six,
+            "divide": self.scale_math == "divide",
+        }
+        family = NVFP4_OPTIONS if self.tensor_scale else MX_OPTIONS
+        return tuple(option for option in family if chosen[option])
 
     @property
     def has_inf(self) -> bool:
@@ -266,16 +315,44 @@ class BlockFormat:
         return self.element.binades
 
     def with_scale_rule(self, rule: ScaleRule) -> BlockFormat:
-        if rule not in ("floor", "rceil"):
-            raise ValueError(f"scale_rule must be 'floor' or 'rceil', got {rule!r}")
-        return BlockFormat(
-            f"{self.name.split('@')[0]}@{rule}" if rule != "floor" else self.name.split("@")[0],
-            self.element,
-            self.block_size,
-            self.scale_format,
-            rule,
-            self.tensor_scale,
-            self.description,
+        """This MX format with another shared-scale rule (see the class docstring)."""
+        if rule not in SCALE_RULES:
+            raise ValueError(f"scale_rule must be one of {', '.join(map(repr, SCALE_RULES))}, got {rule!r}")
+        kept = [option for option in self.options if option not in SCALE_RULES]
+        return self.with_options(*kept, *([rule] if rule != "floor" else []))
+
+    def with_options(self, *options: str) -> BlockFormat:
+        """The family's default format (this one without options) with ``options`` (names after ``@``)."""
+        family = NVFP4_OPTIONS if self.tensor_scale else MX_OPTIONS
+        base = self.name.split("@")[0]
+        for option in options:
+            if option not in family:
+                kind = "NVFP4" if self.tensor_scale else "MX"
+                raise ValueError(
+                    f"format {base!r}: unknown option {option!r}; "
+                    f"the {kind} formats take: {', '.join(family)}"
+                )
+        chosen = set(options)
+        rules = chosen & set(SCALE_RULES)
+        if len(rules) > 1:
+            raise ValueError(f"format {base!r}: one scale rule at most, got {', '.join(sorted(rules))}")
+        if {"2d", "row"} <= chosen:
+            raise ValueError(f"format {base!r}: '2d' blocks and a per-row scale ('row') exclude each other")
+        element = self.element
+        if isinstance(element, IntFormat):
+            element = replace(element, full_range="full" in chosen)
+        elif "full" in chosen:
+            raise ValueError(f"format {base!r}: option 'full' applies only to integer elements (mxint8)")
+        ordered = [option for option in family if option in chosen]
+        return replace(
+            self,
+            name="@".join([base, *ordered]),
+            element=element,
+            scale_rule=next(iter(rules), "floor"),  # type: ignore[arg-type]
+            scale_math="divide" if "divide" in chosen else "multiply",
+            block_rows=16 if "2d" in chosen else 1,
+            row_scale="row" in chosen,
+            four_over_six="4over6" in chosen,
         )
 
 
@@ -356,15 +433,18 @@ def format(name: str | Format) -> Format:
     """Return the format called ``name`` (a format object is returned unchanged).
 
     Besides the registered names (see :func:`formats`), ``eXmY`` names an IEEE-like float with X exponent
-    bits (2–8), Y mantissa bits (0–23), inf and NaN; a block format may carry ``@rceil`` for the round-up
-    scale rule (``mxfp8_e4m3@rceil``).
+    bits (2–8), Y mantissa bits (0–23), inf and NaN. A block format may carry options after ``@`` (see
+    :class:`BlockFormat`): the MX formats a scale rule (``mxfp8_e4m3@rceil``, ``@ceil``, ``@even``) and
+    MXINT8 ``@full`` (the −2.0 code); NVFP4 ``@2d`` (16 × 16 blocks), ``@row`` (a per-row FP32 scale),
+    ``@4over6`` and ``@divide`` (the scale arithmetic as written instead of Transformer Engine's), several
+    at once in any order (``nvfp4@4over6@2d``; the name is kept in canonical order).
     """
     if isinstance(name, FloatFormat | IntFormat | BlockFormat):
         return name
     if not isinstance(name, str):
         raise TypeError(f"a format is named by a string, got {type(name).__name__}: {name!r}")
     key = name.strip().lower()
-    base, _, rule = key.partition("@")
+    base, *options = key.split("@")
     base = _ALIASES.get(base, base)
     found = _REGISTRY.get(base)
     if found is None:
@@ -384,14 +464,15 @@ def format(name: str | Format) -> Format:
         close = list(dict.fromkeys(_ALIASES.get(match, match) for match in matches))
         hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
         raise ValueError(f"unknown format {name!r}; {hint}known: {', '.join(known)}, or eXmY (e.g. 'e3m4')")
-    if rule:
-        if not isinstance(found, BlockFormat) or found.tensor_scale:
+    if options:
+        if not isinstance(found, BlockFormat):
             raise ValueError(
-                f"format {name!r}: a scale rule ('@{rule}') applies only to the MX block formats"
+                f"format {name!r}: options ('@{'@'.join(options)}') apply only to the block formats "
+                "(MX: rceil, ceil, even, full; NVFP4: 2d, row, 4over6, divide)"
             )
-        if rule not in ("floor", "rceil"):
-            raise ValueError(f"format {name!r}: unknown scale rule {rule!r}; allowed: 'floor', 'rceil'")
-        found = found.with_scale_rule(rule)  # type: ignore[arg-type]
+        if not found.tensor_scale:  # '@floor' names the MX default rule
+            options = [option for option in options if option != "floor"]
+        found = found.with_options(*options)
     return found
 
 

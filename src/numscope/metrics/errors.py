@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from numscope.formats.quantize import ScalingArg, block_parts_2d, encode, quantize
-from numscope.formats.scaling import DelayedScaler, Scaling, reduce_amax_, scale_from_amax
+from numscope.formats.scaling import DelayedScaler, Scaling, reduce_amax_
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
 from numscope.formats.spec import format as get_format
 
@@ -190,9 +190,7 @@ def quantize_kept(
     if delayed is not None:
         scale = delayed.scale_for(xf, spec.max)
     else:
-        scale = scale_from_amax(
-            _tensor_amax(xf, amax, parsed.reduce_amax), spec.max, parsed.margin, parsed.power_of_two
-        )
+        scale = parsed.scale(_tensor_amax(xf, amax, parsed.reduce_amax), spec.max)
     scaled = xf * scale  # as quantize: cast(x · scale) · (1 / scale)
     q = quantize(scaled, spec, rounding=rounding, generator=generator) * (1.0 / scale)
     return Quantized(q, scaled, None, spec, axis)
@@ -226,7 +224,7 @@ def _quantize_blocks(
     moved = whole.movedim(axis, -1)
     length = moved.shape[-1]
     rows = moved.reshape(-1, length)
-    tensor_amax = _tensor_amax(xf, amax) if spec.tensor_scale else None
+    tensor_amax = _tensor_amax(xf, amax) if spec.tensor_scale and not spec.row_scale else None
     parts = block_parts_2d(rows, spec, tensor_amax, rounding, generator)
 
     def back(blocked: torch.Tensor) -> torch.Tensor:
