@@ -26,9 +26,8 @@ def saturating_cast(values: np.ndarray, element) -> np.ndarray:
     clipped = np.clip(values, -element.max, element.max).astype(np.float32)
     if isinstance(element, numscope.IntFormat):
         scale = 2.0**element.fraction_bits
-        return (np.clip(np.rint(clipped * scale), -element.max_code, element.max_code) / scale).astype(
-            np.float32
-        )
+        codes = np.clip(np.rint(values.astype(np.float64) * scale), element.min_code, element.max_code)
+        return (codes / scale).astype(np.float32) + np.float32(0)  # the codes have no -0
     return clipped.astype(ELEMENT_DTYPE[element.name]).astype(np.float32)
 
 
@@ -40,12 +39,19 @@ def mx_block(block: np.ndarray, fmt) -> np.ndarray:
     if amax == 0:
         return block * np.float32(0)  # ±0 keep their sign
     element = fmt.element
+    floor_log2 = math.frexp(amax)[1] - 1
     if fmt.scale_rule == "rceil":
         ratio = float(np.float32(amax) / np.float32(element.max))
         mantissa, exponent = math.frexp(ratio)
-        shared = exponent - 1 if mantissa == 0.5 else exponent
+        shared = (exponent - 1 if mantissa == 0.5 else exponent) if ratio > 0 else -127
+    elif fmt.scale_rule == "ceil":  # ceil(log2 amax) - emax
+        shared = floor_log2 + (amax != 2.0**floor_log2) - element.emax
+    elif fmt.scale_rule == "even":  # amax rounded half up to the element's mantissa bits, then floor
+        bits = element.mantissa_bits if hasattr(element, "mantissa_bits") else element.int_bits - 2
+        significand = amax / 2.0**floor_log2  # in [1, 2)
+        shared = floor_log2 + (significand >= 2 - 2.0 ** -(bits + 1)) - element.emax
     else:
-        shared = math.frexp(amax)[1] - 1 - element.emax
+        shared = floor_log2 - element.emax
     shared = min(max(shared, -127), 127)
     scale = 2.0**shared
     elements = saturating_cast((block.astype(np.float64) / scale).astype(np.float32), element)
@@ -129,7 +135,19 @@ def ours(x: np.ndarray, name: str, **kwargs) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "name", [*MX, "mxfp8_e4m3@rceil", "mxfp4_e2m1@rceil", "mxint8@rceil", "nvfp4", "nvfp4@divide"]
+    "name",
+    [
+        *MX,
+        *(
+            f"{base}@{rule}"
+            for base in ("mxfp8_e4m3", "mxfp4_e2m1", "mxint8")
+            for rule in ("rceil", "ceil", "even")
+        ),
+        "mxfp6_e2m3@even",
+        "mxint8@full",
+        "nvfp4",
+        "nvfp4@divide",
+    ],
 )
 @pytest.mark.parametrize("shape", [(6, 64), (5, 70), (3, 17)])
 def test_block_formats_match_the_spec_reference(name: str, shape: tuple[int, ...]) -> None:

@@ -126,7 +126,7 @@ def test_new_shapes_reuse_the_compiled_kernels() -> None:
     assert counters["stats"]["unique_graphs"] == graphs, "a new shape compiled a new graph"
 
 
-@pytest.mark.slow  # four more compiled configurations (~10 s each on a loaded 2-core machine)
+@pytest.mark.slow  # eight more compiled configurations (~10 s each on a loaded 2-core machine)
 @pytest.mark.parametrize(
     ("name", "kwargs"),
     [
@@ -134,6 +134,10 @@ def test_new_shapes_reuse_the_compiled_kernels() -> None:
         ("fp8_e4m3", {"scaling": numscope.Scaling("column", margin=1, power_of_two=True)}),
         ("fp4_e2m1", {"flush_subnormals": True}),
         ("mxfp4_e2m1@rceil", {"scaling": numscope.Scaling("block", axis=0)}),
+        ("mxfp8_e4m3@even", {}),
+        ("nvfp4@2d@4over6", {}),
+        ("nvfp4@row", {"scaling": numscope.Scaling("block", axis=0)}),
+        ("fp8_e4m3", {"scaling": numscope.Scaling("tensor", amax_epsilon=1e-3)}),
     ],
 )
 def test_other_scalings_and_options_match_too(name: str, kwargs: dict) -> None:

@@ -193,7 +193,8 @@ def _nvfp4_parts(
     four = _nvfp4_candidate(blocks, amax, fmt, encode_scale, 4.0, rounding, generator, flush_subnormals)
 
     def error(candidate: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        squared = ((candidate[0] * candidate[1] - blocks) ** 2).sum(dim=-1, keepdim=True)
+        # in float64, so that the choice does not hang on float32's summation order
+        squared = ((candidate[0] * candidate[1]).double() - blocks.double()).square().sum(-1, keepdim=True)
         if tile_rows == 1:
             return squared
         tiles = squared.reshape(-1, tile_rows, *squared.shape[1:]).sum(dim=1, keepdim=True)
