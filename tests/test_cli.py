@@ -432,6 +432,24 @@ def test_a_grouped_query_attention_llama_config_is_analyzed_and_trained(ws: Path
     assert math.isfinite(json.loads((ws / "runs" / "llama_fp8" / "result.json").read_text())["val_loss"])
 
 
+def test_train_under_a_named_recipe_gives_it_the_models_sites(
+    ws: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NUMSCOPE_FAST", "0")  # eager quantizers: the same bits without compiling them here
+    out = ws / "runs" / "te_nvfp4"
+    result = cli("train", *flags(ws), "--plan", "te_nvfp4", "--out", out)
+    assert result.code == 0, result.err
+    plan = Plan.load(out / "plan.yaml")
+    assert plan.for_site("cls.predictions.decoder").operand("fprop", "input").format == "bf16"
+    assert (
+        plan.for_site("bert.encoder.layer.0.attention.self.query").operand("fprop", "weight").format
+        == "nvfp4@2d"
+    )
+    assert math.isfinite(json.loads((out / "result.json").read_text())["val_loss"])
+    bad = cli("train", *flags(ws), "--plan", "te_fp8", "--out", ws / "runs" / "bad")
+    assert bad.code == 2 and "unknown preset or recipe 'te_fp8'" in bad.err
+
+
 def test_factories_from_a_file_and_from_a_module(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from_file = cli(
         "train",

@@ -331,8 +331,8 @@ BAD_PLANS = [
     ),
     (
         "rules:\n  - match: a\n    fprp: bf16\n",
-        "plan.yaml: rules[0]: unknown key 'fprp'; did you mean 'fprop'? allowed: match, all, forward, "
-        "backward, input, weight, grad_output, fprop, dgrad, wgrad, accumulate, reasons",
+        "plan.yaml: rules[0]: unknown key 'fprp'; did you mean 'fprop'? allowed: match, optional, all, "
+        "forward, backward, input, weight, grad_output, fprop, dgrad, wgrad, accumulate, reasons",
     ),
     (
         "rules:\n  - match: 3\n    all: high\n",

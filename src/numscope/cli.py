@@ -83,6 +83,32 @@ def _cmd_formats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_recipes(args: argparse.Namespace) -> int:
+    from numscope.recipes import recipes
+
+    found = recipes()
+    if args.name is not None:
+        found = [recipe for recipe in found if recipe.name == args.name]
+        if not found:
+            from numscope.plan import Plan
+
+            raise CLIError(f"unknown recipe {args.name!r}; known: {', '.join(Plan.recipes())}")
+    rows = [{"recipe": r.name, "what": r.summary, "source": r.source} for r in found]
+    print(render_table(rows))
+    if args.name is not None:
+        from numscope.plan import Plan
+
+        recipe = found[0]
+        print(f"\nemulated: {recipe.notes}\n")
+        print(render_table([row._asdict() for row in Plan.recipe(recipe.name).describe()]))
+    else:
+        print(
+            "\nTrain under one with 'numscope train --plan NAME'; 'numscope recipes NAME' shows its plan and "
+            "what numscope emulates of it."
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="numscope",
@@ -92,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     p = sub.add_parser("formats", help="print every number format with its range facts")
     p.set_defaults(func=_cmd_formats)
+    p = sub.add_parser(
+        "recipes",
+        help="list the field's published training recipes (TE, torchao, DeepSeek-V3, MXFP4) usable as --plan",
+    )
+    p.add_argument("name", nargs="?", help="one recipe: show its plan, operand by operand, and its notes")
+    p.set_defaults(func=_cmd_recipes)
     for register in _EXTRA_COMMANDS:
         register(sub)
     return parser
@@ -510,7 +542,8 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
         "--plan",
         required=True,
         metavar="PLAN",
-        help=f"a plan YAML (e.g. from 'numscope recommend') or a preset: {', '.join(Plan.presets())}",
+        help=f"a plan YAML (e.g. from 'numscope recommend'), a preset ({', '.join(Plan.presets())}) or "
+        "a named recipe ('numscope recipes' lists them)",
     )
     p.add_argument(
         "--loss-scaling",

@@ -447,17 +447,22 @@ class Rule:
     """A glob pattern over site names (``fnmatch``, case-sensitive) with the site spec it assigns.
 
     reasons: why each operand got its spec, keyed ``"gemm/operand"`` (the advisor fills them).
+    optional: a rule that may match no site (a named recipe's "attention products stay high" applies to
+        models that have them); :meth:`Plan.check_sites` reports only the other rules that match nothing.
     """
 
     pattern: str
     spec: SiteSpec
     reasons: Mapping[str, str] = field(default_factory=dict)
+    optional: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str) or not self.pattern:
             raise PlanError(f"a rule pattern is a non-empty string, got {self.pattern!r}")
         if not isinstance(self.spec, SiteSpec):
             raise PlanError(f"a rule spec is a SiteSpec, got {_type_name(self.spec)}")
+        if not isinstance(self.optional, bool):
+            raise PlanError(f"a rule's optional must be a bool, got {_type_name(self.optional)}")
         object.__setattr__(self, "reasons", _reasons(self.reasons))
 
     def matches(self, site_name: str) -> bool:
@@ -526,7 +531,7 @@ class Plan:
         names = list(site_names)
         unmatched = []
         for index, rule in enumerate(self.rules):
-            if any(rule.matches(name) for name in names):
+            if rule.optional or any(rule.matches(name) for name in names):
                 continue
             close = difflib.get_close_matches(rule.pattern, names, n=2, cutoff=0.6)
             hint = f" (closest: {_names(repr(c) for c in close)})" if close else ""
@@ -598,9 +603,16 @@ class Plan:
         return total_bits / total_elements
 
     # -- building ---------------------------------------------------------------------------------
-    def with_rule(self, pattern: str, spec: SiteSpec, reasons: Mapping[str, str] | None = None) -> Plan:
+    def with_rule(
+        self,
+        pattern: str,
+        spec: SiteSpec,
+        reasons: Mapping[str, str] | None = None,
+        optional: bool = False,
+    ) -> Plan:
         """A new plan with a rule appended (it takes precedence over every earlier rule)."""
-        return Plan(self.default, (*self.rules, Rule(pattern, spec, reasons or {})), self.default_reasons)
+        rule = Rule(pattern, spec, reasons or {}, optional)
+        return Plan(self.default, (*self.rules, rule), self.default_reasons)
 
     def with_default(self, spec: SiteSpec, reasons: Mapping[str, str] | None = None) -> Plan:
         """A new plan with another default site spec."""
@@ -610,6 +622,34 @@ class Plan:
     def presets() -> tuple[str, ...]:
         """The names :meth:`uniform` knows."""
         return tuple(_PRESETS)
+
+    @staticmethod
+    def recipes() -> tuple[str, ...]:
+        """The names :meth:`recipe` knows (the field's published recipes; see :mod:`numscope.recipes`)."""
+        from numscope.recipes import RECIPES
+
+        return tuple(RECIPES)
+
+    @classmethod
+    def recipe(cls, name: str, sites: Iterable[str] | None = None) -> Plan:
+        """A named recipe of the field as a plan (``numscope recipes`` lists them with their sources).
+
+        sites: the model's site names, for the recipes whose layer choice depends on the model (NVFP4's
+        last ~15% of linear layers in BF16); without them such a choice is left out, as the recipe's
+        notes say.
+        """
+        from numscope.recipes import recipe
+
+        return recipe(name, sites)
+
+    @classmethod
+    def named(cls, name: str, sites: Iterable[str] | None = None) -> Plan:
+        """A preset (:meth:`uniform`) or a named recipe (:meth:`recipe`, given ``sites``) by its name."""
+        if isinstance(name, str) and name in _PRESETS:
+            return cls.uniform(name)
+        if isinstance(name, str) and name in cls.recipes():
+            return cls.recipe(name, sites)
+        raise PlanError(_unknown("preset or recipe", str(name), (*_PRESETS, *cls.recipes())))
 
     @classmethod
     def uniform(cls, name: str) -> Plan:
@@ -646,7 +686,8 @@ class Plan:
         out["default"] = _site_to_dict(self.default, self.default_reasons, always_accumulate=True)
         rules = []
         for rule in self.rules:
-            rules.append({"match": rule.pattern, **_site_to_dict(rule.spec, rule.reasons)})
+            optional = {"optional": True} if rule.optional else {}
+            rules.append({"match": rule.pattern, **optional, **_site_to_dict(rule.spec, rule.reasons)})
         if rules:
             out["rules"] = rules
         return out
@@ -967,8 +1008,11 @@ def _plan_from_dict(data: Any, source: str | None) -> Plan:
             raise PlanError(f"{where}.match must be a string, got {_type_name(pattern)}")
         if not pattern:
             raise PlanError(f"{where}.match must not be empty")
-        spec, reasons = _parse_site(rule_data, where, ("match",))
-        rules.append(Rule(pattern, spec, reasons))
+        optional = rule_data.get("optional", False)
+        if not isinstance(optional, bool):
+            raise PlanError(f"{where}.optional must be a bool, got {_type_name(optional)}")
+        spec, reasons = _parse_site(rule_data, where, ("match", "optional"))
+        rules.append(Rule(pattern, spec, reasons, optional))
     return Plan(default, tuple(rules), default_reasons, source=source)
 
 

@@ -722,7 +722,8 @@ def train(
     name: str | None = None,
     progress: bool = False,
 ) -> RunResult:
-    """Train ``model`` under ``plan`` (a YAML path or a preset of :meth:`numscope.Plan.uniform`).
+    """Train ``model`` under ``plan`` (a YAML path, a preset of :meth:`numscope.Plan.uniform` or a named
+    recipe of :meth:`numscope.Plan.recipe`, which gets the model's sites).
 
     loss_scaling: ``none``, ``static`` (``init_scale`` throughout) or ``dynamic`` (halve on overflow, grow
     after :class:`numscope.LossScaler`'s growth interval of clean steps). Writes the run folder ``out``
@@ -787,7 +788,8 @@ def _load_plan(plan: str) -> tuple[Plan, str]:
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise WorkflowError(
-                f"--plan {plan}: no such file (or give a preset: {', '.join(Plan.presets())})"
+                f"--plan {plan}: no such file (or give a preset: {', '.join(Plan.presets())}; or a "
+                f"recipe: {', '.join(Plan.recipes())})"
             )
         if path.suffix not in (".yaml", ".yml"):
             raise WorkflowError(f"--plan {plan}: a plan file must be YAML (.yaml or .yml)")
@@ -795,7 +797,7 @@ def _load_plan(plan: str) -> tuple[Plan, str]:
             return Plan.load(path), str(path.resolve())
         except (OSError, UnicodeDecodeError) as error:
             raise WorkflowError(f"--plan {plan}: cannot read it ({error})") from error
-    return Plan.uniform(plan), plan
+    return Plan.named(plan), plan
 
 
 def _env_world_size() -> int:

@@ -148,7 +148,7 @@ def test_bad_arguments_are_named() -> None:
         Recipe(bert(), dtype=torch.int8)
     with pytest.raises(ValueError, match=r"loss_scale must be 'dynamic', a number .* got 'auto'"):
         Recipe(bert(), loss_scale="auto")
-    with pytest.raises(TypeError, match=r"plan must be a numscope\.Plan, a preset name or None, got dict"):
+    with pytest.raises(TypeError, match=r"numscope\.Plan, a preset or recipe name, or None, got dict"):
         Recipe(bert(), plan={"fp8": True})
     with pytest.raises(ValueError, match="unknown preset 'fp9'"):
         Recipe(bert(), plan="fp9")

@@ -21,7 +21,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +35,7 @@ from numscope.convert import convert, load_numerics_state_dict, numerics_state_d
 from numscope.demo.data import IGNORE_INDEX, MLMEvaluation, batches, derive_seed, evaluate_mlm, num_batches
 from numscope.demo.tokenizer import TokenizerInfo
 from numscope.plan import Plan
+from numscope.sites import sites
 from numscope.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from numscope.train.loss_scaler import LossScaler
 
@@ -49,7 +50,7 @@ class RunSpec:
     """What differs between the demo's runs: the plan and the loss scaling."""
 
     name: str
-    plan: str  # a preset name (Plan.uniform) or a path to a plan YAML
+    plan: str  # a preset or recipe name (Plan.named) or a path to a plan YAML
     loss_scaling: str = "none"
     init_scale: float = 2.0**16
     description: str = ""
@@ -60,10 +61,12 @@ class RunSpec:
                 f"loss_scaling {self.loss_scaling!r} unknown; allowed: {', '.join(LOSS_SCALING)}"
             )
 
-    def load_plan(self) -> Plan:
+    def load_plan(self, sites: Iterable[str] | None = None) -> Plan:
+        """The plan: a YAML file, else a preset or named recipe (given the model's ``sites`` where the
+        recipe's layer choice needs them)."""
         if self.plan.endswith((".yaml", ".yml")):
             return Plan.load(self.plan)
-        return Plan.uniform(self.plan)
+        return Plan.named(self.plan, sites)
 
 
 @dataclass(frozen=True)
@@ -313,7 +316,7 @@ def train_run(
 
     torch.manual_seed(cfg.seed)
     model = bert_mlm_from_config(model_config) if isinstance(model_config, ModelConfig) else model_config()
-    plan = spec.load_plan()
+    plan = spec.load_plan(site.name for site in sites(model))
     if writer:
         plan.save(out_dir / "plan.yaml")
     # the observer attaches first, so that it sees each operand before the plan quantizes it

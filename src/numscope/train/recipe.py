@@ -43,8 +43,8 @@ class Recipe:
 
     The switches (each part is off with the value in brackets):
 
-    * ``plan`` — a :class:`numscope.Plan` or a preset name (``"fp8"``, ``"mxfp8"``…): the format of every
-      GEMM operand (:func:`numscope.convert`) [``None``: GEMMs as the model computes them].
+    * ``plan`` — a :class:`numscope.Plan`, a preset or a recipe name (``"fp8"``, ``"te_mxfp8"``…): the
+      format of every GEMM operand (:func:`numscope.convert`) [``None``: GEMMs as the model computes them].
     * ``dtype`` — the working dtype, ``torch.float16`` or ``torch.bfloat16``: the model's parameters and
       computation, with fp32 master weights for the optimizer and normalisation modules kept in fp32
       (:class:`numscope.MasterWeights`) [``torch.float32``].
@@ -195,9 +195,11 @@ def _plan(plan: Plan | str | None) -> Plan | None:
     if plan is None:
         return None
     if isinstance(plan, str):
-        return Plan.uniform(plan)
+        return Plan.named(plan)
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a numscope.Plan, a preset name or None, got {type(plan).__name__}")
+        raise TypeError(
+            f"plan must be a numscope.Plan, a preset or recipe name, or None, got {type(plan).__name__}"
+        )
     return plan
 
 

@@ -1,0 +1,259 @@
+"""The field's published low-precision training recipes as plans: ``Plan.recipe(name)``, ``--plan NAME``.
+
+Each recipe says where it comes from (``source``) and what numscope emulates of it (``notes``): every
+operand of every GEMM of the linear layers, in the format, scaling, rounding and transform the recipe
+gives that role. Attention's two products (the sites named ``*.scores*`` and ``*.context*``) stay
+unquantized in the recipes of libraries that quantize linear layers only (Transformer Engine, torchao,
+DeepSeek-V3), through optional rules that models without attention simply do not match.
+
+Orientation: a scale must be constant along the GEMM's contraction axis to factor out of its dot products.
+numscope passes each operand in its GEMM's layout (see :mod:`numscope.sites`): the contraction axis is
+the last one in fprop (input, weight) and dgrad (grad_output), the first one for dgrad's weight and for
+both wgrad operands (the token axis). So "rowwise" (torchao's axiswise scaling) is ``row`` scaling where
+the contraction axis is last and ``column`` scaling where it is first, and Transformer Engine's and
+DeepSeek-V3's 1×128 tiles are ``block_shape (1, 128)`` or ``(128, 1)`` likewise. Block formats (MX,
+NVFP4) always run their blocks along the contraction axis.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import glob
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from numscope.formats.scaling import Scaling
+from numscope.plan import OPERAND_KEYS, OperandSpec, Plan, PlanError, SiteSpec, _unknown
+
+#: the site names of attention's two products (see numscope.sites: ``scores``, ``context``, numbered
+#: ``scores0``, ``scores1``… where a module has several)
+ATTENTION_PATTERNS: tuple[str, ...] = ("*.scores", "*.scores[0-9]*", "*.context", "*.context[0-9]*")
+#: the share of linear layers the NVFP4 pretraining recipe keeps in BF16, counted from the last one
+NVFP4_BF16_TAIL = 0.15
+#: where the contraction axis of each operand lies: last (fprop, dgrad's grad_output) or first
+CONTRACTION_FIRST = {("dgrad", "weight"), ("wgrad", "grad_output"), ("wgrad", "input")}
+
+
+@dataclass(frozen=True)
+class NamedRecipe:
+    """A published recipe: its name, where it is described, a one-line summary and how it is emulated."""
+
+    name: str
+    source: str
+    summary: str
+    notes: str
+    build: Callable[[list[str] | None], Plan]
+
+
+def _axiswise(gemm: str, operand: str, power_of_two: bool) -> Scaling:
+    """torchao's axiswise scaling: one scale per slice along the contraction axis."""
+    kind = "column" if (gemm, operand) in CONTRACTION_FIRST else "row"
+    return Scaling(kind, power_of_two=power_of_two)  # type: ignore[arg-type]
+
+
+def _tile(gemm: str, operand: str, power_of_two: bool) -> Scaling:
+    """A 1×128 tile along the contraction axis (activations and gradients)."""
+    shape = (128, 1) if (gemm, operand) in CONTRACTION_FIRST else (1, 128)
+    return Scaling("block", block_shape=shape, power_of_two=power_of_two)
+
+
+def _linear_only(spec: SiteSpec) -> Plan:
+    """``spec`` for every site, attention's products left high (rules that may match nothing)."""
+    plan = Plan(spec)
+    for pattern in ATTENTION_PATTERNS:
+        reason = {"fprop/input": "the recipe quantizes linear layers only"}
+        plan = plan.with_rule(pattern, SiteSpec(), reason, optional=True)
+    return plan
+
+
+def _hybrid(scaling: Scaling | None) -> SiteSpec:
+    """Transformer Engine's HYBRID format: E4M3 for input and weight, E5M2 for grad_output."""
+    operands = {}
+    for gemm, operand in OPERAND_KEYS:
+        fmt = "fp8_e5m2" if operand == "grad_output" else "fp8_e4m3"
+        operands[(gemm, operand)] = OperandSpec(fmt, scaling=scaling)
+    return SiteSpec(operands)
+
+
+def _te_delayed(sites: list[str] | None) -> Plan:
+    return _linear_only(_hybrid(Scaling("delayed", history_len=1024, amax_compute="max")))
+
+
+def _te_current(sites: list[str] | None) -> Plan:
+    return _linear_only(_hybrid(Scaling("tensor")))
+
+
+def _fine_grained(accumulate: str, power_of_two: bool) -> SiteSpec:
+    operands = {}
+    for gemm, operand in OPERAND_KEYS:
+        if operand == "weight":
+            scaling = Scaling("block", block_shape=(128, 128), power_of_two=power_of_two)
+        else:
+            scaling = _tile(gemm, operand, power_of_two)
+        operands[(gemm, operand)] = OperandSpec("fp8_e4m3", scaling=scaling)
+    return SiteSpec(operands, accumulate)
+
+
+def _te_block(sites: list[str] | None) -> Plan:
+    return _linear_only(_fine_grained("fp32", power_of_two=True))
+
+
+def _te_mxfp8(sites: list[str] | None) -> Plan:
+    return _linear_only(SiteSpec.uniform("mxfp8_e4m3@rceil"))
+
+
+def _nvfp4_spec() -> SiteSpec:
+    operands = {}
+    for gemm, operand in OPERAND_KEYS:
+        rounding = "stochastic" if operand == "grad_output" else "nearest"
+        fmt = "nvfp4@2d" if operand == "weight" else "nvfp4"
+        transform = "rht16" if gemm == "wgrad" else None
+        operands[(gemm, operand)] = OperandSpec(fmt, rounding=rounding, transform=transform)
+    return SiteSpec(operands)
+
+
+def _te_nvfp4(sites: list[str] | None) -> Plan:
+    plan = _linear_only(_nvfp4_spec())
+    if sites is None:
+        return plan
+    linear = [name for name in sites if not any(fnmatch.fnmatchcase(name, p) for p in ATTENTION_PATTERNS)]
+    kept = linear[len(linear) - math.ceil(NVFP4_BF16_TAIL * len(linear)) :] if linear else []
+    bf16 = SiteSpec.uniform(OperandSpec("bf16", overflow="propagate"))
+    for name in kept:
+        reason = {"fprop/input": "the last ~15% of linear layers stay in BF16"}
+        plan = plan.with_rule(glob.escape(name), bf16, reason)
+    return plan
+
+
+def _deepseek_v3(sites: list[str] | None) -> Plan:
+    return _linear_only(_fine_grained("fp22_promote128", power_of_two=False))
+
+
+def _torchao_tensorwise(sites: list[str] | None) -> Plan:
+    return _linear_only(_hybrid(Scaling("tensor")))
+
+
+def _torchao_rowwise(sites: list[str] | None) -> Plan:
+    operands = {
+        key: OperandSpec("fp8_e4m3", scaling=_axiswise(*key, power_of_two=True)) for key in OPERAND_KEYS
+    }
+    return _linear_only(SiteSpec(operands))
+
+
+def _torchao_rowwise_with_gw_hp(sites: list[str] | None) -> Plan:
+    operands = {
+        ("fprop", "input"): OperandSpec("fp8_e4m3", scaling=_axiswise("fprop", "input", True)),
+        ("fprop", "weight"): OperandSpec("fp8_e4m3", scaling=_axiswise("fprop", "weight", True)),
+        ("dgrad", "grad_output"): OperandSpec("fp8_e4m3", scaling=_axiswise("dgrad", "grad_output", True)),
+        ("dgrad", "weight"): OperandSpec("fp8_e4m3", scaling=Scaling("tensor", power_of_two=True)),
+    }  # wgrad: both operands in high precision
+    return _linear_only(SiteSpec(operands))
+
+
+def _mxfp4_tseng(sites: list[str] | None) -> Plan:
+    operands = {}
+    for gemm, operand in OPERAND_KEYS:
+        if gemm == "fprop":
+            operands[(gemm, operand)] = OperandSpec("bf16", overflow="propagate")
+        else:
+            operands[(gemm, operand)] = OperandSpec("mxfp4_e2m1", rounding="stochastic", transform="rht32")
+    return Plan(SiteSpec(operands))
+
+
+_TE = "Transformer Engine, transformer_engine.common.recipe"
+RECIPES: dict[str, NamedRecipe] = {
+    recipe.name: recipe
+    for recipe in (
+        NamedRecipe(
+            "te_delayed",
+            f"{_TE}.DelayedScaling (defaults: HYBRID, amax_history_len=1024, amax_compute_algo='max')",
+            "FP8 HYBRID with delayed scaling: E4M3 input/weight, E5M2 grad_output, amax history of 1024",
+            "margin 0; the first step uses the current amax (TE uses scale 1 there)",
+            _te_delayed,
+        ),
+        NamedRecipe(
+            "te_current",
+            f"{_TE}.Float8CurrentScaling (default fp8_format HYBRID)",
+            "FP8 HYBRID with per-tensor current scaling (the same numerics as the preset 'fp8')",
+            "amax_epsilon 0, scales not rounded to powers of two (TE's defaults)",
+            _te_current,
+        ),
+        NamedRecipe(
+            "te_block",
+            f"{_TE}.Float8BlockScaling (default fp8_format E4M3)",
+            "FP8 E4M3 everywhere; 1x128 tiles for inputs and gradients, 128x128 for weights, "
+            "power-of-two scales",
+            "tiles along each GEMM's contraction axis (1x128 in fprop/dgrad, 128x1 for wgrad operands)",
+            _te_block,
+        ),
+        NamedRecipe(
+            "te_mxfp8",
+            f"{_TE}.MXFP8BlockScaling (default fp8_format E4M3)",
+            "MXFP8 E4M3 for every operand, gradients included; the E8M0 scale rounded up (rceil)",
+            "blocks of 32 along each GEMM's contraction axis",
+            _te_mxfp8,
+        ),
+        NamedRecipe(
+            "te_nvfp4",
+            f"{_TE}.NVFP4BlockScaling; NVIDIA, 'Pretraining Large Language Models with NVFP4' (2025)",
+            "NVFP4: 16x16 weight scales, random Hadamard transform (16) on wgrad, stochastic rounding of "
+            "gradients, the last ~15% of linear layers in BF16",
+            "the BF16 layers need the model's sites (Plan.recipe(name, sites) or numscope train, which "
+            "passes them); the RHT signs are seeded here, not TE's fixed vector",
+            _te_nvfp4,
+        ),
+        NamedRecipe(
+            "deepseek_v3",
+            "DeepSeek-AI, 'DeepSeek-V3 Technical Report' (2024), section 3.3 (FP8 training)",
+            "FP8 E4M3 everywhere, 1x128 activation/gradient tiles, 128x128 weight blocks, partial sums "
+            "promoted to FP32 every 128 products",
+            "accumulation emulated as E8M13 (about the 14 bits the report measured) in runs of 128",
+            _deepseek_v3,
+        ),
+        NamedRecipe(
+            "torchao_tensorwise",
+            "torchao, Float8LinearConfig.from_recipe_name('tensorwise')",
+            "FP8 with per-tensor scaling: E4M3 input/weight, E5M2 grad_output",
+            "scales not rounded to powers of two (torchao's default for this recipe)",
+            _torchao_tensorwise,
+        ),
+        NamedRecipe(
+            "torchao_rowwise",
+            "torchao, Float8LinearConfig.from_recipe_name('rowwise')",
+            "FP8 E4M3 for every operand, one power-of-two scale per row along the contraction axis",
+            "axiswise scaling is row or column scaling, whichever keeps the scale along the contraction",
+            _torchao_rowwise,
+        ),
+        NamedRecipe(
+            "torchao_rowwise_with_gw_hp",
+            "torchao, Float8LinearConfig.from_recipe_name('rowwise_with_gw_hp')",
+            "FP8 E4M3 rowwise for fprop and dgrad (dgrad's weight per tensor), wgrad in high precision",
+            "power-of-two scales, as torchao's rowwise recipes round them",
+            _torchao_rowwise_with_gw_hp,
+        ),
+        NamedRecipe(
+            "mxfp4_tseng2025",
+            "Tseng, Yu, Park, 'Training LLMs with MXFP4' (AISTATS 2025, arXiv:2502.20586)",
+            "BF16 forward; MXFP4 backward (dgrad, wgrad) with stochastic rounding and a random Hadamard "
+            "transform",
+            "RHT blocks of 32 (one MX block) chosen here; the paper scales by 3/4 before stochastic rounding "
+            "so that it cannot overflow, numscope saturates instead; attention products included",
+            _mxfp4_tseng,
+        ),
+    )
+}
+
+
+def recipe(name: str, sites: Iterable[str] | None = None) -> Plan:
+    """The plan of the recipe ``name`` (see :data:`RECIPES`); ``sites``: the model's site names in call
+    order, for recipes whose layer choice depends on the model."""
+    found = RECIPES.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise PlanError(_unknown("recipe", str(name), RECIPES))
+    return found.build(None if sites is None else list(sites))
+
+
+def recipes() -> list[NamedRecipe]:
+    """Every named recipe, in a stable order."""
+    return list(RECIPES.values())
