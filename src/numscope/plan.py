@@ -40,7 +40,8 @@ operand by operand: ``all`` (the six operands) → ``forward`` (fprop) / ``backw
 ``input`` / ``weight`` / ``grad_output`` (that operand in every GEMM that takes it) → ``fprop`` /
 ``dgrad`` / ``wgrad`` (a mapping operand → spec, or one spec for both operands). Besides: ``accumulate``
 (``fp32``, ``bf16``, ``fp16``, ``fp22``, ``fp22_promote128``; default ``fp32``), ``reasons``
-(``"gemm/operand"`` → text) and, in a rule, ``match``. An operand spec is a format name, ``high``, or a
+(``"gemm/operand"`` → text) and, in a rule, ``match`` and ``optional`` (``true``: the rule may match no
+site; :meth:`Plan.check_sites` reports only the others). An operand spec is a format name, ``high``, or a
 mapping with ``format`` and optionally ``scaling`` (a kind name or a mapping of :class:`numscope.Scaling`
 fields), ``rounding``, ``overflow``, ``flush_subnormals``, ``transform`` (``rht16``: a random Hadamard
 transform of blocks of 16 along the GEMM's contraction axis before the cast, undone after it;

@@ -92,6 +92,22 @@ def test_rceil_scale_where_the_ratio_underflows() -> None:
     assert np.array_equal(got, expected) and got[0, 1] == pytest.approx(4.484e-43, rel=1e-3)
 
 
+@pytest.mark.parametrize("rule", ["floor", "ceil", "even", "rceil"])
+@pytest.mark.parametrize("base", ["mxfp8_e5m2", "mxfp4_e2m1", "mxint8"])
+def test_every_mx_rule_on_amaxes_near_float32s_bottom(rule: str, base: str) -> None:
+    from test_formats_block import mx_reference  # the spec reference beside this file
+
+    name = base if rule == "floor" else f"{base}@{rule}"
+    rows = np.zeros((4, 32), np.float32)
+    rows[0, :2] = [1e-41, 4.3e-43]
+    rows[1, :3] = [2.0**-149, -(2.0**-140), 2.0**-127]
+    rows[2, :2] = [1.1754942e-38, 3e-39]  # just below float32's smallest normal
+    rows[3, :2] = [3e38, -1e38]
+    got = numscope.quantize(torch.from_numpy(rows), name).numpy()
+    expected = mx_reference(rows, numscope.format(name))
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+
+
 # -- 3. NVFP4's arithmetic order ------------------------------------------------------------------------
 
 
