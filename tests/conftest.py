@@ -15,6 +15,11 @@ from pathlib import Path
 
 import pytest
 
+# Quantizers run eagerly in the tests (the same bits; compiling each configuration costs seconds):
+# convert's compiled="auto" defers to NUMSCOPE_FAST when it is set. tests/formats/test_formats_fast.py
+# checks the compiled path against the eager one, and tests/test_convert.py the "auto" choice itself.
+os.environ.setdefault("NUMSCOPE_FAST", "0")
+
 from numscope.distributed import loopback_interface
 
 

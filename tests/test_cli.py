@@ -27,6 +27,7 @@ import pytest
 import torch
 
 import numscope
+from numscope import workflow
 from numscope.analysis import Analysis
 from numscope.cli import build_parser, formats_table, main
 from numscope.plan import HIGH, Plan
@@ -432,10 +433,7 @@ def test_a_grouped_query_attention_llama_config_is_analyzed_and_trained(ws: Path
     assert math.isfinite(json.loads((ws / "runs" / "llama_fp8" / "result.json").read_text())["val_loss"])
 
 
-def test_train_under_a_named_recipe_gives_it_the_models_sites(
-    ws: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("NUMSCOPE_FAST", "0")  # eager quantizers: the same bits without compiling them here
+def test_train_under_a_named_recipe_gives_it_the_models_sites(ws: Path) -> None:
     out = ws / "runs" / "te_nvfp4"
     result = cli("train", *flags(ws), "--plan", "te_nvfp4", "--out", out)
     assert result.code == 0, result.err
@@ -629,7 +627,7 @@ ERRORS = {
     ),
     "unknown preset": (
         lambda ws: ["train", *flags(ws), "--plan", "fp9", "--out", ws / "e"],
-        "unknown preset 'fp9'; did you mean 'fp8'?",
+        "unknown preset or recipe 'fp9'; did you mean 'fp8'?",
     ),
     "plan with a bad format": (
         lambda ws: [
@@ -715,6 +713,34 @@ ERRORS = {
         lambda ws: ["study", "--out", ws / "s", "--formats", "int9", "--size", "8"],
         "--formats: unknown format 'int9'",
     ),
+    "train --out is a file": (
+        lambda ws: ["train", *flags(ws), "--plan", "fp8", "--out", ws / "text.txt"],
+        "--out {ws}/text.txt: it is a file, not a folder; choose another --out",
+    ),
+    "analyze --out under a file": (
+        lambda ws: ["analyze", *flags(ws), "--out", ws / "text.txt" / "run"],
+        "--out {ws}/text.txt/run: {ws}/text.txt is a file, not a folder",
+    ),
+    "demo --out is a file": (
+        lambda ws: ["demo", "--quick", "--out", ws / "text.txt"],
+        "--out {ws}/text.txt: it is a file, not a folder",
+    ),
+    "study --out under a file": (
+        lambda ws: ["study", "--out", ws / "text.txt" / "s", "--size", "8"],
+        "{ws}/text.txt is a file, not a folder",
+    ),
+    "report into a missing folder": (
+        lambda ws: ["report", ws / "runs" / "fp32", "-o", ws / "nowhere" / "r.html"],
+        "--output {ws}/nowhere/r.html: no such folder '{ws}/nowhere'; create it first",
+    ),
+    "recommend into a missing folder": (
+        lambda ws: ["recommend", ws / "runs" / "fp32", "-o", ws / "nowhere" / "p.yaml"],
+        "--output {ws}/nowhere/p.yaml: no such folder '{ws}/nowhere'; create it first",
+    ),
+    "report onto a folder": (
+        lambda ws: ["report", ws / "runs" / "fp32", "-o", ws / "runs"],
+        "--output {ws}/runs: it is a folder; give a file name",
+    ),
 }
 
 
@@ -729,6 +755,65 @@ def test_user_errors_are_one_clear_line_and_exit_2(
     lines = result.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("numscope "), result.err
     assert message.format(ws=ws) in lines[0]
+    assert not (ws / "e").exists() and not (ws / "nowhere").exists()  # nothing written elsewhere
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_out_folder_is_one_clear_line(ws: Path, tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    result = cli("train", *flags(ws), "--plan", "fp8", "--out", locked / "run")
+    assert result.code == 2 and f"--out {locked}/run: {locked} is not writable" in result.err
+
+
+def test_compare_says_where_runs_differ_from_the_baseline(ws: Path, flow: dict[str, Result]) -> None:
+    longer = ws / "runs" / "fp8-longer"
+    assert cli("train", *flags(ws, steps=6), "--plan", "fp8", "--out", longer).code == 0
+    result = cli("compare", ws / "runs" / "fp32", longer)
+    assert result.code == 0
+    assert "warning: fp8-longer differs from the baseline fp32 in steps 6 vs 4" in result.err
+    assert "its gap mixes that difference with the numerics" in result.err
+    quiet = cli("compare", ws / "runs" / "fp32", ws / "runs" / "planned")
+    assert quiet.code == 0 and "warning" not in quiet.err
+    with pytest.warns(UserWarning, match="differs from the baseline fp32 in steps 6 vs 4"):
+        workflow.compare([ws / "runs" / "fp32", longer])
+
+
+def test_compare_refuses_a_gap_between_two_models(ws: Path, flow: dict[str, Result]) -> None:
+    other = ws / "runs" / "gpt2-compared"
+    assert cli("train", *flags(ws, "tiny-gpt2"), "--plan", "bf16", "--out", other).code == 0
+    result = cli("compare", ws / "runs" / "fp32", other)
+    assert result.code == 2
+    assert "gpt2-compared trained the model 'tiny-gpt2', the baseline fp32" in result.err
+    assert "a loss gap between different models means nothing" in result.err
+
+
+def test_a_copied_run_folder_resumes_as_itself(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = f"{ws / 'cli_models.py'}:stopping"
+    original = ws / "runs" / "to-copy"
+    monkeypatch.setenv("NUMSCOPE_TEST_STOP", "1")
+    with pytest.raises(RuntimeError, match="the machine went away"):
+        cli("train", *flags(ws, model), "--plan", "fp8", "--out", original)
+    monkeypatch.delenv("NUMSCOPE_TEST_STOP")
+    copy = ws / "elsewhere" / "moved-run"
+    shutil.copytree(original, copy)
+    resumed = cli("train", *flags(ws, model), "--plan", "fp8", "--out", copy)
+    assert resumed.code == 0, resumed.err
+    assert json.loads((copy / "result.json").read_text())["name"] == "to-copy"
+    with (copy / "log.csv").open() as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [1, 2, 3, 4]
+
+
+def test_public_subpackages_work_after_import_numscope() -> None:
+    code = (
+        "import torch, numscope; x = torch.rand(8, 32)\n"
+        "print(numscope.metrics.backward_error(x, x.t(), 'fp8_e4m3', 'fp8_e4m3').mean)\n"
+        "print(numscope.recipes.recipes()[0].name, numscope.report.__name__, numscope.train.LossScaler)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    mean, names = done.stdout.strip().splitlines()
+    assert 0 < float(mean) < 0.1 and names.startswith("te_delayed numscope.report")
 
 
 def test_a_corrupt_result_json_is_one_clear_line(ws: Path, flow: dict[str, Result], tmp_path: Path) -> None:
@@ -846,6 +931,7 @@ def test_analyze_under_torchrun_merges_the_ranks(ws: Path, flow: dict[str, Resul
         (["train", "--loss-scaling", "sometimes"], "invalid choice: 'sometimes'"),
         (["train", "--steps", "0"], "expected an integer ≥ 1, got 0"),
         (["train", "--lr", "-1"], "expected a positive number, got '-1'"),
+        (["train", "--lr", "-1e-3"], "argument --lr: expected a positive number, got '-1e-3'"),  # not a flag
         (["recommend", "x", "--max-be-ratio", "lots"], "expected a number or 'none', got 'lots'"),
         (["study", "--dofs", "-2"], "degrees of freedom must be > 0"),
         (["train", "--model", "tiny-bert"], "the following arguments are required: --text, --out, --plan"),

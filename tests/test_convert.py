@@ -337,3 +337,26 @@ def test_a_site_with_no_rows_trains(spec: OperandSpec) -> None:
     assert out.shape == (0, 16) and not hidden.grad.any() and not head.weight.grad.any()
     for key, scaler in _quantizer(head).scalers.items():
         assert scaler.steps == (1 if key.endswith("weight") else 0), key
+
+
+def test_block_format_plans_compile_their_quantizers_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from numscope.formats import fast
+
+    monkeypatch.delenv("NUMSCOPE_FAST", raising=False)
+    monkeypatch.setattr(fast, "_enabled", False)  # the process-wide switch off: "auto" decides alone
+    results = []
+    for compiled in ("auto", False):
+        torch.manual_seed(0)
+        layer = nn.Linear(64, 32)
+        convert(layer, Plan.uniform("mxfp8"), compiled=compiled)
+        assert _quantizer(layer).compiled is (compiled == "auto")
+        out = layer(torch.randn(8, 64, generator=torch.Generator().manual_seed(1)))
+        out.sum().backward()
+        results.append((out.detach(), layer.weight.grad))
+    assert any(name == "block" for name, _ in fast.compiled_configurations())
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert _quantizer(convert(nn.Linear(4, 4), Plan.uniform("fp8"))).compiled is False  # element casts
+    monkeypatch.setenv("NUMSCOPE_FAST", "1")
+    assert _quantizer(convert(nn.Linear(4, 4), Plan.uniform("fp8"))).compiled is None  # the variable decides
+    with pytest.raises(ValueError, match="compiled must be 'auto', True or False, got 'yes'"):
+        convert(nn.Linear(4, 4), Plan.uniform("mxfp8"), compiled="yes")

@@ -60,12 +60,25 @@ _EXPORTS: dict[str, str] = {
 _CALLABLE_MODULES = ("formats", "sites", "convert", "observe", "sensitivity")
 for _name in _CALLABLE_MODULES:
     _EXPORTS.pop(_name, None)
+#: public subpackages and modules reachable as attributes after ``import numscope`` (imported on first use)
+_SUBMODULES = (
+    "advisor",
+    "analysis",
+    "distributed",
+    "metrics",
+    "plan",
+    "recipes",
+    "report",
+    "study",
+    "train",
+    "workflow",
+)
 
-__all__ = sorted([*_EXPORTS, *_CALLABLE_MODULES])
+__all__ = sorted([*_EXPORTS, *_CALLABLE_MODULES, *_SUBMODULES])
 
 
 def __getattr__(name: str) -> Any:
-    if name in _CALLABLE_MODULES:  # modules that are also their function: see numscope._callable
+    if name in _CALLABLE_MODULES or name in _SUBMODULES:  # callable modules: see numscope._callable
         return importlib.import_module(f"numscope.{name}")
     module = _EXPORTS.get(name)
     if module is None:

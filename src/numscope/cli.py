@@ -150,7 +150,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             f"--hidden {config.hidden} must be a multiple of --heads {config.heads} (each head gets "
             "hidden / heads dimensions)"
         )
-    out = Path(args.out or ("runs/demo-quick" if args.quick else "runs/demo"))
+    from numscope.workflow import check_output_folder
+
+    out = check_output_folder(args.out or ("runs/demo-quick" if args.quick else "runs/demo"))
     for path in args.text or ():
         if not Path(path).is_file():
             raise CLIError(f"--text {path}: no such file")
@@ -688,11 +690,14 @@ def _register_recommend(sub: argparse._SubParsersAction) -> None:
 def _cmd_compare(args: argparse.Namespace) -> int:
     from numscope import workflow
 
-    print(render_table(workflow.compare(args.runs, baseline=args.baseline)))
+    rows, notes = workflow.comparison(args.runs, baseline=args.baseline)
+    print(render_table(rows))
     print(
         "\ngap = (val loss − baseline val loss) / baseline val loss; avg bits = storage bits per GEMM "
         "operand element, weighted by a training step's operand sizes"
     )
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
     return 0
 
 
@@ -823,9 +828,38 @@ def _is_user_error(error: BaseException) -> bool:
     return False
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _attach_negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``--lr -1e-3`` as ``--lr=-1e-3``: argparse takes a token that starts with '-' for a flag unless it
+    looks like a plain negative integer or decimal, so ``-1e-3`` would be refused as an unknown flag
+    instead of reaching the option's own check. Only after options that take a value."""
+    takes_value: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                takes_value |= {o for a in sub._actions if a.nargs != 0 for o in a.option_strings}
+        elif action.nargs != 0:
+            takes_value |= set(action.option_strings)
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1] in takes_value and token.startswith("-") and _is_number(token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_attach_negative_values(parser, argv))
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

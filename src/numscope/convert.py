@@ -13,9 +13,9 @@ parameter has not changed since (same object, same version); likewise a grad_out
 is reused for wgrad of the same backward, and an input quantized for fprop is kept for wgrad (instead of
 the raw input) under the same conditions. Each reuse is bit-identical to quantizing again. Element casts
 with nearest rounding go through torch's native fp16/bf16/fp8 conversion, which equals
-``numscope.quantize`` bit for bit (checked in the tests); with the ``torch.compile`` fast path on
-(``numscope.formats.set_fast(True)`` or ``NUMSCOPE_FAST=1``) they go through ``numscope.quantize`` and its
-fused kernels instead, the same bits in two passes over memory instead of five.
+``numscope.quantize`` bit for bit (checked in the tests); with the ``torch.compile`` fast path on (by
+default for plans with block formats, ``convert(..., compiled=...)`` to choose, or ``NUMSCOPE_FAST``) they
+go through ``numscope.quantize`` and its fused kernels instead, the same bits.
 
 ``unconvert(model)`` detaches it; parameters and ``state_dict`` are never touched.
 """
@@ -23,6 +23,7 @@ fused kernels instead, the same bits in two passes over memory instead of five.
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -45,9 +46,10 @@ _HANDLES: dict[int, tuple[Any, Handle, _Quantizer]] = {}
 class _Quantizer:
     """The operand handler of :func:`convert`."""
 
-    def __init__(self, plan: Plan, generator: torch.Generator | None) -> None:
+    def __init__(self, plan: Plan, generator: torch.Generator | None, compiled: bool | None = None) -> None:
         self.plan = plan
         self.generator = generator
+        self.compiled = compiled
         self.scalers: dict[str, DelayedScaler] = {}
         self._specs: dict[str, SiteSpec] = {}
         self._weights: dict[str, tuple[weakref.ref, tuple, torch.Tensor]] = {}
@@ -124,7 +126,8 @@ class _Quantizer:
     def _quantize(self, key: str, spec: OperandSpec, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         fmt = spec.format_spec()
         scaling = spec.effective_scaling()
-        native = None if fast_enabled() else _native_cast(spec, fmt, scaling)
+        compiled = fast_enabled() if self.compiled is None else self.compiled
+        native = None if compiled else _native_cast(spec, fmt, scaling)
         if native is not None and tensor.numel() > 0:
             xf = tensor.detach().float()
             amax = _amax(xf) if scaling is not None or spec.overflow == "saturate" else None
@@ -151,6 +154,7 @@ class _Quantizer:
             overflow=spec.overflow,
             flush_subnormals=spec.flush_subnormals,
             generator=self.generator,
+            compiled=compiled,
         )
 
 
@@ -304,6 +308,7 @@ def convert(
     example_inputs: Mapping[str, Any] | tuple | torch.Tensor | None = None,
     generator: torch.Generator | None = None,
     storage: str | None = None,
+    compiled: bool | str = "auto",
 ) -> nn.Module:
     """Apply ``plan`` to ``model`` in place and return it (see the module docstring).
 
@@ -314,14 +319,22 @@ def convert(
     storage: ``"fp16"``/``"bf16"``: the dtype site activations are kept in for backward (None: as they are).
         Only the GEMM inputs the site function saves; :func:`numscope.store_activations` (or
         ``numscope.Recipe(activations=...)``) keeps every activation autograd saves in 16 bits, as the paper.
+    compiled: quantize through the ``torch.compile`` kernels (the same bits, :mod:`numscope.formats.fast`):
+        ``"auto"`` (default) for plans with block formats (MX, NVFP4), whose eager quantizers cost several
+        times a step, unless ``NUMSCOPE_FAST`` is set (then it decides); ``True`` or ``False`` to choose.
+        Element casts are as fast eagerly (``benchmarks/bench_train_step.py``). The first steps compile.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"convert expects a numscope.Plan, got {type(plan).__name__}")
+    if compiled == "auto":
+        compiled = None if "NUMSCOPE_FAST" in os.environ else plan.uses_block_formats()
+    elif not isinstance(compiled, bool):
+        raise ValueError(f"compiled must be 'auto', True or False, got {compiled!r}")
     if _entry(model) is not None:
         raise ValueError(
             "the model is already converted; call numscope.unconvert(model) before converting again"
         )
-    quantizer = _Quantizer(plan, generator)
+    quantizer = _Quantizer(plan, generator, compiled)
     handle = attach(model, quantizer, name=HANDLER_NAME, storage=storage)
     try:
         if example_inputs is not None:

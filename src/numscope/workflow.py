@@ -45,6 +45,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
@@ -74,7 +75,6 @@ from numscope.demo.experiment import (
     train_run,
 )
 from numscope.demo.tokenizer import TokenizerInfo
-from numscope.formats.fast import fast_enabled, set_fast
 from numscope.formats.spec import format as get_format
 from numscope.observe import DEFAULT_CANDIDATES as OBSERVED_BY_DEFAULT
 from numscope.plan import Plan, PlanError
@@ -472,6 +472,42 @@ def _check_train_config(config: TrainConfig, data: DemoData) -> None:
         )
 
 
+def check_output_folder(path: str | os.PathLike[str], flag: str = "--out") -> Path:
+    """``path`` as a folder that exists or can be made, and that this process can write into; else a
+    :class:`WorkflowError` naming the path and the problem (before anything is trained or written)."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise WorkflowError(f"{flag} {folder}: it is a file, not a folder; choose another {flag}")
+    existing = folder if folder.exists() else next((p for p in folder.parents if p.exists()), Path("."))
+    if not existing.is_dir():
+        raise WorkflowError(f"{flag} {folder}: {existing} is a file, not a folder; choose another {flag}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise WorkflowError(f"{flag} {folder}: {existing} is not writable; choose another {flag}")
+    return folder
+
+
+def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
+    """``path`` as a file to write: its folder must exist and be writable, and it must not be a folder."""
+    target = Path(path)
+    if target.is_dir():
+        raise WorkflowError(f"{flag} {target}: it is a folder; give a file name")
+    if not target.parent.is_dir():
+        raise WorkflowError(f"{flag} {target}: no such folder {str(target.parent)!r}; create it first")
+    if not os.access(target.parent, os.W_OK | os.X_OK):
+        raise WorkflowError(f"{flag} {target}: the folder {str(target.parent)!r} is not writable")
+    return target
+
+
+def _stored_name(out: Path) -> str | None:
+    """The run name a folder's ``run.json`` recorded (so that a copied or moved folder resumes as itself)."""
+    try:
+        stored = json.loads((out / "run.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    name = stored.get("name") if isinstance(stored, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def _check_settings(out: Path, settings: dict[str, Any]) -> None:
     """A rerun into a folder must use the folder's settings (that is what makes resuming sound)."""
     path = out / "run.json"
@@ -615,7 +651,7 @@ def analyze(
         raise WorkflowError(f"--sensitivity must be a number of batches >= 0; got {sensitivity_batches!r}")
     if sensitivity_batches and _env_world_size() > 1:
         raise WorkflowError("--sensitivity runs in one process; run analyze without torchrun to measure it")
-    out_dir = Path(out)
+    out_dir = check_output_folder(out)
     with _process_group():
         extra = {"sensitivity_batches": sensitivity_batches} if sensitivity_batches else {}
         settings = _settings(
@@ -738,8 +774,9 @@ def train(
     if not (math.isfinite(init_scale) and init_scale > 0):
         raise WorkflowError(f"--init-scale must be a positive number; got {init_scale}")
     loaded, plan_source = _load_plan(plan)
-    out_dir = Path(out)
-    run_name = name or out_dir.resolve().name
+    out_dir = check_output_folder(out)
+    # a folder's recorded name wins over its current folder name: a copied or moved run resumes as itself
+    run_name = name or _stored_name(out_dir) or out_dir.resolve().name
     with _process_group():
         settings = _settings(
             "train",
@@ -763,10 +800,7 @@ def train(
             out_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
         on_step, close = _progress(config.steps, run_name, progress and writer)
-        was_fast = fast_enabled()
-        if "NUMSCOPE_FAST" not in os.environ:  # the user's explicit choice stands
-            set_fast(loaded.uses_block_formats())  # the same bits, compiled where it pays
-        try:
+        try:  # convert compiles the quantizers of block-format plans (NUMSCOPE_FAST, when set, decides)
             return train_run(
                 RunSpec(run_name, plan_source, loss_scaling, init_scale),
                 factory,
@@ -778,7 +812,6 @@ def train(
                 save_model=True,
             )
         finally:
-            set_fast(was_fast)
             close()
 
 
@@ -856,6 +889,8 @@ def recommend_plan(
     """
     from numscope.advisor import recommend, recommend_table
 
+    if output is not None:
+        check_output_file(output, "--output")
     loaded = analysis if isinstance(analysis, Analysis) else Analysis.load(find_analysis(analysis))
     plan = recommend(loaded, **criteria)
     if output is not None:
@@ -864,8 +899,7 @@ def recommend_plan(
 
 
 def _save_plan(plan: Plan, path: Path) -> None:
-    if not path.parent.is_dir():
-        raise WorkflowError(f"--output {path}: no such folder {str(path.parent)!r}; create it first")
+    check_output_file(path, "--output")
     try:
         plan.save(path)
     except OSError as error:
@@ -922,16 +956,72 @@ def _load_runs(directories: Sequence[str | os.PathLike[str]]) -> list[dict[str, 
     return runs
 
 
+#: what must match for a gap between two runs to mean anything: (settings key, what a person calls it)
+_COMPARABLE = (
+    ("train.steps", "steps"),
+    ("train.seed", "seed"),
+    ("corpus_sha256", "training text"),
+    ("data.vocab_size", "vocabulary size"),
+    ("data.seq_len", "sequence length"),
+    ("train.batch_size", "batch size"),
+    ("train.lr", "learning rate"),
+)
+
+
+def comparability(runs: Sequence[Mapping[str, Any]], baseline: Mapping[str, Any]) -> list[str]:
+    """Where runs differ from the baseline in what makes a loss gap meaningful, one line each.
+
+    Runs of different models have no meaningful gap: that raises :class:`WorkflowError`. Runs whose folders
+    lack the settings (``run.json``) are not checked.
+    """
+    base = _flat(baseline.get("settings") or {})
+    notes = []
+    for run in runs:
+        if run is baseline or not run.get("settings") or not base:
+            continue
+        settings = _flat(run["settings"])
+        if "model" in base and settings.get("model") != base["model"]:
+            raise WorkflowError(
+                f"{run['name']} trained the model {settings.get('model')!r}, the baseline "
+                f"{baseline['name']} {base['model']!r}: a loss gap between different models means nothing; "
+                "compare runs of one model"
+            )
+        differ = [
+            f"{label} {_short(settings.get(key))} vs {_short(base.get(key))}"
+            for key, label in _COMPARABLE
+            if key in base and settings.get(key) != base.get(key)
+        ]
+        if differ:
+            notes.append(
+                f"{run['name']} differs from the baseline {baseline['name']} in {'; '.join(differ)}: its gap "
+                "mixes that difference with the numerics"
+            )
+    return notes
+
+
 def compare(
     directories: Sequence[str | os.PathLike[str]], baseline: str | None = None
 ) -> list[dict[str, str]]:
     """One row per run: validation loss and accuracy, gap to the baseline, average bits, skipped steps.
 
     baseline: a run name or folder; default the run named ``fp32`` (as :func:`analyze` names its run), else
-    the first. Gap = (val loss − baseline val loss) / baseline val loss, in percent.
+    the first. Gap = (val loss − baseline val loss) / baseline val loss, in percent. Runs that differ from
+    the baseline in steps, seed, data or optimisation settings are reported as a ``UserWarning`` (see
+    :func:`comparison` for the rows and those lines together); runs of another model are refused.
     """
+    rows, notes = comparison(directories, baseline)
+    for note in notes:
+        warnings.warn(note, UserWarning, stacklevel=2)
+    return rows
+
+
+def comparison(
+    directories: Sequence[str | os.PathLike[str]], baseline: str | None = None
+) -> tuple[list[dict[str, str]], list[str]]:
+    """:func:`compare`'s rows and the lines of :func:`comparability` (what makes a gap misleading)."""
     runs = _load_runs(directories)
     reference = _baseline(runs, baseline)
+    notes = comparability(runs, reference)
     base = float(reference["val_loss"])
     rows = []
     for run in runs:
@@ -952,7 +1042,7 @@ def compare(
                 "wall": f"{run['wall_seconds']:.0f}s",
             }
         )
-    return rows
+    return rows, notes
 
 
 def _baseline(runs: list[dict[str, Any]], baseline: str | None) -> dict[str, Any]:
@@ -983,6 +1073,7 @@ def report(
     """
     from numscope.report import write_report
 
+    check_output_file(output, "--output")
     runs = _load_runs(directories)
     if analysis is not None:
         analysis_dir = find_analysis(analysis)
@@ -1056,7 +1147,9 @@ def study(
             labels.append(StudyFormat.parse(spec).label)
         except ValueError as error:
             raise WorkflowError(f"--formats: {error}") from error
-    rows, png, table = run_study(Path(out), dofs=dofs, formats=formats, size=size, seed=seed, trials=trials)
+    rows, png, table = run_study(
+        check_output_folder(out), dofs=dofs, formats=formats, size=size, seed=seed, trials=trials
+    )
     cross = None
     if "int8 per tensor" in labels and "fp8_e4m3" in labels and len(dofs) > 1:
         cross = crossover(rows, "int8 per tensor", "fp8_e4m3")

@@ -280,6 +280,7 @@ def train_run(
     *,
     objective: str | Objective = "mlm",
     save_model: bool = False,
+    compiled: bool | str = "auto",
 ) -> RunResult:
     """Train one run (or resume it, or return its finished result) and write its files to ``out_dir``.
 
@@ -291,6 +292,7 @@ def train_run(
     once per optimizer step and whose ``analysis()`` is saved to ``out_dir/analysis`` at the end.
     objective: ``mlm`` (masked LM), ``clm`` (causal LM) or an :class:`Objective`.
     save_model: also write the trained parameters to ``out_dir/model.pt`` (atomically).
+    compiled: whether the plan's quantizers run compiled (:func:`numscope.convert`'s ``compiled``).
 
     Under ``torch.distributed`` with more than one rank the run is DDP over the default group (``batch_size``
     is the global batch and must divide evenly); every rank returns the result, only rank 0 writes. An
@@ -321,7 +323,7 @@ def train_run(
         plan.save(out_dir / "plan.yaml")
     # the observer attaches first, so that it sees each operand before the plan quantizes it
     observer = observer_factory(model) if observer_factory is not None else None
-    convert(model, plan, generator=torch.Generator().manual_seed(cfg.seed))
+    convert(model, plan, generator=torch.Generator().manual_seed(cfg.seed), compiled=compiled)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scaler = LossScaler(
         init_scale=spec.init_scale,

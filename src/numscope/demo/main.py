@@ -304,15 +304,12 @@ def run_demo(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Run every stage into ``out_dir``; returns the summary that ``summary.json`` holds."""
-    from numscope.formats.fast import fast_enabled, set_fast
-
-    was_fast, was_threads = fast_enabled(), torch.get_num_threads()
+    was_threads = torch.get_num_threads()
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     try:
         return _run_demo(out_dir, config, text_paths, log, progress)
     finally:
-        set_fast(was_fast)
         torch.set_num_threads(was_threads)
 
 
@@ -395,10 +392,8 @@ def _run_demo(
     results: dict[str, RunResult] = {}
 
     def run(spec: RunSpec, observer_factory: Callable[[torch.nn.Module], Any] | None = None) -> RunResult:
-        from numscope.formats.fast import set_fast
-
         # the compiled path pays for its compilation only on block formats; element casts run faster eagerly
-        set_fast(config.fast and observer_factory is None and spec.load_plan().uses_block_formats())
+        compiled = config.fast and observer_factory is None and spec.load_plan().uses_block_formats()
         bar = tqdm(total=config.train.steps, desc=f"{spec.name:>13}", disable=not progress, leave=True)
 
         def on_step(step: int, loss: float) -> None:
@@ -409,7 +404,15 @@ def _run_demo(
         folder = out_dir / "runs" / spec.name
         try:
             result = train_run(
-                spec, mcfg, config.train, data, folder, on_step, observer_factory, save_model=True
+                spec,
+                mcfg,
+                config.train,
+                data,
+                folder,
+                on_step,
+                observer_factory,
+                save_model=True,
+                compiled=compiled,
             )
         finally:
             bar.close()

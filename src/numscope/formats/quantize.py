@@ -378,6 +378,7 @@ def quantize(
     overflow: str = "saturate",
     flush_subnormals: bool = False,
     generator: torch.Generator | None = None,
+    compiled: bool | None = None,
 ) -> torch.Tensor:
     """Return ``x`` as it is after a round trip through ``fmt`` under ``scaling`` (same shape and dtype).
 
@@ -392,6 +393,8 @@ def quantize(
         elements after the block scale (an element below its format's smallest normal becomes zero; no
         effect on integer elements).
     generator: the random source of stochastic rounding (reproducible runs).
+    compiled: use the ``torch.compile`` kernels of :mod:`numscope.formats.fast` where they apply (the same
+        bits); ``None`` (default): as :func:`numscope.formats.set_fast` says (``NUMSCOPE_FAST``).
 
     The arithmetic is float32's. float64 input is first rounded to float32 *to odd* (see
     :func:`as_float32`), so that unscaled nearest rounding to any format narrower than fp32 is that of the
@@ -406,7 +409,8 @@ def quantize(
         _check_layout(xf, spec, parsed)
         _share_empty_amax(xf, spec, parsed, delayed)
         return x.detach().clone()
-    if fast.fast_enabled() and fast.supports(spec, kind, rounding):
+    use_compiled = fast.fast_enabled() if compiled is None else compiled
+    if use_compiled and fast.supports(spec, kind, rounding):
         out = _quantize_fast(xf, spec, parsed, delayed, overflow, flush_subnormals)
     elif isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
