@@ -150,7 +150,7 @@ def test_bad_arguments_are_named() -> None:
         Recipe(bert(), loss_scale="auto")
     with pytest.raises(TypeError, match=r"numscope\.Plan, a preset or recipe name, or None, got dict"):
         Recipe(bert(), plan={"fp8": True})
-    with pytest.raises(ValueError, match="unknown preset 'fp9'"):
+    with pytest.raises(ValueError, match="unknown preset or recipe 'fp9'"):
         Recipe(bert(), plan="fp9")
     with pytest.raises(ValueError, match=r"activations must be .working., fp16, bf16, fp32 .* got .fp8."):
         Recipe(bert(), activations="fp8")
