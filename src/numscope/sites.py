@@ -63,6 +63,7 @@ are intercepted (not a submodule called directly), and only modules present at a
 from __future__ import annotations
 
 import math
+import types
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -262,7 +263,7 @@ def _forward_product(
             return F.linear(a, b, bias)
         if layout == "mm":
             return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
-        return torch.matmul(a, b)
+        return torch.matmul(a, b) if bias is None else torch.baddbmm(bias, a, b)
     if layout == "linear":
         out = accumulate_matmul(a.reshape(-1, a.shape[-1]), b.t(), acc).reshape(*a.shape[:-1], b.shape[0])
     else:
@@ -498,10 +499,13 @@ def _sizes(a: int, b: int, out: int) -> dict[tuple[str, str], int]:
 _LINEAR_FUNCS = {F.linear}
 _MM_FUNCS = {torch.mm, torch.Tensor.mm}
 _ADDMM_FUNCS = {torch.addmm, torch.Tensor.addmm}
+_BADDBMM_FUNCS = {torch.baddbmm, torch.Tensor.baddbmm}
 _MATMUL_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.bmm, torch.Tensor.bmm}
 _RMATMUL_FUNCS = {torch.Tensor.__rmatmul__}
 _SDPA_FUNCS = {F.scaled_dot_product_attention}
-_GEMM_FUNCS = _LINEAR_FUNCS | _MM_FUNCS | _ADDMM_FUNCS | _MATMUL_FUNCS | _RMATMUL_FUNCS | _SDPA_FUNCS
+_GEMM_FUNCS = (
+    _LINEAR_FUNCS | _MM_FUNCS | _ADDMM_FUNCS | _BADDBMM_FUNCS | _MATMUL_FUNCS | _RMATMUL_FUNCS | _SDPA_FUNCS
+)
 _SOFTMAX_FUNCS = {torch.softmax, torch.Tensor.softmax, F.softmax, torch._softmax}
 
 
@@ -527,12 +531,13 @@ def _parse(func, args: tuple, kwargs: dict) -> tuple[str, Any, Any, Any] | None:
         weight = args[1] if len(args) > 1 else kwargs["weight"]
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         return ("linear", args[0], weight, bias) if weight.dim() == 2 else None
-    if func in _ADDMM_FUNCS:
+    if func in _ADDMM_FUNCS or func in _BADDBMM_FUNCS:
         extra = dict(zip(("beta", "alpha"), args[3:], strict=False)) | kwargs
         bias, a, b = args[0], args[1], args[2]
-        if extra.get("beta", 1) != 1 or extra.get("alpha", 1) != 1 or a.dim() != 2 or b.dim() != 2:
+        rank = 2 if func in _ADDMM_FUNCS else 3
+        if extra.get("beta", 1) != 1 or extra.get("alpha", 1) != 1 or a.dim() != rank or b.dim() != rank:
             return None
-        return ("mm", a, b, bias)
+        return ("mm" if rank == 2 else "batched", a, b, bias)
     a, b = (args[1], args[0]) if func in _RMATMUL_FUNCS else (args[0], args[1])
     if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
         return None
@@ -620,6 +625,25 @@ class _Discovery:
                 self.alive.append(value)
 
 
+def _unfused(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of a composite ``torch.nn.functional`` function that does not hand itself to torch-function
+    modes as a whole (its ``has_torch_function`` check answers False), so that the GEMMs it issues reach the
+    interception mode one by one, as the original computes them."""
+    namespace = {**function.__globals__, "has_torch_function": lambda *args: False}
+    copy = types.FunctionType(function.__code__, namespace, function.__name__, function.__defaults__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    return copy
+
+
+#: ``nn.MultiheadAttention`` (and ``nn.Transformer*`` through it) computes in one functional call, which a
+#: torch-function mode would receive whole: it runs unfused, its in- and out-projections and its two
+#: attention products each a site. Under the mode its fast path (``torch._native_multi_head_attention``) is
+#: never taken: ``MultiheadAttention.forward`` leaves it wherever a torch function mode is active.
+_COMPOSITE_FUNCS: dict[Callable[..., Any], Callable[..., Any]] = {
+    F.multi_head_attention_forward: _unfused(F.multi_head_attention_forward)
+}
+
+
 class _Mode(TorchFunctionMode):
     def __init__(self, runtime: _Runtime) -> None:
         super().__init__()
@@ -628,6 +652,10 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         runtime = self.runtime
+        unfused = _COMPOSITE_FUNCS.get(func)
+        if unfused is not None and runtime.stack:
+            with self:  # this mode stays on for the GEMMs inside
+                return unfused(*args, **kwargs)
         if runtime.discovery is not None:
             return runtime.discover_call(func, args, kwargs)
         if func not in _GEMM_FUNCS or not runtime.stack or not runtime.in_forward():
@@ -686,6 +714,7 @@ class _Runtime:
         self.sizes: dict[str, dict[tuple[str, str], int]] = {}
         self.on_discovered: list[Callable[[list[Site]], None]] = []
         self.static: dict[int, Site] = {}
+        self.named: dict[str, Site] = {}  # sites named for what they compute (MultiheadAttention projections)
         self._wanted: dict[str, tuple] = {}
         self.hooks: list[Any] = []
         for qualname, module in model.named_modules():
@@ -777,7 +806,7 @@ class _Runtime:
         for entry in self.table.values():
             for site in entry:
                 found[site.name] = site
-        static = {site.name: site for site in self.static.values()}
+        static = {site.name: site for site in self.static.values()} | self.named
         names = [n for n in self.order if n in found or n in static]
         names += [n for n in static if n not in names]
         names += [n for n in found if n not in names]
@@ -807,7 +836,35 @@ class _Runtime:
             and getattr(frame.module, "weight", None) is weight
         ):
             return static
-        return self.anonymous(frame, "matmul")[0]
+        named = self._projection(frame, layout, weight)
+        return named if named is not None else self.anonymous(frame, "matmul")[0]
+
+    def _projection(self, frame: _Frame, layout: str, weight: torch.Tensor) -> Site | None:
+        """The named site of a ``MultiheadAttention`` projection: ``out_proj`` (its Linear's own site),
+        ``in_proj`` (the packed weight: self-attention), ``in_proj_q``/``in_proj_kv``/``in_proj_k``/
+        ``in_proj_v`` (its slices: cross-attention), ``q_proj``/``k_proj``/``v_proj`` (separate weights)."""
+        module = frame.module
+        if layout != "linear" or not isinstance(module, nn.MultiheadAttention):
+            return None
+        if weight is module.out_proj.weight:
+            return self.static[id(module.out_proj)]
+        name = None
+        for attribute in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+            if weight is getattr(module, attribute, None):
+                name = attribute[:6]
+        packed = module.in_proj_weight
+        if packed is not None and weight is packed:
+            name = "in_proj"
+        elif packed is not None and weight._base is packed:
+            rows = weight.shape[0] // module.embed_dim
+            first = (weight.storage_offset() - packed.storage_offset()) // (
+                module.embed_dim * packed.shape[1]
+            )
+            name = "in_proj_kv" if rows == 2 else f"in_proj_{'qkv'[first]}"
+        if name is None:
+            return None
+        qualified = f"{frame.name}.{name}" if frame.name else name
+        return self.named.setdefault(qualified, Site(qualified, frame.name, "linear"))
 
     def _call(self, site: Site, layout: str, upcast: torch.dtype | None = None) -> _Call | None:
         handlers, accumulate = self.handlers_for(site)
@@ -928,7 +985,9 @@ class _Runtime:
             frame.calls += 1
             return None
         static = self.static.get(id(frame.module))
-        if static is not None and layout in ("linear", "mm") and getattr(frame.module, "weight", None) is b:
+        if static is None or layout not in ("linear", "mm") or getattr(frame.module, "weight", None) is not b:
+            static = self._projection(frame, layout, b)
+        if static is not None:
             if static.name not in self.order:
                 self.order.append(static.name)
             return None
