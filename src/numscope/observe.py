@@ -85,7 +85,9 @@ call ``step()`` alike (it is a collective on sampled steps); write the result on
 :func:`numscope.distributed.save_analysis`.
 
 Operands whose partner never arrives (a GEMM the runtime does not route through the handler) simply get no
-backward error. If the same operand of a GEMM arrives twice before its partner, the later one replaces the
+backward error. Nor do convolutions: their GEMM is that of the im2col form, whose rows (a channel block
+times the kernel window) the operands as passed do not show; the advisor decides them on the other
+metrics. If the same operand of a GEMM arrives twice before its partner, the later one replaces the
 earlier one. A site called several times in one step has its records of that step merged (sample-weighted,
 see :func:`numscope.analysis.default_reduce`; backward errors weighted by their entries, see
 :func:`numscope.analysis.merge_be_stats`) and its element counts added.
@@ -514,7 +516,7 @@ class Observer:
         self._elements[key] = max(self._elements.get(key, 0), record.elements)
         previous = self._step_histograms.get(key)
         self._step_histograms[key] = shared.histogram if previous is None else previous + shared.histogram
-        if not self.config.backward_error:
+        if not self.config.backward_error or site.kind == "conv":  # see the module docstring
             return
         # the backward error's rows, quantized as inside the whole tensor; the block formats' quantization
         # above is reused where the rows were finite (else the operand enters as it is: a non-finite

@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import math
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -392,6 +393,141 @@ class SiteGemm(torch.autograd.Function):
         return None, grad_a, grad_b, grad_bias
 
 
+# -- convolutions ------------------------------------------------------------------------------------
+
+_CONV_FUNCS: dict[Callable[..., Any], tuple[int, bool]] = {
+    F.conv1d: (1, False),
+    F.conv2d: (2, False),
+    F.conv3d: (3, False),
+    F.conv_transpose1d: (1, True),
+    F.conv_transpose2d: (2, True),
+    F.conv_transpose3d: (3, True),
+}
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_TRANSPOSE_ARGS = (
+    "input",
+    "weight",
+    "bias",
+    "stride",
+    "padding",
+    "output_padding",
+    "groups",
+    "dilation",
+)
+
+
+@dataclass(frozen=True)
+class _ConvParams:
+    """A convolution's geometry, in ``aten.convolution``'s terms."""
+
+    dims: int
+    transposed: bool
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    output_padding: tuple[int, ...]
+    groups: int
+
+    @classmethod
+    def of(
+        cls, func: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> tuple[_ConvParams, dict[str, Any]] | None:
+        """The parameters of a ``F.conv*`` call, or ``None`` where its padding is a string ('same')."""
+        dims, transposed = _CONV_FUNCS[func]
+        bound = dict(zip(_CONV_TRANSPOSE_ARGS if transposed else _CONV_ARGS, args, strict=False)) | kwargs
+        if isinstance(bound.get("padding", 0), str):
+            return None
+
+        def tuple_of(value: Any, default: int) -> tuple[int, ...]:
+            value = default if value is None else value
+            return tuple(value) if isinstance(value, list | tuple) else (int(value),) * dims
+
+        params = cls(
+            dims,
+            transposed,
+            tuple_of(bound.get("stride"), 1),
+            tuple_of(bound.get("padding"), 0),
+            tuple_of(bound.get("dilation"), 1),
+            tuple_of(bound.get("output_padding"), 0),
+            int(bound.get("groups", 1) or 1),
+        )
+        return params, bound
+
+    @property
+    def weight_axes(self) -> tuple[int, int]:
+        """The contraction axis of the weight in fprop and in dgrad: a convolution's weight is (C_out,
+        C_in/groups, k…) and contracts over C_in in fprop, over C_out in dgrad; transposed, the reverse."""
+        return (0, 1) if self.transposed else (1, 0)
+
+    def convolve(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.aten.convolution(
+            x, weight, bias, self.stride, self.padding, self.dilation, self.transposed, self.output_padding,
+            self.groups,
+        )  # fmt: skip
+
+    def gradients(
+        self,
+        grad_output: torch.Tensor,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        mask: tuple[bool, bool, bool],
+        bias_sizes: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """``aten.convolution_backward``: the op autograd itself runs for a convolution."""
+        return torch.ops.aten.convolution_backward(
+            grad_output, x, weight, bias_sizes, self.stride, self.padding, self.dilation, self.transposed,
+            self.output_padding, self.groups, list(mask),
+        )  # fmt: skip
+
+
+class SiteConv(torch.autograd.Function):
+    """A convolution site: its input, weight and grad_output through the handler chain in each of its three
+    GEMMs (the convolution is the GEMM of its im2col form), multiplied by ``aten.convolution`` and
+    ``aten.convolution_backward``, the ops autograd itself runs, so identity handlers are bit-identical.
+
+    Contraction axes handed to the handlers: the channel axis 1 of the input (fprop) and of grad_output
+    (dgrad); the weight's C_in axis in fprop and C_out axis in dgrad (see :attr:`_ConvParams.weight_axes`);
+    in wgrad the contraction runs over the batch and every output position, and the handlers get axis 0,
+    the batch axis (so block formats block consecutive samples at one channel and position there).
+    """
+
+    @staticmethod
+    def forward(ctx, call: _Call, params: _ConvParams, x, weight, bias):  # type: ignore[override]
+        fprop_w_axis, _ = params.weight_axes
+        x_q = call.chain("fprop", "input", x, 1)
+        w_q = call.chain("fprop", "weight", weight, fprop_w_axis)
+        out = params.convolve(x_q, w_q, None if bias is None else bias.to(call.compute_dtype(bias.dtype)))
+        ctx.call, ctx.params = call, params
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(_store(x, call.storage), weight)
+        return out if call.upcast is None else out.to(call.upcast)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        call, params = ctx.call, ctx.params
+        x_saved, weight = ctx.saved_tensors
+        x = x_saved.to(ctx.dtypes[0])
+        need_x, need_w, need_bias = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        _, dgrad_w_axis = params.weight_axes
+        grad_x = grad_w = grad_bias = None
+        if need_x:
+            dy = call.chain("dgrad", "grad_output", grad_output, 1)
+            w_q = call.chain("dgrad", "weight", weight, dgrad_w_axis)
+            grad_x = params.gradients(dy, x.to(dy.dtype), w_q, (True, False, False))[0]
+        if need_w:
+            dy = call.chain("wgrad", "grad_output", grad_output, 0)
+            x_q = call.chain("wgrad", "input", x, 0)
+            grad_w = params.gradients(dy, x_q, weight.to(dy.dtype), (False, True, False))[1]
+        if need_bias and ctx.dtypes[2] is not None:  # from the unquantized grad_output, as autograd sums it
+            channels = [weight.shape[1] * params.groups if params.transposed else weight.shape[0]]
+            grad_bias = params.gradients(grad_output, x, weight, (False, False, True), channels)[2]
+            grad_bias = grad_bias.to(ctx.dtypes[2])
+        if call.upcast is not None:
+            grad_x = None if grad_x is None else grad_x.to(ctx.dtypes[0])
+            grad_w = None if grad_w is None else grad_w.to(ctx.dtypes[1])
+        return None, None, grad_x, grad_w, grad_bias
+
+
 def _matmul_layout(a: torch.Tensor, b: torch.Tensor) -> str | None:
     """Which decomposition ``at::matmul`` uses for ``a @ b`` (``None``: a 1-D operand, not a site)."""
     if a.dim() < 2 or b.dim() < 2:
@@ -504,12 +640,34 @@ _MATMUL_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.bmm, torch.Tensor.bmm}
 _RMATMUL_FUNCS = {torch.Tensor.__rmatmul__}
 _SDPA_FUNCS = {F.scaled_dot_product_attention}
 _GEMM_FUNCS = (
-    _LINEAR_FUNCS | _MM_FUNCS | _ADDMM_FUNCS | _BADDBMM_FUNCS | _MATMUL_FUNCS | _RMATMUL_FUNCS | _SDPA_FUNCS
+    _LINEAR_FUNCS
+    | _MM_FUNCS
+    | _ADDMM_FUNCS
+    | _BADDBMM_FUNCS
+    | _MATMUL_FUNCS
+    | _RMATMUL_FUNCS
+    | _SDPA_FUNCS
+    | set(_CONV_FUNCS)
 )
 _SOFTMAX_FUNCS = {torch.softmax, torch.Tensor.softmax, F.softmax, torch._softmax}
 
 
+#: GEMMs numscope does not intercept: running one inside an attached model's forward warns, once per module
+#: and op, that it stays unquantized and unobserved (never silently)
+_UNINTERCEPTED: dict[Callable[..., Any], str] = {
+    torch.lstm: "nn.LSTM's fused gate GEMMs",
+    torch.gru: "nn.GRU's fused gate GEMMs",
+    torch.rnn_tanh: "nn.RNN's fused GEMMs",
+    torch.rnn_relu: "nn.RNN's fused GEMMs",
+    torch.einsum: "einsum",
+    torch.bilinear: "a bilinear product",
+    F.bilinear: "a bilinear product",
+}
+if hasattr(torch, "_grouped_mm"):
+    _UNINTERCEPTED[torch._grouped_mm] = "a grouped GEMM (mixture-of-experts experts)"
+
 _WEIGHT_AXES: dict[tuple[str, str], tuple[int, int]] = {
+    ("conv", "conv"): (1, 0),  # a convolution's own axes: _ConvParams.weight_axes
     ("linear", "linear"): (-1, 0),
     ("matmul", "linear"): (-1, 0),
     ("conv1d", "mm"): (0, -1),
@@ -525,6 +683,8 @@ def _parse(func, args: tuple, kwargs: dict) -> tuple[str, Any, Any, Any] | None:
     """(layout, a, b, bias) of a GEMM call, or ``None`` where the call is not a site (1-D, out=, alpha…)."""
     if func in _SDPA_FUNCS:
         return ("sdpa", None, None, None)
+    if func in _CONV_FUNCS:
+        return ("conv", None, None, None)
     if "out" in kwargs:
         return None
     if func in _LINEAR_FUNCS:
@@ -580,6 +740,8 @@ def _conv1d_class() -> type | None:
 def _static_kind(module: nn.Module) -> str | None:
     if isinstance(module, nn.Linear):
         return "linear"
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "conv"
     conv1d = _conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
         return "conv1d"
@@ -656,6 +818,9 @@ class _Mode(TorchFunctionMode):
         if unfused is not None and runtime.stack:
             with self:  # this mode stays on for the GEMMs inside
                 return unfused(*args, **kwargs)
+        if func in _UNINTERCEPTED and runtime.stack:
+            runtime.unintercepted(runtime.stack[-1], func, _UNINTERCEPTED[func])
+            return func(*args, **kwargs)
         if runtime.discovery is not None:
             return runtime.discover_call(func, args, kwargs)
         if func not in _GEMM_FUNCS or not runtime.stack or not runtime.in_forward():
@@ -715,6 +880,7 @@ class _Runtime:
         self.on_discovered: list[Callable[[list[Site]], None]] = []
         self.static: dict[int, Site] = {}
         self.named: dict[str, Site] = {}  # sites named for what they compute (MultiheadAttention projections)
+        self.skipped: set[tuple[str, str]] = set()  # (module, op) of GEMMs that ran past the handlers
         self._wanted: dict[str, tuple] = {}
         self.hooks: list[Any] = []
         for qualname, module in model.named_modules():
@@ -888,6 +1054,8 @@ class _Runtime:
         layout, a, b, bias = parsed
         if layout == "sdpa":
             return self.sdpa_call(frame, func, args, kwargs)
+        if layout == "conv":
+            return self.conv_call(frame, func, args, kwargs)
         site = self._site_for(frame, layout, b)
         self.sizes[site.name] = _sizes(a.numel(), b.numel(), _out_numel(layout, a, b))
         call = self._call(site, layout, _upcast(a, b, bias))
@@ -900,6 +1068,57 @@ class _Runtime:
         elif layout == "batched":
             call.meta["batch"] = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
         return SiteGemm.apply(call, a, b, bias)
+
+    def unintercepted(self, frame: _Frame, func: Callable[..., Any], what: str) -> None:
+        """Warn once per module and op that a GEMM runs past numscope (unquantized, unobserved)."""
+        name = getattr(func, "__name__", str(func))
+        key = (frame.name, name)
+        if key in self.skipped:
+            return
+        self.skipped.add(key)
+        where = frame.name or type(frame.module).__name__
+        warnings.warn(
+            f"numscope: {where} runs {what} ({name}), which numscope does not intercept: it is neither "
+            "quantized by a plan nor observed",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    def conv_call(self, frame: _Frame, func, args: tuple, kwargs: dict):
+        parsed = _ConvParams.of(func, args, kwargs)
+        if parsed is None:  # padding='same'/'valid': left to torch, and said
+            self.unintercepted(frame, func, "a string padding ('same', 'valid')")
+            return func(*args, **kwargs)
+        params, bound = parsed
+        x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
+        site = self._conv_site(frame, weight)
+        self.sizes[site.name] = _sizes(x.numel(), weight.numel(), 0)
+        call = self._call(site, "conv", _upcast(x, weight, bias))
+        if call is None:
+            return func(*args, **kwargs)
+        if call.accumulate != "fp32":
+            raise ValueError(
+                f"site {site.name!r}: accumulate {call.accumulate!r} is not emulated for convolutions; "
+                "give conv sites accumulate fp32 in the plan"
+            )
+        unbatched = x.dim() == params.dims + 1  # F.conv* accepts an input without a batch axis
+        if unbatched:
+            x = x.unsqueeze(0)
+        out = SiteConv.apply(call, params, x, weight, bias)
+        self.sizes[site.name] = _sizes(x.numel(), weight.numel(), out.numel())
+        return out.squeeze(0) if unbatched else out
+
+    def _conv_is_static(self, frame: _Frame, weight: torch.Tensor) -> bool:
+        """Whether a convolution is its module's own (a Conv/ConvTranspose layer with this weight)."""
+        static = self.static.get(id(frame.module))
+        return (
+            static is not None and static.kind == "conv" and getattr(frame.module, "weight", None) is weight
+        )
+
+    def _conv_site(self, frame: _Frame, weight: torch.Tensor) -> Site:
+        if self._conv_is_static(frame, weight):
+            return self.static[id(frame.module)]
+        return self.anonymous(frame, "conv")[0]
 
     def sdpa_call(self, frame: _Frame, func, args: tuple, kwargs: dict):
         scores_site, context_site = self.anonymous(frame, "sdpa")
@@ -979,13 +1198,18 @@ class _Runtime:
         if parsed is None:
             return None
         layout, a, b, _ = parsed
-        if layout == "sdpa":
-            discovery.entries.append({"module": frame.name, "index": frame.calls, "role": "sdpa"})
+        if layout == "conv":
+            b = args[1] if len(args) > 1 else kwargs.get("weight")
+        if layout in ("sdpa", "conv") and not (layout == "conv" and self._conv_is_static(frame, b)):
+            discovery.entries.append({"module": frame.name, "index": frame.calls, "role": layout})
             self.order.append(f"@{len(discovery.entries) - 1}")
             frame.calls += 1
             return None
         static = self.static.get(id(frame.module))
-        if static is None or layout not in ("linear", "mm") or getattr(frame.module, "weight", None) is not b:
+        allowed = (
+            ("linear", "mm", "conv") if static is not None and static.kind == "conv" else ("linear", "mm")
+        )
+        if static is None or layout not in allowed or getattr(frame.module, "weight", None) is not b:
             static = self._projection(frame, layout, b)
         if static is not None:
             if static.name not in self.order:
@@ -1014,7 +1238,7 @@ class _Runtime:
                 elif entry["role"] in counts:
                     counts[entry["role"]] += 1
             seen = {"scores": 0, "context": 0}
-            anonymous = 0
+            anonymous = convolutions = 0
 
             def role_name(role: str, prefix: str = prefix, counts: dict = counts, seen: dict = seen) -> str:
                 suffix = str(seen[role]) if counts[role] > 1 else ""
@@ -1028,6 +1252,9 @@ class _Runtime:
                         Site(role_name("scores"), module, "sdpa"),
                         Site(role_name("context"), module, "sdpa"),
                     )
+                elif entry["role"] == "conv":
+                    site = (Site(f"{prefix}conv{convolutions}", module, "conv"),)
+                    convolutions += 1
                 elif entry["role"] in counts:
                     site = (Site(role_name(entry["role"]), module, "matmul"),)
                 else:

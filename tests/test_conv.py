@@ -1,0 +1,207 @@
+"""Convolutions as sites: Conv1d/2d/3d and ConvTranspose1d/2d/3d (groups, stride, padding, dilation), in a
+small ResNet-like CNN with BatchNorm, a GAN generator, ViT's patch embedding and Whisper's front end."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numscope
+from numscope.sites import attach, sites
+
+
+def identity_run(make, x):
+    """(output, grads) of the plain model and of the model with an identity handler, and what it saw."""
+    results, seen = [], set()
+    for routed in (False, True):
+        model = make()
+        if routed:
+            attach(model, lambda s, g, o, t, a: (seen.add((s.name, g, o, a)), t)[1], name="identity")
+        out = model(x)
+        out.square().sum().backward()
+        results.append((out.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    return results, seen
+
+
+class Block(nn.Module):
+    """A residual block: conv-BN-ReLU-conv-BN plus the input."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+def resnet() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), Block(8),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(16, 10),
+    )  # fmt: skip
+
+
+def generator() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Unflatten(1, (16, 1, 1)), nn.ConvTranspose2d(16, 8, 4), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1), nn.ReLU(),
+        nn.ConvTranspose2d(4, 1, 3, stride=1, padding=1, dilation=1), nn.Tanh(),
+    )  # fmt: skip
+
+
+def various() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv1d(4, 8, 5, stride=2, padding=3, dilation=2), nn.ReLU(),
+        nn.ConvTranspose1d(8, 4, 3, stride=2, groups=2),
+        nn.Unflatten(1, (4, 1)), nn.Unflatten(3, (1, -1)), nn.Conv3d(4, 2, (1, 1, 3), padding=(0, 0, 1)),
+        nn.ConvTranspose3d(2, 2, (1, 1, 2), stride=(1, 1, 2)),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "make,x",
+    [(resnet, torch.randn(4, 1, 8, 8)), (generator, torch.randn(4, 16)), (various, torch.randn(2, 4, 20))],
+    ids=["resnet", "gan-generator", "conv1d-3d-transposed"],
+)
+def test_convolutions_are_sites_and_identity_is_bit_identical(make, x) -> None:
+    [(out, grads), (routed_out, routed_grads)], seen = identity_run(make, x)
+    assert torch.equal(out, routed_out)
+    assert all(torch.equal(grads[name], routed_grads[name]) for name in grads)
+    found = sites(make(), x)
+    convolutions = [name for name, m in make().named_modules() if isinstance(m, nn.modules.conv._ConvNd)]
+    assert [site.name for site in found if site.kind == "conv"] == convolutions
+    # every operand of every GEMM, but dgrad of the first layer (its input needs no gradient)
+    assert len(seen) == 6 * len(found) - 2
+
+
+def test_the_contraction_axes_handed_to_the_handlers() -> None:
+    _, seen = identity_run(generator, torch.randn(2, 16))
+    axes = {(gemm, operand): axis for name, gemm, operand, axis in seen if name == "4"}  # ConvTranspose2d
+    assert axes == {
+        ("fprop", "input"): 1, ("fprop", "weight"): 0,  # C_in: the weight's first axis when transposed
+        ("dgrad", "grad_output"): 1, ("dgrad", "weight"): 1,
+        ("wgrad", "grad_output"): 0, ("wgrad", "input"): 0,
+    }  # fmt: skip
+
+
+def test_fprop_of_a_quantized_convolution_by_hand() -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 8, 3, padding=1)
+    numscope.convert(conv, numscope.Plan.uniform("fp8"))
+    x = torch.randn(2, 3, 6, 6)
+    expected = F.conv2d(
+        numscope.quantize(x, "fp8_e4m3", scaling="tensor"),
+        numscope.quantize(conv.weight.detach(), "fp8_e4m3", scaling="tensor"),
+        conv.bias.detach(),
+        padding=1,
+    )
+    assert torch.equal(conv(x).detach(), expected)
+
+
+@pytest.mark.parametrize("preset", ["fp8", "mxfp8"])
+def test_a_cnn_trains_under_low_precision_plans(preset: str) -> None:
+    model = resnet()
+    numscope.convert(model, numscope.Plan.uniform(preset))
+    x, labels = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(5):
+        loss = F.cross_entropy(model(x), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+
+
+def test_a_cnn_is_observed_and_recommended() -> None:
+    model = resnet()
+    with numscope.observe(model, candidates=["bf16", "fp8_e4m3", "mxfp8_e4m3"], every=1) as observer:
+        F.cross_entropy(model(torch.randn(8, 1, 8, 8)), torch.randint(0, 10, (8,))).backward()
+        observer.step()
+    analysis = observer.analysis()
+    assert {"0", "3.conv1", "4"} <= set(analysis.sites())
+    assert numscope.recommend(analysis).for_site("3.conv1").operands
+
+
+def test_convolutions_refuse_a_narrow_accumulator_and_say_what_they_skip() -> None:
+    conv = nn.Conv2d(3, 4, 3)
+    numscope.convert(conv, numscope.Plan(numscope.SiteSpec.uniform("bf16", accumulate="bf16")))
+    with pytest.raises(ValueError, match="accumulate 'bf16' is not emulated for convolutions"):
+        conv(torch.randn(1, 3, 5, 5))
+    same = nn.Conv2d(3, 4, 3, padding="same")
+    numscope.convert(same, numscope.Plan.uniform("fp8"))
+    with pytest.warns(
+        UserWarning, match=r"runs a string padding \('same', 'valid'\) \(conv2d\), which numscope"
+    ):
+        same(torch.randn(1, 3, 5, 5))
+
+
+def test_vit_and_whisper_front_ends_are_sites() -> None:
+    from transformers import (
+        ViTConfig,
+        ViTForImageClassification,
+        WhisperConfig,
+        WhisperForConditionalGeneration,
+    )
+
+    torch.manual_seed(0)
+    vit = ViTForImageClassification(
+        ViTConfig(
+            image_size=16,
+            patch_size=4,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            num_labels=3,
+        )
+    )
+    pixels = torch.randn(2, 3, 16, 16)
+    found = {site.name: site.kind for site in sites(vit, {"pixel_values": pixels})}
+    assert found["vit.embeddings.patch_embeddings.projection"] == "conv"
+    numscope.convert(vit, numscope.Plan.uniform("mxfp8"))
+    vit(pixel_values=pixels, labels=torch.tensor([0, 2])).loss.backward()
+    assert vit.vit.embeddings.patch_embeddings.projection.weight.grad is not None
+    whisper = WhisperForConditionalGeneration(
+        WhisperConfig(
+            vocab_size=100,
+            num_mel_bins=8,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_source_positions=16,
+            max_target_positions=16,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+        )
+    )
+    inputs = {"input_features": torch.randn(2, 8, 32), "decoder_input_ids": torch.randint(3, 100, (2, 5))}
+    found = {site.name: site.kind for site in sites(whisper, inputs)}
+    assert found["model.encoder.conv1"] == found["model.encoder.conv2"] == "conv"
+    numscope.convert(whisper, numscope.Plan.uniform("fp8"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing in Whisper runs past numscope
+        loss = whisper(**inputs, labels=inputs["decoder_input_ids"]).loss
+    loss.backward()
+    assert torch.isfinite(loss)
