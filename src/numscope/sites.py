@@ -663,8 +663,11 @@ _UNINTERCEPTED: dict[Callable[..., Any], str] = {
     torch.bilinear: "a bilinear product",
     F.bilinear: "a bilinear product",
 }
-if hasattr(torch, "_grouped_mm"):
-    _UNINTERCEPTED[torch._grouped_mm] = "a grouped GEMM (mixture-of-experts experts)"
+#: grouped GEMMs (mixture-of-experts experts): a 2-D input whose rows are sorted by expert times a 3-D
+#: stack of expert weights, ``offs`` the cumulative row counts; each expert is a site of its own
+_GROUPED_FUNCS = {
+    func for func in (getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None)) if func is not None
+}
 
 _WEIGHT_AXES: dict[tuple[str, str], tuple[int, int]] = {
     ("conv", "conv"): (1, 0),  # a convolution's own axes: _ConvParams.weight_axes
@@ -821,6 +824,12 @@ class _Mode(TorchFunctionMode):
         if func in _UNINTERCEPTED and runtime.stack:
             runtime.unintercepted(runtime.stack[-1], func, _UNINTERCEPTED[func])
             return func(*args, **kwargs)
+        if (
+            func in _GROUPED_FUNCS
+            and runtime.stack
+            and (runtime.discovery is not None or runtime.in_forward())
+        ):
+            return runtime.grouped_call(func, args, kwargs)
         if runtime.discovery is not None:
             return runtime.discover_call(func, args, kwargs)
         if func not in _GEMM_FUNCS or not runtime.stack or not runtime.in_forward():
@@ -1002,7 +1011,11 @@ class _Runtime:
             and getattr(frame.module, "weight", None) is weight
         ):
             return static
-        named = self._projection(frame, layout, weight)
+        named = (
+            self._projection(frame, layout, weight)
+            or self._own_weight(frame, layout, weight)
+            or (self._expert(frame, weight) if layout in ("linear", "mm") else None)
+        )
         return named if named is not None else self.anonymous(frame, "matmul")[0]
 
     def _projection(self, frame: _Frame, layout: str, weight: torch.Tensor) -> Site | None:
@@ -1068,6 +1081,61 @@ class _Runtime:
         elif layout == "batched":
             call.meta["batch"] = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
         return SiteGemm.apply(call, a, b, bias)
+
+    def _expert(self, frame: _Frame, weight: torch.Tensor, index: int | None = None) -> Site | None:
+        """The site of one expert of a module that keeps its experts' weights stacked in one parameter
+        (``experts.gate_up_proj`` of shape (E, …)): named ``<module>.<parameter>.<expert>``, stable from batch
+        to batch whatever order the experts are hit in. ``weight`` is the stack (with ``index``) or one
+        expert's slice of it."""
+        for attribute, parameter in frame.module.named_parameters(recurse=False):
+            if parameter.dim() != 3:
+                continue
+            stack = weight if weight is parameter else weight._base
+            if stack is not parameter:
+                continue
+            if index is None:
+                offset = weight.storage_offset() - parameter.storage_offset()
+                index = offset // parameter[0].numel()
+            prefix = f"{frame.name}." if frame.name else ""
+            name = f"{prefix}{attribute}.{index}"
+            return self.named.setdefault(name, Site(name, frame.name, "linear"))
+        return None
+
+    def _own_weight(self, frame: _Frame, layout: str, weight: torch.Tensor) -> Site | None:
+        """A module's own ``weight`` in ``F.linear`` (a router, a custom projection): the module's site."""
+        if layout != "linear" or getattr(frame.module, "weight", None) is not weight or not frame.name:
+            return None
+        return self.named.setdefault(frame.name, Site(frame.name, frame.name, "linear"))
+
+    def grouped_call(self, func, args: tuple, kwargs: dict):
+        """A grouped GEMM as one ``mm`` site per expert (see :data:`_GROUPED_FUNCS`)."""
+        frame = self.stack[-1]
+        bound = dict(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), args, strict=False)) | kwargs
+        a, b, offs = bound["mat_a"], bound["mat_b"], bound.get("offs")
+        sites = [self._expert(frame, b, index) for index in range(b.shape[0])] if b.dim() == 3 else []
+        usable = a.dim() == 2 and offs is not None and bound.get("bias") is None and None not in sites
+        if not usable or bound.get("out_dtype") not in (None, a.dtype):
+            self.unintercepted(frame, func, "a grouped GEMM of a layout numscope does not split")
+            return func(*args, **kwargs)
+        ends = offs.tolist()
+        pieces, start = [], 0
+        for index, end in enumerate(ends):
+            if end > start:
+                site, expert, rows = sites[index], b[index], a[start:end]
+                self.sizes[site.name] = _sizes(rows.numel(), expert.numel(), rows.shape[0] * expert.shape[1])
+                if self.discovery is not None:  # finding sites: in call order, computed as they are
+                    if site.name not in self.order:
+                        self.order.append(site.name)
+                    call = None
+                else:
+                    call = self._call(site, "mm", _upcast(a, b))
+                pieces.append(
+                    torch.mm(rows, expert) if call is None else SiteGemm.apply(call, rows, expert, None)
+                )
+            start = max(start, end)
+        if start < a.shape[0]:  # rows past the last offset: zeros, as the grouped kernel leaves them
+            pieces.append(a.new_zeros(a.shape[0] - start, b.shape[-1]))
+        return torch.cat(pieces) if pieces else a.new_zeros(a.shape[0], b.shape[-1])
 
     def unintercepted(self, frame: _Frame, func: Callable[..., Any], what: str) -> None:
         """Warn once per module and op that a GEMM runs past numscope (unquantized, unobserved)."""
@@ -1210,7 +1278,11 @@ class _Runtime:
             ("linear", "mm", "conv") if static is not None and static.kind == "conv" else ("linear", "mm")
         )
         if static is None or layout not in allowed or getattr(frame.module, "weight", None) is not b:
-            static = self._projection(frame, layout, b)
+            static = (
+                self._projection(frame, layout, b)
+                or self._own_weight(frame, layout, b)
+                or (self._expert(frame, b) if layout in ("linear", "mm") else None)
+            )
         if static is not None:
             if static.name not in self.order:
                 self.order.append(static.name)

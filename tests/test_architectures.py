@@ -1,0 +1,131 @@
+"""The architectures people train, from tiny configs: mixture-of-experts (both of transformers' experts
+implementations), T5, and the GEMMs numscope does not intercept (RNNs), which it says it skips."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import MixtralConfig, MixtralForCausalLM, T5Config, T5ForConditionalGeneration
+
+import numscope
+from numscope.sites import attach, sites
+
+IDS = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+EXPERTS = 4
+EXPERT_SITES = {
+    f"model.layers.0.mlp.experts.{weights}.{index}"
+    for weights in ("gate_up_proj", "down_proj")
+    for index in range(EXPERTS)
+}
+
+
+def mixtral(implementation: str) -> MixtralForCausalLM:
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=100,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=EXPERTS,
+            num_experts_per_tok=2,
+        )
+    )
+    model.set_experts_implementation(implementation)
+    return model
+
+
+def step(model, routed: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor], set[str]]:
+    seen: set[str] = set()
+    if routed:
+        attach(model, lambda site, g, o, tensor, a: (seen.add(site.name), tensor)[1], name="identity")
+    out = model(input_ids=IDS, labels=IDS)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}, seen
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_every_expert_is_a_stable_site(implementation: str) -> None:
+    found = [site.name for site in sites(mixtral(implementation), {"input_ids": IDS})]
+    experts = [
+        f"model.layers.0.mlp.experts.{p}.{i}" for p in ("gate_up_proj", "down_proj") for i in range(EXPERTS)
+    ]
+    assert set(experts) <= set(found)
+    assert "model.layers.0.mlp.gate" in found  # the router: its module's name, not an attention product
+    assert not any(name.endswith(("gate.scores", "matmul0")) for name in found)
+    (logits, grads, _), (routed_logits, routed_grads, seen) = (
+        step(mixtral(implementation)),
+        step(mixtral(implementation), routed=True),
+    )
+    assert EXPERT_SITES <= seen
+    assert torch.allclose(logits, routed_logits, rtol=0, atol=1e-6)
+    assert all(torch.allclose(grads[n], routed_grads[n], rtol=0, atol=1e-6) for n in grads)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_experts_train_and_are_observed_by_index(implementation: str) -> None:
+    model = mixtral(implementation)
+    plan = numscope.Plan.uniform("fp32").with_rule("*.experts.*", numscope.SiteSpec.uniform("fp8_e4m3"))
+    numscope.convert(model, plan)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=IDS, labels=IDS).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    observed = mixtral(implementation)
+    with numscope.observe(observed, candidates=["bf16", "fp8_e4m3"], every=1) as observer:
+        step(observed)
+        observer.step()
+    hit = {name for name in observer.analysis().sites() if ".experts." in name}
+    assert hit and hit <= {
+        f"model.layers.0.mlp.experts.{p}.{i}" for p in ("gate_up_proj", "down_proj") for i in range(4)
+    }
+
+
+def test_t5_sites_and_training() -> None:
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0
+        )
+    )
+    names = [site.name for site in sites(model, {"input_ids": IDS, "labels": IDS})]
+    assert "encoder.block.0.layer.0.SelfAttention.scores" in names
+    assert "decoder.block.0.layer.1.EncDecAttention.context" in names and "lm_head" in names
+    numscope.convert(model, numscope.Plan.uniform("mxfp8"))
+    loss = model(input_ids=IDS, labels=IDS).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU, nn.RNN])
+def test_recurrent_layers_say_they_are_not_intercepted(cell) -> None:
+    class LanguageModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.rnn, self.head = nn.Embedding(50, 16), cell(16, 16), nn.Linear(16, 50)
+
+        def forward(self, ids):
+            return self.head(self.rnn(self.embed(ids))[0])
+
+    model = LanguageModel()
+    numscope.convert(model, numscope.Plan.uniform("fp8"))
+    with pytest.warns(UserWarning, match=rf"numscope: rnn runs nn\.{cell.__name__}'s fused"):
+        model(torch.randint(0, 50, (5, 2)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per module and op, not at every step
+        model(torch.randint(0, 50, (5, 2)))
+    assert [site.name for site in sites(model)] == ["head"]
