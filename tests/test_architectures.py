@@ -111,21 +111,77 @@ def test_t5_sites_and_training() -> None:
     assert torch.isfinite(loss)
 
 
-@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU, nn.RNN])
-def test_recurrent_layers_say_they_are_not_intercepted(cell) -> None:
-    class LanguageModel(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed, self.rnn, self.head = nn.Embedding(50, 16), cell(16, 16), nn.Linear(16, 50)
+class LanguageModel(nn.Module):
+    def __init__(self, cell: type[nn.RNNBase], **kwargs) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.rnn = nn.Embedding(50, 16), cell(16, 16, **kwargs)
+        width = 32 if kwargs.get("bidirectional") else 16
+        self.head = nn.Linear(width, 50)
 
-        def forward(self, ids):
-            return self.head(self.rnn(self.embed(ids))[0])
+    def forward(self, ids):
+        return self.head(self.rnn(self.embed(ids))[0])
 
-    model = LanguageModel()
+
+RECURRENT = [
+    (nn.LSTM, {"num_layers": 2, "bidirectional": True}),
+    (nn.GRU, {"num_layers": 2, "batch_first": True, "dropout": 0.0}),
+    (nn.RNN, {"nonlinearity": "relu"}),
+    (nn.LSTM, {"bias": False}),
+]
+
+
+@pytest.mark.parametrize(
+    "cell,kwargs", RECURRENT, ids=["lstm-2-bi", "gru-2-batch-first", "rnn-relu", "lstm-nobias"]
+)
+def test_recurrent_layers_are_unrolled_into_sites(cell, kwargs) -> None:
+    ids = torch.randint(0, 50, (5, 3), generator=torch.Generator().manual_seed(1))
+    results, seen = [], set()
+    for routed in (False, True):
+        model = LanguageModel(cell, **kwargs)
+        if routed:
+            attach(model, lambda site, g, o, tensor, a: (seen.add(site.name), tensor)[1], name="identity")
+        model(ids).square().mean().backward()
+        results.append((model(ids).detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (out, grads), (routed_out, routed_grads) = results
+    # the fused kernel rebuilt from its GEMMs in ATen's order: equal to float32 rounding
+    assert torch.allclose(out, routed_out, rtol=0, atol=1e-6)
+    assert all(torch.allclose(grads[n], routed_grads[n], rtol=0, atol=1e-5) for n in grads)
+    names = [site.name for site in sites(LanguageModel(cell, **kwargs), ids)]
+    layers, directions = kwargs.get("num_layers", 1), 2 if kwargs.get("bidirectional") else 1
+    suffixes = [f"l{layer}{'_reverse' * d}" for layer in range(layers) for d in range(directions)]
+    expected = {f"rnn.{kind}_{suffix}" for suffix in suffixes for kind in ("ih", "hh")}
+    assert set(names) == expected | {"head"} and seen == set(names)
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_a_recurrent_language_model_trains_and_is_observed(cell) -> None:
+    ids = torch.randint(0, 50, (6, 4), generator=torch.Generator().manual_seed(2))
+    model = LanguageModel(cell)
     numscope.convert(model, numscope.Plan.uniform("fp8"))
-    with pytest.warns(UserWarning, match=rf"numscope: rnn runs nn\.{cell.__name__}'s fused"):
-        model(torch.randint(0, 50, (5, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(4):
+        loss = nn.functional.cross_entropy(model(ids[:-1]).flatten(0, 1), ids[1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], losses
+    observed = LanguageModel(cell)
+    with numscope.observe(observed, candidates=["bf16", "fp8_e4m3"], every=1) as observer:
+        observed(ids).sum().backward()
+        observer.step()
+    analysis = observer.analysis()
+    assert {"rnn.ih_l0", "rnn.hh_l0"} <= set(analysis.sites())
+    assert numscope.recommend(analysis).describe()
+
+
+def test_what_is_not_unrolled_says_so() -> None:
+    lstm = nn.LSTM(4, 8, proj_size=3)
+    numscope.convert(lstm, numscope.Plan.uniform("fp8"))
+    with pytest.warns(UserWarning, match="a packed sequence or projected LSTM, fused"):
+        lstm(torch.randn(5, 2, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per module and op, not at every step
-        model(torch.randint(0, 50, (5, 2)))
-    assert [site.name for site in sites(model)] == ["head"]
+        lstm(torch.randn(5, 2, 4))

@@ -78,6 +78,7 @@ from torch.utils import _pytree
 
 from numscope._rng import fork_rng
 from numscope._root_call import SITES, RootCall, RootCalls, remove_mode
+from numscope.recurrent import CELLS, recurrent_reference
 
 GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
 #: number of products summed exactly (in fp32) before a rounding to a narrow accumulator
@@ -655,10 +656,6 @@ _SOFTMAX_FUNCS = {torch.softmax, torch.Tensor.softmax, F.softmax, torch._softmax
 #: GEMMs numscope does not intercept: running one inside an attached model's forward warns, once per module
 #: and op, that it stays unquantized and unobserved (never silently)
 _UNINTERCEPTED: dict[Callable[..., Any], str] = {
-    torch.lstm: "nn.LSTM's fused gate GEMMs",
-    torch.gru: "nn.GRU's fused gate GEMMs",
-    torch.rnn_tanh: "nn.RNN's fused GEMMs",
-    torch.rnn_relu: "nn.RNN's fused GEMMs",
     torch.einsum: "einsum",
     torch.bilinear: "a bilinear product",
     F.bilinear: "a bilinear product",
@@ -821,6 +818,8 @@ class _Mode(TorchFunctionMode):
         if unfused is not None and runtime.stack:
             with self:  # this mode stays on for the GEMMs inside
                 return unfused(*args, **kwargs)
+        if func in CELLS and runtime.stack and (runtime.discovery is not None or runtime.in_forward()):
+            return runtime.recurrent_call(func, args, kwargs)
         if func in _UNINTERCEPTED and runtime.stack:
             runtime.unintercepted(runtime.stack[-1], func, _UNINTERCEPTED[func])
             return func(*args, **kwargs)
@@ -1106,6 +1105,43 @@ class _Runtime:
         if layout != "linear" or getattr(frame.module, "weight", None) is not weight or not frame.name:
             return None
         return self.named.setdefault(frame.name, Site(frame.name, frame.name, "linear"))
+
+    def linear_site(self, site: Site, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        """``F.linear(a, weight, bias)`` as ``site`` (computed plainly while finding sites)."""
+        if self.discovery is not None:
+            if site.name not in self.order:
+                self.order.append(site.name)
+            return F.linear(a, weight, bias)
+        self.sizes[site.name] = _sizes(a.numel(), weight.numel(), _out_numel("linear", a, weight))
+        call = self._call(site, "linear", _upcast(a, weight, bias))
+        if call is None:
+            return F.linear(a, weight, bias)
+        if a.dim() != 2:
+            call.meta["a_fold_strides"] = _fold_strides(a) if a.is_contiguous() else (a.shape[-1], 1)
+        return SiteGemm.apply(call, a, weight, bias)
+
+    def recurrent_call(self, func, args: tuple, kwargs: dict):
+        """An ``nn.LSTM``/``GRU``/``RNN`` unrolled into its ``ih``/``hh`` GEMMs (see numscope.recurrent)."""
+        frame = self.stack[-1]
+        names = {id(p): name for name, p in frame.module.named_parameters(recurse=False)}
+        unrolled = not kwargs and len(args) == 9 and isinstance(args[2], list | tuple)  # not packed
+        if unrolled:
+            inputs, hx, weights, has_biases, layers, dropout, training, bidirectional, batch_first = args
+            expected = layers * (2 if bidirectional else 1) * (4 if has_biases else 2)
+            unrolled = len(weights) == expected and all(id(w) in names for w in weights)  # no proj_size
+        if not unrolled:
+            self.unintercepted(frame, func, "a packed sequence or projected LSTM, fused")
+            return func(*args, **kwargs)
+        prefix = f"{frame.name}." if frame.name else ""
+
+        def linear(name: str, a: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+            site = self.named.setdefault(prefix + name, Site(prefix + name, frame.name, "linear"))
+            return self.linear_site(site, a, weight, bias)
+
+        return recurrent_reference(
+            CELLS[func], [names[id(w)] for w in weights], inputs, hx, weights, has_biases, layers, dropout,
+            training, bidirectional, batch_first, linear,
+        )  # fmt: skip
 
     def grouped_call(self, func, args: tuple, kwargs: dict):
         """A grouped GEMM as one ``mm`` site per expert (see :data:`_GROUPED_FUNCS`)."""
