@@ -17,11 +17,23 @@ For a matmul site ``y = a @ b`` the same names are used with ``input`` = a and `
 ``da = dy · bᵀ`` and wgrad is ``db = aᵀ · dy``; the axes are a: -1 (fprop), -2 (wgrad); b: -2 (fprop),
 -1 (dgrad); dy: -1 (dgrad), -2 (wgrad). Conv1D's weight is (in, out): fprop axis 0, dgrad axis -1.
 
-Site names: the module's qualified name for Linear/Conv1D; ``<module>.<role>`` for matmuls found in
-forward code, attributed to the innermost module whose forward is running. Roles: ``scores`` (a matmul
-whose result reaches a softmax in the same module) and ``context`` (a matmul whose left operand comes from
-that softmax), as in eager attention and the two GEMMs of SDPA; other matmuls are ``matmul0``, ``matmul1``…
-in call order within the module's forward. Roles need one forward pass to be found: :func:`sites` with
+Site names: the module's qualified name for Linear/Conv1D, Conv/ConvTranspose layers and a module's own
+``weight`` in ``F.linear`` (a router); ``<module>.<role>`` for matmuls found in forward code, attributed to
+the innermost module whose forward is running. Roles: ``scores`` (a matmul whose result reaches a softmax
+in the same module) and ``context`` (a matmul whose left operand comes from that softmax), as in eager
+attention and the two GEMMs of SDPA; other matmuls are ``matmul0``, ``matmul1``… and convolutions
+``conv0``… in call order within the module's forward.
+
+Layers that compute in one fused call are opened up: ``nn.MultiheadAttention`` (and ``nn.Transformer*``)
+runs its functional forward unfused under the mode, giving ``<mha>.in_proj`` (or ``in_proj_q``/
+``in_proj_kv``, ``q_proj``/``k_proj``/``v_proj``), ``scores``, ``context`` and ``out_proj``;
+``nn.LSTM``/``GRU``/``RNN`` are unrolled (:mod:`numscope.recurrent`) into ``<rnn>.ih_l0`` and
+``<rnn>.hh_l0`` (``_reverse`` for the backward direction); mixture-of-experts weights stacked in one
+parameter give one site per expert, ``<experts>.<parameter>.<index>``, whether the experts run eagerly or as
+one grouped GEMM (split per expert). Convolutions (:class:`SiteConv`) are the GEMMs of their im2col form:
+contraction axes 1 (input, grad_output in dgrad), the weight's C_in (fprop) or C_out (dgrad) axis, and the
+batch axis 0 for both wgrad operands. A GEMM numscope does not intercept (einsum, bilinear, a packed
+sequence, a string padding) runs as it is and warns once per module and op. Roles need one forward pass to be found: :func:`sites` with
 ``example_inputs``, or, for an attached model, the first forward (run once more, without gradients, in
 eval mode, the RNG restored, before the real one).
 
