@@ -33,9 +33,10 @@ parameter give one site per expert, ``<experts>.<parameter>.<index>``, whether t
 one grouped GEMM (split per expert). Convolutions (:class:`SiteConv`) are the GEMMs of their im2col form:
 contraction axes 1 (input, grad_output in dgrad), the weight's C_in (fprop) or C_out (dgrad) axis, and the
 batch axis 0 for both wgrad operands. A GEMM numscope does not intercept (einsum, bilinear, a packed
-sequence, a string padding) runs as it is and warns once per module and op. Roles need one forward pass to be found: :func:`sites` with
-``example_inputs``, or, for an attached model, the first forward (run once more, without gradients, in
-eval mode, the RNG restored, before the real one).
+sequence, a string padding) runs as it is and warns once per module and op.
+
+Roles need one forward pass to be found: :func:`sites` with ``example_inputs``, or, for an attached model,
+the first forward (run once more, without gradients, in eval mode, the RNG restored, before the real one).
 
 Handlers (:class:`OperandHandler`) are attached per model (:func:`attach`) and chained in attach order:
 each gets the previous one's result. During the model's forward a ``TorchFunctionMode`` routes each site
