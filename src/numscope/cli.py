@@ -794,6 +794,37 @@ def _register_study(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_study)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from numscope import workflow
+
+    files, unexpressed = workflow.export_plan(args.plan, args.to, args.model, args.out, args.objective)
+    for path in files:
+        print(f"wrote {path}")
+    if unexpressed:
+        print(f"\n{args.to} cannot express {len(unexpressed)} part(s) of the plan:")
+        for line in unexpressed:
+            print(f"  - {line}")
+    return 0
+
+
+def _register_export(sub: argparse._SubParsersAction) -> None:
+    from numscope.export import TARGETS
+
+    p = sub.add_parser(
+        "export",
+        help="write a plan for torchao, Transformer Engine or Megatron-LM, with what they cannot express",
+        description="Carry a plan to a training library: torchao (a module with Float8LinearConfigs and "
+        "convert(model)), te (a recipe module and TE's debug-tools YAML for the GEMMs kept high), megatron "
+        "(--fp8-* flags). The model is built once, untrained, to list its Linear sites.",
+    )
+    p.add_argument("plan", metavar="PLAN", help="a plan YAML, a preset or a named recipe")
+    p.add_argument("--to", required=True, choices=TARGETS, help="the library to write for")
+    p.add_argument("--model", required=True, metavar="M", help=_MODEL_HELP)
+    p.add_argument("--objective", choices=("auto", "mlm", "clm"), default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="export", metavar="DIR", help="output folder (default: %(default)s)")
+    p.set_defaults(func=_cmd_export)
+
+
 _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_demo,
     _register_analyze,
@@ -802,6 +833,7 @@ _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_compare,
     _register_report,
     _register_study,
+    _register_export,
 ]
 
 _USER_ERRORS = (

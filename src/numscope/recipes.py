@@ -58,7 +58,7 @@ def _tile(gemm: str, operand: str, power_of_two: bool) -> Scaling:
     return Scaling("block", block_shape=shape, power_of_two=power_of_two)
 
 
-def _linear_only(spec: SiteSpec) -> Plan:
+def linear_only(spec: SiteSpec) -> Plan:
     """``spec`` for every site, attention's products left high (rules that may match nothing)."""
     plan = Plan(spec)
     for pattern in ATTENTION_PATTERNS:
@@ -77,11 +77,11 @@ def _hybrid(scaling: Scaling | None) -> SiteSpec:
 
 
 def _te_delayed(sites: list[str] | None) -> Plan:
-    return _linear_only(_hybrid(Scaling("delayed", history_len=1024, amax_compute="max")))
+    return linear_only(_hybrid(Scaling("delayed", history_len=1024, amax_compute="max")))
 
 
 def _te_current(sites: list[str] | None) -> Plan:
-    return _linear_only(_hybrid(Scaling("tensor")))
+    return linear_only(_hybrid(Scaling("tensor")))
 
 
 def _fine_grained(accumulate: str, power_of_two: bool) -> SiteSpec:
@@ -96,11 +96,11 @@ def _fine_grained(accumulate: str, power_of_two: bool) -> SiteSpec:
 
 
 def _te_block(sites: list[str] | None) -> Plan:
-    return _linear_only(_fine_grained("fp32", power_of_two=True))
+    return linear_only(_fine_grained("fp32", power_of_two=True))
 
 
 def _te_mxfp8(sites: list[str] | None) -> Plan:
-    return _linear_only(SiteSpec.uniform("mxfp8_e4m3@rceil"))
+    return linear_only(SiteSpec.uniform("mxfp8_e4m3@rceil"))
 
 
 def _nvfp4_spec() -> SiteSpec:
@@ -114,7 +114,7 @@ def _nvfp4_spec() -> SiteSpec:
 
 
 def _te_nvfp4(sites: list[str] | None) -> Plan:
-    plan = _linear_only(_nvfp4_spec())
+    plan = linear_only(_nvfp4_spec())
     if sites is None:
         return plan
     linear = [name for name in sites if not any(fnmatch.fnmatchcase(name, p) for p in ATTENTION_PATTERNS)]
@@ -127,18 +127,18 @@ def _te_nvfp4(sites: list[str] | None) -> Plan:
 
 
 def _deepseek_v3(sites: list[str] | None) -> Plan:
-    return _linear_only(_fine_grained("fp22_promote128", power_of_two=False))
+    return linear_only(_fine_grained("fp22_promote128", power_of_two=False))
 
 
 def _torchao_tensorwise(sites: list[str] | None) -> Plan:
-    return _linear_only(_hybrid(Scaling("tensor")))
+    return linear_only(_hybrid(Scaling("tensor")))
 
 
 def _torchao_rowwise(sites: list[str] | None) -> Plan:
     operands = {
         key: OperandSpec("fp8_e4m3", scaling=_axiswise(*key, power_of_two=True)) for key in OPERAND_KEYS
     }
-    return _linear_only(SiteSpec(operands))
+    return linear_only(SiteSpec(operands))
 
 
 def _torchao_rowwise_with_gw_hp(sites: list[str] | None) -> Plan:
@@ -148,7 +148,7 @@ def _torchao_rowwise_with_gw_hp(sites: list[str] | None) -> Plan:
         ("dgrad", "grad_output"): OperandSpec("fp8_e4m3", scaling=_axiswise("dgrad", "grad_output", True)),
         ("dgrad", "weight"): OperandSpec("fp8_e4m3", scaling=Scaling("tensor", power_of_two=True)),
     }  # wgrad: both operands in high precision
-    return _linear_only(SiteSpec(operands))
+    return linear_only(SiteSpec(operands))
 
 
 def _mxfp4_tseng(sites: list[str] | None) -> Plan:

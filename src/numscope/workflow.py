@@ -906,6 +906,40 @@ def _save_plan(plan: Plan, path: Path) -> None:
         raise WorkflowError(f"--output {path}: cannot write the plan ({error.strerror or error})") from error
 
 
+def export_plan(
+    plan: str, target: str, model: str, out: str | os.PathLike[str], objective: str = "auto"
+) -> tuple[list[Path], list[str]]:
+    """Write ``plan`` (a YAML path, preset or recipe) for ``target`` (torchao, te, megatron) for the Linear
+    sites of ``model`` (as ``--model`` takes it; built once, untrained, to list its sites) into ``out``.
+    Returns the files written and what the target cannot express (:mod:`numscope.export`)."""
+    from numscope.demo.tokenizer import TokenizerInfo
+    from numscope.export import TARGETS, ExportError, export
+    from numscope.sites import sites
+
+    if target not in TARGETS:
+        raise WorkflowError(f"--to {target}: unknown target; allowed: {', '.join(TARGETS)}")
+    folder = check_output_folder(out)
+    loaded, source = _load_plan(plan)
+    resolved = resolve_model(model, objective)
+    vocab = int(getattr(resolved.config, "vocab_size", 0) or 1000)
+    tokenizer = TokenizerInfo(vocab_size=vocab, pad_id=0, unk_id=1, cls_id=2, sep_id=3, mask_id=4)
+    positions = getattr(resolved.config, "max_position_embeddings", None) or getattr(
+        resolved.config, "n_positions", None
+    )
+    factory, _ = resolved.build(tokenizer, min(int(positions or 8), 8))
+    with fork_rng():
+        found = [(site.name, site.kind) for site in sites(factory())]
+    names = [name for name, _ in found]
+    if plan in Plan.recipes():  # a recipe's layer choice (NVFP4's BF16 layers) needs the model's sites
+        loaded = Plan.recipe(plan, names)
+    loaded.check_sites(names)
+    try:
+        result = export(loaded, target, found, f"{Path(source).name} on {model}")
+    except ExportError as error:
+        raise WorkflowError(str(error)) from error
+    return result.save(folder), result.unexpressed
+
+
 def analysis_average_bits(plan: Plan, analysis: Analysis) -> float:
     """Average bits per operand element of ``plan`` over the analysis's operands, weighted by their size."""
     sizes: dict[str, dict[tuple[str, str], int]] = {}

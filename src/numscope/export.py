@@ -1,0 +1,518 @@
+"""Carry a plan to where models train at speed: torchao, Transformer Engine, Megatron-LM.
+
+numscope chooses the numerics on emulated GEMMs; these functions write what each library needs to run
+the same choice on its kernels, for the model's own sites (a plan is glob rules; an export is per module):
+
+* :func:`to_torchao` — a Python module for ``torchao.float8``: one ``Float8LinearConfig`` per distinct
+  choice of the plan's Linear sites (each operand of each GEMM: E4M3 or E5M2, per tensor or axiswise along
+  the contraction axis, or left in high precision) and ``convert(model)``, which calls
+  ``convert_to_float8_training`` with a ``module_filter_fn`` that selects exactly those modules.
+* :func:`to_transformer_engine` — a Python module with the TE recipe the plan's quantized operands share
+  (``Float8CurrentScaling``, ``DelayedScaling``, ``Float8BlockScaling``, ``MXFP8BlockScaling`` or
+  ``NVFP4BlockScaling``) and TE's debug-tools YAML (``DisableFP8GEMM``) for the GEMMs the plan keeps high.
+  TE layers are matched by the ``name=`` given to them: build them with the module's qualified name.
+* :func:`to_megatron` — Megatron-LM's ``--fp8-*`` flags and the leading and trailing layers it keeps in BF16.
+
+Every export lists, one line each, what the target cannot express (``Export.unexpressed``): a format it
+has no kernel for, per-operand choices it fixes, attention products, convolutions. Nothing is dropped
+silently: such a module is left in high precision by the export and named there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from numscope._atomic import atomic_write_text
+from numscope.formats.spec import BlockFormat
+from numscope.plan import GEMMS, OPERAND_KEYS, OPERANDS, OperandSpec, Plan, SiteSpec
+
+TARGETS: tuple[str, ...] = ("torchao", "te", "megatron")
+#: operands whose contraction axis is their first (the layouts numscope hands to handlers)
+_CONTRACTION_FIRST = {("dgrad", "weight"), ("wgrad", "grad_output"), ("wgrad", "input")}
+#: torchao's CastConfig field for each (gemm, operand)
+_TORCHAO_FIELDS = {
+    ("fprop", "input"): "cast_config_input",
+    ("fprop", "weight"): "cast_config_weight",
+    ("dgrad", "grad_output"): "cast_config_grad_output",
+    ("dgrad", "weight"): "cast_config_weight_for_grad_input",
+    ("wgrad", "grad_output"): "cast_config_grad_output_for_grad_weight",
+    ("wgrad", "input"): "cast_config_input_for_grad_weight",
+}
+_FP8_DTYPES = {"fp8_e4m3": "E4M3", "fp8_e5m2": "E5M2"}
+
+
+class ExportError(ValueError):
+    """A plan that cannot be exported as asked (no sites given, an unknown target)."""
+
+
+@dataclass
+class Export:
+    """What an export writes: ``files`` (name → text) and the lines of what the target cannot express."""
+
+    target: str
+    files: dict[str, str]
+    unexpressed: list[str] = field(default_factory=list)
+
+    def save(self, folder: str | os.PathLike[str]) -> list[Path]:
+        """Write every file into ``folder`` (created), atomically; returns their paths."""
+        directory = Path(folder)
+        directory.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name, text in self.files.items():
+            atomic_write_text(directory / name, text)
+            written.append(directory / name)
+        return written
+
+
+def _linear_sites(plan: Plan, sites: Iterable[tuple[str, str]]) -> tuple[dict[str, SiteSpec], list[str]]:
+    """The Linear sites' specs, and one line for each other quantized site (no target converts those)."""
+    linear, others = {}, []
+    for name, kind in sites:
+        spec = plan.for_site(name)
+        if kind in ("linear", "conv1d"):
+            linear[name] = spec
+        elif not all(_high(spec.operand(g, o)) for g, o in OPERAND_KEYS):
+            others.append(f"{name} ({kind}): only Linear layers are converted; it stays in high precision")
+    return linear, others
+
+
+#: formats a target runs in the model's own dtype (no scaling, no quantization kernel)
+_WIDE = ("fp32", "tf32", "bf16", "fp16")
+
+
+def _high(spec: OperandSpec) -> bool:
+    """Whether a target keeps the operand in high precision: unquantized, or a plain wide IEEE cast (which
+    a bf16/fp16 model computes in anyway)."""
+    return spec.is_high or (spec.format in _WIDE and spec.scaling is None and spec.rounding == "nearest")
+
+
+def _describe(spec: OperandSpec) -> str:
+    return f"{spec.format} ({spec.describe_scaling()}, {spec.rounding})"
+
+
+# -- torchao ----------------------------------------------------------------------------------------------
+
+
+def _torchao_cast(gemm: str, operand: str, spec: OperandSpec) -> tuple[str, bool | None] | str:
+    """(CastConfig source, power-of-two scales or None) of one operand, or why torchao cannot do it."""
+    if _high(spec):
+        return "CastConfig(scaling_type=ScalingType.DISABLED)", None
+    if spec.format not in _FP8_DTYPES:
+        return f"{spec.format}: torchao.float8 casts to fp8_e4m3 or fp8_e5m2 only"
+    scaling = spec.effective_scaling()
+    axiswise = "column" if (gemm, operand) in _CONTRACTION_FIRST else "row"
+    kind = None if scaling is None else scaling.kind
+    if kind not in ("tensor", axiswise) or spec.rounding != "nearest" or spec.transform is not None:
+        return (
+            f"{_describe(spec)}: torchao.float8 scales per tensor or axiswise along the contraction axis "
+            "(here 'row' or 'column' scaling), rounds to nearest, and has no transform"
+        )
+    assert scaling is not None
+    if scaling.margin or scaling.amax_epsilon or spec.flush_subnormals:
+        return f"{_describe(spec)}: torchao has no margin, amax epsilon or subnormal flush"
+    granularity = "TENSORWISE" if kind == "tensor" else "AXISWISE"
+    source = (
+        f"CastConfig(scaling_granularity=ScalingGranularity.{granularity}, "
+        f"target_dtype={_FP8_DTYPES[spec.format]})"
+    )
+    return source, scaling.power_of_two
+
+
+#: the operand each torchao cast config casts, and the dtype torchao gives a disabled one by default
+_ROLE_DTYPE = {"input": "E4M3", "weight": "E4M3", "grad_output": "E5M2"}
+
+
+def _torchao_config(spec: SiteSpec) -> str | tuple[str, ...]:
+    """The Float8LinearConfig source of one site spec, or the reasons torchao cannot express it.
+
+    torchao's constraints: both operands of a GEMM are quantized or neither is, and an operand (input,
+    weight, grad_output) has one fp8 dtype in both GEMMs it enters (a disabled cast names that dtype too).
+    """
+    if spec.accumulate != "fp32":
+        return (f"accumulate {spec.accumulate}: torchao accumulates in fp32",)
+    results, problems, powers = {}, [], set()
+    for gemm, operand in OPERAND_KEYS:
+        result = _torchao_cast(gemm, operand, spec.operand(gemm, operand))
+        if isinstance(result, str):
+            problems.append(f"{gemm}/{operand} {result}")
+        else:
+            results[(gemm, operand)] = result
+            if result[1] is not None:
+                powers.add(result[1])
+    for gemm in GEMMS:
+        kinds = {_high(spec.operand(gemm, operand)) for operand in OPERANDS[gemm]}
+        if len(kinds) > 1:
+            problems.append(
+                f"{gemm}: one operand quantized, the other not; torchao quantizes both or neither"
+            )
+    dtypes: dict[str, set[str]] = {}
+    for (_, operand), (source, _) in results.items():
+        if "target_dtype=" in source:
+            dtypes.setdefault(operand, set()).add(source.rsplit("target_dtype=", 1)[1].rstrip(")"))
+    for operand, found in dtypes.items():
+        if len(found) > 1:
+            problems.append(f"{operand} in {' and '.join(sorted(found))}: torchao casts it to one dtype")
+    if len(powers) > 1:
+        problems.append("power-of-two and other scales mixed: torchao rounds scales per module")
+    if problems:
+        return tuple(problems)
+    casts = []
+    for (gemm, operand), (source, _) in results.items():
+        if source.endswith("DISABLED)"):  # the dtype the operand has where it is quantized
+            dtype = next(iter(dtypes.get(operand, {_ROLE_DTYPE[operand]})))
+            source = f"CastConfig(scaling_type=ScalingType.DISABLED, target_dtype={dtype})"
+        casts.append(f"        {_TORCHAO_FIELDS[(gemm, operand)]}={source},")
+    power = powers.pop() if powers else False
+    tail = [f"        round_scales_to_power_of_2={power},", "        emulate=emulate,", "    )"]
+    return "\n".join(["Float8LinearConfig(", *casts, *tail])
+
+
+def to_torchao(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a numscope plan") -> Export:
+    """A torchao module reproducing ``plan`` on the model whose ``(site name, kind)`` pairs are ``sites``."""
+    linear, unexpressed = _linear_sites(plan, sites)
+    groups: dict[str, list[str]] = {}
+    for name, spec in linear.items():
+        if all(_high(spec.operand(g, o)) for g, o in OPERAND_KEYS):
+            continue
+        config = _torchao_config(spec)
+        if isinstance(config, tuple):
+            unexpressed += [f"{name}: {reason}; the module stays in high precision" for reason in config]
+            continue
+        groups.setdefault(config, []).append(name)
+    lines = [
+        f'"""torchao float8 training for {source}, exported by numscope.',
+        "",
+        "    from numscope_torchao import convert",
+        "    convert(model)                  # emulate=True runs torchao's emulation, e.g. on a CPU",
+        "",
+        "Modules are selected by their qualified names in the model the plan was made for.",
+        '"""',
+        "",
+        "import torch",
+        "from torchao.float8 import CastConfig, Float8LinearConfig, ScalingGranularity, ScalingType",
+        "from torchao.float8 import convert_to_float8_training",
+        "",
+        "E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2",
+        "",
+        "#: the modules of each configuration",
+        "MODULES = {",
+        *(f"    {index}: {sorted(names)!r}," for index, names in enumerate(groups.values())),
+        "}",
+        "#: what torchao cannot express of the plan (those modules stay in high precision)",
+        "UNEXPRESSED = [",
+        *(f"    {line!r}," for line in unexpressed),
+        "]",
+        "",
+        "",
+        "def configs(emulate: bool = False) -> dict[int, Float8LinearConfig]:",
+        "    return {",
+        *(
+            f"        {index}: {config.replace(chr(10) + '    ', chr(10) + '        ')},"
+            for index, config in enumerate(groups)
+        ),
+        "    }",
+        "",
+        "",
+        "def convert(model: torch.nn.Module, emulate: bool = False) -> torch.nn.Module:",
+        '    """Convert the plan\'s Linear modules to torchao float8 training, in place."""',
+        "    for index, config in configs(emulate).items():",
+        "        names = set(MODULES[index])",
+        "        convert_to_float8_training(",
+        "            model, config=config, module_filter_fn=lambda module, fqn, names=names: fqn in names",
+        "        )",
+        "    return model",
+        "",
+    ]
+    return Export("torchao", {"numscope_torchao.py": "\n".join(lines)}, unexpressed)
+
+
+# -- Transformer Engine -----------------------------------------------------------------------------------
+
+
+def _te_recipe(spec: OperandSpec, operand: str) -> str | None:
+    """The TE recipe an operand's spec is an instance of (``None``: none is)."""
+    fmt, scaling = spec.format_spec(), spec.effective_scaling()
+    if spec.rounding != "nearest" and not (fmt is not None and fmt.name.startswith("nvfp4")):
+        return None
+    if isinstance(fmt, BlockFormat):
+        if fmt.name == "mxfp8_e4m3@rceil":
+            return "MXFP8BlockScaling(fp8_format=Format.E4M3)"
+        return "NVFP4BlockScaling()" if fmt.name in ("nvfp4", "nvfp4@2d") else None
+    if spec.format not in _FP8_DTYPES or scaling is None:
+        return None
+    if scaling.kind == "block" and spec.format == "fp8_e4m3" and scaling.power_of_two:
+        tiles = ((1, 128), (128, 1), (128, 128))
+        return "Float8BlockScaling(fp8_format=Format.E4M3)" if scaling.block_shape in tiles else None
+    hybrid = spec.format == ("fp8_e5m2" if operand == "grad_output" else "fp8_e4m3")
+    if not hybrid and spec.format != "fp8_e4m3":
+        return None
+    fp8_format = "Format.HYBRID" if hybrid and operand == "grad_output" else "Format.E4M3"
+    if scaling.kind == "tensor" and not scaling.power_of_two and not scaling.margin:
+        return f"Float8CurrentScaling(fp8_format={fp8_format})"
+    if scaling.kind == "delayed":
+        return (
+            f"DelayedScaling(fp8_format={fp8_format}, margin={scaling.margin}, "
+            f"amax_history_len={scaling.history_len}, amax_compute_algo={scaling.amax_compute!r})"
+        )
+    return None
+
+
+def _one_recipe(recipes: dict[str, int]) -> str:
+    """The recipe most operands follow; E4M3-only votes join HYBRID where gradients are E5M2 (TE's HYBRID
+    is E4M3 forward and E5M2 for gradients)."""
+    if not recipes:
+        return "Float8CurrentScaling(fp8_format=Format.HYBRID)"
+    merged: dict[str, int] = {}
+    hybrid = any("Format.HYBRID" in recipe for recipe in recipes)
+    for recipe, count in recipes.items():
+        key = recipe.replace("Format.E4M3", "Format.HYBRID") if hybrid and "Block" not in recipe else recipe
+        merged[key] = merged.get(key, 0) + count
+    return max(merged, key=lambda recipe: merged[recipe])
+
+
+def to_transformer_engine(
+    plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a numscope plan"
+) -> Export:
+    """TE's recipe (``numscope_te.py``) and debug-tools YAML (``numscope_te_debug.yaml``) for ``plan``."""
+    linear, unexpressed = _linear_sites(plan, sites)
+    recipes: dict[str, int] = {}
+    planned: dict[tuple[str, str, str], str] = {}
+    high: dict[str, list[str]] = {}
+    for name, spec in linear.items():
+        for gemm in GEMMS:
+            specs = [spec.operand(gemm, operand) for operand in OPERANDS[gemm]]
+            if all(_high(s) for s in specs):
+                high.setdefault(name, []).append(gemm)
+                continue
+            for operand, operand_spec in zip(OPERANDS[gemm], specs, strict=True):
+                recipe = None if _high(operand_spec) else _te_recipe(operand_spec, operand)
+                if recipe is None:
+                    unexpressed.append(
+                        f"{name} {gemm}/{operand} {_describe(operand_spec)}: no TE recipe runs it next to a "
+                        "quantized operand (TE quantizes both operands of a GEMM); the GEMM runs quantized"
+                    )
+                else:
+                    recipes[recipe] = recipes.get(recipe, 0) + 1
+                    planned[(name, gemm, operand)] = recipe
+    chosen = _one_recipe(recipes)
+    others = sorted({recipe for recipe in planned.values() if recipe != chosen})
+    for recipe in others:
+        if recipe.replace("Format.E4M3", "Format.HYBRID") != chosen:
+            unexpressed.append(
+                f"operands planned as {recipe}: TE runs one recipe per autocast region ({chosen})"
+            )
+    sections = {}
+    for index, (name, gemms) in enumerate(sorted(high.items())):
+        sections[f"numscope_high_{index}"] = {
+            "enabled": True,
+            "layers": {"layer_name_regex_pattern": f"^{re.escape(name)}$"},
+            "transformer_engine": {"DisableFP8GEMM": {"enabled": True, "gemms": list(gemms)}},
+        }
+    recipe_file = "\n".join(
+        [
+            f'"""Transformer Engine recipe for {source}, exported by numscope.',
+            "",
+            "    with te.fp8_autocast(enabled=True, fp8_recipe=RECIPE):  # TE 2.x: te.autocast(recipe=...)",
+            "        loss = model(batch)",
+            "",
+            "The GEMMs the plan keeps in high precision are in numscope_te_debug.yaml (TE's debug tools:",
+            "debug_api.initialize(config_file='numscope_te_debug.yaml', feature_dirs=[...])); TE layers are",
+            "matched by name: build them with name=<the module's qualified name>.",
+            '"""',
+            "",
+            "from transformer_engine.common.recipe import (",
+            "    DelayedScaling,",
+            "    Float8BlockScaling,",
+            "    Float8CurrentScaling,",
+            "    Format,",
+            "    MXFP8BlockScaling,",
+            "    NVFP4BlockScaling,",
+            ")",
+            "",
+            f"RECIPE = {chosen}",
+            "#: what TE cannot express of the plan",
+            "UNEXPRESSED = [",
+            *(f"    {line!r}," for line in unexpressed),
+            "]",
+            "",
+        ]
+    )
+    debug = yaml.safe_dump(sections, sort_keys=False) if sections else "{}\n"
+    files = {"numscope_te.py": recipe_file, "numscope_te_debug.yaml": debug}
+    return Export("te", files, unexpressed)
+
+
+# -- Megatron-LM ------------------------------------------------------------------------------------------
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|block|blocks)\.(\d+)\.")
+
+
+def to_megatron(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a numscope plan") -> Export:
+    """Megatron-LM's ``--fp8-*`` flags for ``plan``: the recipe of its quantized transformer layers and how
+    many leading and trailing layers stay in BF16 (``--first-last-layers-bf16``)."""
+    linear, unexpressed = _linear_sites(plan, sites)
+    by_layer: dict[int, list[SiteSpec]] = {}
+    for name, spec in linear.items():
+        found = _LAYER.search(name)
+        if found is not None:
+            by_layer.setdefault(int(found.group(1)), []).append(spec)
+        elif not all(_high(spec.operand(g, o)) for g, o in OPERAND_KEYS):
+            unexpressed.append(f"{name}: outside the transformer layers, which Megatron's fp8 flags cover")
+    layers = sorted(by_layer)
+    quantized = [
+        layer
+        for layer in layers
+        if any(not _high(s.operand(g, o)) for s in by_layer[layer] for g, o in OPERAND_KEYS)
+    ]
+    recipes = {
+        _te_recipe(s.operand(g, o), o)
+        for layer in quantized
+        for s in by_layer[layer]
+        for g, o in OPERAND_KEYS
+        if not _high(s.operand(g, o))
+    }
+    wgrad_high = all(
+        _high(s.operand("wgrad", o))
+        for layer in quantized
+        for s in by_layer[layer]
+        for o in OPERANDS["wgrad"]
+    )
+    flags = []
+    if quantized:
+        first = [layer for layer in layers if layer < quantized[0]]
+        last = [layer for layer in layers if layer > quantized[-1]]
+        for layer in layers:
+            if quantized[0] < layer < quantized[-1] and layer not in quantized:
+                unexpressed.append(
+                    f"layer {layer} stays high between quantized layers: Megatron keeps only ends in BF16"
+                )
+        named = sorted(recipe for recipe in recipes if recipe is not None)
+        recipe = _one_recipe({name: 1 for name in named})
+        if None in recipes or len({r.replace("Format.E4M3", "Format.HYBRID") for r in named}) > 1:
+            unexpressed.append(f"the quantized layers mix numerics; the flags use {recipe}")
+        flags += _megatron_flags(recipe)
+        if wgrad_high:
+            flags.append("--no-fp8-wgrad")
+        if first or last:
+            flags += [
+                "--first-last-layers-bf16",
+                f"--num-layers-at-start-in-bf16 {len(first)}",
+                f"--num-layers-at-end-in-bf16 {len(last)}",
+            ]
+    text = "\n".join(
+        [f"# Megatron-LM flags for {source}, exported by numscope", *flags]
+        + [f"# not expressed: {line}" for line in unexpressed]
+    )
+    return Export("megatron", {"numscope_megatron_flags.txt": text + "\n"}, unexpressed)
+
+
+def _megatron_flags(recipe: str) -> list[str]:
+    fmt = "hybrid" if "HYBRID" in recipe else "e4m3"
+    if recipe.startswith("DelayedScaling"):
+        history = re.search(r"amax_history_len=(\d+)", recipe)
+        algo = re.search(r"amax_compute_algo='(\w+)'", recipe)
+        margin = re.search(r"margin=(\d+)", recipe)
+        return [
+            f"--fp8-format {fmt}",
+            "--fp8-recipe delayed",
+            f"--fp8-margin {margin.group(1)}",
+            f"--fp8-amax-history-len {history.group(1)}",
+            f"--fp8-amax-compute-algo {algo.group(1)}",
+        ]
+    if recipe.startswith("MXFP8"):
+        return ["--fp8-format e4m3", "--fp8-recipe mxfp8"]
+    if recipe.startswith("Float8BlockScaling"):
+        return ["--fp8-format e4m3", "--fp8-recipe blockwise"]
+    if recipe.startswith("NVFP4"):
+        return ["--fp4-format e2m1", "--fp4-recipe nvfp4"]
+    return [f"--fp8-format {fmt}", "--fp8-recipe tensorwise"]
+
+
+def export(
+    plan: Plan, target: str, sites: Sequence[tuple[str, str]], source: str = "a numscope plan"
+) -> Export:
+    """:func:`to_torchao`, :func:`to_transformer_engine` or :func:`to_megatron` by ``target``."""
+    functions = {"torchao": to_torchao, "te": to_transformer_engine, "megatron": to_megatron}
+    if target not in functions:
+        raise ExportError(f"unknown export target {target!r}; allowed: {', '.join(TARGETS)}")
+    if not sites:
+        raise ExportError("an export needs the model's sites (numscope.sites(model, example_inputs))")
+    return functions[target](plan, sites, source)
+
+
+# -- import: the libraries' own configurations as plans ----------------------------------------------------
+
+
+def _enum_name(value: object) -> str:
+    return str(getattr(value, "name", value)).upper()
+
+
+def from_torchao(config: object) -> Plan:
+    """A torchao ``Float8LinearConfig`` as a plan, so that numscope emulates and measures it exactly.
+
+    Read by attribute (torchao need not be importable here): each cast config becomes its operand's spec
+    (DISABLED: high; TENSORWISE: per-tensor scaling; AXISWISE: row or column scaling along the contraction
+    axis), ``round_scales_to_power_of_2`` the power-of-two option; attention products stay high, as torchao
+    converts Linear layers only.
+    """
+    from numscope.formats.scaling import Scaling
+    from numscope.recipes import linear_only
+
+    power = bool(getattr(config, "round_scales_to_power_of_2", False))
+    names = {"FLOAT8_E4M3FN": "fp8_e4m3", "FLOAT8_E5M2": "fp8_e5m2"}
+    operands = {}
+    for key, field_name in _TORCHAO_FIELDS.items():
+        cast = getattr(config, field_name)
+        if _enum_name(cast.scaling_type) == "DISABLED":
+            continue
+        dtype = str(cast.target_dtype).rsplit(".", 1)[-1].upper()
+        if dtype not in names:
+            raise ExportError(
+                f"{field_name}: torchao target dtype {cast.target_dtype} has no numscope format"
+            )
+        granularity = _enum_name(cast.scaling_granularity)
+        kind = "tensor" if granularity == "TENSORWISE" else ("column" if key in _CONTRACTION_FIRST else "row")
+        operands[key] = OperandSpec(names[dtype], scaling=Scaling(kind, power_of_two=power))  # type: ignore[arg-type]
+    return linear_only(SiteSpec(operands))
+
+
+def from_transformer_engine(recipe: object) -> Plan:
+    """A Transformer Engine recipe object (``DelayedScaling``, ``Float8CurrentScaling``,
+    ``Float8BlockScaling``, ``MXFP8BlockScaling``, ``NVFP4BlockScaling``) as a plan, read by attribute."""
+    from numscope.formats.scaling import Scaling
+    from numscope.recipes import linear_only
+    from numscope.recipes import recipe as named
+
+    kind = type(recipe).__name__
+    fmt = _enum_name(getattr(recipe, "fp8_format", "HYBRID"))
+    if kind == "DelayedScaling":
+        scaling = Scaling(
+            "delayed",
+            margin=int(getattr(recipe, "margin", 0)),
+            history_len=int(getattr(recipe, "amax_history_len", 1024)),
+            amax_compute=str(getattr(recipe, "amax_compute_algo", "max")),  # type: ignore[arg-type]
+        )
+    elif kind == "Float8CurrentScaling":
+        scaling = Scaling("tensor")
+    elif kind in ("Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling"):
+        return named(
+            {"Float8BlockScaling": "te_block", "MXFP8BlockScaling": "te_mxfp8"}.get(kind, "te_nvfp4")
+        )
+    else:
+        raise ExportError(
+            f"a Transformer Engine recipe of type {kind!r} is not known; known: DelayedScaling, "
+            "Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling"
+        )
+    if fmt not in ("HYBRID", "E4M3"):
+        raise ExportError(f"Transformer Engine fp8_format {fmt!r}: numscope reads HYBRID and E4M3")
+    operands = {}
+    for key in OPERAND_KEYS:
+        name = "fp8_e5m2" if fmt == "HYBRID" and key[1] == "grad_output" else "fp8_e4m3"
+        operands[key] = OperandSpec(name, scaling=scaling)
+    return linear_only(SiteSpec(operands))

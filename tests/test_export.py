@@ -1,0 +1,210 @@
+"""Exports to torchao, Transformer Engine and Megatron-LM, and the other way. torchao runs for real (its
+emulation, in a subprocess with the torchao that ./run installs beside the venv); TE and Megatron cannot be
+installed here: their files are checked against the documented API (recipe names, debug-YAML structure,
+argument names) and a golden file."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numscope
+from numscope.cli import main
+from numscope.export import ExportError, export, from_transformer_engine, to_megatron, to_transformer_engine
+from numscope.plan import OPERAND_KEYS, Plan
+
+PEERS = Path(sys.prefix) / "peers"
+GOLDEN = Path(__file__).parent / "golden"
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(64, 128), nn.Linear(128, 32)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def bert_sites() -> list[tuple[str, str]]:
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                        intermediate_size=64)  # fmt: skip
+    model = BertForMaskedLM(config)
+    return [
+        (site.name, site.kind) for site in numscope.sites(model, {"input_ids": torch.randint(1, 100, (2, 8))})
+    ]
+
+
+TORCHAO_RUN = textwrap.dedent(
+    """
+    import importlib.util, json, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    import numscope
+    from numscope.export import from_torchao
+    from test_export import MLP
+    spec = importlib.util.spec_from_file_location("exported", sys.argv[2])
+    exported = importlib.util.module_from_spec(spec); spec.loader.exec_module(exported)
+    plan = numscope.Plan.named(sys.argv[3])
+    x = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
+    theirs, ours = exported.convert(MLP(), emulate=True), numscope.convert(MLP(), plan)
+    results = []
+    for model in (theirs, ours):
+        out = model(x)
+        out.square().sum().backward()
+        results.append((out.detach(), model.fc1.weight.grad, model.fc2.weight.grad))
+    differences = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*results)]  # relative
+    config = exported.configs()[0]
+    print(json.dumps({"converted": type(theirs.fc1).__name__, "differences": differences,
+                      "round_trip": from_torchao(config).for_site("fc1") == plan.for_site("fc1")}))
+    """
+)
+
+
+@pytest.mark.skipif(not (PEERS / "torchao").is_dir(), reason="./run installs torchao into .venv/peers")
+@pytest.mark.parametrize(
+    "plan,tolerance",
+    [
+        ("fp8", 1e-6),
+        ("torchao_tensorwise", 1e-6),
+        ("torchao_rowwise", 0.0),
+        ("torchao_rowwise_with_gw_hp", 0.0),
+    ],
+)
+def test_torchao_runs_the_export_as_numscope_emulates_it(plan: str, tolerance: float, tmp_path: Path) -> None:
+    model = MLP()
+    sites = [(site.name, site.kind) for site in numscope.sites(model, torch.randn(2, 64))]
+    written = export(Plan.named(plan), "torchao", sites, plan).save(tmp_path)
+    script = tmp_path / "run.py"
+    script.write_text(TORCHAO_RUN)
+    env = {**os.environ, "PYTHONPATH": str(PEERS), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script), str(Path(__file__).parent), str(written[0]), plan]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["converted"] == "Float8Linear"
+    # power-of-two scales: bit for bit; other per-tensor scales: torchao divides by the scale where numscope
+    # multiplies by its reciprocal (Transformer Engine's order), which moves a value by an ulp or so
+    assert max(result["differences"]) <= tolerance, result
+    assert result["round_trip"]  # the torchao config read back is the plan's spec
+
+
+def test_torchao_export_names_what_it_cannot_express() -> None:
+    sites = bert_sites()
+    exported = export(Plan.uniform("mxfp8"), "torchao", sites)
+    text = exported.files["numscope_torchao.py"]
+    ast.parse(text)
+    assert "MODULES = {\n}" in text  # nothing torchao.float8 can run
+    linear = [name for name, kind in sites if kind == "linear"]
+    for name in linear:
+        assert any(line.startswith(f"{name}: fprop/input mxfp8_e4m3") for line in exported.unexpressed), name
+    assert any("scores (sdpa): only Linear layers are converted" in line for line in exported.unexpressed)
+    mixed = Plan.uniform("fp8").with_rule("*.query", numscope.SiteSpec.uniform("fp8_e4m3"))
+    two = export(mixed, "torchao", sites)  # E4M3 gradients for the queries: a second configuration
+    queries = sorted(name for name in linear if name.endswith("query"))
+    assert (
+        f": {queries!r}," in two.files["numscope_torchao.py"]
+        and "    1: [" in two.files["numscope_torchao.py"]
+    )
+    assert not any(line.startswith(queries[0]) for line in two.unexpressed)
+    half = Plan.uniform("fp8").with_rule("*.key", numscope.SiteSpec({("fprop", "input"): "fp8_e4m3"}))
+    assert any(
+        line.startswith(
+            "bert.encoder.layer.0.attention.self.key: fprop: one operand quantized, the other not"
+        )
+        for line in export(half, "torchao", sites).unexpressed
+    )
+    with pytest.raises(ExportError, match="unknown export target 'onnx'; allowed: torchao, te, megatron"):
+        export(Plan.uniform("fp8"), "onnx", sites)
+
+
+def test_transformer_engine_export_follows_the_documented_api() -> None:
+    sites = bert_sites()
+    names = [name for name, _ in sites]
+    exported = to_transformer_engine(Plan.recipe("te_nvfp4", names), sites, "te_nvfp4")
+    module = ast.parse(exported.files["numscope_te.py"])
+    imported = {
+        alias.name for node in module.body if isinstance(node, ast.ImportFrom) for alias in node.names
+    }
+    assert imported == {"DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Format",
+                        "MXFP8BlockScaling", "NVFP4BlockScaling"}  # fmt: skip
+    assert "RECIPE = NVFP4BlockScaling()" in exported.files["numscope_te.py"]
+    debug = yaml.safe_load(exported.files["numscope_te_debug.yaml"])
+    for section in debug.values():  # TE debug tools: enabled, layers, namespaced features
+        assert set(section) == {"enabled", "layers", "transformer_engine"} and section["enabled"] is True
+        assert set(section["layers"]) == {"layer_name_regex_pattern"}
+        feature = section["transformer_engine"]["DisableFP8GEMM"]
+        assert feature["enabled"] is True and set(feature["gemms"]) <= {"fprop", "dgrad", "wgrad"}
+    kept = {section["layers"]["layer_name_regex_pattern"] for section in debug.values()}
+    assert r"^cls\.predictions\.decoder$" in kept  # the BF16 tail of the NVFP4 recipe
+    hybrid = to_transformer_engine(Plan.recipe("te_delayed"), sites)
+    assert (
+        "RECIPE = DelayedScaling(fp8_format=Format.HYBRID, margin=0, amax_history_len=1024"
+        in hybrid.files["numscope_te.py"]
+    )
+    assert (
+        to_transformer_engine(Plan.recipe("te_mxfp8"), sites)
+        .files["numscope_te.py"]
+        .count("RECIPE = MXFP8BlockScaling(fp8_format=Format.E4M3)")
+        == 1
+    )
+    assert from_transformer_engine(type("MXFP8BlockScaling", (), {})()) == Plan.recipe("te_mxfp8")
+
+
+def test_megatron_flags_against_a_golden_file() -> None:
+    sites = bert_sites()
+    plan = Plan.uniform("fp8")
+    for layer in (0, 3):  # the first and last transformer layers kept high, as --first-last-layers-bf16
+        plan = plan.with_rule(f"bert.encoder.layer.{layer}.*", numscope.SiteSpec())
+    exported = to_megatron(plan, sites, "fp8 with its ends high")
+    text = exported.files["numscope_megatron_flags.txt"]
+    assert text == (GOLDEN / "megatron_fp8_ends_high.txt").read_text()
+    flags = [line.split()[0] for line in text.splitlines() if line.startswith("--")]
+    documented = {  # Megatron-LM's arguments.py, _add_transformer_engine_args
+        "--fp8-format", "--fp8-recipe", "--fp8-margin", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
+        "--no-fp8-wgrad", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16",
+        "--num-layers-at-end-in-bf16", "--fp4-format", "--fp4-recipe",
+    }  # fmt: skip
+    assert set(flags) <= documented
+
+
+def test_the_cli_exports_for_a_model(tmp_path: Path, capsys) -> None:
+    assert (
+        main(["export", "torchao_rowwise", "--to", "torchao", "--model", "tiny-bert", "--out", str(tmp_path)])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'numscope_torchao.py'}" in out and "scores (sdpa)" not in out  # kept high
+    text = (tmp_path / "numscope_torchao.py").read_text()
+    assert "ScalingGranularity.AXISWISE" in text and "round_scales_to_power_of_2=True" in text
+    assert main(["export", "fp8", "--to", "megatron", "--model", "tiny-gpt2", "--out", str(tmp_path)]) == 0
+    assert "--fp8-recipe tensorwise" in (tmp_path / "numscope_megatron_flags.txt").read_text()
+    assert main(["export", "nope", "--to", "te", "--model", "tiny-bert", "--out", str(tmp_path)]) == 2
+    assert "unknown preset or recipe 'nope'" in capsys.readouterr().err
+
+
+def test_importing_transformer_engine_recipes() -> None:
+    delayed = type("DelayedScaling", (), {"fp8_format": "HYBRID", "margin": 1, "amax_history_len": 16,
+                                          "amax_compute_algo": "most_recent"})()  # fmt: skip
+    plan = from_transformer_engine(delayed)
+    spec = plan.default
+    assert spec.operand("dgrad", "grad_output").format == "fp8_e5m2"
+    assert spec.operand("fprop", "weight").effective_scaling().history_len == 16
+    assert all(not spec.operand(*key).is_high for key in OPERAND_KEYS)
+    with pytest.raises(ExportError, match="recipe of type 'CustomRecipe' is not known"):
+        from_transformer_engine(type("CustomRecipe", (), {})())
