@@ -65,6 +65,13 @@ def test_bench_train_step_accepts_the_smallest_run() -> None:
     assert (args.rounds, args.warmup, args.threads) == (1, 0, 1)
 
 
+def test_bench_memory_names_its_rows() -> None:
+    bench = load("bench_memory")
+    assert bench.parse_args(["--rows", "fp32,plan fp8", "--threads", "1"]).rows == "fp32,plan fp8"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rows", "fp64"])
+
+
 def test_bench_quantize_parses_a_shape() -> None:
     assert load("bench_quantize").parse_args(["--shape", "64X128"]).shape == (64, 128)
 

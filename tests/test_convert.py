@@ -360,3 +360,27 @@ def test_block_format_plans_compile_their_quantizers_by_default(monkeypatch: pyt
     assert _quantizer(convert(nn.Linear(4, 4), Plan.uniform("fp8"))).compiled is None  # the variable decides
     with pytest.raises(ValueError, match="compiled must be 'auto', True or False, got 'yes'"):
         convert(nn.Linear(4, 4), Plan.uniform("mxfp8"), compiled="yes")
+
+
+@pytest.mark.parametrize(
+    "preset,dtype", [("fp8", torch.float8_e4m3fn), ("fp16", torch.float16), ("bf16", torch.bfloat16)]
+)
+def test_a_quantized_input_is_kept_for_wgrad_in_its_own_codes(preset, dtype, monkeypatch) -> None:
+    def step(pack: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        if not pack:
+            monkeypatch.setattr(_Quantizer, "pack", lambda self, site, tensor: None)
+        torch.manual_seed(0)
+        layer = nn.Linear(32, 16)
+        convert(layer, Plan.uniform(preset))
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+            out = layer(x)
+        out.backward(torch.randn(64, 16, generator=torch.Generator().manual_seed(2)))
+        return [t for t in saved if t.shape == x.shape], layer.weight.grad
+
+    packed, grad = step(True)
+    plain, plain_grad = step(False)
+    assert [t.dtype for t in packed] == [dtype]  # the input kept in the format's codes, 1 or 2 bytes
+    assert [t.dtype for t in plain] == [torch.float32]
+    assert torch.equal(grad, plain_grad)  # unpacked bit for bit

@@ -47,6 +47,7 @@ class _Quantizer:
     """The operand handler of :func:`convert`."""
 
     def __init__(self, plan: Plan, generator: torch.Generator | None, compiled: bool | None = None) -> None:
+        self._last_codes: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.plan = plan
         self.generator = generator
         self.compiled = compiled
@@ -54,6 +55,19 @@ class _Quantizer:
         self._specs: dict[str, SiteSpec] = {}
         self._weights: dict[str, tuple[weakref.ref, tuple, torch.Tensor]] = {}
         self._grad: tuple[torch.Tensor, tuple, torch.Tensor] | None = None
+        # quantized fprop inputs that wgrad reuses: their codes and descale, for the site to keep instead
+        self._codes: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor | None]] = {}
+
+    def pack(self, site: Site, tensor: torch.Tensor):
+        """The codes of a quantized fprop input this quantizer produced (see ``numscope.sites._Call.pack``):
+        kept in the format's own torch dtype (1 or 2 bytes) with its descale, unpacked bit for bit."""
+        found = self._codes.pop(id(tensor), None)
+        if found is None or found[0]() is not tensor:
+            return None
+        _, codes, descale = found
+        if descale is None:
+            return (codes,), _unpack
+        return (codes, descale), _unpack
 
     def spec(self, site: Site) -> SiteSpec:
         found = self._specs.get(site.name)
@@ -106,6 +120,12 @@ class _Quantizer:
                 self._grad = None
                 return cached[2]
         result = self.quantize(site.key(gemm, operand), operand_spec, tensor, axis)
+        kept_for_wgrad = gemm == "fprop" and operand == "input" and self.shares_input(site)
+        if kept_for_wgrad and self._last_codes is not None:  # the site keeps these codes instead
+            key = id(result)
+            forget = weakref.ref(result, lambda _, key=key: self._codes.pop(key, None))
+            self._codes[key] = (forget, *self._last_codes)
+        self._last_codes = None
         if reusable and gemm == "fprop":
             self._weights[site.name] = (weakref.ref(tensor), _identity(tensor), result)
         if shared_grad and gemm == "dgrad":
@@ -128,6 +148,7 @@ class _Quantizer:
         scaling = spec.effective_scaling()
         compiled = fast_enabled() if self.compiled is None else self.compiled
         native = None if compiled else _native_cast(spec, fmt, scaling)
+        self._last_codes = None
         if native is not None and tensor.numel() > 0:
             xf = tensor.detach().float()
             amax = _amax(xf) if scaling is not None or spec.overflow == "saturate" else None
@@ -138,7 +159,9 @@ class _Quantizer:
             else:
                 amax = reduce_amax_(amax.reshape(1), scaling.reduce_amax)[0]
                 scale = scaling.scale(amax, fmt.max)  # type: ignore[union-attr]
-            return _fake_cast(xf, native, fmt, scale, amax, spec.overflow)  # type: ignore[arg-type]
+            values, codes = _fake_cast(xf, native, fmt, scale, amax, spec.overflow)  # type: ignore[arg-type]
+            self._last_codes = (codes, None if scale is None else 1.0 / scale)
+            return values
         if isinstance(fmt, BlockFormat):
             reduce = scaling is None or scaling.reduce_amax
             scaling_arg: Any = Scaling("block", axis=axis, reduce_amax=reduce)
@@ -185,9 +208,15 @@ _PROPAGATING_CASTS = ("fp16", "bf16", "fp8_e5m2")
 
 
 def _cast_native(values: torch.Tensor, dtype: torch.dtype, fmt: FloatFormat) -> torch.Tensor:
+    """The saturating cast's codes in ``dtype`` (±inf kept where the format has inf, else NaN)."""
     clamped = values.clamp(-fmt.max, fmt.max)
     infinite = values if fmt.has_inf else torch.full_like(values, float("nan"))
-    return torch.where(values.isinf(), infinite, clamped).to(dtype).float()
+    return torch.where(values.isinf(), infinite, clamped).to(dtype)
+
+
+def _unpack(codes: torch.Tensor, descale: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 values from codes in a torch dtype and a descale: what :func:`_fake_cast` returned."""
+    return codes.float() if descale is None else codes.float() * descale
 
 
 def _amax(values: torch.Tensor) -> torch.Tensor:
@@ -219,8 +248,9 @@ def _fake_cast(
     scale: torch.Tensor | None,
     amax: torch.Tensor | None,
     overflow: str,
-) -> torch.Tensor:
-    """float32 ``cast(values · scale) · (1 / scale)`` through torch's ``dtype`` (see :func:`_native_cast`).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cast(values · scale) · (1 / scale)`` through torch's ``dtype`` (see :func:`_native_cast`),
+    and the codes in ``dtype`` it was decoded from (``codes.float() · (1 / scale)`` gives it bit for bit).
 
     ``amax`` bounds ``|values|`` (saturation needs it; ``None`` otherwise): where ``amax · scale`` is below
     the format's max plus half its unit in the last place (every scaled value then rounds to at most the
@@ -239,16 +269,16 @@ def _fake_cast(
     if saturate and not (
         bound_value is not None and math.isfinite(bound_value) and bound_value < _rounds_to_max(fmt)
     ):
-        quantized = _cast_native(scaled, dtype, fmt)
-        return quantized if descale is None else quantized * descale
+        codes = _cast_native(scaled, dtype, fmt)
+        return _unpack(codes, descale), codes
     rounded = scaled.to(dtype)
     if redescale is not None and math.isfinite(redescale_value):  # type: ignore[arg-type]
         halves = _e4m3_as_fp16(rounded)
         decoded = halves.float() if scale is None else scaled.copy_(halves)
-        return decoded.mul_(redescale)
+        return decoded.mul_(redescale), rounded
     if descale is None:
-        return rounded.float()
-    return scaled.copy_(rounded).mul_(descale)
+        return rounded.float(), rounded
+    return scaled.copy_(rounded).mul_(descale), rounded
 
 
 def _e4m3_as_fp16(codes: torch.Tensor) -> torch.Tensor:

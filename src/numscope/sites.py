@@ -239,6 +239,15 @@ class _Call:
         """The dtype an operand of ``dtype`` is multiplied in: float32 for fp16/bf16 when upcasting."""
         return torch.float32 if self.upcast is not None and dtype in _LOW else dtype
 
+    def pack(
+        self, tensor: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, ...], Callable[..., torch.Tensor]] | None:
+        """A compact form of the handled fprop input kept for wgrad, from the last handler that offers one
+        (``pack(site, tensor) -> (tensors, unpack) | None``; ``unpack(*tensors)`` must give ``tensor`` back
+        bit for bit): a quantized operand kept in its own codes instead of float32."""
+        packer = getattr(self.handlers[-1], "pack", None) if self.handlers else None
+        return None if packer is None else packer(self.site, tensor)
+
     def chain(self, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         dtype = self.compute_dtype(tensor.dtype)
         for handler in self.handlers:
@@ -311,10 +320,14 @@ class SiteGemm(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(
-            _store(a_q if share else a, call.storage) if need_b else None,
-            _store(b, call.storage) if need_a else None,
+        packed = call.pack(a_q) if share and need_b and call.storage is None else None
+        ctx.unpack = None if packed is None else packed[1]
+        kept_a = (
+            packed[0]
+            if packed is not None
+            else (_store(a_q if share else a, call.storage) if need_b else None,)
         )
+        ctx.save_for_backward(*kept_a, _store(b, call.storage) if need_a else None)
         ctx.a_saved_dtype = (a_q if share else a).dtype
         # the parameter object itself for dgrad's handlers (saved-tensor hooks hand back a plain alias),
         # which may reuse what they made of it in fprop; saved above too, for autograd's version check
@@ -324,7 +337,8 @@ class SiteGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
         call: _Call = ctx.call
-        a_saved, b_saved = ctx.saved_tensors
+        *kept_a, b_saved = ctx.saved_tensors
+        a_saved = ctx.unpack(*kept_a) if ctx.unpack is not None else kept_a[0]
         a_shape, a_stride, a_dtype = ctx.a_meta
         b_shape, b_stride, b_dtype = ctx.b_meta
         need_a, need_b, need_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]

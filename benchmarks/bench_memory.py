@@ -1,0 +1,141 @@
+"""Memory of one training step of a BERT MLM under several numerics, side by side in one run.
+
+Model: BertForMaskedLM, hidden 256, 4 layers, 4 heads, FFN 1024, vocab 4000, seq 128, batch 16, eager
+attention (the issue's configuration). Two figures per row, each also as a ratio to fp32's:
+
+* **saved activations**: the bytes of the tensors a ``torch.autograd.graph.saved_tensors_hooks`` pack hook
+  sees during the forward (what autograd keeps for backward), each storage once, parameters excluded: exact,
+  but blind where a row installs hooks of its own (the Recipe's fp16 activation store), shown as "-";
+* **peak RSS**: the process's maximum resident memory over model, optimizer, forward and backward, each row
+  in a fresh interpreter (``resource.getrusage``), so rows do not share an allocator's high-water mark.
+
+Rows: fp32; bf16 ``torch.autocast``; the plans ``fp16``, ``fp8`` and ``mxfp8`` through ``numscope.convert``;
+the fp8 plan with ``storage="fp16"``; the paper's ``numscope.Recipe`` (fp16 model, fp32 masters and ops, fp16
+activations, loss scaling). Run: ``python benchmarks/bench_memory.py [--rows a,b]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import positive_int
+
+ROWS = (
+    "fp32",
+    "bf16 autocast",
+    "plan fp16",
+    "plan fp8",
+    "plan mxfp8",
+    "plan fp8 + fp16 storage",
+    "Recipe fp16",
+)
+
+
+def run_row(row: str) -> dict[str, float]:
+    """One training step under ``row``'s numerics in this process: saved bytes and peak RSS."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    import numscope
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(
+        BertConfig(
+            vocab_size=4000,
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            attn_implementation="eager",
+        )
+    )
+    ids = torch.randint(5, 4000, (16, 128), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    recipe = None
+    context = torch.autocast("cpu", torch.bfloat16) if row == "bf16 autocast" else None
+    if row.startswith("plan "):
+        preset, _, storage = row[5:].partition(" + ")
+        numscope.convert(
+            model, numscope.Plan.uniform(preset), storage="fp16" if storage else None, compiled=False
+        )
+    elif row == "Recipe fp16":
+        recipe = numscope.Recipe(model, dtype=torch.float16)
+        optimizer = torch.optim.AdamW(recipe.parameters(), lr=1e-4)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        if context is not None:
+            with context:
+                loss = model(input_ids=ids, labels=ids).loss
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+    if recipe is not None:
+        recipe.backward(loss)
+        recipe.step(optimizer)
+    else:
+        loss.backward()
+        optimizer.step()
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    saved = sum(seen.values()) / 2**20 if recipe is None else float("nan")
+    return {"saved_mb": saved, "peak_mb": peak_kib / 1024}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows (default: all)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per row (default: 1)")
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # one row, in a child process
+    args = parser.parse_args(argv)
+    unknown = [row for row in args.rows.split(",") if row.strip() and row.strip() not in ROWS]
+    if unknown:
+        parser.error(f"argument --rows: unknown rows {unknown}; known: {', '.join(ROWS)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.row is not None:
+        print(json.dumps(run_row(args.row)))
+        return
+    rows = [row.strip() for row in args.rows.split(",") if row.strip()]
+    threads = str(args.threads)
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": threads, "NUMSCOPE_FAST": "0"}
+    results = {}
+    for row in rows:
+        done = subprocess.run(
+            [sys.executable, __file__, "--row", row],
+            capture_output=True,
+            text=True,
+            env=environment,
+            check=False,
+        )
+        if done.returncode:
+            raise SystemExit(f"row {row!r} failed:\n{done.stderr[-2000:]}")
+        results[row] = json.loads(done.stdout.strip().splitlines()[-1])
+    base = results.get("fp32", next(iter(results.values())))
+    print("BERT MLM h256, 4 layers, seq 128, batch 16: one training step (forward, backward, AdamW)\n")
+    print("| numerics | saved activations (hooks) | vs fp32 | peak RSS | vs fp32 |")
+    print("| --- | --- | --- | --- | --- |")
+    for row, result in results.items():
+        saved = result["saved_mb"]
+        hooks = "- | -" if saved != saved else f"{saved:.0f} MiB | {saved / base['saved_mb']:.2f}x"
+        print(
+            f"| {row} | {hooks} | {result['peak_mb']:.0f} MiB | {result['peak_mb'] / base['peak_mb']:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
