@@ -136,6 +136,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from numscope.demo.experiment import RunError
     from numscope.demo.main import DemoConfig, DemoError, quick_config, run_demo, summary_table
 
+    if args.task == "cnn":
+        return _cnn_demo(args)
     config = quick_config(args.steps) if args.quick else DemoConfig()
     if args.steps is not None and not args.quick:
         config = replace(config, train=replace(config.train, steps=args.steps))
@@ -166,6 +168,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cnn_demo(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    import torch
+
+    from numscope.demo.cnn import CNNConfig, noise_note, run_cnn_demo
+    from numscope.workflow import check_output_folder
+
+    out = check_output_folder(args.out or ("runs/demo-cnn-quick" if args.quick else "runs/demo-cnn"))
+    config = CNNConfig.quick() if args.quick else CNNConfig()
+    if args.steps is not None:
+        config = replace(config, steps=args.steps, eval_every=min(config.eval_every, args.steps))
+    torch.set_num_threads(args.threads or 1)
+    summary = run_cnn_demo(out, config)
+    print()
+    print(render_table(summary["rows"]))
+    print(f"\n{noise_note(summary)}\nreport: {summary['report']}")
+    return 0
+
+
 def _register_demo(sub: argparse._SubParsersAction) -> None:
     from numscope.demo.main import DemoConfig
 
@@ -179,6 +201,13 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
         "--quick",
         action="store_true",
         help=f"the same stages with {quick_steps} steps per run instead of {steps}",
+    )
+    p.add_argument(
+        "--task",
+        choices=("mlm", "cnn"),
+        default="mlm",
+        help="mlm: the BERT masked-LM demo (default); cnn: a CNN on scikit-learn's 8x8 digits under fp32, "
+        "fp16 with and without loss scaling, fp8 and the recommended plan, 3 seeds each (about a minute)",
     )
     p.add_argument("--out", help="output folder (default runs/demo or runs/demo-quick); reruns resume there")
     p.add_argument(
