@@ -2,11 +2,12 @@
 
 Model: BertForMaskedLM, hidden 128, 2 layers, 2 heads, intermediate 512, vocab 8192, seq 128, batch 32, eager
 attention. Rows: fp32; bf16 autocast (``torch.autocast("cpu", torch.bfloat16)``); the plans ``fp16`` (+
-``numscope.LossScaler``), ``fp8``, ``mxfp8``, ``mxfp4`` through ``numscope.convert``, and ``fp8``, ``mxfp8``
-again with numscope's ``torch.compile`` fast path (``set_fast(True)``, bit-identical; the compile happens in
-the warm-up steps); the paper's whole recipe (``numscope.Recipe``: fp16 model with fp32 masters, fp32 ops,
-fp16 activations, dynamic loss scaling); torchao's ``convert_to_float8_training(emulate=True)`` where torchao
-is installed (``pip install -e '.[bench]'``). Each is printed as a ratio to the fp32 step, all in one run.
+``numscope.LossScaler``), ``fp8``, ``mxfp8``, ``mxfp4``, ``nvfp4`` through ``numscope.convert`` with its
+defaults (block formats' quantizers compiled, bit-identical; the compile happens in the warm-up steps), and
+``fp8`` compiled, ``mxfp8`` eager for comparison; the paper's whole recipe (``numscope.Recipe``: fp16 model
+with fp32 masters, fp32 ops, fp16 activations, dynamic loss scaling); torchao's
+``convert_to_float8_training(emulate=True)`` where torchao is installed (``pip install -e '.[bench]'``).
+Each is printed as a ratio to the fp32 step, all in one run.
 
 On a shared machine the load drifts: every row is built first, then the rows take one step each in turn,
 round after round, so that drift touches all rows alike. Each row prints the median and the minimum over
@@ -35,7 +36,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numscope
 from _cli import non_negative_int, positive_int
 from numscope.convert import convert
-from numscope.formats.fast import set_fast
 
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH = 8192, 128, 2, 128, 32
 
@@ -97,26 +97,11 @@ def recipe_step() -> Callable[[], None]:
     return step
 
 
-def plan_step(name: str, scaler: numscope.LossScaler | None = None) -> Callable[[], None]:
-    return step_fn(convert(make_model(), numscope.Plan.uniform(name)), scaler=scaler)
-
-
-def compiled(build: Callable[[], Callable[[], None]]) -> Callable[[], Callable[[], None]]:
-    """The row with numscope's torch.compile fast path on during its steps (and off for the others)."""
-
-    def build_compiled() -> Callable[[], None]:
-        step = build()
-
-        def step_compiled() -> None:
-            set_fast(True)
-            try:
-                step()
-            finally:
-                set_fast(False)
-
-        return step_compiled
-
-    return build_compiled
+def plan_step(
+    name: str, scaler: numscope.LossScaler | None = None, compiled: bool | str = "auto"
+) -> Callable[[], None]:
+    """A step under a preset plan through ``numscope.convert`` (``compiled="auto"``: its default)."""
+    return step_fn(convert(make_model(), numscope.Plan.uniform(name), compiled=compiled), scaler=scaler)
 
 
 def torchao_step() -> Callable[[], None]:
@@ -134,8 +119,9 @@ def rows() -> dict[str, Callable[[], Callable[[], None]] | str]:
         "fp8 plan": lambda: plan_step("fp8"),
         "mxfp8 plan": lambda: plan_step("mxfp8"),
         "mxfp4 plan": lambda: plan_step("mxfp4"),
-        "fp8 plan (compiled)": compiled(lambda: plan_step("fp8")),
-        "mxfp8 plan (compiled)": compiled(lambda: plan_step("mxfp8")),
+        "nvfp4 plan": lambda: plan_step("nvfp4"),
+        "fp8 plan (compiled)": lambda: plan_step("fp8", compiled=True),
+        "mxfp8 plan (eager)": lambda: plan_step("mxfp8", compiled=False),
         "fp16 Recipe (paper)": recipe_step,
     }
     try:
