@@ -384,3 +384,29 @@ def test_a_quantized_input_is_kept_for_wgrad_in_its_own_codes(preset, dtype, mon
     assert [t.dtype for t in packed] == [dtype]  # the input kept in the format's codes, 1 or 2 bytes
     assert [t.dtype for t in plain] == [torch.float32]
     assert torch.equal(grad, plain_grad)  # unpacked bit for bit
+
+
+@pytest.mark.parametrize("preset", ["mxfp8", "mxfp4", "nvfp4"])
+def test_a_block_format_input_is_quantized_for_wgrad_in_forward_and_kept_in_codes(
+    preset, monkeypatch
+) -> None:
+    def step(early: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        if not early:
+            monkeypatch.setattr(_Quantizer, "prequantizes_wgrad_input", lambda self, site: False)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 32))
+        convert(model, Plan.uniform(preset), compiled=False)
+        x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+            out = model(x)
+        out.square().sum().backward()
+        return saved, model[0].weight.grad, model[2].weight.grad
+
+    saved, first, second = step(True)
+    plain_saved, plain_first, plain_second = step(False)
+    assert torch.equal(first, plain_first) and torch.equal(second, plain_second)  # the same bits
+    gelu_out = [t for t in plain_saved if t.shape == (4, 16, 48) and t.dtype == torch.float32]
+    assert len(gelu_out) == 2  # GELU's input and the second Linear's raw input, float32
+    codes = [t for t in saved if t.dtype == torch.uint8 and t.numel() == 64 * 64]
+    assert codes and len([t for t in saved if t.shape == (4, 16, 48)]) == 1  # only GELU's own input

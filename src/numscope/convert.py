@@ -33,7 +33,7 @@ from torch import nn
 
 from numscope.formats.cast import native_dtype
 from numscope.formats.fast import fast_enabled
-from numscope.formats.quantize import quantize
+from numscope.formats.quantize import Encoded, encode, quantize
 from numscope.formats.scaling import DelayedScaler, Scaling, reduce_amax_
 from numscope.formats.spec import BlockFormat, FloatFormat
 from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec
@@ -57,6 +57,39 @@ class _Quantizer:
         self._grad: tuple[torch.Tensor, tuple, torch.Tensor] | None = None
         # quantized fprop inputs that wgrad reuses: their codes and descale, for the site to keep instead
         self._codes: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor | None]] = {}
+
+    def prequantizes_wgrad_input(self, site: Site) -> bool:
+        """Whether wgrad's input is quantized in forward and kept in its codes: block formats (MX, NVFP4)
+        rounded to nearest, whose quantization of the input along the token axis depends on nothing that
+        changes between forward and backward (as Transformer Engine keeps a column-wise copy)."""
+        spec = self.spec(site).operand("wgrad", "input")
+        return (
+            isinstance(spec.format_spec(), BlockFormat)
+            and spec.rounding == "nearest"
+            and spec.transform is None
+        )
+
+    def pack_wgrad_input(self, site: Site, tensor: torch.Tensor):
+        """wgrad's input (tokens, features) encoded along the token axis: element codes (one byte each)
+        and block scales, decoded in backward to exactly what quantizing it there gives."""
+        if not bool(torch.isfinite(tensor).all()):  # integer elements have no NaN code: quantize later
+            return None
+        spec = self.spec(site).operand("wgrad", "input")
+        scaling = spec.effective_scaling()
+        reduce = scaling is None or scaling.reduce_amax
+        encoded = encode(
+            tensor.float(), spec.format_spec(), scaling=Scaling("block", axis=0, reduce_amax=reduce)
+        )  # type: ignore[arg-type]
+        layout = (encoded.fmt, encoded.shape, encoded.axis, encoded.length)
+        tensors = (encoded.codes, encoded.scales)
+        if encoded.tensor_scale is not None:
+            tensors += (encoded.tensor_scale,)
+
+        def unpack(codes: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor | None = None):
+            fmt, shape, axis, length = layout
+            return Encoded(fmt, codes, scales, tensor_scale, shape, axis, length).decode()
+
+        return tensors, unpack
 
     def pack(self, site: Site, tensor: torch.Tensor):
         """The codes of a quantized fprop input this quantizer produced (see ``numscope.sites._Call.pack``):

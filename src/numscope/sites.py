@@ -233,6 +233,7 @@ class _Call:
     weight_axes: tuple[int, int] = (-1, 0)  # (fprop, dgrad) axes of b
     meta: dict[str, Any] = field(default_factory=dict)
     share_input: bool = False  # wgrad takes fprop's handled input (every handler said shares_input)
+    prequantize: bool = False  # wgrad's input is quantized in forward and kept in its codes (see below)
     upcast: torch.dtype | None = None  # the working dtype of a GEMM computed on float32 values
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
@@ -247,6 +248,15 @@ class _Call:
         bit for bit): a quantized operand kept in its own codes instead of float32."""
         packer = getattr(self.handlers[-1], "pack", None) if self.handlers else None
         return None if packer is None else packer(self.site, tensor)
+
+    def pack_wgrad_input(
+        self, tensor: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, ...], Callable[..., torch.Tensor]] | None:
+        """wgrad's input (``tensor``, (tokens, features)) quantized now, in forward, and kept in its codes:
+        what every handler's ``prequantizes_wgrad_input(site)`` allowed, from the last handler's
+        ``pack_wgrad_input(site, tensor) -> (tensors, unpack) | None``; ``unpack(*tensors)`` is exactly what
+        the chain would give wgrad in backward (a block format's input keeps its codes, not float32)."""
+        return self.handlers[-1].pack_wgrad_input(self.site, tensor)  # type: ignore[attr-defined]
 
     def chain(self, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         dtype = self.compute_dtype(tensor.dtype)
@@ -322,11 +332,16 @@ class SiteGemm(torch.autograd.Function):
         ctx.bias_dtype = None if bias is None else bias.dtype
         packed = call.pack(a_q) if share and need_b and call.storage is None else None
         ctx.unpack = None if packed is None else packed[1]
-        kept_a = (
-            packed[0]
-            if packed is not None
-            else (_store(a_q if share else a, call.storage) if need_b else None,)
-        )
+        prepared = None
+        if need_b and not share and call.prequantize and call.storage is None:
+            prepared = call.pack_wgrad_input(a if call.layout == "mm" else a.reshape(-1, a.shape[-1]))
+        ctx.wgrad_unpack = None if prepared is None else prepared[1]
+        if prepared is not None:
+            kept_a = prepared[0]
+        elif packed is not None:
+            kept_a = packed[0]
+        else:
+            kept_a = (_store(a_q if share else a, call.storage) if need_b else None,)
         ctx.save_for_backward(*kept_a, _store(b, call.storage) if need_a else None)
         ctx.a_saved_dtype = (a_q if share else a).dtype
         # the parameter object itself for dgrad's handlers (saved-tensor hooks hand back a plain alias),
@@ -338,10 +353,16 @@ class SiteGemm(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
         call: _Call = ctx.call
         *kept_a, b_saved = ctx.saved_tensors
-        a_saved = ctx.unpack(*kept_a) if ctx.unpack is not None else kept_a[0]
         a_shape, a_stride, a_dtype = ctx.a_meta
         b_shape, b_stride, b_dtype = ctx.b_meta
         need_a, need_b, need_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        # wgrad's input quantized in forward (kept in its codes), as the chain would have made it here
+        prepared = None
+        if ctx.wgrad_unpack is not None:
+            prepared = ctx.wgrad_unpack(*kept_a).to(call.compute_dtype(a_dtype))
+            a_saved = None
+        else:
+            a_saved = ctx.unpack(*kept_a) if ctx.unpack is not None else kept_a[0]
         a = None if a_saved is None else a_saved.to(ctx.a_saved_dtype)
         b = ctx.parameter if ctx.parameter is not None else None if b_saved is None else b_saved.to(b_dtype)
         share = ctx.share
@@ -362,8 +383,11 @@ class SiteGemm(torch.autograd.Function):
                     grad_a = accumulate_matmul(dy, mat2.t(), acc).reshape(a_shape)
             if need_b:
                 dy = call.chain("wgrad", "grad_output", grad_2d, 0)
-                x = a.reshape(-1, a_shape[-1])
-                x = x if share else call.chain("wgrad", "input", x, 0)
+                if prepared is not None:
+                    x = prepared
+                else:
+                    x = a.reshape(-1, a_shape[-1])
+                    x = x if share else call.chain("wgrad", "input", x, 0)
                 if acc != "fp32":
                     product = accumulate_matmul(x.t(), dy, acc)
                     grad_b = product.t() if layout == "linear" else product
@@ -383,7 +407,7 @@ class SiteGemm(torch.autograd.Function):
                     grad_a = accumulate_matmul(dy, w.t(), acc)
             if need_b:
                 dy = call.chain("wgrad", "grad_output", grad_output, 0)
-                x = a if share else call.chain("wgrad", "input", a, 0)
+                x = prepared if prepared is not None else a if share else call.chain("wgrad", "input", a, 0)
                 grad_b = (
                     _mm_mat2_backward(dy, x, b_shape, b_stride)
                     if acc == "fp32"
@@ -1080,9 +1104,23 @@ class _Runtime:
             getattr(handler, "shares_input", None) is not None and handler.shares_input(site)
             for handler in handlers
         )
+        prequantize = (
+            bool(handlers)
+            and not share_input
+            and layout in ("linear", "fold", "mm")
+            and all(getattr(h, "prequantizes_wgrad_input", lambda site: False)(site) for h in handlers)
+        )
         axes = _WEIGHT_AXES[(site.kind, layout)]
         return _Call(
-            site, layout, handlers, accumulate, storage, axes, share_input=share_input, upcast=upcast
+            site,
+            layout,
+            handlers,
+            accumulate,
+            storage,
+            axes,
+            share_input=share_input,
+            upcast=upcast,
+            prequantize=prequantize,
         )
 
     def gemm_call(self, func, args: tuple, kwargs: dict):
