@@ -16,7 +16,8 @@ The configurations are timed step by step in turn (a plain step, an every=10 ste
 ``--every1-steps`` of each window also an every=1 step), so that a shared machine's load drifts affect
 them alike. ``--profile`` also prints the top functions of one sampled step.
 
-Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_observer.py [--rounds R] [--threads T] [--profile]``
+Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_observer.py [--rounds R] [--threads T] [--profile]
+[--size base]``
 
 On a machine shared with other processes, OpenMP's worker threads spin between parallel regions and take
 CPU from the Python thread that issues the observer's many small operations: ``--threads 1`` (or
@@ -39,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cli import int_at_least, positive_int
-from bench_train_step import BATCH, HIDDEN, LAYERS, SEQ, VOCAB, batch, make_model
+from bench_train_step import SIZES, batch, make_model
 from numscope.formats.spec import format as get_format
 from numscope.observe import DEFAULT_CANDIDATES, Observer, observe
 
@@ -49,11 +50,13 @@ BENCH_CANDIDATES = tuple(name for name in DEFAULT_CANDIDATES if not name.startsw
 WINDOW = 10
 
 
-def trainer(observer_every: int | None, **options: Any) -> tuple[Callable[[], None], Observer | None]:
+def trainer(
+    observer_every: int | None, size: str = "tiny", **options: Any
+) -> tuple[Callable[[], None], Observer | None]:
     """One train step of a fresh model (and its observer, attached, when ``observer_every`` is set)."""
-    model = make_model()
+    model = make_model(size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    inputs = batch()
+    inputs = batch(size)
     observer = None
     if observer_every is not None:
         observer = observe(model, every=observer_every, **options).attach()  # candidates=, max_elements=
@@ -94,6 +97,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"every=1 steps per round, 0 to {WINDOW} (0: no every=1 row)",
     )
     parser.add_argument("--profile", action="store_true", help="profile one sampled step")
+    parser.add_argument(
+        "--size",
+        choices=tuple(SIZES),
+        default="tiny",
+        help="tiny: the BERT of bench_train_step (default); base: BERT-base's shape (hidden 768, 12 layers, "
+        "seq 128, batch 8; minutes per step on one thread)",
+    )
     parser.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
     parser.add_argument(
         "--max-elements", type=positive_int, default=None, help="observer max_elements (default: its)"
@@ -121,9 +131,9 @@ def main() -> None:
     if args.max_elements is not None:
         options["max_elements"] = args.max_elements
 
-    plain, _ = trainer(None)
-    sparse, sparse_observer = trainer(WINDOW, **options)
-    dense = trainer(1, **options)[0] if args.every1_steps else None
+    plain, _ = trainer(None, args.size)
+    sparse, sparse_observer = trainer(WINDOW, args.size, **options)
+    dense = trainer(1, args.size, **options)[0] if args.every1_steps else None
     for step in (plain, dense) if dense is not None else (plain,):  # warm-up (site discovery, allocator)
         step()
         step()
@@ -145,10 +155,11 @@ def main() -> None:
         times["window"].append(sum(window) / WINDOW)
 
     base = statistics.median(times["plain"])
+    shape = SIZES[args.size]
     print(
-        f"observer overhead, tiny BERT MLM: hidden {HIDDEN}, {LAYERS} layers, seq {SEQ}, batch {BATCH}, "
-        f"vocab {VOCAB}; {len(args.candidates)} candidates ({', '.join(args.candidates)}); "
-        f"torch {torch.__version__}, "
+        f"observer overhead, {args.size} BERT MLM: hidden {shape['hidden']}, {shape['layers']} layers, "
+        f"seq {shape['seq']}, batch {shape['batch']}, vocab {shape['vocab']}; "
+        f"{len(args.candidates)} candidates ({', '.join(args.candidates)}); torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; max_elements {sparse_observer.config.max_elements}; "
         f"{args.rounds} interleaved rounds; load {os.getloadavg()[0]:.2f}"
     )

@@ -38,27 +38,34 @@ from _cli import non_negative_int, positive_int
 from numscope.convert import convert
 
 VOCAB, HIDDEN, LAYERS, SEQ, BATCH = 8192, 128, 2, 128, 32
+#: model and batch sizes by name: the tiny BERT of these benchmarks, and BERT-base's shape
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS, "heads": 2, "seq": SEQ, "batch": BATCH},
+    "base": {"vocab": 30522, "hidden": 768, "layers": 12, "heads": 12, "seq": 128, "batch": 8},
+}
 
 
-def make_model() -> BertForMaskedLM:
+def make_model(size: str = "tiny") -> BertForMaskedLM:
     torch.manual_seed(0)
+    shape = SIZES[size]
     config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        intermediate_size=4 * HIDDEN,
-        max_position_embeddings=SEQ,
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        intermediate_size=4 * shape["hidden"],
+        max_position_embeddings=shape["seq"],
         attn_implementation="eager",
     )
     return BertForMaskedLM(config)
 
 
-def batch() -> dict[str, torch.Tensor]:
+def batch(size: str = "tiny") -> dict[str, torch.Tensor]:
+    shape = SIZES[size]
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
-    labels = torch.where(torch.rand(BATCH, SEQ, generator=generator) < 0.15, ids, torch.full_like(ids, -100))
-    return {"input_ids": ids, "labels": labels}
+    ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=generator)
+    masked = torch.rand(shape["batch"], shape["seq"], generator=generator) < 0.15
+    return {"input_ids": ids, "labels": torch.where(masked, ids, torch.full_like(ids, -100))}
 
 
 def step_fn(
