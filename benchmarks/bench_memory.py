@@ -10,8 +10,9 @@ attention (the issue's configuration). Two figures per row, each also as a ratio
   in a fresh interpreter (``resource.getrusage``), so rows do not share an allocator's high-water mark.
 
 Rows: fp32; bf16 ``torch.autocast``; the plans ``fp16``, ``fp8`` and ``mxfp8`` through ``numscope.convert``;
-the fp8 plan with ``storage="fp16"``; the paper's ``numscope.Recipe`` (fp16 model, fp32 masters and ops, fp16
-activations, loss scaling). Run: ``python benchmarks/bench_memory.py [--rows a,b]``.
+the mxfp8 plan with ``low_memory=True``; the fp8 plan with ``storage="fp16"``; the paper's
+``numscope.Recipe`` (fp16 model, fp32 masters and ops, fp16 activations, loss scaling).
+Run: ``python benchmarks/bench_memory.py [--rows a,b]``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ ROWS = (
     "plan fp16",
     "plan fp8",
     "plan mxfp8",
+    "plan mxfp8 + low memory",
     "plan fp8 + fp16 storage",
     "Recipe fp16",
 )
@@ -60,9 +62,13 @@ def run_row(row: str) -> dict[str, float]:
     recipe = None
     context = torch.autocast("cpu", torch.bfloat16) if row == "bf16 autocast" else None
     if row.startswith("plan "):
-        preset, _, storage = row[5:].partition(" + ")
+        preset, _, option = row[5:].partition(" + ")
         numscope.convert(
-            model, numscope.Plan.uniform(preset), storage="fp16" if storage else None, compiled=False
+            model,
+            numscope.Plan.uniform(preset),
+            storage="fp16" if option == "fp16 storage" else None,
+            compiled=False,
+            low_memory=option == "low memory",
         )
     elif row == "Recipe fp16":
         recipe = numscope.Recipe(model, dtype=torch.float16)

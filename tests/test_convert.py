@@ -395,7 +395,7 @@ def test_a_block_format_input_is_quantized_for_wgrad_in_forward_and_kept_in_code
             monkeypatch.setattr(_Quantizer, "prequantizes_wgrad_input", lambda self, site: False)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 32))
-        convert(model, Plan.uniform(preset), compiled=False)
+        convert(model, Plan.uniform(preset), compiled=False, low_memory=True)
         x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):

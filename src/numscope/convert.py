@@ -46,11 +46,18 @@ _HANDLES: dict[int, tuple[Any, Handle, _Quantizer]] = {}
 class _Quantizer:
     """The operand handler of :func:`convert`."""
 
-    def __init__(self, plan: Plan, generator: torch.Generator | None, compiled: bool | None = None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        generator: torch.Generator | None,
+        compiled: bool | None = None,
+        low_memory: bool = False,
+    ) -> None:
         self._last_codes: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.plan = plan
         self.generator = generator
         self.compiled = compiled
+        self.low_memory = low_memory
         self.scalers: dict[str, DelayedScaler] = {}
         self._specs: dict[str, SiteSpec] = {}
         self._weights: dict[str, tuple[weakref.ref, tuple, torch.Tensor]] = {}
@@ -59,12 +66,14 @@ class _Quantizer:
         self._codes: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor | None]] = {}
 
     def prequantizes_wgrad_input(self, site: Site) -> bool:
-        """Whether wgrad's input is quantized in forward and kept in its codes: block formats (MX, NVFP4)
-        rounded to nearest, whose quantization of the input along the token axis depends on nothing that
-        changes between forward and backward (as Transformer Engine keeps a column-wise copy)."""
+        """Whether wgrad's input is quantized in forward and kept in its codes (``low_memory``): block
+        formats (MX, NVFP4) rounded to nearest, whose quantization of the input along the token axis depends
+        on nothing that changes between forward and backward (as Transformer Engine keeps a column-wise
+        copy). Off by default: the encoding runs eagerly, slower than the compiled quantizers."""
         spec = self.spec(site).operand("wgrad", "input")
         return (
-            isinstance(spec.format_spec(), BlockFormat)
+            self.low_memory
+            and isinstance(spec.format_spec(), BlockFormat)
             and spec.rounding == "nearest"
             and spec.transform is None
         )
@@ -372,6 +381,7 @@ def convert(
     generator: torch.Generator | None = None,
     storage: str | None = None,
     compiled: bool | str = "auto",
+    low_memory: bool = False,
 ) -> nn.Module:
     """Apply ``plan`` to ``model`` in place and return it (see the module docstring).
 
@@ -386,6 +396,10 @@ def convert(
         ``"auto"`` (default) for plans with block formats (MX, NVFP4), whose eager quantizers cost several
         times a step, unless ``NUMSCOPE_FAST`` is set (then it decides); ``True`` or ``False`` to choose.
         Element casts are as fast eagerly (``benchmarks/bench_train_step.py``). The first steps compile.
+    low_memory: also keep the input of a block-format wgrad (MX, NVFP4) in its codes, quantized along the
+        token axis already in forward (the mxfp8 plan's saved activations 0.83× fp32's instead of 1.00×,
+        ``benchmarks/bench_memory.py``), at the cost of an eager encoding per Linear (the same bits).
+        Element formats (fp8, fp16, bf16) keep their quantized inputs in codes always: that is free.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"convert expects a numscope.Plan, got {type(plan).__name__}")
@@ -397,7 +411,7 @@ def convert(
         raise ValueError(
             "the model is already converted; call numscope.unconvert(model) before converting again"
         )
-    quantizer = _Quantizer(plan, generator, compiled)
+    quantizer = _Quantizer(plan, generator, compiled, low_memory)
     handle = attach(model, quantizer, name=HANDLER_NAME, storage=storage)
     try:
         if example_inputs is not None:
