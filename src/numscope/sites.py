@@ -32,8 +32,9 @@ runs its functional forward unfused under the mode, giving ``<mha>.in_proj`` (or
 parameter give one site per expert, ``<experts>.<parameter>.<index>``, whether the experts run eagerly or as
 one grouped GEMM (split per expert). Convolutions (:class:`SiteConv`) are the GEMMs of their im2col form:
 contraction axes 1 (input, grad_output in dgrad), the weight's C_in (fprop) or C_out (dgrad) axis, and the
-batch axis 0 for both wgrad operands. A GEMM numscope does not intercept (einsum, bilinear, a packed
-sequence, a string padding) runs as it is and warns once per module and op.
+batch axis 0 for both wgrad operands. A two-operand ``torch.einsum`` is computed as the matmul it amounts to
+and named like one. A GEMM numscope does not intercept (another einsum, bilinear, a packed sequence, a string
+padding) runs as it is and warns once per module and op.
 
 Roles need one forward pass to be found: :func:`sites` with ``example_inputs``, or, for an attached model,
 the first forward (run once more, without gradients, in eval mode, the RNG restored, before the real one).
@@ -707,7 +708,7 @@ _SOFTMAX_FUNCS = {torch.softmax, torch.Tensor.softmax, F.softmax, torch._softmax
 #: GEMMs numscope does not intercept: running one inside an attached model's forward warns, once per module
 #: and op, that it stays unquantized and unobserved (never silently)
 _UNINTERCEPTED: dict[Callable[..., Any], str] = {
-    torch.einsum: "einsum",
+    torch.einsum: "an einsum that is not one matmul",
     torch.bilinear: "a bilinear product",
     F.bilinear: "a bilinear product",
 }
@@ -838,6 +839,69 @@ class _Discovery:
                 self.alive.append(value)
 
 
+def _einsum_as_matmul(args: tuple, kwargs: dict) -> Callable[[], torch.Tensor] | None:
+    """A two-operand ``torch.einsum`` as the one ``torch.matmul`` it amounts to, or None where the call is
+    not of that kind (sublist form, ``...``, a repeated index in one operand, broadcasting, ≠ 2 operands).
+
+    Indices in both operands and the output are batch axes, in both but not the output contracted, in one
+    operand and the output free (rows of the left, columns of the right); an index in one operand only
+    and not in the output is summed away first. Implicit output (no ``->``): the indices that occur once,
+    in alphabetical order, as torch.einsum does. The result equals torch.einsum's in value (both reduce
+    to a batched GEMM; the bits may differ where torch picks another operand order).
+    """
+    if kwargs or len(args) < 2 or not isinstance(args[0], str):
+        return None
+    equation, operands = args[0], args[1:]
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    if len(operands) != 2 or not all(isinstance(t, torch.Tensor) for t in operands):
+        return None
+    equation = equation.replace(" ", "")
+    inputs, arrow, output = equation.partition("->")
+    terms = inputs.split(",")
+    if len(terms) != 2 or not all(term.isalpha() for term in terms) or (output and not output.isalpha()):
+        return None
+    left, right = terms
+    if not arrow:
+        output = "".join(sorted(c for c in set(left + right) if (left + right).count(c) == 1))
+    a, b = operands
+    if any(len(set(t)) != len(t) for t in (left, right, output)) or (a.dim(), b.dim()) != (
+        len(left),
+        len(right),
+    ):
+        return None
+    if not set(output) <= set(left) | set(right):
+        return None
+    size = dict(zip(left, a.shape, strict=True))
+    if any(size.get(c, n) != n for c, n in zip(right, b.shape, strict=True)):
+        return None  # broadcasting a size-1 axis: left to torch.einsum
+    size.update(zip(right, b.shape, strict=True))
+    batch = [c for c in output if c in left and c in right]
+    rows = [c for c in output if c in left and c not in right]
+    cols = [c for c in output if c in right and c not in left]
+    contracted = [c for c in left if c in right and c not in output]
+
+    def operand(
+        x: torch.Tensor, term: str, other: str, order: list[str], shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        lonely = [i for i, c in enumerate(term) if c not in other and c not in output]
+        if lonely:
+            x = x.sum(dim=lonely)
+        kept = [c for c in term if c in other or c in output]
+        return x.permute([kept.index(c) for c in order]).reshape(shape)
+
+    def product() -> torch.Tensor:
+        m, k, n = (math.prod(size[c] for c in axes) for axes in (rows, contracted, cols))
+        batch_size = (math.prod(size[c] for c in batch),) if batch else ()
+        x = operand(a, left, right, [*batch, *rows, *contracted], (*batch_size, m, k))
+        y = operand(b, right, left, [*batch, *contracted, *cols], (*batch_size, k, n))
+        z = torch.matmul(x, y).reshape(tuple(size[c] for c in (*batch, *rows, *cols)))
+        order = [*batch, *rows, *cols]
+        return z.permute([order.index(c) for c in output])
+
+    return product
+
+
 def _unfused(function: Callable[..., Any]) -> Callable[..., Any]:
     """A copy of a composite ``torch.nn.functional`` function that does not hand itself to torch-function
     modes as a whole (its ``has_torch_function`` check answers False), so that the GEMMs it issues reach the
@@ -871,6 +935,11 @@ class _Mode(TorchFunctionMode):
                 return unfused(*args, **kwargs)
         if func in CELLS and runtime.stack and (runtime.discovery is not None or runtime.in_forward()):
             return runtime.recurrent_call(func, args, kwargs)
+        if func is torch.einsum and runtime.stack:
+            product = _einsum_as_matmul(args, kwargs)
+            if product is not None:  # two operands: the matmul it amounts to, a site like any other
+                with self:
+                    return product()
         if func in _UNINTERCEPTED and runtime.stack:
             runtime.unintercepted(runtime.stack[-1], func, _UNINTERCEPTED[func])
             return func(*args, **kwargs)
