@@ -865,11 +865,10 @@ def _einsum_as_matmul(args: tuple, kwargs: dict) -> Callable[[], torch.Tensor] |
     if not arrow:
         output = "".join(sorted(c for c in set(left + right) if (left + right).count(c) == 1))
     a, b = operands
-    if any(len(set(t)) != len(t) for t in (left, right, output)) or (a.dim(), b.dim()) != (
-        len(left),
-        len(right),
-    ):
+    if (a.dim(), b.dim()) != (len(left), len(right)):
         return None
+    if any(len(set(t)) != len(t) for t in (left, right, output)):
+        return None  # a diagonal or a repeated output index
     if not set(output) <= set(left) | set(right):
         return None
     size = dict(zip(left, a.shape, strict=True))
