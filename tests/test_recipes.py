@@ -38,6 +38,19 @@ def bert() -> BertForMaskedLM:
     return BertForMaskedLM(config)
 
 
+def train(model: nn.Module, loss_of, steps: int) -> list[float]:
+    """The losses of ``steps`` AdamW steps on the loss ``loss_of()`` computes."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        loss = loss_of()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def test_every_recipe_has_a_source_and_round_trips() -> None:
     assert set(Plan.recipes()) == set(RECIPES) and len(RECIPES) >= 10
     for name, recipe in RECIPES.items():
@@ -54,14 +67,7 @@ def test_every_recipe_trains_a_tiny_bert(name: str) -> None:
     model = bert()
     site_names = [site.name for site in numscope.sites(model, {"input_ids": IDS})]
     numscope.convert(model, Plan.recipe(name, site_names), generator=torch.Generator().manual_seed(0))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(4):
-        loss = model(input_ids=IDS, labels=IDS).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train(model, lambda: model(input_ids=IDS, labels=IDS).loss, steps=4)
     assert all(math.isfinite(value) for value in losses) and losses[-1] < losses[0], losses
 
 
@@ -201,12 +207,5 @@ def test_every_recipe_trains_a_gqa_llama_and_a_cnn(name: str) -> None:
         with pytest.raises(ValueError, match="not emulated for convolutions"):
             cnn(images)
     for model, loss_of in models:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        losses = []
-        for _ in range(3):
-            loss = loss_of()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        losses = train(model, loss_of, steps=3)
         assert all(math.isfinite(value) for value in losses) and losses[-1] < losses[0], (name, losses)
