@@ -248,6 +248,24 @@ def test_budget_spends_bits_where_they_buy_most():
     assert result.average_bits == pytest.approx(6.125)
 
 
+def test_noise_weights_move_the_budget_to_the_operand_that_costs_loss():
+    table = {
+        A: {"bf16": metrics(55), "fp8_e4m3": metrics(31), "mxfp4_e2m1": metrics(23)},
+        B: {"bf16": metrics(55), "fp8_e4m3": metrics(31), "mxfp4_e2m1": metrics(30)},
+    }
+    analysis = build(
+        {k: {**{c: metrics(10) for c in CANDIDATES}, **v} for k, v in table.items()}, {A: 1000, B: 1000}
+    )
+    # A's noise counts for nothing: the one 8-bit slot goes to B although A is the noisier operand
+    result = advise(analysis, bit_budget=6.125, noise_weights={"enc.q/fprop/input": 0.0})
+    assert chosen(result) == {A: "mxfp4_e2m1", B: "fp8_e4m3"}
+    # later patterns override earlier ones
+    result = advise(analysis, bit_budget=6.125, noise_weights={"*": 0.0, "enc.q/fprop/input": 1.0})
+    assert chosen(result) == {A: "fp8_e4m3", B: "mxfp4_e2m1"}
+    with pytest.raises(AdvisorError, match="must be a finite number >= 0"):
+        advise(analysis, bit_budget=6.125, noise_weights={"*": -1.0})
+
+
 def test_impossible_budget_names_the_cheapest_assignment():
     with pytest.raises(AdvisorError, match=r"bit budget 4 bits/element is impossible.*at least 11\.65"):
         advise(reference_analysis(), bit_budget=4)

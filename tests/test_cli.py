@@ -325,6 +325,30 @@ def test_recommend_passes_its_criteria_to_the_advisor(ws: Path, flow: dict[str, 
     assert analysis_average_bits(Plan.load(ws / "budget.yaml"), analysis) <= 9
 
 
+def test_recommend_with_a_gap_model_weights_roles_and_predicts_the_gap(
+    ws: Path, flow: dict[str, Result]
+) -> None:
+    from numscope.plan_study import GapModel
+
+    analysis = Analysis.load(ws / "runs" / "fp32" / "analysis")
+    model = GapModel({"fprop": 0.5, "dgrad": 0.0, "wgrad": 0.0}, 0.002, 4)
+    (ws / "gap_model.json").write_text(json.dumps(model.to_dict()))
+    args = ["--max-be-ratio", "none", "--max-underflow-pct", "none", "--max-overflow-pct", "none"]
+    args += ["--min-sqnr-db", "none", "--candidates", "mxfp4_e2m1", "bf16", "--bit-budget", "10"]
+    result = cli(
+        "recommend", ws / "runs" / "fp32", "-o", ws / "gm.yaml", *args, "--gap-model", ws / "gap_model.json"
+    )
+    assert result.code == 0, result.err
+    plan = Plan.load(ws / "gm.yaml")
+    predicted = model.predict_plan(analysis, plan)
+    assert f"predicted validation-loss gap to FP32: {predicted:+.4f} ± 0.0020 nats" in result.out
+    # only fprop noise counts: every bf16 (bought) operand is an fprop operand
+    bought = {(r.gemm, r.operand) for r in plan.describe() if r.format == "bf16"}
+    assert bought and {gemm for gemm, _ in bought} == {"fprop"}
+    bad = cli("recommend", ws / "runs" / "fp32", "-o", ws / "x.yaml", "--gap-model", ws / "plan.yaml")
+    assert bad.code == 2 and "--gap-model" in bad.err and "not a gap model" in bad.err
+
+
 def test_train_runs_under_the_plan_and_under_a_preset(ws: Path, flow: dict[str, Result]) -> None:
     planned = json.loads((ws / "runs" / "planned" / "result.json").read_text())
     fp16 = json.loads((ws / "runs" / "fp16-scaled" / "result.json").read_text())

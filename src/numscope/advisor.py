@@ -479,7 +479,10 @@ def _solve_budget(options: list[list[_Option]], elements: list[int], budget: flo
         best = new
         picks.append(pick)
     if not np.isfinite(best[cells]):
-        raise AdvisorError("bit budget infeasible")
+        raise AdvisorError(
+            f"bit budget {budget:g} bits/element is infeasible with these candidates (rounded costs); "
+            "raise bit_budget or add cheaper candidates"
+        )
     chosen = []
     remaining = cells
     for pick, row in zip(reversed(picks), reversed(weights), strict=True):
@@ -520,6 +523,7 @@ def advise(
     bit_budget: float | None = None,
     per_operand: Mapping[str, Mapping[str, Any]] | None = None,
     sensitivity: Sensitivity | None = None,
+    noise_weights: Mapping[str, float] | None = None,
     **criteria: float | None,
 ) -> Recommendation:
     """Choose a format for every operand the analysis holds; see the module docstring for the rules.
@@ -534,6 +538,9 @@ def advise(
         (:func:`numscope.sensitivity`), for the sensitivity criteria (default: ``analysis.sensitivity``).
     criteria: ``max_be_ratio``, ``max_underflow_pct``, ``max_overflow_pct``, ``min_sqnr_db``,
         ``max_loss_increase_pct``, ``min_grad_cosine`` (number or ``None`` to switch off).
+    noise_weights: glob over ``site/gemm/operand`` → a factor on that operand's noise in the bit-budget
+        objective (later patterns override earlier ones; default 1): what a loss-impact calibration
+        (:mod:`numscope.plan_study`) fits, e.g. ``{"*/wgrad/*": 0.2}`` when wgrad noise costs less loss.
     """
     if not isinstance(analysis, Analysis):
         raise TypeError(f"advise expects a numscope.Analysis, got {type(analysis).__name__}")
@@ -547,6 +554,7 @@ def advise(
     if not keys:
         raise AdvisorError("the analysis holds no operands; observe at least one sampled step first")
     _check_overrides(per_operand, (operand_name(k) for k in keys))
+    weights = _noise_weights(noise_weights)
     if bit_budget is not None and (
         isinstance(bit_budget, bool) or not isinstance(bit_budget, int | float) or not bit_budget > 0
     ):
@@ -560,6 +568,9 @@ def advise(
             options = [_option(analysis, key, label, key_limits, reference, sensitivity) for label in allowed]
         except AnalysisError as error:
             raise AdvisorError(f"{operand_name(key)}: {error}") from error
+        factor = _weight_for(operand_name(key), weights)
+        for option in options:
+            option.noise *= factor
         choice, passing = _decide(key, options, analysis.elements.get(key, 0))
         choices.append(choice)
         passing_per_key.append(passing)
@@ -569,6 +580,44 @@ def advise(
     total = sum(c.elements for c in choices)
     average = sum(c.bits * c.elements for c in choices) / total if total else math.nan
     return Recommendation(_plan(choices), tuple(choices), average, bit_budget, optimal, limits, reference)
+
+
+def _noise_weights(weights: Mapping[str, float] | None) -> list[tuple[str, float]]:
+    if weights is None:
+        return []
+    if not isinstance(weights, Mapping):
+        raise AdvisorError(f"noise_weights must map 'site/gemm/operand' globs to numbers, got {weights!r}")
+    out = []
+    for pattern, value in weights.items():
+        if (
+            not isinstance(pattern, str)
+            or isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            raise AdvisorError(
+                f"noise_weights: {pattern!r}: {value!r} must be a finite number >= 0 keyed by a glob string"
+            )
+        out.append((pattern, float(value)))
+    return out
+
+
+def _weight_for(name: str, weights: list[tuple[str, float]]) -> float:
+    factor = 1.0
+    for pattern, value in weights:
+        if fnmatch.fnmatchcase(name, pattern):
+            factor = value
+    return factor
+
+
+def operand_noise(analysis: Analysis, key: OperandKey, label: str) -> float:
+    """The relative noise power the bit-budget objective counts for ``label`` on one operand:
+    10^(−SQNR/10) of its mean SQNR (dB) over the sampled steps; 0 for ``high``."""
+    if label == HIGH:
+        return 0.0
+    sqnr = analysis.metric_values(key, label, SQNR)
+    return 10.0 ** (-(sum(sqnr) / len(sqnr)) / 10.0)
 
 
 def _apply_budget(
@@ -636,6 +685,7 @@ def recommend(
     bit_budget: float | None = None,
     per_operand: Mapping[str, Mapping[str, Any]] | None = None,
     sensitivity: Sensitivity | None = None,
+    noise_weights: Mapping[str, float] | None = None,
     **criteria: float | None,
 ) -> Plan:
     """The plan :func:`advise` recommends (one exact-name rule per site; unobserved sites stay high).
@@ -650,6 +700,7 @@ def recommend(
         bit_budget=bit_budget,
         per_operand=per_operand,
         sensitivity=sensitivity,
+        noise_weights=noise_weights,
         **criteria,
     ).plan
 

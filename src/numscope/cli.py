@@ -650,12 +650,22 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     for item in args.criterion or ():
         criteria.update(_key_values(item, "--criterion", CRITERIA))
     analysis = Analysis.load(workflow.find_analysis(args.analysis))
+    gap_model = workflow.load_gap_model(args.gap_model) if args.gap_model else None
+    if gap_model is not None and gap_model.noise_weights():
+        criteria["noise_weights"] = gap_model.noise_weights()
     plan, rows = workflow.recommend_plan(analysis, args.output, **criteria)
     print(render_table(rows))
     print(
         f"\naverage bits per GEMM operand element (weighted by operand size): "
         f"{workflow.analysis_average_bits(plan, analysis):.2f}"
     )
+    if gap_model is not None:
+        predicted = workflow.predicted_gap(gap_model, analysis, plan)
+        print(
+            f"predicted validation-loss gap to FP32: {predicted:+.4f} ± {gap_model.spread:.4f} nats "
+            f"(gap model {args.gap_model}, fitted on {gap_model.points} calibration runs; it holds for the "
+            "model and training it was fitted on)"
+        )
     print(f"plan: {args.output}  (next: numscope train --plan {args.output} ...)")
     return 0
 
@@ -692,6 +702,12 @@ def _register_recommend(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--candidates", nargs="+", metavar="FORMAT", help="choose only among these measured formats"
+    )
+    p.add_argument(
+        "--gap-model",
+        metavar="JSON",
+        help="a gap model (gap_model.json of 'numscope study plans'): weights each GEMM role's noise in the "
+        "--bit-budget objective by its fitted loss impact and prints the plan's predicted gap to FP32",
     )
     p.add_argument(
         "--reference",
@@ -778,9 +794,41 @@ def _register_report(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_report)
 
 
+STUDY_OUT = "runs/study"
+
+
 def _cmd_study(args: argparse.Namespace) -> int:
     from numscope import workflow
 
+    if args.kind == "plans":
+        summary = workflow.plan_study(
+            args.out if args.out != STUDY_OUT else "runs/plan_study",
+            quick=args.quick,
+            budgets=args.budgets,
+            seeds=args.seeds,
+            random_plans=args.random_plans,
+            steps=args.steps,
+            jobs=args.jobs,
+            text=args.text,
+        )
+        print(summary.table)
+        print("\n".join(f"{kind}: {path}" for kind, path in summary.files.items()))
+        return 0
+    plan_only = [
+        flag
+        for flag, value in (
+            ("--quick", args.quick),
+            ("--budgets", args.budgets),
+            ("--random-plans", args.random_plans),
+            ("--steps", args.steps),
+            ("--jobs", args.jobs),
+            ("--text", args.text),
+            ("--seeds", args.seeds),
+        )
+        if value not in (None, False)
+    ]
+    if plan_only:
+        raise workflow.WorkflowError(f"{', '.join(plan_only)}: only for 'numscope study plans'")
     result = workflow.study(
         args.out, dofs=args.dofs, formats=args.formats, size=args.size, trials=args.trials, seed=args.seed
     )
@@ -796,12 +844,28 @@ def _register_study(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "study",
-        help="the Student-t synthetic study: backward error of quantized products vs tail weight",
-        description="Backward error of SIZE×SIZE products of Student-t(ν) matrices quantized in each format "
-        "(Rasquinha & Tabak 2024), from heavy tails to Gaussian: printed as a table, written as a PNG and a "
-        "CSV into --out.",
+        help="'synthetic' (Student-t backward error, default) or 'plans' (measured vs guessed plans)",
+        description="'numscope study' (or 'study synthetic'): backward error of SIZE×SIZE products of "
+        "Student-t(ν) matrices quantized in each format (Rasquinha & Tabak 2024), from heavy tails to "
+        "Gaussian: printed as a table, written as a PNG and a CSV into --out. 'numscope study plans': "
+        "trains the demo's BERT under numscope's plan, uniform formats, practitioners' heuristics, random "
+        "and inverse allocations at several average-bit budgets over several seeds (see "
+        "numscope.plan_study); a table, plan_study.json, pareto.png and predicted_vs_measured.png.",
     )
-    p.add_argument("--out", default="runs/study", metavar="DIR", help="output folder (default: %(default)s)")
+    p.add_argument("kind", nargs="?", choices=("synthetic", "plans"), default="synthetic", help="which study")
+    p.add_argument(
+        "--out",
+        default=STUDY_OUT,
+        metavar="DIR",
+        help="output folder (default: %(default)s; runs/plan_study for 'plans'; reruns resume)",
+    )
+    p.add_argument("--quick", action="store_true", help="plans: a small model, 40 steps, 1 budget, 2 seeds")
+    p.add_argument("--budgets", nargs="+", type=float, metavar="BITS", help="plans: bits (default: 5 6 7)")
+    p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="plans: seeds (default: 0 1 2)")
+    p.add_argument("--random-plans", type=_int_at_least(0), metavar="N", help="plans: random orders (5)")
+    p.add_argument("--steps", type=_int_at_least(1), metavar="N", help="plans: steps per run (default: 500)")
+    p.add_argument("--jobs", type=_int_at_least(1), metavar="N", help="plans: runs side by side (default: 2)")
+    p.add_argument("--text", nargs="+", metavar="PATH", help="plans: your text files instead of the corpus")
     p.add_argument(
         "--dofs",
         nargs="+",

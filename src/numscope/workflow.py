@@ -1153,6 +1153,61 @@ class StudyResult:
     formats: list[str] = field(default_factory=list)
 
 
+def load_gap_model(path: str | os.PathLike[str]) -> Any:
+    """A :class:`numscope.plan_study.GapModel` from a file; a clear error if it is not one."""
+    from numscope.plan_study import GapModel, StudyError
+
+    try:
+        return GapModel.load(path)
+    except StudyError as error:
+        raise WorkflowError(f"--gap-model: {error}") from error
+
+
+def predicted_gap(gap_model: Any, analysis: Analysis, plan: Plan) -> float:
+    from numscope.plan_study import StudyError
+
+    try:
+        return gap_model.predict_plan(analysis, plan)
+    except StudyError as error:
+        raise WorkflowError(f"--gap-model: {error}") from error
+
+
+def plan_study(
+    out: str | os.PathLike[str],
+    *,
+    quick: bool = False,
+    budgets: Sequence[float] | None = None,
+    seeds: Sequence[int] | None = None,
+    random_plans: int | None = None,
+    steps: int | None = None,
+    jobs: int | None = None,
+    text: Sequence[str] | None = None,
+) -> Any:
+    """The plan study (:func:`numscope.plan_study.run_plan_study`) into ``out``; ``quick`` starts from
+    :meth:`PlanStudyConfig.quick`, the other arguments override the configuration."""
+    from dataclasses import replace
+
+    from numscope.plan_study import PlanStudyConfig, StudyError, run_plan_study
+
+    config = PlanStudyConfig.quick() if quick else PlanStudyConfig()
+    changes = {
+        "budgets": tuple(budgets) if budgets else None,
+        "seeds": tuple(seeds) if seeds else None,
+        "random_plans": random_plans,
+        "steps": steps,
+        "jobs": jobs,
+    }
+    config = replace(config, **{k: v for k, v in changes.items() if v is not None})
+    for path in text or ():
+        if not Path(path).is_file():
+            raise WorkflowError(f"--text: {path} is not a readable file")
+    try:
+        config.check()
+        return run_plan_study(check_output_folder(out), config, text)
+    except StudyError as error:
+        raise WorkflowError(str(error)) from error
+
+
 def study(
     out: str | os.PathLike[str],
     *,

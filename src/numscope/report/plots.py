@@ -682,3 +682,86 @@ def underflow_before_after(
     ax.grid(axis="y", visible=False)
     fig.tight_layout()
     return _png(fig)
+
+
+# ------------------------------------------------------------------------------------------ plan study
+_FAMILY_STYLE = {
+    "uniform": ("#7f7f7f", "s"),
+    "calibration": ("#bcbd22", "v"),
+    "numscope": ("#d62728", "*"),
+    "heuristic": ("#1f77b4", "o"),
+    "random": ("#9aa5b1", "."),
+    "inverse": ("#8c564b", "x"),
+}
+
+
+def plan_study_pareto(rows: Sequence[Mapping], noise: float) -> bytes:
+    """Average bits vs the validation-loss gap to FP32 (mean ± sd over seeds) of every plan of the plan
+    study, one marker style per family; the shaded band is ± twice FP32's seed-to-seed standard deviation.
+    Uniform runs far above the others are drawn at the top edge with their value."""
+    fig, ax = plt.subplots(figsize=(8.5, 4.8))
+    drawn = [r for r in rows if r["family"] != "reference"]
+    budget_gaps = [r["gap_mean"] for r in drawn if r["budget"] is not None]
+    spread = (max(budget_gaps) - min(budget_gaps)) if budget_gaps else 0.0
+    top = (
+        (max(budget_gaps) + max(spread, abs(noise) if math.isfinite(noise) else 0.0)) if budget_gaps else None
+    )
+    labelled: set[str] = set()
+    for row in drawn:
+        colour, marker = _FAMILY_STYLE.get(row["family"], ("#000000", "o"))
+        y, sd = row["gap_mean"], row["gap_sd"]
+        clipped = top is not None and y > top
+        shown = top if clipped else y
+        label = None if row["family"] in labelled else row["family"]
+        labelled.add(row["family"])
+        ax.errorbar(
+            row["bits"],
+            shown,
+            yerr=None if clipped or not math.isfinite(sd) else sd,
+            fmt=marker,
+            color=colour,
+            markersize=11 if row["family"] == "numscope" else 6,
+            capsize=2,
+            label=label,
+            zorder=3 if row["family"] == "numscope" else 2,
+        )
+        if row["family"] in ("uniform", "calibration") or clipped:
+            text = row["name"] + (f" ({y:+.3f}↑)" if clipped else "")
+            ax.annotate(text, (row["bits"], shown), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    if math.isfinite(noise):
+        ax.axhspan(-2 * noise, 2 * noise, color="#222222", alpha=0.08, label="±2 sd FP32 seed noise")
+    ax.axhline(0.0, color=_REFERENCE_COLOUR, linewidth=0.8)
+    ax.set_xlabel("average bits per GEMM operand element")
+    ax.set_ylabel("validation-loss gap to FP32 (nats)")
+    ax.set_title("Plan study: bits spent vs loss, mean ± sd over seeds (paired with FP32)")
+    ax.legend(loc="upper right")
+    return _png(fig)
+
+
+def predicted_vs_measured(rows: Sequence[Mapping], rho: float) -> bytes:
+    """The gap model's predicted gap against the measured one, per plan (mean ± sd over seeds)."""
+    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    labelled: set[str] = set()
+    for row in rows:
+        colour, marker = _FAMILY_STYLE.get(row["family"], ("#000000", "o"))
+        label = None if row["family"] in labelled else row["family"]
+        labelled.add(row["family"])
+        sd = row["gap_sd"]
+        ax.errorbar(
+            row["predicted_gap"],
+            row["gap_mean"],
+            yerr=sd if math.isfinite(sd) else None,
+            fmt=marker,
+            color=colour,
+            capsize=2,
+            label=label,
+        )
+    values = [v for r in rows for v in (r["predicted_gap"], r["gap_mean"]) if math.isfinite(v)]
+    if values:
+        low, high = min(values), max(values)
+        ax.plot([low, high], [low, high], color="#222222", linewidth=0.8, linestyle="--", label="y = x")
+    ax.set_xlabel("predicted gap (nats), before training")
+    ax.set_ylabel("measured gap (nats)")
+    ax.set_title(f"Predicted vs measured gap (Spearman ρ = {rho:.2f})")
+    ax.legend(loc="upper left", fontsize=7)
+    return _png(fig)

@@ -1,0 +1,242 @@
+"""The plan study's parts: operand orders, budget filling, the gap model, the verdicts, seeded runs; and the
+quick study end to end (slow)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import BertConfig, BertForMaskedLM
+
+import numscope
+from numscope.plan_study import (
+    GapModel,
+    Operands,
+    PlanStudyConfig,
+    StudyError,
+    budget_plans,
+    fill_order,
+    layer_of,
+    order_first_last,
+    order_gradients_high,
+    order_inverse,
+    order_last_layers,
+    order_wgrad_high,
+    plan_of,
+    verdict,
+)
+
+LOW, HIGH = "mxfp4_e2m1", "mxfp8_e4m3"
+
+
+@pytest.fixture(scope="module")
+def observed():
+    """A real analysis: a 3-layer tiny BERT observed on two training steps in the study's two formats."""
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=200,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        attn_implementation="eager",
+    )
+    model = BertForMaskedLM(config)
+    ids = torch.randint(5, 200, (4, 16))
+    order = [s.name for s in numscope.sites(model, {"input_ids": ids})]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with numscope.observe(model, candidates=[LOW, HIGH, "bf16"]) as observer:
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            observer.step()
+    analysis = observer.analysis()
+    return analysis, Operands.from_analysis(analysis, order)
+
+
+def test_layer_index_is_read_from_the_usual_names():
+    assert layer_of("bert.encoder.layer.11.attention.self.query") == 11
+    assert layer_of("model.layers.3.mlp.up_proj") == 3
+    assert layer_of("transformer.h.0.attn.c_attn") == 0
+    assert layer_of("cls.predictions.decoder") is None
+    assert layer_of("model.layers_norm.weight") is None
+
+
+def test_operands_follow_the_models_call_order(observed):
+    analysis, operands = observed
+    sites = operands.sites()
+    layers = [layer_of(s) for s in sites]
+    assert layers[0] == 0 and None in layers
+    assert sites[-1].startswith("cls."), sites[-1]  # the MLM head runs last
+    assert [i for i in layers if i is not None] == sorted(i for i in layers if i is not None)
+    assert set(operands.keys) == {k for k in analysis.elements if analysis.elements[k] > 0}
+
+
+def test_heuristic_orders_put_their_operands_first(observed):
+    _, operands = observed
+    first_last = order_first_last(operands)
+    ranks = [layer_of(k[0]) for k in first_last]
+    head = sum(1 for r in ranks if r is None)
+    assert all(r is None for r in ranks[:head])  # the head (outside the layers) first
+    assert set(ranks[head:]) == {0, 1, 2} and ranks[-1] == 1  # then both ends, the middle layer last
+    assert (
+        first_last[head:].index(next(k for k in first_last if layer_of(k[0]) == 1))
+        > sum(1 for r in ranks if r in (0, 2)) - 1
+    )
+    last = order_last_layers(operands)
+    assert last[0][0] == operands.sites()[-1] and last[-1][0] == operands.sites()[0]
+    wgrad = order_wgrad_high(operands)
+    n_wgrad = sum(1 for k in operands.keys if k[1] == "wgrad")
+    assert {k[1] for k in wgrad[:n_wgrad]} == {"wgrad"}
+    gradients = order_gradients_high(operands)
+    n_grad = sum(1 for k in operands.keys if k[2] == "grad_output")
+    assert {k[2] for k in gradients[:n_grad]} == {"grad_output"}
+    for order in (first_last, last, wgrad, gradients):
+        assert sorted(order) == sorted(operands.keys)
+
+
+@pytest.mark.parametrize("budget", [5.0, 6.0, 7.0])
+def test_every_budget_plan_lands_within_a_tenth_of_a_bit(observed, budget):
+    analysis, operands = observed
+    config = PlanStudyConfig(budgets=(budget,), random_plans=5)
+    gap_model = GapModel({"fprop": 1.0, "dgrad": 0.5, "wgrad": 0.1}, 0.0, 4)
+    plans = budget_plans(analysis, operands, config, gap_model)
+    families = [p.family for p in plans]
+    assert families.count("numscope") == 2 and families.count("heuristic") == 4
+    assert families.count("random") == 5 and families.count("inverse") == 1
+    sizes = operands.sizes()
+    for plan in plans:
+        bits = plan.plan().average_bits(sizes)
+        assert bits == pytest.approx(operands.average_bits(plan.formats))  # the plan is what was built
+        assert budget - 0.1 <= bits <= budget + 1e-9, (plan.name, bits)
+        assert set(plan.formats.values()) <= {LOW, HIGH}
+    randoms = [tuple(sorted(p.formats.items())) for p in plans if p.family == "random"]
+    assert len(set(randoms)) == 5  # five different allocations
+
+
+def test_fill_order_upgrades_in_order_and_refuses_a_budget_below_all_low(observed):
+    _, operands = observed
+    order = list(operands.keys)
+    formats = fill_order(order, operands, 6.0, LOW, HIGH)
+    upgraded = [k for k in order if formats[k] == HIGH]
+    first_skipped = next(k for k in order if formats[k] == LOW)
+    assert upgraded[0] == order[0] and order.index(first_skipped) > 0
+    with pytest.raises(StudyError, match="below all-mxfp4_e2m1"):
+        fill_order(order, operands, 4.0, LOW, HIGH)
+
+
+def test_inverse_spends_bits_where_the_advisor_does_not(observed):
+    analysis, operands = observed
+    config = PlanStudyConfig(budgets=(5.5,), random_plans=0)
+    plans = {p.family: p for p in budget_plans(analysis, operands, config)}
+    ours = {k for k, f in plans["numscope"].formats.items() if f == HIGH}
+    inverse = {k for k, f in plans["inverse"].formats.items() if f == HIGH}
+    assert ours and inverse and not ours & inverse
+    first = order_inverse(analysis, operands, LOW, HIGH)[0]
+    assert plans["inverse"].formats[first] == HIGH or operands.elements[first] * 4 > 1.25 * sum(
+        operands.elements.values()
+    )
+
+
+def test_gap_model_recovers_known_coefficients_and_predicts():
+    rng = np.random.default_rng(0)
+    truth = {"fprop": 0.02, "dgrad": 0.005, "wgrad": 0.0}
+    features = [{g: float(rng.uniform(0, 1)) for g in truth} for _ in range(6)]
+    gaps = [sum(truth[g] * f[g] for g in truth) for f in features]
+    model = GapModel.fit(features, gaps)
+    for gemm, value in truth.items():
+        assert model.coefficients[gemm] == pytest.approx(value, abs=1e-9)
+    assert model.spread == pytest.approx(0.0, abs=1e-9)
+    assert model.predict({"fprop": 1.0, "dgrad": 2.0, "wgrad": 5.0}) == pytest.approx(0.03)
+    assert model.noise_weights() == pytest.approx({"*/fprop/*": 1.0, "*/dgrad/*": 0.25, "*/wgrad/*": 0.0})
+    noisy = GapModel.fit(features, [g + 0.001 * (-1) ** i for i, g in enumerate(gaps)])
+    assert noisy.spread > 0.0
+    with pytest.raises(StudyError, match="matched calibration points"):
+        GapModel.fit(features, gaps[:-1])
+
+
+def test_verdict_needs_three_seeds_and_two_standard_deviations():
+    assert verdict([0.1, 0.1]) == "n/a (<3 seeds)"
+    assert verdict([0.010, 0.011, 0.012]) == "worse"
+    assert verdict([-0.010, -0.011, -0.012]) == "better"
+    assert verdict([0.01, -0.01, 0.012]) == "tie"
+    assert verdict([0.0, 0.0, 0.0]) == "same"
+
+
+def test_plan_of_gives_each_operand_its_format():
+    formats = {
+        ("a.q", "fprop", "input"): HIGH,
+        ("a.q", "fprop", "weight"): LOW,
+        ("a[0]", "wgrad", "grad_output"): LOW,
+    }
+    plan = plan_of(formats)
+    assert plan.for_site("a.q").operand("fprop", "input").format == HIGH
+    assert plan.for_site("a.q").operand("fprop", "weight").format == LOW
+    assert plan.for_site("a[0]").operand("wgrad", "grad_output").format == LOW
+    assert plan.for_site("a0").is_high  # the glob character is escaped: exact names only
+
+
+def test_config_refuses_budgets_outside_the_two_formats():
+    with pytest.raises(StudyError, match="between mxfp4_e2m1"):
+        PlanStudyConfig(budgets=(9.0,)).check()
+    with pytest.raises(StudyError, match="distinct"):
+        PlanStudyConfig(seeds=(1, 1)).check()
+
+
+def test_a_study_run_is_seeded(tmp_path):
+    """The same (plan, seed) trains to the same loss in two folders; another seed differs."""
+    from numscope.plan_study import _train
+
+    config = PlanStudyConfig.quick()
+    cfg = {**config.__dict__, "steps": 6}
+
+    def task(folder: str, seed: int) -> dict:
+        return dict(
+            name="fp8",
+            plan="fp8",
+            seed=seed,
+            folder=str(tmp_path / folder),
+            observe=False,
+            config=cfg,
+            text=None,
+        )
+
+    first, again, other = _train(task("a", 0)), _train(task("b", 0)), _train(task("c", 1))
+    assert first["val_loss"] == again["val_loss"]
+    assert first["val_loss"] != other["val_loss"]
+
+
+@pytest.mark.slow
+def test_quick_plan_study_end_to_end(tmp_path, capsys):
+    from numscope.cli import main
+
+    assert main(["study", "plans", "--quick", "--out", str(tmp_path / "study")]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads((tmp_path / "study" / "plan_study.json").read_text())
+    for name in ("plan_study.md", "pareto.png", "predicted_vs_measured.png"):
+        assert (tmp_path / "study" / name).stat().st_size > 0
+    rows = {r["name"]: r for r in data["rows"]}
+    assert {"fp32", "mxfp8", "mxfp4", "numscope@6", "numscope calibrated@6", "inverse@6"} <= set(rows)
+    for row in data["rows"]:
+        assert len(row["gaps"]) == 2 and all(math.isfinite(g) for g in row["gaps"])
+        if row["budget"] is not None:
+            assert 5.9 <= row["bits"] <= 6.0 + 1e-9
+    assert rows["fp32"]["gaps"] == [0.0, 0.0]
+    assert math.isfinite(data["fp32_seed_sd"]) and data["fp32_seed_sd"] > 0
+    assert "Spearman" in printed and "numscope@6" in printed
+    # rerun: every run is reused, nothing trains again
+    before = {p: p.stat().st_mtime for p in (tmp_path / "study" / "runs").rglob("result.json")}
+    assert main(["study", "plans", "--quick", "--out", str(tmp_path / "study")]) == 0
+    assert before == {p: p.stat().st_mtime for p in (tmp_path / "study" / "runs").rglob("result.json")}
+
+
+def test_plan_flags_are_refused_for_the_synthetic_study(capsys):
+    from numscope.cli import main
+
+    assert main(["study", "--quick", "--size", "8"]) == 2
+    assert "only for 'numscope study plans'" in capsys.readouterr().err
