@@ -83,7 +83,19 @@ def test_an_interrupted_demo_resumes_bit_exactly_and_keeps_finished_runs(
     assert losses[0] == losses[1] and len(losses[0]) == TINY.train.steps
 
 
-RUN_NAMES = ["fp32", "recommended", "bf16", "fp16", "fp16+scaling", "fp8", "mxfp8", "int8", "mxfp4"]
+RUN_NAMES = [
+    "fp32",
+    "recommended",
+    "bf16",
+    "fp16",
+    "fp16+scaling",
+    "fp8",
+    "mxfp8",
+    "int8",
+    "mxfp4",
+    "fp32-seed1",
+    "fp32-seed2",
+]
 
 
 def _assert_final_models(folder: Path, summary: dict, names: list[str]) -> None:
@@ -104,7 +116,7 @@ def test_the_baselines_include_the_issues_uniform_formats_with_per_tensor_int8()
     from numscope.plan import default_scaling
 
     specs = {spec.name: spec for spec in demo_main.BASELINES}
-    assert [spec.name for spec in demo_main.BASELINES] == RUN_NAMES[2:]
+    assert [spec.name for spec in demo_main.BASELINES] == RUN_NAMES[2:-2]
     assert all(spec.description for spec in (*demo_main.BASELINES, demo_main.REFERENCE))
     for name, fmt, scaling in (("mxfp8", "mxfp8_e4m3", "block"), ("int8", "int8", "tensor")):
         plan = specs[name].load_plan()
@@ -133,7 +145,7 @@ def test_a_demo_folder_of_an_earlier_demo_keeps_its_runs_and_adds_the_new_ones(
         "train_run",
         lambda *args, **kwargs: real_train_run(*args, **{**kwargs, "save_model": False}),
     )
-    run_demo(folder, TINY, [text_file], log=lambda _: None, progress=False)
+    run_demo(folder, replace(TINY, noise_seeds=()), [text_file], log=lambda _: None, progress=False)
     finished = {p: p.stat().st_mtime_ns for p in folder.glob("runs/*/result.json")}
     assert len(finished) == 7 and not list(folder.glob("runs/*/model.pt"))
 
@@ -143,8 +155,9 @@ def test_a_demo_folder_of_an_earlier_demo_keeps_its_runs_and_adds_the_new_ones(
     summary = run_demo(folder, TINY, [text_file], log=lines.append, progress=False)
     assert all(path.stat().st_mtime_ns == mtime for path, mtime in finished.items()), "finished runs rerun"
     assert [r["name"] for r in summary["runs"]] == RUN_NAMES
-    _assert_final_models(folder, summary, ["mxfp8", "int8"])
-    old = [name for name in RUN_NAMES if name not in ("mxfp8", "int8")]
+    new = ["mxfp8", "int8", "fp32-seed1", "fp32-seed2"]
+    _assert_final_models(folder, summary, new)
+    old = [name for name in RUN_NAMES if name not in new]
     assert all(row["model"] is None for row in summary["runs"] if row["name"] in old)
     assert sum("finished without model.pt" in line for line in lines) == len(old)
     report = (folder / "report.html").read_text(encoding="utf-8")
@@ -234,6 +247,35 @@ def test_claims_are_stated_as_held_or_not_with_their_numbers() -> None:
     claims = demo_main._claims(rows, underflow, unigram=6.6)
     assert _verdict(claims, "Recommended plan") is False and _verdict(claims, "Uniform MXFP4") is False
     assert "does NOT hold" in next(text for text, _ in claims if text.startswith("Recommended plan"))
+
+
+def test_claims_measure_differences_against_the_fp32_seed_noise() -> None:
+    rows = [
+        _row("fp32", 6.00, 32),
+        _row("recommended", 6.03, 7.1),
+        _row("bf16", 6.00, 16),
+        _row("fp16", 6.20, 16),
+        _row("fp16+scaling", 6.01, 16, scale=2.0**15),
+        _row("fp8", 6.02, 8),
+        _row("mxfp4", 6.12, 4.25),
+        _row("fp32-seed1", 6.02, 32),
+        _row("fp32-seed2", 6.04, 32),
+    ]
+    noise = demo_main.fp32_seed_noise(rows)
+    assert noise == pytest.approx(0.02)  # sd of 6.00, 6.02, 6.04
+    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)
+    plan = next(text for text, _ in claims if text.startswith("Recommended plan"))
+    assert "seed noise is 0.0200 nats (sd over 3 seeds)" in plan
+    assert "recommended − fp32 +0.0300 nats = 1.5 sd, within the seed noise" in plan
+    # mxfp4 is 0.09 nats (4.5 sd) behind the plan: beyond 2 sd, the claim holds
+    assert _verdict(claims, "Uniform MXFP4") is True
+    rows[6] = _row("mxfp4", 6.06, 4.25)  # 1% behind FP32 and behind the plan, but only 1.5 sd: a tie
+    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)
+    mxfp4 = next(text for text, _ in claims if text.startswith("Uniform MXFP4"))
+    assert _verdict(claims, "Uniform MXFP4") is False and "1.5 sd, within the seed noise" in mxfp4
+    scaled = next(text for text, _ in claims if text.startswith("FP16 with dynamic"))
+    assert "fp16 − fp32 +0.2000 nats = 10.0 sd, beyond the seed noise" in scaled
+    assert demo_main.fp32_seed_noise(rows[:1]) is None
 
 
 def test_claims_state_their_thresholds_and_the_scale_they_saw() -> None:

@@ -43,6 +43,10 @@ WITHIN_PERCENT = 1.0
 LEARNED_MARGIN_NATS = 0.05
 """FP32 "learned from context" when its validation loss is at least this far below the context-free loss."""
 
+NOISE_SIGMAS = 2.0
+"""A difference between two runs counts ("A falls behind B") only beyond this many standard deviations of
+FP32's seed-to-seed validation loss."""
+
 FLUSH_CLAIM_PERCENT = 1.0
 """"fp16 alone loses gradient information" when, at some site, it flushes at least this share (%) of the
 nonzero gradient values entering the GEMM."""
@@ -190,6 +194,9 @@ class DemoConfig:
         compilation per format); every other run quantizes eagerly, which compiles nothing.
         ``python benchmarks/bench_train_step.py --rows "mxfp8 plan,mxfp8 plan (compiled)"`` measures the
         difference on your machine.
+    noise_seeds: the FP32 run is trained again from these seeds (other initialisation, batch order and
+        evaluation masks): the standard deviation of FP32's validation loss over all its seeds is the seed
+        noise every claim is measured against (a difference counts only beyond twice it).
     threads: torch's intra-op threads while the demo runs (None leaves torch's setting). One by default:
         when other processes compete for the cores, threads waiting for each other spin and steps slow
         down; on an idle machine more threads are faster. ``bench_train_step.py --threads N`` measures both.
@@ -214,6 +221,7 @@ class DemoConfig:
     advisor: AdvisorRequest = field(default_factory=AdvisorRequest)
     fast: bool = True
     threads: int | None = 1
+    noise_seeds: tuple[int, ...] = (1, 2)
 
     @classmethod
     def quick(cls) -> DemoConfig:
@@ -318,7 +326,8 @@ class DemoError(ValueError):
 
 
 SETTINGS_FILE = "demo.json"
-_RESULT_NEUTRAL = ("threads", "fast")  # settings that do not change what the runs compute
+_RESULT_NEUTRAL = ("threads", "fast", "noise_seeds")  # settings that do not change what the runs compute
+# (noise_seeds only adds runs of their own)
 
 
 def _check_settings(out_dir: Path, config: DemoConfig, text_paths: Sequence[Path] | None) -> None:
@@ -391,7 +400,11 @@ def _run_demo(
     )
     results: dict[str, RunResult] = {}
 
-    def run(spec: RunSpec, observer_factory: Callable[[torch.nn.Module], Any] | None = None) -> RunResult:
+    def run(
+        spec: RunSpec,
+        observer_factory: Callable[[torch.nn.Module], Any] | None = None,
+        seed: int | None = None,
+    ) -> RunResult:
         # the compiled path pays for its compilation only on block formats; element casts run faster eagerly
         compiled = config.fast and observer_factory is None and spec.load_plan().uses_block_formats()
         bar = tqdm(total=config.train.steps, desc=f"{spec.name:>13}", disable=not progress, leave=True)
@@ -402,11 +415,14 @@ def _run_demo(
             bar.refresh()
 
         folder = out_dir / "runs" / spec.name
+        train, model = config.train, mcfg
+        if seed is not None:
+            train, model = replace(config.train, seed=seed), replace(mcfg, seed=seed)
         try:
             result = train_run(
                 spec,
-                mcfg,
-                config.train,
+                model,
+                train,
                 data,
                 folder,
                 on_step,
@@ -438,6 +454,8 @@ def _run_demo(
     run(RunSpec(RECOMMENDED, str(plan_path), description=RECOMMENDED_DESCRIPTION))
     for spec in BASELINES:
         run(spec)
+    for seed in config.noise_seeds:
+        run(noise_spec(seed), seed=seed)
 
     sizes = _operand_sizes(analysis)
     rows = []
@@ -460,7 +478,8 @@ def _run_demo(
         "final loss scale; "
         "read from the FP32 run's log2 histograms of those tensors, all sampled steps together"
     )
-    claims = _claims(rows, underflow, unigram, default_bits)
+    noise = fp32_seed_noise(rows)
+    claims = _claims(rows, underflow, unigram, default_bits, noise)
 
     from numscope.report import write_report
 
@@ -482,6 +501,7 @@ def _run_demo(
     summary = {
         "runs": rows,
         "unigram_loss": unigram,
+        "fp32_seed_sd": noise,
         "default_limits_avg_bits": default_bits,
         "claims": [{"text": text, "held": held} for text, held in claims],
         "config": _setup(config, data),
@@ -490,6 +510,20 @@ def _run_demo(
     }
     atomic_write_text(out_dir / "summary.json", json.dumps(summary, indent=1, default=str))
     return summary
+
+
+def noise_spec(seed: int) -> RunSpec:
+    return RunSpec(f"fp32-seed{seed}", "fp32", description=f"fp32 again from seed {seed}: the seed noise")
+
+
+def fp32_seed_noise(rows: Sequence[dict[str, Any]]) -> float | None:
+    """The standard deviation (nats) of FP32's validation loss over its seeds (the main run and the noise
+    runs); None with fewer than two."""
+    losses = [r["val_loss"] for r in rows if r["name"] == REFERENCE.name or r["name"].startswith("fp32-seed")]
+    if len(losses) < 2:
+        return None
+    mean = sum(losses) / len(losses)
+    return math.sqrt(sum((x - mean) ** 2 for x in losses) / (len(losses) - 1))
 
 
 def quick_config(steps: int | None = None) -> DemoConfig:
@@ -593,7 +627,12 @@ def _scale_text(scale: float) -> str:
 
 
 def _setup(config: DemoConfig, data: DemoData) -> dict[str, Any]:
-    specs = (REFERENCE, RunSpec(RECOMMENDED, "plan.yaml", description=RECOMMENDED_DESCRIPTION), *BASELINES)
+    specs = (
+        REFERENCE,
+        RunSpec(RECOMMENDED, "plan.yaml", description=RECOMMENDED_DESCRIPTION),
+        *BASELINES,
+        *(noise_spec(seed) for seed in config.noise_seeds),
+    )
     return {
         "model": f"BertForMaskedLM, {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "
         f"FFN {config.intermediate}, dropout {config.dropout:g}, vocabulary {data.tokenizer.vocab_size}",
@@ -617,13 +656,31 @@ def _claims(
     underflow: list[dict[str, Any]],
     unigram: float | None = None,
     default_bits: float | None = None,
+    noise: float | None = None,
 ) -> list[tuple[str, bool]]:
-    """The demo's claims, each checked against what this run measured and stated either way."""
+    """The demo's claims, each checked against what this run measured and stated either way.
+
+    noise: FP32's seed-to-seed standard deviation of the validation loss (nats). With it, every
+    comparison says where it stands against the noise, and "A falls behind B" needs the difference to
+    exceed :data:`NOISE_SIGMAS` times it."""
     by = {r["name"]: r for r in rows}
     fp32 = by["fp32"]["val_loss"]
 
     def gap(name: str) -> float:
         return 100.0 * (by[name]["val_loss"] - fp32) / fp32
+
+    def beyond(a: str, b: str) -> bool:
+        """a's loss exceeds b's by more than the noise (any amount when the noise is unknown)."""
+        margin = NOISE_SIGMAS * noise if noise is not None else 0.0
+        return by[a]["val_loss"] - by[b]["val_loss"] > margin
+
+    def against_noise(a: str, b: str) -> str:
+        if noise is None:
+            return ""
+        diff = by[a]["val_loss"] - by[b]["val_loss"]
+        sigmas = abs(diff) / noise if noise > 0 else math.inf
+        where = "beyond" if sigmas > NOISE_SIGMAS else "within"
+        return f"{a} − {b} {diff:+.4f} nats = {sigmas:.1f} sd, {where} the seed noise"
 
     def verdict(held: bool) -> str:
         return "holds" if held else "does NOT hold"
@@ -654,13 +711,20 @@ def _claims(
         also = "; the other uniform 8-bit runs: " + ", ".join(
             f"{name.upper()} {gap(name):+.2f}% at {by[name]['avg_bits']:.2f} bits" for name in others
         )
+    noise_text = ""
+    seeds = 1 + sum(name.startswith("fp32-seed") for name in by)
+    if noise is not None:
+        noise_text = (
+            f"; FP32's seed noise is {noise:.4f} nats (sd over {seeds} seeds): "
+            f"{against_noise(RECOMMENDED, 'fp32')}, {against_noise(RECOMMENDED, 'fp8')}"
+        )
     claims.append(
         (
             f"Recommended plan: gap to FP32 {gap(RECOMMENDED):+.2f}% at {rec['avg_bits']:.2f} average bits "
             f"per GEMM operand element, against uniform FP8's {fp8['avg_bits']:.2f} bits "
             f"(gap {gap('fp8'):+.2f}%{also})"
-            f"{default} — the claim, within {WITHIN_PERCENT:g}% of FP32 with fewer bits than FP8, "
-            f"{verdict(held)}.",
+            f"{default}{noise_text} — the claim, within {WITHIN_PERCENT:g}% of FP32 with fewer bits than "
+            f"FP8, {verdict(held)}.",
             held,
         )
     )
@@ -690,17 +754,20 @@ def _claims(
             f"{gap('fp16'):+.2f}% — "
             f"the claim that loss scaling recovers FP32's validation loss (within {WITHIN_PERCENT:g}%) "
             f"{verdict(recovered)}"
-            + ("; at this scale fp16 without loss scaling stays that close too." if unscaled_close else "."),
+            + ("; at this scale fp16 without loss scaling stays that close too" if unscaled_close else "")
+            + (f" ({against_noise('fp16', 'fp32')})." if noise is not None else "."),
             recovered,
         )
     )
-    behind = gap("mxfp4") > max(WITHIN_PERCENT, gap(RECOMMENDED))
+    behind = gap("mxfp4") > max(WITHIN_PERCENT, gap(RECOMMENDED)) and beyond("mxfp4", RECOMMENDED)
+    margin = f" by more than {NOISE_SIGMAS:g} sd of seed noise" if noise is not None else ""
     claims.append(
         (
             f"Uniform MXFP4: gap to FP32 {gap('mxfp4'):+.2f}% at {by['mxfp4']['avg_bits']:.2f} bits, against "
-            f"the per-site plan's {gap(RECOMMENDED):+.2f}% at {rec['avg_bits']:.2f} bits — the claim that "
-            f"uniform low bits fall behind per-site choice (a gap above both {WITHIN_PERCENT:g}% and the "
-            f"plan's) {verdict(behind)}.",
+            f"the per-site plan's {gap(RECOMMENDED):+.2f}% at {rec['avg_bits']:.2f} bits"
+            + (f" ({against_noise('mxfp4', RECOMMENDED)})" if noise is not None else "")
+            + f" — the claim that uniform low bits fall behind per-site choice (a gap above both "
+            f"{WITHIN_PERCENT:g}% and the plan's{margin}) {verdict(behind)}.",
             behind,
         )
     )
