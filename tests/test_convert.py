@@ -10,7 +10,7 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+from transformers import BertForMaskedLM, GPT2Config, GPT2LMHeadModel
 
 import numscope
 from numscope.convert import (
@@ -28,24 +28,13 @@ from numscope.formats.cast import native_dtype
 from numscope.formats.scaling import DelayedScaler
 from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec
 from numscope.sites import Site
+from tiny_models import tiny_bert
 
 IDS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
 def bert(impl: str = "eager", dropout: float = 0.1) -> BertForMaskedLM:
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        attn_implementation=impl,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )
-    return BertForMaskedLM(config)
+    return tiny_bert(impl=impl, dropout=dropout)
 
 
 def run(model: nn.Module, seed: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -10,19 +10,17 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
+from transformers import BertForMaskedLM, Trainer, TrainingArguments
 
 import numscope
 from numscope.analysis import Analysis
+from tiny_models import tiny_bert
 
 CANDIDATES = ["bf16", "fp8_e4m3", "fp8_e5m2"]
 
 
 def bert() -> BertForMaskedLM:
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=32)  # fmt: skip
-    return BertForMaskedLM(config)
+    return tiny_bert(layers=1, impl=None)
 
 
 class Blocks(torch.utils.data.Dataset):

@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers import BertConfig, BertForMaskedLM
+from transformers import BertForMaskedLM
 
 import numscope
+import tiny_models
 from numscope.advisor import recommend
 from numscope.analysis import Analysis
 from numscope.metrics import operand_metrics
@@ -24,17 +25,7 @@ BATCH, SEQ, VOCAB = 4, 16, 100
 
 
 def tiny_bert(seed: int = 0) -> BertForMaskedLM:
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=SEQ,
-        attn_implementation="eager",
-    )
-    return BertForMaskedLM(config)
+    return tiny_models.tiny_bert(vocab_size=VOCAB, max_position=SEQ, seed=seed)
 
 
 def batches(count: int) -> list[dict[str, torch.Tensor]]:

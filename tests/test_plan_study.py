@@ -240,3 +240,27 @@ def test_plan_flags_are_refused_for_the_synthetic_study(capsys):
 
     assert main(["study", "--quick", "--size", "8"]) == 2
     assert "only for 'numscope study plans'" in capsys.readouterr().err
+
+
+def test_derived_limits_accept_every_format_at_parity_and_say_what_they_still_reject():
+    from numscope.plan_study import derive_limits
+
+    fp8 = {"min_sqnr_db": 25.3, "max_underflow_pct": 54.0, "max_overflow_pct": 0.0, "max_be_ratio": 48.6}
+    mxfp6 = {"min_sqnr_db": 24.2, "max_underflow_pct": 12.0, "max_overflow_pct": 10.34, "max_be_ratio": 130.0}
+    mxfp4 = {"min_sqnr_db": 14.0, "max_underflow_pct": 40.0, "max_overflow_pct": 5.0, "max_be_ratio": 900.0}
+    nvfp4 = {"min_sqnr_db": 24.5, "max_underflow_pct": 1.0, "max_overflow_pct": 0.0, "max_be_ratio": 100.0}
+    derived = derive_limits(
+        [("fp8", True, fp8), ("mxfp6", True, mxfp6), ("mxfp4", False, mxfp4), ("nvfp4", False, nvfp4)]
+    )
+    assert derived["limits"] == {
+        "min_sqnr_db": 24.0,  # the worst parity SQNR, rounded down to 0.5 dB
+        "max_underflow_pct": 54.0,
+        "max_overflow_pct": 11.0,  # 10.34 rounded up to two significant digits
+        "max_be_ratio": 130.0,
+    }
+    assert derived["parity"] == ["fp8", "mxfp6"]
+    assert derived["behind"] == [
+        {"plan": "mxfp4", "rejected_by": ["min_sqnr_db", "max_be_ratio"]},
+        {"plan": "nvfp4", "rejected_by": []},  # behind, yet within every limit: said, not hidden
+    ]
+    assert derive_limits([("mxfp4", False, mxfp4)])["limits"] == {}

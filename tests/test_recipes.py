@@ -13,29 +13,20 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import BertConfig, BertForMaskedLM
+from transformers import BertForMaskedLM
 
 import numscope
 from numscope.cli import main as cli_main
 from numscope.plan import Plan, PlanError, SiteSpec
 from numscope.recipes import ATTENTION_PATTERNS, NVFP4_BF16_TAIL, RECIPES
 from numscope.sites import accumulate_matmul
+from tiny_models import tiny_bert
 
 IDS = torch.randint(0, 100, (4, 32), generator=torch.Generator().manual_seed(0))
 
 
 def bert() -> BertForMaskedLM:
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
-    return BertForMaskedLM(config)
+    return tiny_bert(max_position=64)
 
 
 def train(model: nn.Module, loss_of, steps: int) -> list[float]:

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers import BertConfig, BertForMaskedLM
+from transformers import BertForMaskedLM
 
 import numscope
+import tiny_models
 from numscope.analysis import ALL, Analysis, Sensitivity
 from numscope.plan import OPERANDS, Plan, Rule, SiteSpec
 from numscope.sensitivity import sensitivity
@@ -19,17 +20,7 @@ CANDIDATES = ("fp32", "bf16", "mxfp4_e2m1")
 
 
 def tiny_bert() -> BertForMaskedLM:
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=SEQ,
-        attn_implementation="eager",
-    )
-    return BertForMaskedLM(config)
+    return tiny_models.tiny_bert(vocab_size=VOCAB, max_position=SEQ)
 
 
 def batches(count: int) -> list[dict[str, torch.Tensor]]:

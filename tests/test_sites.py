@@ -11,26 +11,17 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+from transformers import BertForMaskedLM, GPT2Config, GPT2LMHeadModel
 
 import numscope
 from numscope.sites import Site, accumulate_matmul, attach, attached, sdpa_reference, sites
+from tiny_models import tiny_bert
 
 IDS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
 
 
 def bert(impl: str) -> BertForMaskedLM:
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        attn_implementation=impl,
-    )
-    return BertForMaskedLM(config)
+    return tiny_bert(impl=impl)
 
 
 def gpt2(impl: str) -> GPT2LMHeadModel:

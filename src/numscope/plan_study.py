@@ -330,6 +330,86 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return float(spearmanr(a, b).statistic)
 
 
+# -- limits from training outcomes -----------------------------------------------------------------------
+
+LIMIT_METRICS: dict[str, tuple[str, str]] = {
+    # advisor criterion: (metric, the direction a worse value goes)
+    "min_sqnr_db": ("sqnr_db", "down"),
+    "max_underflow_pct": ("underflow%", "up"),
+    "max_overflow_pct": ("overflow%", "up"),
+    "max_be_ratio": ("be_ratio", "up"),
+}
+
+
+def worst_metrics(
+    analysis: Analysis, operands: Operands, formats: Mapping[OperandKey, str]
+) -> dict[str, float]:
+    """The worst value, over the quantized operands of a plan and the sampled steps, of each metric an
+    advisor limit checks (the criterion's name → value)."""
+    from numscope.advisor import be_ratio
+
+    worst = {"min_sqnr_db": math.inf, "max_underflow_pct": 0.0, "max_overflow_pct": 0.0, "max_be_ratio": 0.0}
+    for key in operands.keys:
+        label = formats[key]
+        if label == HIGH:
+            continue
+        worst["min_sqnr_db"] = min(worst["min_sqnr_db"], *analysis.metric_values(key, label, "sqnr_db"))
+        worst["max_underflow_pct"] = max(
+            worst["max_underflow_pct"], *analysis.metric_values(key, label, "underflow%")
+        )
+        worst["max_overflow_pct"] = max(
+            worst["max_overflow_pct"], *analysis.metric_values(key, label, "overflow%")
+        )
+        ratio = be_ratio(analysis, key, label)
+        if ratio is not None:
+            worst["max_be_ratio"] = max(worst["max_be_ratio"], ratio)
+    return worst
+
+
+def derive_limits(outcomes: Sequence[tuple[str, bool, Mapping[str, float]]]) -> dict[str, Any]:
+    """The loosest advisor limits that accept every format that trained at FP32 parity.
+
+    outcomes: (plan name, at parity?, :func:`worst_metrics` of the plan). Each limit is set at the worst
+    value any parity plan reached (rounded outwards: SQNR down to 0.5 dB, the others up to 2 significant
+    digits), so that no format shown to train at parity is rejected; returned with the plans that fell
+    behind and which derived limit (if any) still rejects each of them.
+    """
+    parity = [m for _, ok, m in outcomes if ok]
+    if not parity:
+        return {"limits": {}, "parity": [], "behind": [], "note": "no uniform format trained at FP32 parity"}
+    limits: dict[str, float] = {}
+    for criterion, (_, direction) in LIMIT_METRICS.items():
+        values = [m[criterion] for m in parity if math.isfinite(m[criterion])]
+        if not values:
+            continue
+        if direction == "down":
+            limits[criterion] = math.floor(min(values) * 2) / 2
+        else:
+            top = max(values)
+            limits[criterion] = _round_up(top) if top > 0 else 0.0
+    behind = []
+    for name, ok, metrics in outcomes:
+        if ok:
+            continue
+        failed = [
+            criterion
+            for criterion, limit in limits.items()
+            if (
+                metrics[criterion] < limit
+                if LIMIT_METRICS[criterion][1] == "down"
+                else metrics[criterion] > limit
+            )
+        ]
+        behind.append({"plan": name, "rejected_by": failed})
+    return {"limits": limits, "parity": [n for n, ok, _ in outcomes if ok], "behind": behind}
+
+
+def _round_up(value: float) -> float:
+    digits = 1 - math.floor(math.log10(value))
+    factor = 10.0**digits
+    return math.ceil(value * factor) / factor
+
+
 # -- configuration ---------------------------------------------------------------------------------------
 
 
@@ -700,12 +780,20 @@ def run_plan_study(
             }
         )
     _rank(rows)
+    outcomes = []
+    for plan in plans:
+        if plan.family != "uniform":
+            continue
+        at_parity = verdict(gaps(plan.name)) in ("tie", "same", "better")
+        outcomes.append((plan.name, at_parity, worst_metrics(analysis, operands, formats_of(plan))))
+    derived = derive_limits(outcomes)
+    derived["worst"] = {name: metrics for name, _, metrics in outcomes}
     fitted = {p.name for p in calibration}
     scored = [r for r in rows if r["family"] != "reference" and r["name"] not in fitted]
     for row in rows:
         row["calibration"] = row["name"] in fitted
     rho = spearman([r["predicted_gap"] for r in scored], [r["gap_mean"] for r in scored])
-    table = study_table(rows, noise, config, unigram, fp32, rho, gap_model)
+    table = study_table(rows, noise, config, unigram, fp32, rho, gap_model) + "\n" + limits_text(derived)
     result = PlanStudyResult(rows, noise, gap_model, rho, table)
     payload = {
         "config": asdict(config),
@@ -715,6 +803,7 @@ def run_plan_study(
         "fp32_seed_sd": noise,
         "gap_model": gap_model.to_dict(),
         "spearman_predicted_vs_measured": rho,
+        "derived_limits": derived,
         "rows": rows,
     }
     files = {
@@ -788,6 +877,44 @@ def verdict(differences: Sequence[float]) -> str:
     return "worse" if mean > 0 else "better"
 
 
+def limits_text(derived: Mapping[str, Any]) -> str:
+    if not derived.get("limits"):
+        return f"\nAdvisor limits from these outcomes: none ({derived.get('note', 'no data')})."
+    limits = ", ".join(f"{k} {v:g}" for k, v in derived["limits"].items())
+    behind = "; ".join(
+        f"{b['plan']} (rejected by {', '.join(b['rejected_by']) or 'none of them'})"
+        for b in derived["behind"]
+    )
+    return (
+        f"\nAdvisor limits from these outcomes (the loosest that accept every uniform format at FP32 parity: "
+        f"{', '.join(derived['parity'])}): {limits}. Behind FP32 beyond the noise: {behind or 'none'}."
+    )
+
+
+def budget_summary(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Per budget, where each numscope plan stands: its rank by mean gap and the paired verdicts of every
+    other plan of that budget against it."""
+    lines = []
+    for budget in sorted({r["budget"] for r in rows if r["budget"] is not None}):
+        group = [r for r in rows if r["budget"] == budget]
+        for ours in (r for r in group if r["family"] == "numscope"):
+            others = [r for r in group if r is not ours]
+            counts = {"better": 0, "tie": 0, "worse": 0}
+            for row in others:
+                outcome = verdict(np.array(row["gaps"]) - np.array(ours["gaps"]))
+                if outcome in counts:
+                    counts[outcome] += 1
+            random = [r["gap_mean"] for r in group if r["family"] == "random"]
+            random_text = f"; random plans {np.mean(random):+.4f} on average" if random else ""
+            lines.append(
+                f"- {budget:g} bits: {ours['name']} ranks {ours['rank']}/{ours['of']} "
+                f"(gap {ours['gap_mean']:+.4f} ± {ours['gap_sd']:.4f}){random_text}; of the other "
+                f"{len(others)} plans, {counts['worse']} are worse beyond the noise, {counts['tie']} tie and "
+                f"{counts['better']} are better"
+            )
+    return lines
+
+
 def study_table(
     rows: Sequence[Mapping[str, Any]],
     noise: float,
@@ -814,6 +941,7 @@ def study_table(
             f"| {row['name']} | {row['family']} | {row['bits']:.2f} | {row['gap_mean']:+.4f}{sd} | "
             f"{row['predicted_gap']:+.4f} | {rank} | {row.get('vs_numscope', '')} |"
         )
+    lines += ["", *budget_summary(rows)]
     lines += [
         "",
         "Predicted gap = "

@@ -11,30 +11,19 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import BertConfig, BertForMaskedLM
+from transformers import BertForMaskedLM
 
 import numscope
 from numscope.convert import _quantizer, converted_plan
 from numscope.train import LossScaler, Recipe, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from tiny_models import tiny_bert
 
 IDS = torch.randint(5, 100, (4, 16), generator=torch.Generator().manual_seed(0))
 OFF = dict(dtype=torch.float32, fp32_ops=False, activations=None, loss_scale=None)
 
 
 def bert(dropout: float = 0.1) -> BertForMaskedLM:
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        attn_implementation="eager",
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )
-    return BertForMaskedLM(config)
+    return tiny_bert(dropout=dropout)
 
 
 def train(model: nn.Module, recipe: Recipe | None, steps: int, lr: float = 1e-2) -> list[float]:
