@@ -696,28 +696,24 @@ _FAMILY_STYLE = {
 
 
 def plan_study_pareto(rows: Sequence[Mapping], noise: float) -> bytes:
-    """Average bits vs the validation-loss gap to FP32 (mean ± sd over seeds) of every plan of the plan
-    study, one marker style per family; the shaded band is ± twice FP32's seed-to-seed standard deviation.
-    Uniform runs far above the others are drawn at the top edge with their value."""
-    fig, ax = plt.subplots(figsize=(8.5, 4.8))
-    drawn = [r for r in rows if r["family"] != "reference"]
-    budget_gaps = [r["gap_mean"] for r in drawn if r["budget"] is not None]
-    spread = (max(budget_gaps) - min(budget_gaps)) if budget_gaps else 0.0
-    top = (
-        (max(budget_gaps) + max(spread, abs(noise) if math.isfinite(noise) else 0.0)) if budget_gaps else None
-    )
+    """Left: average bits vs the validation-loss gap to FP32 (mean ± sd over seeds, paired with FP32) of
+    the uniform formats and every budget plan (budget plans spread a little along x by family so that they
+    do not hide each other). Right: per budget, every plan sorted by its gap, numscope's starred. The
+    shaded band is ± twice FP32's seed-to-seed standard deviation (an unpaired comparison's noise)."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.3]})
+    offsets = {"numscope": -0.09, "heuristic": -0.03, "random": 0.03, "inverse": 0.09}
+    drawn = [r for r in rows if r["family"] in ("uniform", *offsets)]
     labelled: set[str] = set()
-    for row in drawn:
+
+    def point(ax, x: float, row: Mapping) -> None:
         colour, marker = _FAMILY_STYLE.get(row["family"], ("#000000", "o"))
-        y, sd = row["gap_mean"], row["gap_sd"]
-        clipped = top is not None and y > top
-        shown = top if clipped else y
         label = None if row["family"] in labelled else row["family"]
         labelled.add(row["family"])
+        sd = row["gap_sd"]
         ax.errorbar(
-            row["bits"],
-            shown,
-            yerr=None if clipped or not math.isfinite(sd) else sd,
+            x,
+            row["gap_mean"],
+            yerr=sd if math.isfinite(sd) else None,
             fmt=marker,
             color=colour,
             markersize=11 if row["family"] == "numscope" else 6,
@@ -725,16 +721,38 @@ def plan_study_pareto(rows: Sequence[Mapping], noise: float) -> bytes:
             label=label,
             zorder=3 if row["family"] == "numscope" else 2,
         )
-        if row["family"] in ("uniform", "calibration") or clipped:
-            text = row["name"] + (f" ({y:+.3f}↑)" if clipped else "")
-            ax.annotate(text, (row["bits"], shown), fontsize=7, xytext=(4, 3), textcoords="offset points")
-    if math.isfinite(noise):
-        ax.axhspan(-2 * noise, 2 * noise, color="#222222", alpha=0.08, label="±2 sd FP32 seed noise")
-    ax.axhline(0.0, color=_REFERENCE_COLOUR, linewidth=0.8)
-    ax.set_xlabel("average bits per GEMM operand element")
-    ax.set_ylabel("validation-loss gap to FP32 (nats)")
-    ax.set_title("Plan study: bits spent vs loss, mean ± sd over seeds (paired with FP32)")
-    ax.legend(loc="upper right")
+
+    for row in drawn:
+        point(left, row["bits"] + offsets.get(row["family"], 0.0), row)
+        if row["family"] == "uniform":
+            left.annotate(row["name"], (row["bits"], row["gap_mean"]), fontsize=7, xytext=(4, 3),
+                          textcoords="offset points")  # fmt: skip
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
+    ticks, names = [], []
+    x = 0
+    for budget in budgets:
+        group = sorted((r for r in rows if r["budget"] == budget), key=lambda r: r["gap_mean"])
+        for row in group:
+            labelled.add(row["family"])  # one legend (the left panel's)
+            point(right, x, row)
+            if row["family"] in ("numscope", "heuristic", "inverse"):
+                right.annotate(row["name"].split("@")[0], (x, row["gap_mean"]), fontsize=6, rotation=90,
+                               xytext=(3, 6), textcoords="offset points")  # fmt: skip
+            x += 1
+        ticks.append(x - (len(group) + 1) / 2)
+        names.append(f"{budget:g} bits")
+        x += 2
+    right.set_xticks(ticks, names)
+    right.grid(axis="x", visible=False)
+    for ax in (left, right):
+        if math.isfinite(noise):
+            ax.axhspan(-2 * noise, 2 * noise, color="#222222", alpha=0.06)
+        ax.axhline(0.0, color=_REFERENCE_COLOUR, linewidth=0.8)
+    left.set_xlabel("average bits per GEMM operand element")
+    left.set_ylabel("validation-loss gap to FP32 (nats)")
+    left.set_title("Bits vs loss gap (mean ± sd over seeds, paired)")
+    right.set_title("Per budget, plans sorted by gap (band: ±2 sd FP32 seed noise)")
+    left.legend(loc="upper right", fontsize=7)
     return _png(fig)
 
 
