@@ -349,6 +349,37 @@ def test_recommend_with_a_gap_model_weights_roles_and_predicts_the_gap(
     assert bad.code == 2 and "--gap-model" in bad.err and "not a gap model" in bad.err
 
 
+def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str, Result]) -> None:
+    out = ws / "calibration"
+    result = cli("calibrate", *flags(ws), "--seeds", "0", "1", "--out", out)
+    assert result.code == 0, result.err
+    data = json.loads((out / "gap_model.json").read_text())
+    assert data["seeds"] == [0, 1] and data["low"] == "mxfp4_e2m1"
+    assert [r["name"] for r in data["runs"]] == [
+        "mxfp4 fprop only",
+        "mxfp4 dgrad only",
+        "mxfp4 wgrad only",
+        "mxfp4_e2m1 everywhere",
+    ]
+    for row in data["runs"]:  # each gap is its run's loss minus fp32's on the same seed
+        for seed, gap in zip((0, 1), row["gaps"], strict=True):
+            run = json.loads(
+                (out / row["name"].replace(" ", "_") / f"seed{seed}" / "result.json").read_text()
+            )
+            fp32 = json.loads((out / "fp32" / f"seed{seed}" / "result.json").read_text())
+            assert gap == pytest.approx(run["val_loss"] - fp32["val_loss"])
+    assert all(v >= 0 for v in data["coefficients"].values())
+    assert "gap ≈" in result.out and "--gap-model" in result.out
+    again = cli("calibrate", *flags(ws), "--seeds", "0", "1", "--out", out)  # every run reused
+    assert again.code == 0 and again.out == result.out
+    recommended = cli(
+        "recommend", out / "fp32" / "seed0", "-o", ws / "cal.yaml", "--gap-model", out / "gap_model.json"
+    )
+    assert recommended.code == 0, recommended.err
+    assert "predicted validation-loss gap to FP32" in recommended.out
+    assert cli("calibrate", *flags(ws), "--seed", "3", "--out", out).code == 2
+
+
 def test_train_runs_under_the_plan_and_under_a_preset(ws: Path, flow: dict[str, Result]) -> None:
     planned = json.loads((ws / "runs" / "planned" / "result.json").read_text())
     fp16 = json.loads((ws / "runs" / "fp16-scaled" / "result.json").read_text())

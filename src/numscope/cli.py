@@ -794,6 +794,49 @@ def _register_report(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_report)
 
 
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from numscope import workflow
+
+    if args.seed != 0:
+        raise CLIError("--seed: calibrate trains every seed of --seeds; pass --seeds instead")
+    data, config = _run_inputs(args)
+    result = workflow.calibrate(
+        args.model, data, args.out, config, seeds=args.seeds, low=args.low, objective=args.objective
+    )
+    model = result.gap_model
+    print(
+        "gap ≈ "
+        + " + ".join(f"{model.coefficients[g]:.4g}·noise({g})" for g in ("fprop", "dgrad", "wgrad"))
+        + f" nats (residual sd {model.spread:.3g}; FP32 seed noise {result.noise:.4f} nats over "
+        f"{len(args.seeds)} seeds)"
+    )
+    for row in result.rows:
+        per_seed = ", ".join(f"{gap:+.4f}" for gap in row["gaps"])
+        print(f"  {row['name']}: gap {row['gap_mean']:+.4f} nats (per seed: {per_seed})")
+    print(
+        f"gap model: {result.files['gap model']}\nnext: numscope recommend {result.analysis} --gap-model "
+        f"{result.files['gap model']} --bit-budget BITS ..."
+    )
+    return 0
+
+
+def _register_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="fit a gap model on your model: what each GEMM role's quantization noise costs in loss",
+        description="Trains your model in FP32 (observed) and with the low format on one GEMM role at a "
+        "time (fprop, dgrad, wgrad) and everywhere, on every seed (5 × seeds runs of --steps each), and fits "
+        "the gap model (numscope.plan_study.GapModel) that 'numscope recommend --gap-model' uses to weigh "
+        "the roles in a bit budget and to predict a plan's validation-loss gap before training it.",
+    )
+    _add_run_flags(p)
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], metavar="SEED", help="(default: 0 1 2)")
+    p.add_argument(
+        "--low", default="mxfp4_e2m1", metavar="FORMAT", help="the format probed (default: %(default)s)"
+    )
+    p.set_defaults(func=_cmd_calibrate)
+
+
 STUDY_OUT = "runs/study"
 
 
@@ -926,6 +969,7 @@ _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_compare,
     _register_report,
     _register_study,
+    _register_calibrate,
     _register_export,
 ]
 

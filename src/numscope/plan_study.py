@@ -64,6 +64,9 @@ FAMILIES: tuple[str, ...] = (
 )
 HEURISTICS: tuple[str, ...] = ("first/last layers", "last layers", "wgrad high", "gradients high")
 UNIFORM: tuple[str, ...] = ("bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
+RESULT_NEUTRAL = ("budgets", "seeds", "random_plans", "uniform", "jobs")
+"""Settings that choose which runs the study makes, not what a (plan, seed) run computes: a rerun with other
+values reuses every finished run."""
 WIN_SIGMAS = 2.0
 """A paired difference counts as a win when its mean exceeds this many standard deviations of it."""
 
@@ -410,6 +413,108 @@ def _round_up(value: float) -> float:
     return math.ceil(value * factor) / factor
 
 
+# -- calibrating on a user's model ----------------------------------------------------------------------
+
+
+@dataclass
+class Calibration:
+    gap_model: GapModel
+    rows: list[dict[str, Any]]  # per calibration plan: name, role noise, gaps per seed
+    noise: float  # FP32 seed-to-seed sd (nats)
+    analysis: str  # the observed FP32 run's analysis folder
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def calibrate(
+    model: str,
+    data: Any,
+    out_dir: Path,
+    config: Any,
+    *,
+    seeds: Sequence[int] = (0, 1, 2),
+    low: str = "mxfp4_e2m1",
+    objective: str = "auto",
+    every: int = 25,
+    log: Callable[[str], None] = print,
+) -> Calibration:
+    """Fit a :class:`GapModel` on any model :func:`numscope.workflow.train` can train.
+
+    Runs, each for ``config.steps`` steps and on every seed: FP32 (the first seed observed), ``low`` on the
+    operands of one GEMM role at a time (fprop, dgrad, wgrad), and ``low`` everywhere: 5 × len(seeds) runs.
+    Writes ``gap_model.json`` into ``out_dir``; finished runs are reused on a rerun.
+    """
+    from dataclasses import replace as replace_config
+
+    from numscope import workflow
+
+    out_dir = Path(out_dir)
+    seeds = tuple(seeds)
+    if len(set(seeds)) != len(seeds) or len(seeds) < 2:
+        raise StudyError(f"calibration needs at least two distinct seeds; got {list(seeds)}")
+    names = [low, *(c for c in UNIFORM_CANDIDATES if c != low)]
+    first = out_dir / "fp32" / f"seed{seeds[0]}"
+    results: dict[tuple[str, int], float] = {}
+    cfg = replace_config(config, seed=seeds[0])
+    log(f"[calibrate] fp32, observed (seed {seeds[0]})")
+    results[("fp32", seeds[0])] = workflow.analyze(
+        model, data, first, config=cfg, candidates=names, every=every, objective=objective
+    ).val_loss
+    analysis = Analysis.load(first / "analysis")
+    operands = Operands.from_analysis(analysis)
+    preset = _preset_of(low)
+    plans: list[StudyPlan] = calibration_plans(operands, PlanStudyConfig(low=low))
+    plans.append(StudyPlan(f"{low} everywhere", "calibration", None, {k: low for k in operands.keys}))
+    (out_dir / "plans").mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for plan in plans:
+        paths[plan.name] = out_dir / "plans" / f"{_slug(plan.name)}.yaml"
+        plan.plan().save(paths[plan.name])
+    for seed in seeds:
+        cfg = replace_config(config, seed=seed)
+        if seed != seeds[0]:
+            log(f"[calibrate] fp32 (seed {seed})")
+            folder = out_dir / "fp32" / f"seed{seed}"
+            results[("fp32", seed)] = workflow.train(
+                model, data, folder, plan="fp32", config=cfg, objective=objective, name="fp32"
+            ).val_loss
+        for plan in plans:
+            log(f"[calibrate] {plan.name} (seed {seed})")
+            folder = out_dir / _slug(plan.name) / f"seed{seed}"
+            results[(plan.name, seed)] = workflow.train(
+                model,
+                data,
+                folder,
+                plan=str(paths[plan.name]),
+                config=cfg,
+                objective=objective,
+                name=plan.name,
+            ).val_loss
+    rows = []
+    for plan in plans:
+        gaps = [results[(plan.name, s)] - results[("fp32", s)] for s in seeds]
+        rows.append(
+            {
+                "name": plan.name,
+                "noise_by_role": role_noise(analysis, operands, plan.formats or {}),
+                "gaps": gaps,
+                "gap_mean": float(np.mean(gaps)),
+            }
+        )
+    gap_model = GapModel.fit([r["noise_by_role"] for r in rows], [r["gap_mean"] for r in rows])
+    fp32 = [results[("fp32", s)] for s in seeds]
+    noise = float(np.std(fp32, ddof=1))
+    path = out_dir / "gap_model.json"
+    atomic_write_text(
+        path,
+        json.dumps(
+            {**gap_model.to_dict(), "fp32_seed_sd": noise, "seeds": list(seeds), "low": low, "runs": rows,
+             "uniform_preset": preset, "analysis": str(first / "analysis")},
+            indent=1,
+        ),
+    )  # fmt: skip
+    return Calibration(gap_model, rows, noise, str(first / "analysis"), {"gap model": str(path)})
+
+
 # -- configuration ---------------------------------------------------------------------------------------
 
 
@@ -686,9 +791,13 @@ def run_plan_study(
     (out_dir / "plans").mkdir(parents=True, exist_ok=True)
     text = tuple(str(p) for p in text_paths) if text_paths else None
     settings = out_dir / "settings.json"
-    wanted = json.dumps({"config": asdict(config), "text": text}, indent=1, sort_keys=True)
+    run_settings = {k: v for k, v in asdict(config).items() if k not in RESULT_NEUTRAL}
+    wanted = json.dumps({"config": run_settings, "text": text}, indent=1, sort_keys=True)
     if settings.exists() and settings.read_text() != wanted:
-        raise StudyError(f"{out_dir} holds a study with other settings ({settings}); use another --out")
+        raise StudyError(
+            f"{out_dir} holds runs trained with other settings ({settings}); use another --out (budgets, "
+            "seeds, random plans, uniform formats and jobs may change: finished runs are reused)"
+        )
     atomic_write_text(settings, wanted)
     cfg = asdict(config)
 

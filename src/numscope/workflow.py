@@ -1172,6 +1172,30 @@ def predicted_gap(gap_model: Any, analysis: Analysis, plan: Plan) -> float:
         raise WorkflowError(f"--gap-model: {error}") from error
 
 
+def calibrate(
+    model: str,
+    data: DataSettings,
+    out: str | os.PathLike[str],
+    config: TrainConfig,
+    *,
+    seeds: Sequence[int] = (0, 1, 2),
+    low: str = "mxfp4_e2m1",
+    objective: str = "auto",
+) -> Any:
+    """:func:`numscope.plan_study.calibrate` into ``out``, with clear errors for bad settings."""
+    from numscope.plan_study import StudyError
+    from numscope.plan_study import calibrate as run
+
+    try:
+        name = get_format(low).name
+    except ValueError as error:
+        raise WorkflowError(f"--low: {error}") from error
+    try:
+        return run(model, data, check_output_folder(out), config, seeds=seeds, low=name, objective=objective)
+    except StudyError as error:
+        raise WorkflowError(str(error)) from error
+
+
 def plan_study(
     out: str | os.PathLike[str],
     *,
