@@ -332,15 +332,16 @@ def test_the_plan_rationale_cites_a_measured_flush_that_the_backward_error_rejec
     example = _flush_example(recommendation, analysis)
     assert example == (
         "fp16 flushes up to 90.0% of the wgrad grad_output of b, and its backward error there reaches 500× "
-        "bf16's, over the limit of 40×: rejected"
+        "bf16's, over the limit of 140×: rejected"
     )
     text = request.rationale(example, default_bits=9.17)
-    assert example in text and "at most 40× bf16's" in text and "at least 22 dB" in text
-    assert "may reach 1% instead of 0.1%" in text and text.endswith("would average 9.17 bits.")
+    assert example in text and "at most 140× bf16's" in text and "at least 24 dB" in text
+    assert "limited to 54%, the default" in text and "limited to 0%, the default" in text
+    assert text.endswith("would average 9.17 bits.")
     # a flush the backward-error limit let through is cited as such, never as "rejected"
     analysis = _flush_analysis((("a", 99.0, 3.0),))
     example = _flush_example(advise(analysis, **request.kwargs()), analysis)
-    assert example is not None and example.endswith("reaches 3× bf16's, within the limit of 40×")
+    assert example is not None and example.endswith("reaches 3× bf16's, within the limit of 140×")
 
 
 def test_the_plan_rationale_follows_the_request() -> None:
@@ -352,11 +353,11 @@ def test_the_plan_rationale_follows_the_request() -> None:
     )
     text = request.rationale("an example")
     assert "least total quantization noise within 9 average bits per element" in text
-    assert "may reach 5% instead of 2%" in text and "an example" not in text
+    assert "may reach 5% instead of 54%" in text and "an example" not in text
     assert "overflow share (values that saturate) is not limited" in text
     # the advisor's own default applies where the request sets nothing, and the text says so
-    assert "an SQNR of at least 22 dB" in text and "at most 40× bf16's" in text
-    assert "min_sqnr_db 22" in request.describe()
+    assert "an SQNR of at least 24 dB" in text and "at most 40× bf16's" in text
+    assert "min_sqnr_db 24" in request.describe()
     assert "OCP" not in text and "cheapest" not in text
 
 
