@@ -299,6 +299,20 @@ def test_noise_weights_move_the_budget_to_the_operand_that_costs_loss():
         advise(analysis, bit_budget=6.125, noise_weights={"*": -1.0})
 
 
+def test_an_objective_replaces_the_noise_in_the_budget():
+    table = {
+        A: {"bf16": metrics(55), "fp8_e4m3": metrics(31), "mxfp4_e2m1": metrics(23)},
+        B: {"bf16": metrics(55), "fp8_e4m3": metrics(31), "mxfp4_e2m1": metrics(30)},
+    }
+    analysis = build(
+        {k: {**{c: metrics(10) for c in CANDIDATES}, **v} for k, v in table.items()}, {A: 1000, B: 1000}
+    )
+    # by noise A gets the 8-bit slot; a loss impact that says B's low format costs more moves it to B
+    impact = {A: {"fp8_e4m3": 0.0, "mxfp4_e2m1": 0.1}, B: {"fp8_e4m3": 0.0, "mxfp4_e2m1": 1.0}}
+    result = advise(analysis, bit_budget=6.125, objective=lambda key, label: impact[key].get(label, 0.0))
+    assert chosen(result) == {A: "mxfp4_e2m1", B: "fp8_e4m3"}
+
+
 def test_impossible_budget_names_the_cheapest_assignment():
     with pytest.raises(AdvisorError, match=r"bit budget 4 bits/element is impossible.*at least 11\.65"):
         advise(reference_analysis(), bit_budget=4)

@@ -222,6 +222,8 @@ def test_quick_plan_study_end_to_end(tmp_path, capsys):
         assert (tmp_path / "study" / name).stat().st_size > 0
     rows = {r["name"]: r for r in data["rows"]}
     assert {"fp32", "mxfp8", "mxfp4", "numscope@6", "numscope calibrated@6", "inverse@6"} <= set(rows)
+    assert "numscope sensitivity@6" in rows and (tmp_path / "study" / "sensitivity.json").is_file()
+    assert all(math.isfinite(r["predicted_gap_sensitivity"]) for r in data["rows"])
     for row in data["rows"]:
         assert len(row["gaps"]) == 2 and all(math.isfinite(g) for g in row["gaps"])
         if row["budget"] is not None:
@@ -264,3 +266,28 @@ def test_derived_limits_accept_every_format_at_parity_and_say_what_they_still_re
         {"plan": "nvfp4", "rejected_by": []},  # behind, yet within every limit: said, not hidden
     ]
     assert derive_limits([("mxfp4", False, mxfp4)])["limits"] == {}
+
+
+def test_sensitivity_model_scores_each_operand_by_its_gradient_error():
+    from numscope.analysis import Sensitivity
+    from numscope.plan_study import SensitivityModel
+
+    a, b = ("s", "fprop", "input"), ("s", "dgrad", "grad_output")
+    measured = Sensitivity(
+        candidates=(LOW, HIGH),
+        granularity="operand",
+        reference_loss=[1.0],
+        results={
+            a: {LOW: {"grad_rel_error": 0.1}, HIGH: {"grad_rel_error": 0.01}},
+            b: {LOW: {"grad_rel_error": 0.3}, HIGH: {"grad_rel_error": 0.02}},
+        },
+    )
+    model = SensitivityModel.from_sensitivity(measured)
+    assert model.score(a, LOW) == pytest.approx(0.01) and model.score(b, HIGH) == pytest.approx(4e-4)
+    assert model.score(a, "high") == 0.0
+    operands = Operands((a, b), {a: 10, b: 10})
+    assert model.features(operands, {a: LOW, b: HIGH}) == pytest.approx(
+        {"fprop": 0.01, "dgrad": 4e-4, "wgrad": 0.0}
+    )
+    with pytest.raises(StudyError, match="no sensitivity of s/wgrad/input"):
+        model.score(("s", "wgrad", "input"), LOW)

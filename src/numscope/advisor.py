@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
@@ -529,6 +529,7 @@ def advise(
     per_operand: Mapping[str, Mapping[str, Any]] | None = None,
     sensitivity: Sensitivity | None = None,
     noise_weights: Mapping[str, float] | None = None,
+    objective: Callable[[OperandKey, str], float] | None = None,
     **criteria: float | None,
 ) -> Recommendation:
     """Choose a format for every operand the analysis holds; see the module docstring for the rules.
@@ -546,6 +547,9 @@ def advise(
     noise_weights: glob over ``site/gemm/operand`` → a factor on that operand's noise in the bit-budget
         objective (later patterns override earlier ones; default 1): what a loss-impact calibration
         (:mod:`numscope.plan_study`) fits, e.g. ``{"*/wgrad/*": 0.2}`` when wgrad noise costs less loss.
+    objective: ``objective(key, format) -> float``, the quantity the bit budget minimises the sum of,
+        instead of the (weighted) noise power: e.g. a fitted loss impact from measured sensitivities
+        (:class:`numscope.plan_study.SensitivityModel`). ``high`` costs 0.
     """
     if not isinstance(analysis, Analysis):
         raise TypeError(f"advise expects a numscope.Analysis, got {type(analysis).__name__}")
@@ -575,7 +579,9 @@ def advise(
             raise AdvisorError(f"{operand_name(key)}: {error}") from error
         factor = _weight_for(operand_name(key), weights)
         for option in options:
-            option.noise *= factor
+            option.noise = (
+                float(objective(key, option.label)) if objective is not None else option.noise * factor
+            )
         choice, passing = _decide(key, options, analysis.elements.get(key, 0))
         choices.append(choice)
         passing_per_key.append(passing)

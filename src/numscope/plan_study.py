@@ -333,6 +333,55 @@ def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     return float(spearmanr(a, b).statistic)
 
 
+# -- the sensitivity model --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SensitivityModel:
+    """A loss model from measured sensitivities instead of tensor noise: each operand quantized alone in a
+    format on the trained FP32 model (:func:`numscope.sensitivity`, ``granularity="operand"``) perturbs the
+    parameter gradient by a relative error e; its score is e² (the noise power it adds to the update; for
+    fprop operands this includes what their forward noise does downstream, e.g. at the MLM head). The
+    study fits a :class:`GapModel` on the per-role sums of these scores."""
+
+    scores: Mapping[OperandKey, Mapping[str, float]]
+
+    @classmethod
+    def from_sensitivity(cls, sensitivity: Any) -> SensitivityModel:
+        scores: dict[OperandKey, dict[str, float]] = {}
+        for key, per_format in sensitivity.results.items():
+            scores[key] = {label: float(m["grad_rel_error"]) ** 2 for label, m in per_format.items()}
+        return cls(scores)
+
+    def score(self, key: OperandKey, label: str) -> float:
+        if label == HIGH:
+            return 0.0
+        try:
+            return self.scores[key][label]
+        except KeyError as error:
+            raise StudyError(f"no sensitivity of {'/'.join(key)} in {label}: measure it first") from error
+
+    def features(self, operands: Operands, formats: Mapping[OperandKey, str]) -> dict[str, float]:
+        out = dict.fromkeys(GEMMS, 0.0)
+        for key in operands.keys:
+            out[key[1]] += self.score(key, formats[key])
+        return out
+
+
+def measure_sensitivity(
+    model: Any, data: Any, config: PlanStudyConfig, batches: int = 4, seed: int = 0
+) -> Any:
+    """Each operand of the trained ``model`` quantized alone in ``config.low`` and ``config.high`` on
+    ``batches`` training batches (the loss change and the gradient's relative error against FP32)."""
+    from numscope.demo.experiment import get_objective
+    from numscope.sensitivity import sensitivity
+
+    objective = get_objective("mlm")
+    stream = objective.batches(data.train_blocks, config.batch_size, data.tokenizer, seed, 0)
+    sample = [next(stream) for _ in range(batches)]
+    return sensitivity(model, sample, candidates=[config.low, config.high], granularity="operand", seed=seed)
+
+
 # -- limits from training outcomes -----------------------------------------------------------------------
 
 LIMIT_METRICS: dict[str, tuple[str, str]] = {
@@ -637,12 +686,20 @@ def budget_plans(
     operands: Operands,
     config: PlanStudyConfig,
     gap_model: GapModel | None = None,
+    sensitivity: tuple[SensitivityModel, GapModel] | None = None,
 ) -> list[StudyPlan]:
     """Every plan of every budget: numscope's (and its calibrated variant given ``gap_model``), the
     heuristics, the random orders and the inverse, each filled to the budget."""
     from numscope.advisor import advise
 
     off = dict(max_be_ratio=None, max_underflow_pct=None, max_overflow_pct=None, min_sqnr_db=None)
+    loss_impact = None
+    if sensitivity is not None:
+        scores, fitted = sensitivity
+
+        def loss_impact(key: OperandKey, label: str) -> float:
+            return fitted.coefficients[key[1]] * scores.score(key, label)
+
     plans = []
     for budget in config.budgets:
         tag = f"@{budget:g}"
@@ -658,6 +715,16 @@ def budget_plans(
             )
             formats = {c.key: c.format for c in rec.choices}
             plans.append(StudyPlan(f"numscope calibrated{tag}", "numscope", budget, formats))
+        if loss_impact is not None:
+            rec = advise(
+                analysis,
+                candidates=[config.low, config.high],
+                bit_budget=budget,
+                objective=loss_impact,
+                **off,
+            )
+            formats = {c.key: c.format for c in rec.choices}
+            plans.append(StudyPlan(f"numscope sensitivity{tag}", "numscope", budget, formats))
         for name, order in HEURISTIC_ORDERS.items():
             formats = fill_order(order(operands), operands, budget, config.low, config.high)
             plans.append(StudyPlan(f"{name}{tag}", "heuristic", budget, formats))
@@ -734,6 +801,7 @@ def _train(task: dict[str, Any]) -> dict[str, Any]:
         Path(task["folder"]),
         observer_factory=observer,
         compiled=bool(plan.uses_block_formats()) and not task["observe"],
+        save_model=bool(task.get("save_model", False)),
     )
     return {
         "name": task["name"],
@@ -856,7 +924,17 @@ def run_plan_study(
         + " + ".join(f"{gap_model.coefficients[g]:.4g}·noise({g})" for g in GEMMS)
         + f" nats (residual {gap_model.spread:.3g})"
     )
-    studied = budget_plans(analysis, operands, config, gap_model)
+    scores = _sensitivity_scores(out_dir, config, text, task, log)
+    sensitivity_model = GapModel.fit(
+        [scores.features(operands, formats_of(p)) for p in calibration],
+        [float(np.mean(gaps(p.name))) for p in calibration],
+    )
+    log(
+        "[model] from sensitivities: gap ≈ "
+        + " + ".join(f"{sensitivity_model.coefficients[g]:.4g}·S({g})" for g in GEMMS)
+        + f" nats (residual {sensitivity_model.spread:.3g})"
+    )
+    studied = budget_plans(analysis, operands, config, gap_model, (scores, sensitivity_model))
     phase2 = [task(p.name, save(p), s) for p in studied for s in config.seeds]
     log(f"[budgets] {len(phase2)} runs: {len(studied)} plans × {len(config.seeds)} seeds")
     measured += _run_all(phase2, config.jobs, log)
@@ -886,6 +964,7 @@ def run_plan_study(
                 "gap_sd": float(np.std(measured_gaps, ddof=1)) if len(measured_gaps) > 1 else math.nan,
                 "predicted_gap": gap_model.predict(features),
                 "noise_by_role": features,
+                "predicted_gap_sensitivity": sensitivity_model.predict(scores.features(operands, formats)),
             }
         )
     _rank(rows)
@@ -902,7 +981,16 @@ def run_plan_study(
     for row in rows:
         row["calibration"] = row["name"] in fitted
     rho = spearman([r["predicted_gap"] for r in scored], [r["gap_mean"] for r in scored])
-    table = study_table(rows, noise, config, unigram, fp32, rho, gap_model) + "\n" + limits_text(derived)
+    rho_sensitivity = spearman(
+        [r["predicted_gap_sensitivity"] for r in scored], [r["gap_mean"] for r in scored]
+    )
+    table = study_table(rows, noise, config, unigram, fp32, rho, gap_model)
+    table += (
+        "\nFrom sensitivities (each operand alone on the trained FP32 model): gap = "
+        + " + ".join(f"{sensitivity_model.coefficients[g]:.4g}·S({g})" for g in GEMMS)
+        + f" (residual sd {sensitivity_model.spread:.3g} nats); Spearman with the measured gap: "
+        f"{rho_sensitivity:.2f}.\n" + limits_text(derived)
+    )
     result = PlanStudyResult(rows, noise, gap_model, rho, table)
     payload = {
         "config": asdict(config),
@@ -912,6 +1000,8 @@ def run_plan_study(
         "fp32_seed_sd": noise,
         "gap_model": gap_model.to_dict(),
         "spearman_predicted_vs_measured": rho,
+        "sensitivity_model": sensitivity_model.to_dict(),
+        "spearman_sensitivity_vs_measured": rho_sensitivity,
         "derived_limits": derived,
         "rows": rows,
     }
@@ -928,9 +1018,38 @@ def run_plan_study(
     from numscope.report.plots import plan_study_pareto, predicted_vs_measured
 
     files["pareto"].write_bytes(plan_study_pareto(rows, noise))
-    files["predicted"].write_bytes(predicted_vs_measured(scored, rho))
+    files["predicted"].write_bytes(predicted_vs_measured(scored, rho, rho_sensitivity))
     result.files = {k: str(v) for k, v in files.items()}
     return result
+
+
+def _sensitivity_scores(
+    out_dir: Path, config: PlanStudyConfig, text: tuple[str, ...] | None, task: Callable, log: Callable
+) -> SensitivityModel:
+    """Each operand's sensitivity on the trained FP32 model of the first seed (measured once, kept in
+    ``sensitivity.json``)."""
+    from numscope.analysis import Sensitivity
+
+    path = out_dir / "sensitivity.json"
+    if path.exists():
+        return SensitivityModel.from_sensitivity(Sensitivity.from_dict(json.loads(path.read_text())))
+    import torch
+
+    from numscope.demo.main import model_config
+    from numscope.demo.model import bert_mlm_from_config
+    from numscope.train.checkpoint import load_checkpoint
+
+    seed = config.seeds[0]
+    trained = {**task("fp32 model", "fp32", seed), "save_model": True}
+    _run_all([trained], 1, log)
+    data = _data(config, text)
+    model = bert_mlm_from_config(model_config(config.demo_config(seed), data))
+    model.load_state_dict(load_checkpoint(Path(trained["folder"]) / "model.pt")["model"])
+    log(f"[sensitivity] every operand alone in {config.low} and {config.high} on the trained FP32 model")
+    torch.set_num_threads(1)
+    measured = measure_sensitivity(model, data, config, seed=seed)
+    atomic_write_text(path, json.dumps(measured.to_dict()))
+    return SensitivityModel.from_sensitivity(measured)
 
 
 def _site_order(config: PlanStudyConfig, text: tuple[str, ...] | None) -> list[str]:
@@ -1040,15 +1159,16 @@ def study_table(
         f"low = {config.low}, high = {config.high}; 'vs numscope': a paired difference beyond "
         f"{WIN_SIGMAS:g} sd counts (needs ≥ 3 seeds).",
         "",
-        "| plan | family | avg bits | gap (nats) | predicted | rank | vs numscope |",
-        "|------|--------|----------|------------|-----------|------|-------------|",
+        "| plan | family | avg bits | gap (nats) | predicted: noise | sensitivity | rank | vs numscope |",
+        "|------|--------|----------|------------|------------------|-------------|------|-------------|",
     ]
     for row in sorted(rows, key=lambda r: (r["budget"] is not None, r["budget"] or 0, r["gap_mean"])):
         rank = f"{row['rank']}/{row['of']}" if "rank" in row else ""
         sd = "" if math.isnan(row["gap_sd"]) else f" ± {row['gap_sd']:.4f}"
         lines.append(
             f"| {row['name']} | {row['family']} | {row['bits']:.2f} | {row['gap_mean']:+.4f}{sd} | "
-            f"{row['predicted_gap']:+.4f} | {rank} | {row.get('vs_numscope', '')} |"
+            f"{row['predicted_gap']:+.4f} | {row.get('predicted_gap_sensitivity', math.nan):+.4f} | {rank} | "
+            f"{row.get('vs_numscope', '')} |"
         )
     lines += ["", *budget_summary(rows)]
     lines += [

@@ -756,30 +756,35 @@ def plan_study_pareto(rows: Sequence[Mapping], noise: float) -> bytes:
     return _png(fig)
 
 
-def predicted_vs_measured(rows: Sequence[Mapping], rho: float) -> bytes:
-    """The gap model's predicted gap against the measured one, per plan (mean ± sd over seeds)."""
-    fig, ax = plt.subplots(figsize=(5.2, 4.6))
-    labelled: set[str] = set()
-    for row in rows:
-        colour, marker = _FAMILY_STYLE.get(row["family"], ("#000000", "o"))
-        label = None if row["family"] in labelled else row["family"]
-        labelled.add(row["family"])
-        sd = row["gap_sd"]
-        ax.errorbar(
-            row["predicted_gap"],
-            row["gap_mean"],
-            yerr=sd if math.isfinite(sd) else None,
-            fmt=marker,
-            color=colour,
-            capsize=2,
-            label=label,
-        )
-    values = [v for r in rows for v in (r["predicted_gap"], r["gap_mean"]) if math.isfinite(v)]
-    if values:
-        low, high = min(values), max(values)
-        ax.plot([low, high], [low, high], color="#222222", linewidth=0.8, linestyle="--", label="y = x")
-    ax.set_xlabel("predicted gap (nats), before training")
-    ax.set_ylabel("measured gap (nats)")
-    ax.set_title(f"Predicted vs measured gap (Spearman ρ = {rho:.2f})")
-    ax.legend(loc="upper left", fontsize=7)
+def predicted_vs_measured(rows: Sequence[Mapping], rho: float, rho_sensitivity: float | None = None) -> bytes:
+    """The gap models' predicted gaps against the measured ones, per plan (mean ± sd over seeds): from
+    tensor noise (left) and, where given, from measured sensitivities (right)."""
+    panels = [("predicted_gap", "from tensor noise", rho)]
+    if rho_sensitivity is not None:
+        panels.append(("predicted_gap_sensitivity", "from sensitivities", rho_sensitivity))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.6), squeeze=False)
+    for ax, (field_name, what, value) in zip(axes[0], panels, strict=True):
+        labelled: set[str] = set()
+        for row in rows:
+            colour, marker = _FAMILY_STYLE.get(row["family"], ("#000000", "o"))
+            label = None if row["family"] in labelled else row["family"]
+            labelled.add(row["family"])
+            sd = row["gap_sd"]
+            ax.errorbar(
+                row[field_name],
+                row["gap_mean"],
+                yerr=sd if math.isfinite(sd) else None,
+                fmt=marker,
+                color=colour,
+                capsize=2,
+                label=label,
+            )
+        values = [v for r in rows for v in (r[field_name], r["gap_mean"]) if math.isfinite(v)]
+        if values:
+            low, high = min(values), max(values)
+            ax.plot([low, high], [low, high], color="#222222", linewidth=0.8, linestyle="--", label="y = x")
+        ax.set_xlabel(f"predicted gap (nats), {what}, before training")
+        ax.set_ylabel("measured gap (nats)")
+        ax.set_title(f"Predicted {what} (Spearman ρ = {value:.2f})")
+        ax.legend(loc="upper left", fontsize=7)
     return _png(fig)
