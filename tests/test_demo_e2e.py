@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     names = ["fp32", "recommended", "bf16", "fp16", "fp16+scaling", "fp8", "mxfp8", "int8", "mxfp4"]
+    names += ["fp32-seed1", "fp32-seed2"]  # FP32 again from other seeds: the claims' seed noise
     table = [line.split("|")[1].strip() for line in result.stdout.splitlines() if line.startswith("| ")]
     assert table[1:] == names  # the header, then one row per run in this order
     report = (out / "report.html").read_text()
@@ -52,6 +54,9 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     assert stated is not None and f"{runs['recommended']['avg_bits']:.2f}" == stated.group(1)
     assert len(summary["claims"]) == 5 and all(isinstance(c["held"], bool) for c in summary["claims"])
     assert summary["unigram_loss"] < math.log(vocab)
+    fp32_losses = [runs[name]["val_loss"] for name in ("fp32", "fp32-seed1", "fp32-seed2")]
+    assert summary["fp32_seed_sd"] == pytest.approx(statistics.stdev(fp32_losses))
+    assert len(set(fp32_losses)) == 3  # the seeds differ
 
 
 def test_demo_rejects_a_missing_text_file(tmp_path: Path) -> None:

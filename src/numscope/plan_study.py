@@ -964,7 +964,7 @@ def run_plan_study(
                 "gap_sd": float(np.std(measured_gaps, ddof=1)) if len(measured_gaps) > 1 else math.nan,
                 "predicted_gap": gap_model.predict(features),
                 "noise_by_role": features,
-                "predicted_gap_sensitivity": sensitivity_model.predict(scores.features(operands, formats)),
+                "predicted_gap_sensitivity": _predict_or_nan(sensitivity_model, scores, operands, formats),
             }
         )
     _rank(rows)
@@ -981,10 +981,20 @@ def run_plan_study(
     for row in rows:
         row["calibration"] = row["name"] in fitted
     rho = spearman([r["predicted_gap"] for r in scored], [r["gap_mean"] for r in scored])
+    predictable = [r for r in scored if math.isfinite(r["predicted_gap_sensitivity"])]
     rho_sensitivity = spearman(
-        [r["predicted_gap_sensitivity"] for r in scored], [r["gap_mean"] for r in scored]
+        [r["predicted_gap_sensitivity"] for r in predictable], [r["gap_mean"] for r in predictable]
     )
+    within_two = {
+        name: factor_two_share(predictable if name == "predicted_gap_sensitivity" else scored, name)
+        for name in ("predicted_gap", "predicted_gap_sensitivity")
+    }
     table = study_table(rows, noise, config, unigram, fp32, rho, gap_model)
+    table += "\n" + (
+        "Predicted within a factor of 2 of the measured gap, over the plans whose gap exceeds 2 sd of its "
+        f"paired noise: noise model {within_two['predicted_gap']}, sensitivity model "
+        f"{within_two['predicted_gap_sensitivity']}."
+    )
     table += (
         "\nFrom sensitivities (each operand alone on the trained FP32 model): gap = "
         + " + ".join(f"{sensitivity_model.coefficients[g]:.4g}·S({g})" for g in GEMMS)
@@ -1002,6 +1012,7 @@ def run_plan_study(
         "spearman_predicted_vs_measured": rho,
         "sensitivity_model": sensitivity_model.to_dict(),
         "spearman_sensitivity_vs_measured": rho_sensitivity,
+        "within_factor_two": within_two,
         "derived_limits": derived,
         "rows": rows,
     }
@@ -1021,6 +1032,17 @@ def run_plan_study(
     files["predicted"].write_bytes(predicted_vs_measured(scored, rho, rho_sensitivity))
     result.files = {k: str(v) for k, v in files.items()}
     return result
+
+
+def _predict_or_nan(
+    model: GapModel, scores: SensitivityModel, operands: Operands, formats: Mapping[OperandKey, str]
+) -> float:
+    """The sensitivity model's prediction; nan for a plan using formats whose sensitivity was not measured
+    (only the study's low and high formats are)."""
+    try:
+        return model.predict(scores.features(operands, formats))
+    except StudyError:
+        return math.nan
 
 
 def _sensitivity_scores(
@@ -1080,15 +1102,35 @@ def _losses(measured: Sequence[Mapping[str, Any]]) -> dict[tuple[str, int], floa
 
 
 def _rank(rows: list[dict[str, Any]]) -> None:
-    """Per budget: each plan's rank by mean gap, and whether numscope's plain plan beats / loses to it."""
+    """Per budget: each plan's rank by mean gap, and its paired verdict against numscope's reference plan
+    of that budget (:func:`reference_plan`)."""
     for budget in sorted({r["budget"] for r in rows if r["budget"] is not None}):
         group = sorted((r for r in rows if r["budget"] == budget), key=lambda r: r["gap_mean"])
-        ours = next(r for r in group if r["family"] == "numscope")
+        ours = reference_plan(group)
         for rank, row in enumerate(group, 1):
             row["rank"] = rank
             row["of"] = len(group)
             diff = np.array(row["gaps"]) - np.array(ours["gaps"])
             row["vs_numscope"] = verdict(diff)
+
+
+def factor_two_share(rows: Sequence[Mapping[str, Any]], field_name: str) -> str:
+    """``k of n``: of the plans whose mean gap exceeds twice its paired standard deviation (a gap beyond
+    the noise), how many have a prediction within a factor of 2 of it."""
+    clear = [
+        r
+        for r in rows
+        if r["gap_mean"] > 0 and math.isfinite(r["gap_sd"]) and r["gap_mean"] > 2 * r["gap_sd"]
+    ]
+    good = sum(1 for r in clear if 0.5 * r["gap_mean"] <= r[field_name] <= 2.0 * r["gap_mean"])
+    return f"{good} of {len(clear)}"
+
+
+def reference_plan(group: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The numscope plan the others of a budget are compared with: the sensitivity-driven one where the
+    study made it (the advisor's best-informed choice), else the plain bit-budget one."""
+    numscope = [r for r in group if r["family"] == "numscope"]
+    return next((r for r in numscope if r["name"].startswith("numscope sensitivity@")), numscope[0])
 
 
 def verdict(differences: Sequence[float]) -> str:
@@ -1156,7 +1198,9 @@ def study_table(
     lines = [
         f"FP32 validation loss {np.mean(fp32):.4f} ± {noise:.4f} nats (sd over {n} seeds; the context-free "
         f"loss is {np.mean(list(unigram.values())):.4f}); gaps are paired by seed, mean ± sd over {n} seeds.",
-        f"low = {config.low}, high = {config.high}; 'vs numscope': a paired difference beyond "
+        f"low = {config.low}, high = {config.high}; 'vs numscope': this plan against numscope sensitivity "
+        "(numscope's plain plan where the sensitivity one was not made), better/worse when the paired "
+        "difference is beyond "
         f"{WIN_SIGMAS:g} sd counts (needs ≥ 3 seeds).",
         "",
         "| plan | family | avg bits | gap (nats) | predicted: noise | sensitivity | rank | vs numscope |",
