@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM
 
 import numscope
+from numscope._names import layer_index
 from numscope.plan_study import (
     GapModel,
     Operands,
@@ -19,7 +19,6 @@ from numscope.plan_study import (
     StudyError,
     budget_plans,
     fill_order,
-    layer_of,
     order_first_last,
     order_gradients_high,
     order_inverse,
@@ -28,6 +27,7 @@ from numscope.plan_study import (
     plan_of,
     verdict,
 )
+from tiny_models import tiny_bert
 
 LOW, HIGH = "mxfp4_e2m1", "mxfp8_e4m3"
 
@@ -35,17 +35,7 @@ LOW, HIGH = "mxfp4_e2m1", "mxfp8_e4m3"
 @pytest.fixture(scope="module")
 def observed():
     """A real analysis: a 3-layer tiny BERT observed on two training steps in the study's two formats."""
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=200,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        attn_implementation="eager",
-    )
-    model = BertForMaskedLM(config)
+    model = tiny_bert(vocab_size=200, layers=3)
     ids = torch.randint(5, 200, (4, 16))
     order = [s.name for s in numscope.sites(model, {"input_ids": ids})]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -60,17 +50,17 @@ def observed():
 
 
 def test_layer_index_is_read_from_the_usual_names():
-    assert layer_of("bert.encoder.layer.11.attention.self.query") == 11
-    assert layer_of("model.layers.3.mlp.up_proj") == 3
-    assert layer_of("transformer.h.0.attn.c_attn") == 0
-    assert layer_of("cls.predictions.decoder") is None
-    assert layer_of("model.layers_norm.weight") is None
+    assert layer_index("bert.encoder.layer.11.attention.self.query") == 11
+    assert layer_index("model.layers.3.mlp.up_proj") == 3
+    assert layer_index("transformer.h.0.attn.c_attn") == 0
+    assert layer_index("cls.predictions.decoder") is None
+    assert layer_index("model.layers_norm.weight") is None
 
 
 def test_operands_follow_the_models_call_order(observed):
     analysis, operands = observed
     sites = operands.sites()
-    layers = [layer_of(s) for s in sites]
+    layers = [layer_index(s) for s in sites]
     assert layers[0] == 0 and None in layers
     assert sites[-1].startswith("cls."), sites[-1]  # the MLM head runs last
     assert [i for i in layers if i is not None] == sorted(i for i in layers if i is not None)
@@ -80,12 +70,12 @@ def test_operands_follow_the_models_call_order(observed):
 def test_heuristic_orders_put_their_operands_first(observed):
     _, operands = observed
     first_last = order_first_last(operands)
-    ranks = [layer_of(k[0]) for k in first_last]
+    ranks = [layer_index(k[0]) for k in first_last]
     head = sum(1 for r in ranks if r is None)
     assert all(r is None for r in ranks[:head])  # the head (outside the layers) first
     assert set(ranks[head:]) == {0, 1, 2} and ranks[-1] == 1  # then both ends, the middle layer last
     assert (
-        first_last[head:].index(next(k for k in first_last if layer_of(k[0]) == 1))
+        first_last[head:].index(next(k for k in first_last if layer_index(k[0]) == 1))
         > sum(1 for r in ranks if r in (0, 2)) - 1
     )
     last = order_last_layers(operands)

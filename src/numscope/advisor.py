@@ -78,7 +78,7 @@ import numpy as np
 
 from numscope.analysis import Analysis, AnalysisError, OperandKey, Sensitivity, operand_name
 from numscope.formats.spec import format as get_format
-from numscope.plan import DEFAULT_PATTERN, HIGH, OPERANDS, OperandSpec, Plan, Rule, SiteSpec
+from numscope.plan import DEFAULT_PATTERN, HIGH, OPERANDS, OperandSpec, Plan
 
 SQNR = "sqnr_db"
 UNDERFLOW = "underflow%"
@@ -515,11 +515,6 @@ def _check_sensitivity(sensitivity: Sensitivity | None, limits: Limits, candidat
         )
 
 
-def _site_pattern(site: str) -> str:
-    """An fnmatch pattern that matches exactly ``site`` (glob characters escaped)."""
-    return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in site)
-
-
 def advise(
     analysis: Analysis,
     *,
@@ -677,15 +672,7 @@ def _apply_budget(
 
 
 def _plan(choices: Sequence[Choice]) -> Plan:
-    per_site: dict[str, list[Choice]] = {}
-    for choice in choices:
-        per_site.setdefault(choice.site, []).append(choice)
-    rules = []
-    for site, site_choices in per_site.items():
-        operands = {(c.gemm, c.operand): OperandSpec(c.format) for c in site_choices}
-        reasons = {f"{c.gemm}/{c.operand}": c.reason for c in site_choices}
-        rules.append(Rule(_site_pattern(site), SiteSpec(operands), reasons))
-    return Plan(SiteSpec(), tuple(rules))
+    return Plan.per_operand({c.key: c.format for c in choices}, {c.key: c.reason for c in choices})
 
 
 def recommend(

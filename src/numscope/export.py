@@ -29,6 +29,7 @@ from pathlib import Path
 import yaml
 
 from numscope._atomic import atomic_write_text
+from numscope._names import layer_index
 from numscope.formats.spec import BlockFormat
 from numscope.plan import GEMMS, OPERAND_KEYS, OPERANDS, OperandSpec, Plan, SiteSpec
 
@@ -350,8 +351,6 @@ def to_transformer_engine(
 
 # -- Megatron-LM ------------------------------------------------------------------------------------------
 
-_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|block|blocks)\.(\d+)\.")
-
 
 def to_megatron(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a numscope plan") -> Export:
     """Megatron-LM's ``--fp8-*`` flags for ``plan``: the recipe of its quantized transformer layers and how
@@ -359,9 +358,9 @@ def to_megatron(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a n
     linear, unexpressed = _linear_sites(plan, sites)
     by_layer: dict[int, list[SiteSpec]] = {}
     for name, spec in linear.items():
-        found = _LAYER.search(name)
-        if found is not None:
-            by_layer.setdefault(int(found.group(1)), []).append(spec)
+        layer = layer_index(name)
+        if layer is not None:
+            by_layer.setdefault(layer, []).append(spec)
         elif not all(_high(spec.operand(g, o)) for g, o in OPERAND_KEYS):
             unexpressed.append(f"{name}: outside the transformer layers, which Megatron's fp8 flags cover")
     layers = sorted(by_layer)

@@ -61,6 +61,7 @@ from typing import Any, NamedTuple
 import yaml
 
 from numscope._atomic import atomic_write_text
+from numscope._names import exact_pattern
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS
 from numscope.formats.scaling import KINDS, Scaling
 from numscope.formats.spec import BlockFormat, Format
@@ -604,6 +605,28 @@ class Plan:
         return total_bits / total_elements
 
     # -- building ---------------------------------------------------------------------------------
+    @classmethod
+    def per_operand(
+        cls,
+        formats: Mapping[tuple[str, str, str], str],
+        reasons: Mapping[tuple[str, str, str], str] | None = None,
+    ) -> Plan:
+        """A plan giving each ``(site, gemm, operand)`` its format, one exact-name rule per site (glob
+        characters in names escaped); operands and sites not listed stay high. ``reasons`` go to the rules."""
+        per_site: dict[str, dict[tuple[str, str], OperandSpec]] = {}
+        for (site, gemm, operand), label in formats.items():
+            per_site.setdefault(site, {})[(gemm, operand)] = OperandSpec(label)
+        reasons = reasons or {}
+        rules = tuple(
+            Rule(
+                exact_pattern(site),
+                SiteSpec(specs),
+                {f"{g}/{o}": reasons[(site, g, o)] for g, o in specs if (site, g, o) in reasons},
+            )
+            for site, specs in per_site.items()
+        )
+        return cls(SiteSpec(), rules)
+
     def with_rule(
         self,
         pattern: str,

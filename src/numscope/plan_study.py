@@ -49,8 +49,9 @@ from typing import Any
 import numpy as np
 
 from numscope._atomic import atomic_write_text
+from numscope._names import layer_index, natural_key
 from numscope.analysis import Analysis, OperandKey
-from numscope.plan import HIGH, OperandSpec, Plan, Rule, SiteSpec
+from numscope.plan import HIGH, OperandSpec, Plan
 
 GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
 FAMILIES: tuple[str, ...] = (
@@ -97,7 +98,7 @@ class Operands:
 
         def sort_key(key: OperandKey) -> tuple:
             site, gemm, operand = key
-            return (order.get(site, len(order)), _natural(site), GEMMS.index(gemm), operand)
+            return (order.get(site, len(order)), natural_key(site), GEMMS.index(gemm), operand)
 
         keys.sort(key=sort_key)
         return cls(tuple(keys), {k: int(analysis.elements[k]) for k in keys})
@@ -117,34 +118,21 @@ class Operands:
         return sum(_bits(formats[k]) * n for k, n in self.elements.items()) / total
 
 
-def _natural(text: str) -> tuple:
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text))
-
-
 def _bits(label: str) -> float:
     return OperandSpec(label).bits_per_element()
-
-
-_LAYER = re.compile(r"(?:^|\.)(?:layer|layers|h|block|blocks)\.(\d+)(?:\.|$)")
-
-
-def layer_of(site: str) -> int | None:
-    """The transformer-layer index in a site name (``…layer.3.…``, ``…layers.3.…``, ``…h.3.…``), or None."""
-    match = _LAYER.search(site)
-    return int(match.group(1)) if match else None
 
 
 def order_first_last(operands: Operands) -> list[OperandKey]:
     """Megatron's ``--first-last-layers-bf16``: sites outside the layers (embeddings, head) first, then the
     first and last layer, then inwards; site order within a rank."""
     sites = operands.sites()
-    layers = sorted({i for s in sites if (i := layer_of(s)) is not None})
+    layers = sorted({i for s in sites if (i := layer_index(s)) is not None})
     if not layers:
         return list(operands.keys)
     first, last = layers[0], layers[-1]
 
     def rank(key: OperandKey) -> int:
-        layer = layer_of(key[0])
+        layer = layer_index(key[0])
         return -1 if layer is None else min(layer - first, last - layer)
 
     return sorted(operands.keys, key=lambda k: (rank(k), operands.keys.index(k)))
@@ -221,15 +209,7 @@ def fill_order(
 
 def plan_of(formats: Mapping[OperandKey, str], reason: str = "") -> Plan:
     """A plan with one exact-name rule per site giving each operand its format; other sites stay high."""
-    per_site: dict[str, dict[tuple[str, str], OperandSpec]] = {}
-    for (site, gemm, operand), label in formats.items():
-        per_site.setdefault(site, {})[(gemm, operand)] = OperandSpec(label)
-    escaped = lambda site: "".join(f"[{ch}]" if ch in "*?[" else ch for ch in site)  # noqa: E731
-    rules = tuple(
-        Rule(escaped(site), SiteSpec(specs), {f"{g}/{o}": reason for g, o in specs} if reason else {})
-        for site, specs in per_site.items()
-    )
-    return Plan(SiteSpec(), rules)
+    return Plan.per_operand(formats, dict.fromkeys(formats, reason) if reason else None)
 
 
 def role_plan(operands: Operands, gemm: str, low: str) -> dict[OperandKey, str]:
@@ -240,13 +220,14 @@ def role_plan(operands: Operands, gemm: str, low: str) -> dict[OperandKey, str]:
 # -- the loss-impact model ---------------------------------------------------------------------------------
 
 
-def role_noise(analysis: Analysis, operands: Operands, formats: Mapping[OperandKey, str]) -> dict[str, float]:
-    """Σ relative noise power of the operands of each GEMM role under ``formats`` (the model's features)."""
+def role_noise(analysis: Analysis, formats: Mapping[OperandKey, str]) -> dict[str, float]:
+    """Σ relative noise power of the operands of each GEMM role under ``formats`` (every operand key of
+    the plan → its format; the gap model's features)."""
     from numscope.advisor import operand_noise
 
     out = dict.fromkeys(GEMMS, 0.0)
-    for key in operands.keys:
-        out[key[1]] += operand_noise(analysis, key, formats[key])
+    for key, label in formats.items():
+        out[key[1]] += operand_noise(analysis, key, label)
     return out
 
 
@@ -293,12 +274,7 @@ class GapModel:
                     f"{', '.join(analysis.candidates)}); observe with it among the candidates"
                 )
             formats[key] = label
-        features = dict.fromkeys(GEMMS, 0.0)
-        from numscope.advisor import operand_noise
-
-        for key, label in formats.items():
-            features[key[1]] += operand_noise(analysis, key, label)
-        return self.predict(features)
+        return self.predict(role_noise(analysis, formats))
 
     def to_dict(self) -> dict[str, Any]:
         return {"coefficients": dict(self.coefficients), "spread": self.spread, "points": self.points}
@@ -544,7 +520,7 @@ def calibrate(
         rows.append(
             {
                 "name": plan.name,
-                "noise_by_role": role_noise(analysis, operands, plan.formats or {}),
+                "noise_by_role": role_noise(analysis, plan.formats or {}),
                 "gaps": gaps,
                 "gap_mean": float(np.mean(gaps)),
             }
@@ -693,38 +669,23 @@ def budget_plans(
     from numscope.advisor import advise
 
     off = dict(max_be_ratio=None, max_underflow_pct=None, max_overflow_pct=None, min_sqnr_db=None)
-    loss_impact = None
+    variants: dict[str, dict[str, Any]] = {"numscope": {}}  # name → how the advisor is asked
+    if gap_model is not None and gap_model.noise_weights():
+        variants["numscope calibrated"] = {"noise_weights": gap_model.noise_weights()}
     if sensitivity is not None:
         scores, fitted = sensitivity
 
         def loss_impact(key: OperandKey, label: str) -> float:
             return fitted.coefficients[key[1]] * scores.score(key, label)
 
+        variants["numscope sensitivity"] = {"objective": loss_impact}
     plans = []
     for budget in config.budgets:
         tag = f"@{budget:g}"
-        rec = advise(analysis, candidates=[config.low, config.high], bit_budget=budget, **off)
-        plans.append(StudyPlan(f"numscope{tag}", "numscope", budget, {c.key: c.format for c in rec.choices}))
-        if gap_model is not None and gap_model.noise_weights():
-            rec = advise(
-                analysis,
-                candidates=[config.low, config.high],
-                bit_budget=budget,
-                noise_weights=gap_model.noise_weights(),
-                **off,
-            )
+        for name, asked in variants.items():
+            rec = advise(analysis, candidates=[config.low, config.high], bit_budget=budget, **asked, **off)
             formats = {c.key: c.format for c in rec.choices}
-            plans.append(StudyPlan(f"numscope calibrated{tag}", "numscope", budget, formats))
-        if loss_impact is not None:
-            rec = advise(
-                analysis,
-                candidates=[config.low, config.high],
-                bit_budget=budget,
-                objective=loss_impact,
-                **off,
-            )
-            formats = {c.key: c.format for c in rec.choices}
-            plans.append(StudyPlan(f"numscope sensitivity{tag}", "numscope", budget, formats))
+            plans.append(StudyPlan(f"{name}{tag}", "numscope", budget, formats))
         for name, order in HEURISTIC_ORDERS.items():
             formats = fill_order(order(operands), operands, budget, config.low, config.high)
             plans.append(StudyPlan(f"{name}{tag}", "heuristic", budget, formats))
@@ -916,7 +877,7 @@ def run_plan_study(
         if p.family == "calibration" or (p.family == "uniform" and p.preset == _preset_of(config.low))
     ]
     gap_model = GapModel.fit(
-        [role_noise(analysis, operands, formats_of(p)) for p in calibration],
+        [role_noise(analysis, formats_of(p)) for p in calibration],
         [float(np.mean(gaps(p.name))) for p in calibration],
     )
     log(
@@ -947,7 +908,7 @@ def run_plan_study(
     for plan in plans:
         formats = formats_of(plan)
         measured_gaps = gaps(plan.name)
-        features = role_noise(analysis, operands, formats)
+        features = role_noise(analysis, formats)
         rows.append(
             {
                 "name": plan.name,

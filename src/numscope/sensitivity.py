@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from numscope._names import exact_pattern
 from numscope._rng import fork_rng
 from numscope.analysis import ALL, OperandKey, Sensitivity
 from numscope.convert import convert, unconvert
@@ -138,7 +139,7 @@ def sensitivity(
                 if plan_spec is not None:
                     specs[PLAN_LABEL] = plan_spec
             for label, spec in specs.items():
-                convert(model, Plan(SiteSpec(), (Rule(_exact(target[0]), spec),)))
+                convert(model, Plan(SiteSpec(), (Rule(exact_pattern(target[0]), spec),)))
                 try:
                     results.setdefault(target, {})[label] = _compare(run(), reference)
                 finally:
@@ -258,11 +259,6 @@ def _ratio(value: float, base: float) -> float:
     if base:
         return value / base
     return 0.0 if value == 0 else math.copysign(math.inf, value)
-
-
-def _exact(site: str) -> str:
-    """An fnmatch pattern matching exactly ``site`` (glob characters escaped)."""
-    return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in site)
 
 
 def _describe(value: Any) -> str:

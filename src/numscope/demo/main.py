@@ -20,6 +20,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -506,10 +507,7 @@ def fp32_seed_noise(rows: Sequence[dict[str, Any]]) -> float | None:
     """The standard deviation (nats) of FP32's validation loss over its seeds (the main run and the noise
     runs); None with fewer than two."""
     losses = [r["val_loss"] for r in rows if r["name"] == REFERENCE.name or r["name"].startswith("fp32-seed")]
-    if len(losses) < 2:
-        return None
-    mean = sum(losses) / len(losses)
-    return math.sqrt(sum((x - mean) ** 2 for x in losses) / (len(losses) - 1))
+    return statistics.stdev(losses) if len(losses) >= 2 else None
 
 
 def quick_config(steps: int | None = None) -> DemoConfig:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numscope
 from numscope._atomic import atomic_write_text
+from numscope._names import natural_key
 from numscope.formats.spec import BlockFormat, IntFormat
 from numscope.formats.spec import format as get_format
 from numscope.report import plots
@@ -88,11 +89,6 @@ class AnalysisView:
             if (view.site, view.gemm, view.operand) == (site, gemm, operand):
                 return view
         return None
-
-
-def natural_key(name: str) -> list[Any]:
-    """Sort key that orders ``layer.2`` before ``layer.10``."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def analysis_tables(analysis: Any) -> AnalysisView:
