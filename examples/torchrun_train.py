@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import numscope
 from numscope import distributed
-from numscope.demo.model import make_bert_mlm
+from numscope.run.model import make_bert_mlm
 
 VOCAB, SEQUENCE = 256, 32
 

@@ -1,4 +1,5 @@
-"""Shared test helpers: a real 2-process ``torchrun`` that cannot outlive its test."""
+"""Shared test helpers: a real 2-process ``torchrun`` that cannot outlive its test; the real corpus and a
+small tokenizer trained on a slice of it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ import pytest
 # checks the compiled path against the eager one, and tests/test_convert.py the "auto" choice itself.
 os.environ.setdefault("NUMSCOPE_FAST", "0")
 
+from tokenizers import Tokenizer
+
 from numscope.distributed import loopback_interface
+from numscope.run.corpus import load_corpus, split_corpus
+from numscope.run.tokenizer import TokenizerInfo, load_or_train_tokenizer
 
 
 def _free_port() -> int:
@@ -109,3 +114,38 @@ def run_torchrun(
 def torchrun() -> Callable[..., subprocess.CompletedProcess[str]]:
     """:func:`run_torchrun`, for tests in any folder."""
     return run_torchrun
+
+
+# ------------------------------------------------------------------ the real corpus and a small tokenizer
+SMALL_VOCAB = 1000
+
+
+@pytest.fixture(scope="session")
+def corpus() -> list[str]:
+    return load_corpus()
+
+
+@pytest.fixture(scope="session")
+def small_train(corpus: list[str]) -> list[str]:
+    train, _ = split_corpus(corpus)
+    return train[:300]
+
+
+@pytest.fixture(scope="session")
+def small_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("numscope-cache")
+
+
+@pytest.fixture(scope="session")
+def small_vocab_size() -> int:
+    return SMALL_VOCAB
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer(small_train: list[str], small_cache: Path) -> Tokenizer:
+    return load_or_train_tokenizer(small_train, SMALL_VOCAB, cache_dir=small_cache)
+
+
+@pytest.fixture(scope="session")
+def small_info(small_tokenizer: Tokenizer) -> TokenizerInfo:
+    return TokenizerInfo.from_tokenizer(small_tokenizer)

@@ -13,9 +13,9 @@ import pytest
 from numscope import _atomic
 from numscope._atomic import atomic_write, atomic_write_bytes, atomic_write_text
 from numscope.analysis import Analysis, OperandRecord, Sensitivity
-from numscope.demo import experiment
 from numscope.plan import Plan
 from numscope.report import write_report
+from numscope.run import loop
 from numscope.train import save_checkpoint
 
 
@@ -109,7 +109,7 @@ def test_user_outputs_are_0644_under_umask_022(tmp_path):
 
 def _log(path: Path, steps: range) -> None:
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=experiment.LOG_FIELDS)
+        writer = csv.DictWriter(f, fieldnames=loop.LOG_FIELDS)
         writer.writeheader()
         for step in steps:
             writer.writerow({"step": step, "lr": 0.1, "loss": 2.0 + step, "scale": 1024.0, "skipped": 0})
@@ -119,9 +119,9 @@ def test_truncate_log_keeps_the_header_and_the_rows_up_to_the_step(tmp_path):
     path = tmp_path / "log.csv"
     _log(path, range(10))
     _log(tmp_path / "expected.csv", range(5))
-    experiment._truncate_log(path, 4)
+    loop._truncate_log(path, 4)
     assert path.read_bytes() == (tmp_path / "expected.csv").read_bytes()
-    assert [row["step"] for row in experiment.read_log(path)] == [0, 1, 2, 3, 4]
+    assert [row["step"] for row in loop.read_log(path)] == [0, 1, 2, 3, 4]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["expected.csv", "log.csv"]
 
 
@@ -135,7 +135,7 @@ def test_truncate_log_interrupted_while_rewriting_keeps_the_whole_log(tmp_path, 
 
     monkeypatch.setattr(_atomic.os, "replace", die_on_rename)
     with pytest.raises(OSError, match="simulated crash"):
-        experiment._truncate_log(path, 4)
+        loop._truncate_log(path, 4)
     monkeypatch.undo()
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["log.csv"]
@@ -148,6 +148,6 @@ def test_truncate_log_drops_a_row_a_crash_cut_off(tmp_path):
     _log(tmp_path / "expected.csv", range(5))
     with path.open("a", encoding="utf-8", newline="") as handle:
         handle.write("1")  # the crash hit while writing step 105's row
-    experiment._truncate_log(path, 100)
+    loop._truncate_log(path, 100)
     assert path.read_bytes() == (tmp_path / "expected.csv").read_bytes()
-    assert [row["step"] for row in experiment.read_log(path)] == [0, 1, 2, 3, 4]
+    assert [row["step"] for row in loop.read_log(path)] == [0, 1, 2, 3, 4]

@@ -904,7 +904,7 @@ def test_demo_on_too_little_text_is_one_clear_line(tmp_path: Path, monkeypatch: 
 
 def test_demo_with_a_corrupt_settings_file_is_one_clear_line(tmp_path: Path) -> None:
     (tmp_path / "demo.json").write_text("{ not json")
-    assert "demo.json is not readable JSON" in _demo_error(tmp_path)
+    assert "demo.json: unreadable" in _demo_error(tmp_path)
 
 
 def test_analyze_writes_the_analysis_to_tensorboard(

@@ -405,7 +405,7 @@ def test_full_report_with_analysis_and_plan(tmp_path: Path) -> None:
 
 def test_report_from_a_real_observer_on_a_tiny_bert(tmp_path: Path) -> None:
     observe = pytest.importorskip("numscope.observe", reason="the observer has not landed").observe
-    from numscope.demo.model import make_bert_mlm
+    from numscope.run.model import make_bert_mlm
 
     model = make_bert_mlm(vocab_size=64, hidden=16, layers=1, heads=2, intermediate=32, max_position=16)
     ids = torch.randint(5, 64, (2, 16), generator=torch.Generator().manual_seed(0))

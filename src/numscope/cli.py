@@ -132,9 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from numscope.demo.corpus import CorpusError, CorpusNotFoundError
-    from numscope.demo.experiment import RunError
     from numscope.demo.main import DemoConfig, DemoError, quick_config, run_demo, summary_table
+    from numscope.run.config import RunError
+    from numscope.run.corpus import CorpusError, CorpusNotFoundError
 
     if args.task == "cnn":
         return _cnn_demo(args)
@@ -152,7 +152,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             f"--hidden {config.hidden} must be a multiple of --heads {config.heads} (each head gets "
             "hidden / heads dimensions)"
         )
-    from numscope.workflow import check_output_folder
+    from numscope.run.folders import check_output_folder
 
     out = check_output_folder(args.out or ("runs/demo-quick" if args.quick else "runs/demo"))
     for path in args.text or ():
@@ -174,7 +174,7 @@ def _cnn_demo(args: argparse.Namespace) -> int:
     import torch
 
     from numscope.demo.cnn import CNNConfig, noise_note, run_cnn_demo
-    from numscope.workflow import check_output_folder
+    from numscope.run.folders import check_output_folder
 
     out = check_output_folder(args.out or ("runs/demo-cnn-quick" if args.quick else "runs/demo-cnn"))
     config = CNNConfig.quick() if args.quick else CNNConfig()
@@ -304,7 +304,7 @@ def _dof(text: str) -> float:
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    from numscope.demo.experiment import TrainConfig
+    from numscope.run.config import TrainConfig
 
     default = TrainConfig()
     model = p.add_argument_group("model and data")
@@ -414,7 +414,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _run_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
-    from numscope.demo.experiment import TrainConfig
+    from numscope.run.config import TrainConfig
     from numscope.workflow import DataSettings
 
     data = DataSettings(
@@ -552,8 +552,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _register_train(sub: argparse._SubParsersAction) -> None:
-    from numscope.demo.experiment import RunSpec
     from numscope.plan import Plan
+    from numscope.run.config import RunSpec
     from numscope.train.loss_scaler import LossScaler
 
     growth = inspect.signature(LossScaler).parameters["growth_interval"].default
@@ -979,9 +979,9 @@ _USER_ERRORS = (
     ("numscope.advisor", "AdvisorError"),
     ("numscope.analysis", "AnalysisError"),
     ("numscope.train.checkpoint", "CheckpointError"),
-    ("numscope.demo.corpus", "CorpusError"),
-    ("numscope.demo.corpus", "CorpusNotFoundError"),
-    ("numscope.demo.experiment", "RunError"),
+    ("numscope.run.corpus", "CorpusError"),
+    ("numscope.run.corpus", "CorpusNotFoundError"),
+    ("numscope.run.config", "RunError"),
     ("numscope.demo.main", "DemoError"),
 )
 

@@ -52,6 +52,7 @@ from numscope._atomic import atomic_write_text
 from numscope._names import layer_index, natural_key
 from numscope.analysis import Analysis, OperandKey
 from numscope.plan import HIGH, OperandSpec, Plan
+from numscope.run.folders import read_settings, setting_changes
 
 GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
 FAMILIES: tuple[str, ...] = (
@@ -349,7 +350,7 @@ def measure_sensitivity(
 ) -> Any:
     """Each operand of the trained ``model`` quantized alone in ``config.low`` and ``config.high`` on
     ``batches`` training batches (the loss change and the gradient's relative error against FP32)."""
-    from numscope.demo.experiment import get_objective
+    from numscope.run.objectives import get_objective
     from numscope.sensitivity import sensitivity
 
     objective = get_objective("mlm")
@@ -603,8 +604,8 @@ class PlanStudyConfig:
             Plan.named(name)
 
     def demo_config(self, seed: int) -> Any:
-        from numscope.demo.experiment import TrainConfig
         from numscope.demo.main import DemoConfig
+        from numscope.run.config import TrainConfig
 
         train = TrainConfig(
             steps=self.steps,
@@ -745,8 +746,9 @@ def _train(task: dict[str, Any]) -> dict[str, Any]:
     """One (plan, seed) run in its folder; resumes or returns a finished result (train_run's contract)."""
     import torch
 
-    from numscope.demo.experiment import RunSpec, train_run
     from numscope.demo.main import model_config, training_observer
+    from numscope.run.config import RunSpec
+    from numscope.run.loop import train_run
 
     torch.set_num_threads(1)
     config = PlanStudyConfig(**task["config"])
@@ -812,7 +814,7 @@ def run_plan_study(
 ) -> PlanStudyResult:
     """Train every plan on every seed (finished runs are reused), write ``plan_study.json``,
     ``plan_study.md``, ``pareto.png`` and ``predicted_vs_measured.png`` into ``out_dir``."""
-    from numscope.demo.data import unigram_loss
+    from numscope.run.data import unigram_loss
 
     config = config or PlanStudyConfig()
     config.check()
@@ -821,13 +823,14 @@ def run_plan_study(
     text = tuple(str(p) for p in text_paths) if text_paths else None
     settings = out_dir / "settings.json"
     run_settings = {k: v for k, v in asdict(config).items() if k not in RESULT_NEUTRAL}
-    wanted = json.dumps({"config": run_settings, "text": text}, indent=1, sort_keys=True)
-    if settings.exists() and settings.read_text() != wanted:
+    wanted = json.loads(json.dumps({"config": run_settings, "text": text}))  # tuples as lists, as stored
+    stored = read_settings(settings)
+    if stored is not None and (changes := setting_changes(stored, wanted)):
         raise StudyError(
-            f"{out_dir} holds runs trained with other settings ({settings}); use another --out (budgets, "
-            "seeds, random plans, uniform formats and jobs may change: finished runs are reused)"
+            f"{out_dir} holds runs trained with other settings ({'; '.join(changes[:3])}); use another --out "
+            "(budgets, seeds, random plans, uniform formats and jobs may change: finished runs are reused)"
         )
-    atomic_write_text(settings, wanted)
+    atomic_write_text(settings, json.dumps(wanted, indent=1, sort_keys=True))
     cfg = asdict(config)
 
     def task(name: str, plan: str, seed: int, observe: bool = False) -> dict[str, Any]:
@@ -1019,7 +1022,7 @@ def _sensitivity_scores(
     import torch
 
     from numscope.demo.main import model_config
-    from numscope.demo.model import bert_mlm_from_config
+    from numscope.run.model import bert_mlm_from_config
     from numscope.train.checkpoint import load_checkpoint
 
     seed = config.seeds[0]
@@ -1040,7 +1043,7 @@ def _site_order(config: PlanStudyConfig, text: tuple[str, ...] | None) -> list[s
     import torch
 
     from numscope.demo.main import model_config
-    from numscope.demo.model import bert_mlm_from_config
+    from numscope.run.model import bert_mlm_from_config
     from numscope.sites import sites
 
     data = _data(config, text)

@@ -4,7 +4,7 @@ These are the functions behind ``numscope analyze``, ``recommend``, ``train``, `
 ``study``; the command line only parses flags and prints. A typical flow::
 
     from numscope import workflow
-    from numscope.demo.experiment import TrainConfig
+    from numscope.run.config import TrainConfig
 
     data = workflow.DataSettings(text=("notes.txt",))
     steps = TrainConfig(steps=200, batch_size=16)
@@ -61,23 +61,23 @@ from numscope._atomic import atomic_write_text
 from numscope._rng import fork_rng
 from numscope.analysis import Analysis
 from numscope.convert import convert
-from numscope.demo.corpus import CorpusError
-from numscope.demo.experiment import (
-    LOSS_SCALING,
-    OBJECTIVES,
-    DemoData,
-    RunResult,
-    RunSpec,
-    TrainConfig,
-    get_objective,
-    read_log,
-    read_result,
-    train_run,
-)
-from numscope.demo.tokenizer import TokenizerInfo
 from numscope.formats.spec import format as get_format
 from numscope.observe import DEFAULT_CANDIDATES as OBSERVED_BY_DEFAULT
 from numscope.plan import Plan, PlanError
+from numscope.run.config import LOSS_SCALING, RunData, RunResult, RunSpec, TrainConfig, read_result
+from numscope.run.corpus import CorpusError
+from numscope.run.folders import (
+    check_output_file,
+    check_output_folder,
+    check_run_settings,
+    finished_result,
+    flat_settings,
+    short_value,
+    stored_run_name,
+)
+from numscope.run.loop import read_log, train_run
+from numscope.run.objectives import OBJECTIVES, get_objective
+from numscope.run.tokenizer import TokenizerInfo
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -420,7 +420,7 @@ def _positive(flag: str, value: Any, minimum: int = 1) -> None:
         raise WorkflowError(f"{flag} must be an integer ≥ {minimum}; got {value!r}")
 
 
-def prepare_data(data: DataSettings) -> DemoData:
+def prepare_data(data: DataSettings) -> RunData:
     """Documents split into train/validation, the cached tokenizer, and token blocks of both splits."""
     from numscope.demo.main import DemoConfig
     from numscope.demo.main import prepare_data as prepare
@@ -435,7 +435,7 @@ def prepare_data(data: DataSettings) -> DemoData:
 
 
 def _corpus_digest(data: DataSettings) -> str:
-    from numscope.demo.corpus import corpus_hash, load_corpus
+    from numscope.run.corpus import corpus_hash, load_corpus
 
     try:
         return corpus_hash(load_corpus(list(data.text)))
@@ -444,7 +444,7 @@ def _corpus_digest(data: DataSettings) -> str:
 
 
 # ================================================================================================= runs
-def _check_train_config(config: TrainConfig, data: DemoData) -> None:
+def _check_train_config(config: TrainConfig, data: RunData) -> None:
     for flag, value in (
         ("--steps", config.steps),
         ("--batch-size", config.batch_size),
@@ -472,92 +472,9 @@ def _check_train_config(config: TrainConfig, data: DemoData) -> None:
         )
 
 
-def check_output_folder(path: str | os.PathLike[str], flag: str = "--out") -> Path:
-    """``path`` as a folder that exists or can be made, and that this process can write into; else a
-    :class:`WorkflowError` naming the path and the problem (before anything is trained or written)."""
-    folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise WorkflowError(f"{flag} {folder}: it is a file, not a folder; choose another {flag}")
-    existing = folder if folder.exists() else next((p for p in folder.parents if p.exists()), Path("."))
-    if not existing.is_dir():
-        raise WorkflowError(f"{flag} {folder}: {existing} is a file, not a folder; choose another {flag}")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise WorkflowError(f"{flag} {folder}: {existing} is not writable; choose another {flag}")
-    return folder
-
-
-def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
-    """``path`` as a file to write: its folder must exist and be writable, and it must not be a folder."""
-    target = Path(path)
-    if target.is_dir():
-        raise WorkflowError(f"{flag} {target}: it is a folder; give a file name")
-    if not target.parent.is_dir():
-        raise WorkflowError(f"{flag} {target}: no such folder {str(target.parent)!r}; create it first")
-    if not os.access(target.parent, os.W_OK | os.X_OK):
-        raise WorkflowError(f"{flag} {target}: the folder {str(target.parent)!r} is not writable")
-    return target
-
-
-def _stored_name(out: Path) -> str | None:
-    """The run name a folder's ``run.json`` recorded (so that a copied or moved folder resumes as itself)."""
-    try:
-        stored = json.loads((out / "run.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    name = stored.get("name") if isinstance(stored, dict) else None
-    return name if isinstance(name, str) else None
-
-
-def _check_settings(out: Path, settings: dict[str, Any]) -> None:
-    """A rerun into a folder must use the folder's settings (that is what makes resuming sound)."""
-    path = out / "run.json"
-    if not path.is_file():
-        return
-    try:
-        stored = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise WorkflowError(
-            f"{path}: unreadable ({error}); choose another --out or delete the folder"
-        ) from error
-    if not isinstance(stored, dict):
-        raise WorkflowError(f"{path}: not a run's settings (a JSON object); choose another --out")
-    ignore = {"numscope", "text", "command", "world_size", "objective_resolved"}
-    before = _flat({k: v for k, v in stored.items() if k not in ignore})
-    after = _flat({k: v for k, v in settings.items() if k not in ignore})
-    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
-    if changed:
-        details = "; ".join(f"{k}: {_short(before.get(k))} → {_short(after.get(k))}" for k in changed)
-        raise WorkflowError(
-            f"{out} already holds a run with other settings ({details}); rerun with the same flags to resume "
-            "it, or choose another --out"
-        )
-
-
-def _flat(settings: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested settings as ``{"train.steps": 4, …}``, so that a difference names the one setting."""
-    flat: dict[str, Any] = {}
-    for key, value in settings.items():
-        if isinstance(value, Mapping) and value:
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, sort_keys=True)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _finished(out: Path) -> RunResult | None:
-    """The stored result of a finished run (its settings already checked), else None."""
-    path = out / "result.json"
-    return read_result(path) if path.is_file() else None
-
-
 def _prepare_run(
     model: str, data: DataSettings, config: TrainConfig, objective: str, plan: Plan
-) -> tuple[DemoData, Callable[[], nn.Module], str]:
+) -> tuple[RunData, Callable[[], nn.Module], str]:
     """Data, the model factory and objective, after one probing forward that checks model and plan."""
     source = resolve_model(model, objective)
     prepared = prepare_data(data)
@@ -657,9 +574,9 @@ def analyze(
         settings = _settings(
             "analyze", model, objective, data, config, candidates=names, every=every, plan="fp32", **extra
         )
-        _check_settings(out_dir, settings)
+        check_run_settings(out_dir, settings)
         writer = distributed.is_rank_zero()
-        if (finished := _finished(out_dir)) is not None:
+        if (finished := finished_result(out_dir)) is not None:
             if sensitivity_batches:  # an earlier call may have stopped between the run and its sensitivity
                 prepared, factory, resolved = _prepare_run(
                     model, data, config, objective, Plan.uniform("fp32")
@@ -704,7 +621,7 @@ def analyze(
 def _measure_sensitivity(
     out_dir: Path,
     factory: Callable[[], nn.Module],
-    prepared: DemoData,
+    prepared: RunData,
     config: TrainConfig,
     objective: str,
     candidates: Sequence[str],
@@ -725,7 +642,7 @@ def _measure_sensitivity(
     analysis.save(out_dir / "analysis")
 
 
-def _sensitivity_batches(prepared: DemoData, config: TrainConfig, objective: str, count: int) -> list[Any]:
+def _sensitivity_batches(prepared: RunData, config: TrainConfig, objective: str, count: int) -> list[Any]:
     """The first ``count`` validation batches (of ``config.batch_size``), or a clear error if fewer exist."""
     split = get_objective(objective).batches(
         prepared.val_blocks, config.batch_size, prepared.tokenizer, config.seed, 0
@@ -776,7 +693,7 @@ def train(
     loaded, plan_source = _load_plan(plan)
     out_dir = check_output_folder(out)
     # a folder's recorded name wins over its current folder name: a copied or moved run resumes as itself
-    run_name = name or _stored_name(out_dir) or out_dir.resolve().name
+    run_name = name or stored_run_name(out_dir) or out_dir.resolve().name
     with _process_group():
         settings = _settings(
             "train",
@@ -790,8 +707,8 @@ def train(
             init_scale=init_scale,
             name=run_name,
         )
-        _check_settings(out_dir, settings)
-        if (finished := _finished(out_dir)) is not None:
+        check_run_settings(out_dir, settings)
+        if (finished := finished_result(out_dir)) is not None:
             return finished
         prepared, factory, resolved = _prepare_run(model, data, config, objective, loaded)
         settings["objective_resolved"] = resolved
@@ -912,8 +829,8 @@ def export_plan(
     """Write ``plan`` (a YAML path, preset or recipe) for ``target`` (torchao, te, megatron) for the Linear
     sites of ``model`` (as ``--model`` takes it; built once, untrained, to list its sites) into ``out``.
     Returns the files written and what the target cannot express (:mod:`numscope.export`)."""
-    from numscope.demo.tokenizer import TokenizerInfo
     from numscope.export import TARGETS, ExportError, export
+    from numscope.run.tokenizer import TokenizerInfo
     from numscope.sites import sites
 
     if target not in TARGETS:
@@ -1008,12 +925,12 @@ def comparability(runs: Sequence[Mapping[str, Any]], baseline: Mapping[str, Any]
     Runs of different models have no meaningful gap: that raises :class:`WorkflowError`. Runs whose folders
     lack the settings (``run.json``) are not checked.
     """
-    base = _flat(baseline.get("settings") or {})
+    base = flat_settings(baseline.get("settings") or {})
     notes = []
     for run in runs:
         if run is baseline or not run.get("settings") or not base:
             continue
-        settings = _flat(run["settings"])
+        settings = flat_settings(run["settings"])
         if "model" in base and settings.get("model") != base["model"]:
             raise WorkflowError(
                 f"{run['name']} trained the model {settings.get('model')!r}, the baseline "
@@ -1021,7 +938,7 @@ def comparability(runs: Sequence[Mapping[str, Any]], baseline: Mapping[str, Any]
                 "compare runs of one model"
             )
         differ = [
-            f"{label} {_short(settings.get(key))} vs {_short(base.get(key))}"
+            f"{label} {short_value(settings.get(key))} vs {short_value(base.get(key))}"
             for key, label in _COMPARABLE
             if key in base and settings.get(key) != base.get(key)
         ]

@@ -11,10 +11,10 @@ import torch
 
 from numscope.analysis import Analysis
 from numscope.demo import main as demo_main
-from numscope.demo.experiment import TrainConfig
 from numscope.demo.main import DemoConfig, fp16_underflow_by_site, run_demo, training_observer
-from numscope.demo.model import make_bert_mlm
 from numscope.metrics.stats import Log2Histogram
+from numscope.run.config import TrainConfig
+from numscope.run.model import make_bert_mlm
 
 TINY = DemoConfig(
     train=TrainConfig(steps=4, batch_size=4, lr=2e-3, warmup_steps=2, eval_every=2, checkpoint_every=2),

@@ -32,7 +32,7 @@ SEQUENCE = 8
 # -- shared builders ---------------------------------------------------------------------------------
 def tiny_bert(seed: int = 0) -> nn.Module:
     """A tiny BERT MLM (hidden 32, 2 layers, no dropout) built from a config: deterministic given ``seed``."""
-    from numscope.demo.model import make_bert_mlm
+    from numscope.run.model import make_bert_mlm
 
     return make_bert_mlm(
         VOCAB, hidden=32, layers=2, heads=2, intermediate=64, max_position=SEQUENCE, dropout=0.0, seed=seed

@@ -30,13 +30,15 @@ import torch
 from tqdm.auto import tqdm
 
 from numscope._atomic import atomic_write_text
-from numscope.demo.corpus import load_corpus, split_corpus
-from numscope.demo.data import load_or_make_blocks, unigram_loss
-from numscope.demo.experiment import DemoData, RunResult, RunSpec, TrainConfig, read_log, train_run
-from numscope.demo.model import ModelConfig
-from numscope.demo.tokenizer import TokenizerInfo, load_or_train_tokenizer
 from numscope.observe import DEFAULT_CANDIDATES
 from numscope.plan import Plan
+from numscope.run.config import RunData, RunResult, RunSpec, TrainConfig
+from numscope.run.corpus import load_corpus, split_corpus
+from numscope.run.data import load_or_make_blocks, unigram_loss
+from numscope.run.folders import read_settings, setting_changes
+from numscope.run.loop import read_log, train_run
+from numscope.run.model import ModelConfig
+from numscope.run.tokenizer import TokenizerInfo, load_or_train_tokenizer
 
 WITHIN_PERCENT = 1.0
 """A run "reaches FP32's validation loss" when its loss is at most this many percent above FP32's."""
@@ -245,7 +247,7 @@ def prepare_data(
     text_paths: Sequence[Path] | None = None,
     cache_dir: Path | None = None,
     progress: bool = False,
-) -> DemoData:
+) -> RunData:
     """Corpus → train/validation split → WordPiece tokenizer (cached) → token blocks (cached)."""
     with tqdm(total=4, desc=f"{'data':>13}", disable=not progress, leave=True) as bar:
         bar.set_postfix_str("corpus")
@@ -264,10 +266,10 @@ def prepare_data(
     if config.max_train_blocks is not None:
         train_blocks = train_blocks[: config.max_train_blocks]
     val_blocks = val_blocks[: min(config.val_blocks, val_blocks.shape[0])]
-    return DemoData(train_blocks, val_blocks, info)
+    return RunData(train_blocks, val_blocks, info)
 
 
-def model_config(config: DemoConfig, data: DemoData) -> ModelConfig:
+def model_config(config: DemoConfig, data: RunData) -> ModelConfig:
     return ModelConfig(
         vocab_size=data.tokenizer.vocab_size,
         hidden=config.hidden,
@@ -321,16 +323,9 @@ def _check_settings(out_dir: Path, config: DemoConfig, text_paths: Sequence[Path
     settings = {k: v for k, v in asdict(config).items() if k not in _RESULT_NEUTRAL}
     settings["text"] = [str(Path(p).resolve()) for p in text_paths] if text_paths else None
     settings = json.loads(json.dumps(settings))  # tuples as lists, as stored
-    path = out_dir / SETTINGS_FILE
-    if path.is_file():
-        try:
-            stored = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise DemoError(
-                f"{path} is not readable JSON ({error}); it records the settings of the runs in {out_dir}: "
-                "choose another --out, or delete the folder to start over"
-            ) from error
-        changes = _changes(stored, settings)
+    stored = read_settings(out_dir / SETTINGS_FILE)
+    if stored is not None:
+        changes = setting_changes(stored, settings)
         if changes:
             raise DemoError(
                 f"{out_dir} holds demo runs made with other settings ({'; '.join(changes[:3])}); "
@@ -342,18 +337,7 @@ def _check_settings(out_dir: Path, config: DemoConfig, text_paths: Sequence[Path
             f"{out_dir} holds demo runs but no {SETTINGS_FILE} to tell which settings made them; "
             "choose another --out"
         )
-    atomic_write_text(path, json.dumps(settings, indent=1))
-
-
-def _changes(old: Any, new: Any, where: str = "") -> list[str]:
-    """``key: old → new`` for every leaf that differs between two JSON values."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [
-            change
-            for key in sorted(set(old) | set(new))
-            for change in _changes(old.get(key), new.get(key), f"{where}.{key}" if where else key)
-        ]
-    return [] if old == new else [f"{where}: {old} → {new}"]
+    atomic_write_text(out_dir / SETTINGS_FILE, json.dumps(settings, indent=1))
 
 
 def _run_demo(
@@ -610,7 +594,7 @@ def _scale_text(scale: float) -> str:
     return f"{scale:g}"
 
 
-def _setup(config: DemoConfig, data: DemoData) -> dict[str, Any]:
+def _setup(config: DemoConfig, data: RunData) -> dict[str, Any]:
     specs = (
         REFERENCE,
         RunSpec(RECOMMENDED, "plan.yaml", description=RECOMMENDED_DESCRIPTION),

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models
 
-from numscope.demo import tokenizer as tokenizer_module
-from numscope.demo.tokenizer import (
+from numscope.run import tokenizer as tokenizer_module
+from numscope.run.tokenizer import (
     SPECIAL_TOKENS,
     TokenizerInfo,
     default_cache_dir,

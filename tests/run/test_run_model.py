@@ -10,9 +10,9 @@ import torch
 from tokenizers import Tokenizer
 from transformers import BertForMaskedLM
 
-from numscope.demo.data import batches, make_blocks
-from numscope.demo.model import ModelConfig, bert_mlm_from_config, make_bert_mlm
-from numscope.demo.tokenizer import TokenizerInfo
+from numscope.run.data import batches, make_blocks
+from numscope.run.model import ModelConfig, bert_mlm_from_config, make_bert_mlm
+from numscope.run.tokenizer import TokenizerInfo
 
 TINY = {"hidden": 32, "layers": 2, "heads": 2, "intermediate": 64, "max_position": 64}
 

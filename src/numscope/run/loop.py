@@ -18,11 +18,9 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,210 +30,15 @@ import torch.distributed as dist
 from numscope import distributed
 from numscope._atomic import atomic_write_text
 from numscope.convert import convert, load_numerics_state_dict, numerics_state_dict, site_sizes
-from numscope.demo.data import IGNORE_INDEX, MLMEvaluation, batches, derive_seed, evaluate_mlm, num_batches
-from numscope.demo.tokenizer import TokenizerInfo
-from numscope.plan import Plan
+from numscope.run.config import RunData, RunError, RunResult, RunSpec, TrainConfig, read_result
+from numscope.run.data import num_batches
+from numscope.run.objectives import Objective, get_objective
 from numscope.sites import sites
 from numscope.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from numscope.train.loss_scaler import LossScaler
 
 if TYPE_CHECKING:  # the model module imports transformers; train_run imports it when it needs it
-    from numscope.demo.model import ModelConfig
-
-LOSS_SCALING = ("none", "static", "dynamic")
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What differs between the demo's runs: the plan and the loss scaling."""
-
-    name: str
-    plan: str  # a preset or recipe name (Plan.named) or a path to a plan YAML
-    loss_scaling: str = "none"
-    init_scale: float = 2.0**16
-    description: str = ""
-
-    def __post_init__(self) -> None:
-        if self.loss_scaling not in LOSS_SCALING:
-            raise ValueError(
-                f"loss_scaling {self.loss_scaling!r} unknown; allowed: {', '.join(LOSS_SCALING)}"
-            )
-
-    def load_plan(self, sites: Iterable[str] | None = None) -> Plan:
-        """The plan: a YAML file, else a preset or named recipe (given the model's ``sites`` where the
-        recipe's layer choice needs them)."""
-        if self.plan.endswith((".yaml", ".yml")):
-            return Plan.load(self.plan)
-        return Plan.named(self.plan, sites)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Optimisation settings shared by every run of one experiment (units: steps, tokens, nats)."""
-
-    steps: int = 300
-    batch_size: int = 32
-    lr: float = 2e-3
-    warmup_steps: int = 30
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    eval_every: int = 50
-    checkpoint_every: int = 50
-    seed: int = 0
-
-    def lr_at(self, step: int) -> float:
-        """Linear warm-up then cosine decay to 10% of ``lr``."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
-        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
-
-
-@dataclass
-class RunResult:
-    name: str
-    plan: str
-    loss_scaling: str
-    val_loss: float
-    val_accuracy: float
-    skipped_steps: int
-    wall_seconds: float
-    steps: int
-    curve: list[dict[str, float]] = field(default_factory=list)  # eval points: step, val_loss, val_accuracy
-    final_scale: float = 1.0
-    avg_bits: float | None = None  # bits per GEMM operand element, weighted by a training step's sizes
-    world_size: int = 1  # data-parallel ranks that trained the run
-    rank_divergence: float | None = None  # largest parameter difference between ranks at the end (DDP only)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class RunError(ValueError):
-    """A run folder whose files cannot be used: a corrupt or foreign ``result.json`` or ``log.csv``."""
-
-
-def read_result(path: Path) -> RunResult:
-    """The :class:`RunResult` a finished run wrote to ``path`` (its ``result.json``); RunError if unusable."""
-    try:
-        return RunResult(**json.loads(Path(path).read_text(encoding="utf-8")))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as error:
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise RunError(
-            f"{path}: not a readable run result ({reason}); delete it to run the run again"
-        ) from error
-
-
-@dataclass(frozen=True)
-class DemoData:
-    train_blocks: torch.Tensor
-    val_blocks: torch.Tensor
-    tokenizer: TokenizerInfo
-
-
-class Objective:
-    """What a language model learns from token blocks: its batches, its loss's label count, its evaluation."""
-
-    name = ""
-    description = ""
-
-    def batches(
-        self, blocks: torch.Tensor, batch_size: int, tokenizer: TokenizerInfo, seed: int, epoch: int
-    ) -> Iterator[dict[str, torch.Tensor]]:
-        """One epoch of ``input_ids``, ``attention_mask``, ``labels`` batches, a function of (seed, epoch)."""
-        raise NotImplementedError
-
-    def label_count(self, batch: dict[str, torch.Tensor]) -> int:
-        """How many tokens of ``batch`` the model's mean loss averages over."""
-        raise NotImplementedError
-
-    def evaluate(
-        self, model: torch.nn.Module, val_blocks: torch.Tensor, tokenizer: TokenizerInfo, seed: int
-    ) -> MLMEvaluation:
-        """Mean loss (nats per scored token) and top-1 accuracy on the same validation tokens every call."""
-        raise NotImplementedError
-
-
-class MaskedLM(Objective):
-    """BERT's masked LM: 15% of tokens selected (80% [MASK], 10% random, 10% kept) and predicted."""
-
-    name = "mlm"
-    description = "masked language modelling (BERT: predict 15% masked tokens)"
-
-    def batches(
-        self, blocks: torch.Tensor, batch_size: int, tokenizer: TokenizerInfo, seed: int, epoch: int
-    ) -> Iterator[dict[str, torch.Tensor]]:
-        return batches(blocks, batch_size, tokenizer, seed=seed, epoch=epoch, drop_last=True)
-
-    def label_count(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["labels"] != IGNORE_INDEX).sum())
-
-    def evaluate(
-        self, model: torch.nn.Module, val_blocks: torch.Tensor, tokenizer: TokenizerInfo, seed: int
-    ) -> MLMEvaluation:
-        return evaluate_mlm(model, val_blocks, tokenizer, batch_size=64, seed=seed)
-
-
-class CausalLM(Objective):
-    """GPT's causal LM: every token predicts the next one; [PAD] positions are neither input nor target."""
-
-    name = "clm"
-    description = "causal language modelling (GPT: predict each next token)"
-
-    def batches(
-        self, blocks: torch.Tensor, batch_size: int, tokenizer: TokenizerInfo, seed: int, epoch: int
-    ) -> Iterator[dict[str, torch.Tensor]]:
-        generator = torch.Generator().manual_seed(derive_seed(seed, "epoch", epoch))
-        order = torch.randperm(blocks.shape[0], generator=generator)
-        count = num_batches(blocks.shape[0], batch_size, drop_last=True)
-        for start in range(0, count * batch_size, batch_size):
-            input_ids = blocks[order[start : start + batch_size]].long()
-            padding = input_ids == tokenizer.pad_id
-            yield {
-                "input_ids": input_ids,
-                "attention_mask": (~padding).long(),
-                "labels": input_ids.masked_fill(padding, IGNORE_INDEX),
-            }
-
-    def label_count(self, batch: dict[str, torch.Tensor]) -> int:
-        return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())  # transformers shifts labels by one
-
-    def evaluate(
-        self, model: torch.nn.Module, val_blocks: torch.Tensor, tokenizer: TokenizerInfo, seed: int
-    ) -> MLMEvaluation:
-        device = next(model.parameters()).device
-        total_loss, correct, count = 0.0, 0, 0
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                for start in range(0, val_blocks.shape[0], 64):
-                    input_ids = val_blocks[start : start + 64].long().to(device)
-                    attention_mask = (input_ids != tokenizer.pad_id).long()
-                    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-                    targets = input_ids[:, 1:]
-                    scored = targets != tokenizer.pad_id
-                    chosen, wanted = logits[scored].float(), targets[scored]
-                    total_loss += torch.nn.functional.cross_entropy(chosen, wanted, reduction="sum").item()
-                    correct += int((chosen.argmax(dim=-1) == wanted).sum())
-                    count += int(scored.sum())
-        finally:
-            model.train(was_training)
-        if count == 0:
-            raise ValueError(f"the {val_blocks.shape[0]} validation blocks hold no token to predict")
-        return MLMEvaluation(loss=total_loss / count, accuracy=correct / count, masked_tokens=count)
-
-
-OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (MaskedLM(), CausalLM())}
-
-
-def get_objective(name: str | Objective) -> Objective:
-    """The objective called ``name`` (``mlm`` or ``clm``); raises ValueError naming the known ones."""
-    if isinstance(name, Objective):
-        return name
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; known: {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[name]
+    from numscope.run.model import ModelConfig
 
 
 class _Batches:
@@ -244,7 +47,7 @@ class _Batches:
     One epoch of batches is built at a time and kept until the next epoch starts.
     """
 
-    def __init__(self, data: DemoData, cfg: TrainConfig, objective: Objective) -> None:
+    def __init__(self, data: RunData, cfg: TrainConfig, objective: Objective) -> None:
         self.data, self.cfg, self.objective = data, cfg, objective
         self.per_epoch = num_batches(data.train_blocks.shape[0], cfg.batch_size, drop_last=True)
         if self.per_epoch == 0:
@@ -273,7 +76,7 @@ def train_run(
     spec: RunSpec,
     model_config: ModelConfig | Callable[[], torch.nn.Module],
     cfg: TrainConfig,
-    data: DemoData,
+    data: RunData,
     out_dir: Path,
     on_step: Callable[[int, float], None] | None = None,
     observer_factory: Callable[[torch.nn.Module], Any] | None = None,
@@ -314,7 +117,7 @@ def train_run(
     if result_path.is_file():
         return read_result(result_path)
 
-    from numscope.demo.model import ModelConfig, bert_mlm_from_config
+    from numscope.run.model import ModelConfig, bert_mlm_from_config
 
     torch.manual_seed(cfg.seed)
     model = bert_mlm_from_config(model_config) if isinstance(model_config, ModelConfig) else model_config()

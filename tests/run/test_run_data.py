@@ -9,9 +9,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from numscope.demo import data as data_module
-from numscope.demo.corpus import CorpusError
-from numscope.demo.data import (
+from numscope.run import data as data_module
+from numscope.run.corpus import CorpusError
+from numscope.run.data import (
     IGNORE_INDEX,
     batches,
     blocks_cache_path,
@@ -22,8 +22,8 @@ from numscope.demo.data import (
     num_batches,
     unigram_loss,
 )
-from numscope.demo.model import make_bert_mlm
-from numscope.demo.tokenizer import TokenizerInfo
+from numscope.run.model import make_bert_mlm
+from numscope.run.tokenizer import TokenizerInfo
 
 SEQ_LEN = 64
 TINY = {"hidden": 32, "layers": 1, "heads": 2, "intermediate": 64, "max_position": SEQ_LEN}

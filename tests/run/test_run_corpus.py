@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from numscope.demo import corpus as corpus_module
-from numscope.demo.corpus import (
+from numscope.run import corpus as corpus_module
+from numscope.run.corpus import (
     CORPUS_INSTALL,
     CorpusError,
     CorpusNotFoundError,

@@ -20,8 +20,8 @@ import torch
 from tokenizers import Tokenizer
 
 from numscope._atomic import atomic_write
-from numscope.demo.corpus import CorpusError, corpus_hash
-from numscope.demo.tokenizer import TokenizerInfo, default_cache_dir
+from numscope.run.corpus import CorpusError, corpus_hash
+from numscope.run.tokenizer import TokenizerInfo, default_cache_dir
 
 DEFAULT_SEQ_LEN = 128
 DEFAULT_MASK_PROBABILITY = 0.15
@@ -95,7 +95,7 @@ def load_or_make_blocks(
 
     Args:
         cache_dir: cache root (``blocks/`` is made under it); default
-            :func:`numscope.demo.tokenizer.default_cache_dir`.
+            :func:`numscope.run.tokenizer.default_cache_dir`.
     """
     path = blocks_cache_path(documents, tokenizer, seq_len, cache_dir)
     if path.is_file():

@@ -24,7 +24,7 @@ from transformers import BertConfig, BertForMaskedLM
 from transformers.modeling_outputs import MaskedLMOutput
 
 from numscope._rng import fork_rng
-from numscope.demo.data import IGNORE_INDEX
+from numscope.run.data import IGNORE_INDEX
 
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
 """``eager`` computes attention with explicit matmuls (visible to GEMM-site discovery); ``sdpa`` calls

@@ -1,0 +1,72 @@
+"""Training runs of language models under a precision plan, for the demo, the studies and users' own models.
+
+``corpus`` reads the default Wikipedia corpus (CC BY-SA 4.0) or the user's text files and splits them;
+``tokenizer`` trains and caches a WordPiece tokenizer on the training split; ``model`` builds a small
+``BertForMaskedLM`` from a config; ``data`` turns documents into masked batches and scores a model on a fixed
+set of masked tokens; ``objectives`` are masked and causal LM; ``config`` holds what a run is (its plan,
+optimisation settings, data, result); ``loop`` trains one run, resumable and logged. Names are resolved lazily
+so that reading the corpus does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "CORPUS_ATTRIBUTION": "numscope.run.corpus",
+    "CORPUS_INSTALL": "numscope.run.corpus",
+    "CorpusError": "numscope.run.corpus",
+    "CorpusNotFoundError": "numscope.run.corpus",
+    "corpus_hash": "numscope.run.corpus",
+    "default_corpus_path": "numscope.run.corpus",
+    "load_corpus": "numscope.run.corpus",
+    "split_corpus": "numscope.run.corpus",
+    "DEFAULT_VOCAB_SIZE": "numscope.run.tokenizer",
+    "SPECIAL_TOKENS": "numscope.run.tokenizer",
+    "TokenizerInfo": "numscope.run.tokenizer",
+    "default_cache_dir": "numscope.run.tokenizer",
+    "load_or_train_tokenizer": "numscope.run.tokenizer",
+    "train_tokenizer": "numscope.run.tokenizer",
+    "ModelConfig": "numscope.run.model",
+    "bert_mlm_from_config": "numscope.run.model",
+    "make_bert_mlm": "numscope.run.model",
+    "IGNORE_INDEX": "numscope.run.data",
+    "MLMEvaluation": "numscope.run.data",
+    "batches": "numscope.run.data",
+    "evaluate_mlm": "numscope.run.data",
+    "load_or_make_blocks": "numscope.run.data",
+    "make_blocks": "numscope.run.data",
+    "mlm_mask": "numscope.run.data",
+    "num_batches": "numscope.run.data",
+    "LOSS_SCALING": "numscope.run.config",
+    "RunData": "numscope.run.config",
+    "RunError": "numscope.run.config",
+    "RunResult": "numscope.run.config",
+    "RunSpec": "numscope.run.config",
+    "TrainConfig": "numscope.run.config",
+    "read_result": "numscope.run.config",
+    "CausalLM": "numscope.run.objectives",
+    "MaskedLM": "numscope.run.objectives",
+    "OBJECTIVES": "numscope.run.objectives",
+    "Objective": "numscope.run.objectives",
+    "get_objective": "numscope.run.objectives",
+    "LOG_FIELDS": "numscope.run.loop",
+    "read_log": "numscope.run.loop",
+    "train_run": "numscope.run.loop",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'numscope.run' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

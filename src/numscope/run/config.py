@@ -1,0 +1,107 @@
+"""What one training run is: its plan and loss scaling (:class:`RunSpec`), the optimisation settings
+shared by an experiment's runs (:class:`TrainConfig`), the data it trains on (:class:`RunData`) and what a
+finished run wrote (:class:`RunResult`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from numscope.plan import Plan
+from numscope.run.tokenizer import TokenizerInfo
+
+LOSS_SCALING = ("none", "static", "dynamic")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What differs between the demo's runs: the plan and the loss scaling."""
+
+    name: str
+    plan: str  # a preset or recipe name (Plan.named) or a path to a plan YAML
+    loss_scaling: str = "none"
+    init_scale: float = 2.0**16
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.loss_scaling not in LOSS_SCALING:
+            raise ValueError(
+                f"loss_scaling {self.loss_scaling!r} unknown; allowed: {', '.join(LOSS_SCALING)}"
+            )
+
+    def load_plan(self, sites: Iterable[str] | None = None) -> Plan:
+        """The plan: a YAML file, else a preset or named recipe (given the model's ``sites`` where the
+        recipe's layer choice needs them)."""
+        if self.plan.endswith((".yaml", ".yml")):
+            return Plan.load(self.plan)
+        return Plan.named(self.plan, sites)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation settings shared by every run of one experiment (units: steps, tokens, nats)."""
+
+    steps: int = 300
+    batch_size: int = 32
+    lr: float = 2e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    checkpoint_every: int = 50
+    seed: int = 0
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up then cosine decay to 10% of ``lr``."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+@dataclass
+class RunResult:
+    name: str
+    plan: str
+    loss_scaling: str
+    val_loss: float
+    val_accuracy: float
+    skipped_steps: int
+    wall_seconds: float
+    steps: int
+    curve: list[dict[str, float]] = field(default_factory=list)  # eval points: step, val_loss, val_accuracy
+    final_scale: float = 1.0
+    avg_bits: float | None = None  # bits per GEMM operand element, weighted by a training step's sizes
+    world_size: int = 1  # data-parallel ranks that trained the run
+    rank_divergence: float | None = None  # largest parameter difference between ranks at the end (DDP only)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RunError(ValueError):
+    """A run folder whose files cannot be used: a corrupt or foreign ``result.json`` or ``log.csv``."""
+
+
+def read_result(path: Path) -> RunResult:
+    """The :class:`RunResult` a finished run wrote to ``path`` (its ``result.json``); RunError if unusable."""
+    try:
+        return RunResult(**json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError) as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise RunError(
+            f"{path}: not a readable run result ({reason}); delete it to run the run again"
+        ) from error
+
+
+@dataclass(frozen=True)
+class RunData:
+    train_blocks: torch.Tensor
+    val_blocks: torch.Tensor
+    tokenizer: TokenizerInfo
