@@ -609,3 +609,17 @@ def test_uses_block_formats_names_the_plans_worth_compiling() -> None:
     assert not Plan.uniform("fp8").uses_block_formats() and not Plan.uniform("fp32").uses_block_formats()
     one_block_operand = Plan(SiteSpec(), (Rule("head", SiteSpec({"wgrad/input": "mxfp4_e2m1"})),))
     assert one_block_operand.uses_block_formats()
+
+
+def test_resolve_reads_a_plan_by_the_one_rule_every_entry_point_uses(tmp_path: Path) -> None:
+    assert Plan.resolve("fp8") == Plan.uniform("fp8")
+    path = tmp_path / "mine.yaml"
+    Plan.uniform("mxfp8").save(path)
+    assert Plan.resolve(path) == Plan.resolve(str(path)) == Plan.uniform("mxfp8")
+    with pytest.raises(PlanError, match=r"--plan .*missing\.yaml: no such file \(or give a preset: fp32"):
+        Plan.resolve(tmp_path / "missing.yaml")
+    (tmp_path / "plan.txt").write_text("default: {}")
+    with pytest.raises(PlanError, match=r"a plan file must be YAML \(\.yaml or \.yml\)"):
+        Plan.resolve(tmp_path / "plan.txt")
+    with pytest.raises(PlanError, match="unknown preset or recipe 'fp9'"):
+        Plan.resolve("fp9")

@@ -676,6 +676,27 @@ class Plan:
         raise PlanError(_unknown("preset or recipe", str(name), (*_PRESETS, *cls.recipes())))
 
     @classmethod
+    def resolve(cls, spec: str | os.PathLike[str], sites: Iterable[str] | None = None) -> Plan:
+        """The plan a ``--plan`` value names: a YAML file (a ``.yaml``/``.yml`` name, or any path that
+        exists), else a preset or named recipe (:meth:`named`, given the model's ``sites`` where a recipe's
+        layer choice needs them). The one rule every entry point reads plans by; PlanError says what was
+        wrong and what is allowed."""
+        path = Path(spec)
+        if path.suffix in (".yaml", ".yml") or path.exists():
+            if not path.is_file():
+                raise PlanError(
+                    f"--plan {spec}: no such file (or give a preset: {', '.join(_PRESETS)}; or a recipe: "
+                    f"{', '.join(cls.recipes())})"
+                )
+            if path.suffix not in (".yaml", ".yml"):
+                raise PlanError(f"--plan {spec}: a plan file must be YAML (.yaml or .yml)")
+            try:
+                return cls.load(path)
+            except (OSError, UnicodeDecodeError) as error:
+                raise PlanError(f"--plan {spec}: cannot read it ({error})") from error
+        return cls.named(str(spec), sites)
+
+    @classmethod
     def uniform(cls, name: str) -> Plan:
         """A preset plan: one site spec for every site, accumulation in fp32.
 

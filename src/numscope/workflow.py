@@ -733,21 +733,9 @@ def train(
 
 
 def _load_plan(plan: str) -> tuple[Plan, str]:
-    """The plan and how a run names it: a preset name, or the absolute path of a YAML file."""
-    path = Path(plan)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise WorkflowError(
-                f"--plan {plan}: no such file (or give a preset: {', '.join(Plan.presets())}; or a "
-                f"recipe: {', '.join(Plan.recipes())})"
-            )
-        if path.suffix not in (".yaml", ".yml"):
-            raise WorkflowError(f"--plan {plan}: a plan file must be YAML (.yaml or .yml)")
-        try:
-            return Plan.load(path), str(path.resolve())
-        except (OSError, UnicodeDecodeError) as error:
-            raise WorkflowError(f"--plan {plan}: cannot read it ({error})") from error
-    return Plan.named(plan), plan
+    """The plan and how a run names it: a preset or recipe name, or the absolute path of a YAML file."""
+    loaded = Plan.resolve(plan)
+    return loaded, (str(Path(plan).resolve()) if Path(plan).is_file() else plan)
 
 
 def _env_world_size() -> int:

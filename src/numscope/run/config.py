@@ -38,9 +38,7 @@ class RunSpec:
     def load_plan(self, sites: Iterable[str] | None = None) -> Plan:
         """The plan: a YAML file, else a preset or named recipe (given the model's ``sites`` where the
         recipe's layer choice needs them)."""
-        if self.plan.endswith((".yaml", ".yml")):
-            return Plan.load(self.plan)
-        return Plan.named(self.plan, sites)
+        return Plan.resolve(self.plan, sites)
 
 
 @dataclass(frozen=True)
