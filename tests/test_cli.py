@@ -328,7 +328,7 @@ def test_recommend_passes_its_criteria_to_the_advisor(ws: Path, flow: dict[str, 
 def test_recommend_with_a_gap_model_weights_roles_and_predicts_the_gap(
     ws: Path, flow: dict[str, Result]
 ) -> None:
-    from numscope.plan_study import GapModel
+    from numscope.study import GapModel
 
     analysis = Analysis.load(ws / "runs" / "fp32" / "analysis")
     model = GapModel({"fprop": 0.5, "dgrad": 0.0, "wgrad": 0.0}, 0.002, 4)

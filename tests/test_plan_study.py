@@ -12,20 +12,22 @@ import torch
 
 import numscope
 from numscope._names import layer_index
-from numscope.plan_study import (
+from numscope.study import (
     GapModel,
     Operands,
     PlanStudyConfig,
     StudyError,
     budget_plans,
     fill_order,
+    plan_of,
+    verdict,
+)
+from numscope.study.plans import (
     order_first_last,
     order_gradients_high,
     order_inverse,
     order_last_layers,
     order_wgrad_high,
-    plan_of,
-    verdict,
 )
 from tiny_models import tiny_bert
 
@@ -180,7 +182,7 @@ def test_config_refuses_budgets_outside_the_two_formats():
 
 def test_a_study_run_is_seeded(tmp_path):
     """The same (plan, seed) trains to the same loss in two folders; another seed differs."""
-    from numscope.plan_study import _train
+    from numscope.study.plan_study import _train
 
     config = PlanStudyConfig.quick()
     cfg = {**config.__dict__, "steps": 6}
@@ -235,7 +237,7 @@ def test_plan_flags_are_refused_for_the_synthetic_study(capsys):
 
 
 def test_derived_limits_accept_every_format_at_parity_and_say_what_they_still_reject():
-    from numscope.plan_study import derive_limits
+    from numscope.study import derive_limits
 
     fp8 = {"min_sqnr_db": 25.3, "max_underflow_pct": 54.0, "max_overflow_pct": 0.0, "max_be_ratio": 48.6}
     mxfp6 = {"min_sqnr_db": 24.2, "max_underflow_pct": 12.0, "max_overflow_pct": 10.34, "max_be_ratio": 130.0}
@@ -260,7 +262,7 @@ def test_derived_limits_accept_every_format_at_parity_and_say_what_they_still_re
 
 def test_sensitivity_model_scores_each_operand_by_its_gradient_error():
     from numscope.analysis import Sensitivity
-    from numscope.plan_study import SensitivityModel
+    from numscope.study import SensitivityModel
 
     a, b = ("s", "fprop", "input"), ("s", "dgrad", "grad_output")
     measured = Sensitivity(

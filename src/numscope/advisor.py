@@ -544,7 +544,7 @@ def advise(
         (:mod:`numscope.plan_study`) fits, e.g. ``{"*/wgrad/*": 0.2}`` when wgrad noise costs less loss.
     objective: ``objective(key, format) -> float``, the quantity the bit budget minimises the sum of,
         instead of the (weighted) noise power: e.g. a fitted loss impact from measured sensitivities
-        (:class:`numscope.plan_study.SensitivityModel`). ``high`` costs 0.
+        (:class:`numscope.study.SensitivityModel`). ``high`` costs 0.
     """
     if not isinstance(analysis, Analysis):
         raise TypeError(f"advise expects a numscope.Analysis, got {type(analysis).__name__}")

@@ -826,7 +826,7 @@ def _register_calibrate(sub: argparse._SubParsersAction) -> None:
         help="fit a gap model on your model: what each GEMM role's quantization noise costs in loss",
         description="Trains your model in FP32 (observed) and with the low format on one GEMM role at a "
         "time (fprop, dgrad, wgrad) and everywhere, on every seed (5 × seeds runs of --steps each), and fits "
-        "the gap model (numscope.plan_study.GapModel) that 'numscope recommend --gap-model' uses to weigh "
+        "the gap model (numscope.study.GapModel) that 'numscope recommend --gap-model' uses to weigh "
         "the roles in a bit budget and to predict a plan's validation-loss gap before training it.",
     )
     _add_run_flags(p)
@@ -893,7 +893,7 @@ def _register_study(sub: argparse._SubParsersAction) -> None:
         "Gaussian: printed as a table, written as a PNG and a CSV into --out. 'numscope study plans': "
         "trains the demo's BERT under numscope's plan, uniform formats, practitioners' heuristics, random "
         "and inverse allocations at several average-bit budgets over several seeds (see "
-        "numscope.plan_study); a table, plan_study.json, pareto.png and predicted_vs_measured.png.",
+        "numscope.study.plan_study); a table, plan_study.json, pareto.png and predicted_vs_measured.png.",
     )
     p.add_argument("kind", nargs="?", choices=("synthetic", "plans"), default="synthetic", help="which study")
     p.add_argument(

@@ -1059,8 +1059,8 @@ class StudyResult:
 
 
 def load_gap_model(path: str | os.PathLike[str]) -> Any:
-    """A :class:`numscope.plan_study.GapModel` from a file; a clear error if it is not one."""
-    from numscope.plan_study import GapModel, StudyError
+    """A :class:`numscope.study.GapModel` from a file; a clear error if it is not one."""
+    from numscope.study import GapModel, StudyError
 
     try:
         return GapModel.load(path)
@@ -1069,7 +1069,7 @@ def load_gap_model(path: str | os.PathLike[str]) -> Any:
 
 
 def predicted_gap(gap_model: Any, analysis: Analysis, plan: Plan) -> float:
-    from numscope.plan_study import StudyError
+    from numscope.study import StudyError
 
     try:
         return gap_model.predict_plan(analysis, plan)
@@ -1087,9 +1087,9 @@ def calibrate(
     low: str = "mxfp4_e2m1",
     objective: str = "auto",
 ) -> Any:
-    """:func:`numscope.plan_study.calibrate` into ``out``, with clear errors for bad settings."""
-    from numscope.plan_study import StudyError
-    from numscope.plan_study import calibrate as run
+    """:func:`numscope.study.calibrate` into ``out``, with clear errors for bad settings."""
+    from numscope.study import StudyError
+    from numscope.study import calibrate as run
 
     try:
         name = get_format(low).name
@@ -1112,11 +1112,11 @@ def plan_study(
     jobs: int | None = None,
     text: Sequence[str] | None = None,
 ) -> Any:
-    """The plan study (:func:`numscope.plan_study.run_plan_study`) into ``out``; ``quick`` starts from
+    """The plan study (:func:`numscope.study.run_plan_study`) into ``out``; ``quick`` starts from
     :meth:`PlanStudyConfig.quick`, the other arguments override the configuration."""
     from dataclasses import replace
 
-    from numscope.plan_study import PlanStudyConfig, StudyError, run_plan_study
+    from numscope.study import PlanStudyConfig, StudyError, run_plan_study
 
     config = PlanStudyConfig.quick() if quick else PlanStudyConfig()
     changes = {

@@ -1,0 +1,130 @@
+"""The plan study's settings and vocabulary: plan families, heuristics, uniform formats, the win rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from numscope.plan import OperandSpec, Plan
+
+GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
+FAMILIES: tuple[str, ...] = (
+    "reference",
+    "uniform",
+    "calibration",
+    "numscope",
+    "heuristic",
+    "random",
+    "inverse",
+)
+HEURISTICS: tuple[str, ...] = ("first/last layers", "last layers", "wgrad high", "gradients high")
+UNIFORM: tuple[str, ...] = ("bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
+RESULT_NEUTRAL = ("budgets", "seeds", "random_plans", "uniform", "jobs")
+"""Settings that choose which runs the study makes, not what a (plan, seed) run computes: a rerun with other
+values reuses every finished run."""
+WIN_SIGMAS = 2.0
+"""A paired difference counts as a win when its mean exceeds this many standard deviations of it."""
+
+
+class StudyError(ValueError):
+    """Settings the plan study cannot run with."""
+
+
+@dataclass(frozen=True)
+class PlanStudyConfig:
+    """What the study trains: the demo's BERT knobs and training; budgets in bits per operand element;
+    ``jobs`` runs train side by side in processes of one thread each.
+
+    Why these defaults (measured with FP32 runs, 1 thread each, 2 side by side): a 1,000-token vocabulary
+    and 128-token blocks learn context faster per second than the demo's 4,000 and 64 (−0.41 nats below the
+    context-free loss after 500 steps at lr 2e-3, against −0.20); but at lr 2e-3 one seed in three stayed on
+    the context-free plateau for all 500 steps (5.61 against 5.27–5.31 nats), which would make seed noise
+    swamp every gap. At lr 1e-3 four seeds of four left the plateau by step 150 and ended 300 steps at
+    5.47–5.52 nats (−0.17 to −0.23 below the context-free loss), 32 s per run; 300 steps keep the whole
+    study (about 140 runs) under an hour on two cores."""
+
+    budgets: tuple[float, ...] = (5.0, 6.0, 7.0)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    random_plans: int = 5
+    low: str = "mxfp4_e2m1"
+    high: str = "mxfp8_e4m3"
+    uniform: tuple[str, ...] = UNIFORM
+    jobs: int = 2
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 1e-3
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 2
+    intermediate: int = 512
+    seq_len: int = 128
+    vocab_size: int = 1000
+    observe_every: int = 25
+
+    @classmethod
+    def quick(cls) -> PlanStudyConfig:
+        return cls(
+            budgets=(6.0,),
+            seeds=(0, 1),
+            random_plans=2,
+            uniform=("mxfp8", "mxfp4"),
+            steps=40,
+            hidden=64,
+            intermediate=128,
+            seq_len=64,
+            observe_every=10,
+        )
+
+    def check(self) -> None:
+        if len(set(self.seeds)) != len(self.seeds) or not self.seeds:
+            raise StudyError(f"seeds must be distinct and at least one; got {list(self.seeds)}")
+        low, high = (OperandSpec(label).bits_per_element() for label in (self.low, self.high))
+        for budget in self.budgets:
+            if not low <= budget <= high:
+                raise StudyError(
+                    f"budget {budget:g} must lie between {self.low} ({low:g} bits) and {self.high} "
+                    f"({high:g} bits)"
+                )
+        if self.jobs < 1 or self.random_plans < 0:
+            raise StudyError(f"jobs must be >= 1 and random_plans >= 0; got {self.jobs}, {self.random_plans}")
+        for name in self.uniform:
+            Plan.named(name)
+
+    def demo_config(self, seed: int) -> Any:
+        from numscope.demo.main import DemoConfig
+        from numscope.run.config import TrainConfig
+
+        train = TrainConfig(
+            steps=self.steps,
+            batch_size=self.batch_size,
+            lr=self.lr,
+            warmup_steps=max(1, self.steps // 16),
+            eval_every=max(1, self.steps // 10),
+            checkpoint_every=max(1, self.steps // 5),
+            seed=seed,
+        )
+        candidates = tuple(dict.fromkeys((self.low, self.high, *UNIFORM_CANDIDATES)))
+        return DemoConfig(
+            train=train,
+            hidden=self.hidden,
+            layers=self.layers,
+            heads=self.heads,
+            intermediate=self.intermediate,
+            seq_len=self.seq_len,
+            vocab_size=self.vocab_size,
+            observe_every=self.observe_every,
+            candidates=candidates,
+        )
+
+
+UNIFORM_CANDIDATES = (
+    "bf16",
+    "fp16",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "mxfp8_e4m3",
+    "mxfp6_e3m2",
+    "mxfp4_e2m1",
+    "nvfp4",
+)
+"""What the FP32 run measures: every format the uniform plans use (their predicted gaps need them)."""

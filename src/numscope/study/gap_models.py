@@ -1,0 +1,157 @@
+"""Models that predict a plan's validation-loss gap to FP32 before it is trained: from the FP32 analysis's
+tensor noise per GEMM role (:class:`GapModel`) or from measured gradient sensitivities
+(:class:`SensitivityModel`), and the rank correlation that judges them."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from numscope.analysis import Analysis, OperandKey
+from numscope.plan import HIGH, Plan
+from numscope.study.config import GEMMS, PlanStudyConfig, StudyError
+from numscope.study.operands import Operands
+
+
+def role_noise(analysis: Analysis, formats: Mapping[OperandKey, str]) -> dict[str, float]:
+    """Σ relative noise power of the operands of each GEMM role under ``formats`` (every operand key of
+    the plan → its format; the gap model's features)."""
+    from numscope.advisor import operand_noise
+
+    out = dict.fromkeys(GEMMS, 0.0)
+    for key, label in formats.items():
+        out[key[1]] += operand_noise(analysis, key, label)
+    return out
+
+
+@dataclass(frozen=True)
+class GapModel:
+    """gap (nats) ≈ Σ_role coefficients[role] · noise[role]; ``spread`` is the residual standard deviation
+    of the calibration fit (nats), the prediction's uncertainty."""
+
+    coefficients: Mapping[str, float]
+    spread: float
+    points: int
+
+    @classmethod
+    def fit(cls, features: Sequence[Mapping[str, float]], gaps: Sequence[float]) -> GapModel:
+        """Non-negative least squares through the origin (no noise, no gap) on calibration points."""
+        from scipy.optimize import nnls
+
+        if len(features) != len(gaps) or not features:
+            raise StudyError(
+                f"a gap model needs matched calibration points; got {len(features)}, {len(gaps)}"
+            )
+        matrix = np.array([[f[g] for g in GEMMS] for f in features], dtype=float)
+        target = np.array(gaps, dtype=float)
+        coefficients, _ = nnls(matrix, target)
+        residual = target - matrix @ coefficients
+        dof = max(1, len(gaps) - int((coefficients > 0).sum()))
+        spread = float(math.sqrt(float(residual @ residual) / dof))
+        return cls(dict(zip(GEMMS, map(float, coefficients), strict=True)), spread, len(gaps))
+
+    def predict(self, features: Mapping[str, float]) -> float:
+        return float(sum(self.coefficients[g] * features[g] for g in GEMMS))
+
+    def predict_plan(self, analysis: Analysis, plan: Plan) -> float:
+        """The predicted gap (nats) of ``plan`` on the model ``analysis`` measured; every format the plan
+        gives an operand must have been a candidate of the observer."""
+        formats = {}
+        measured = analysis.keys()
+        for key in measured:
+            spec = plan.for_site(key[0]).operand(key[1], key[2])
+            label = spec.format if spec.format == HIGH else spec.format_spec().name
+            if label != HIGH and label not in analysis.candidates:
+                raise StudyError(
+                    f"{'/'.join(key)}: the plan's {label!r} was not measured (measured: "
+                    f"{', '.join(analysis.candidates)}); observe with it among the candidates"
+                )
+            formats[key] = label
+        return self.predict(role_noise(analysis, formats))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"coefficients": dict(self.coefficients), "spread": self.spread, "points": self.points}
+
+    @classmethod
+    def load(cls, path: str | Path) -> GapModel:
+        """From ``gap_model.json`` (or a ``plan_study.json``, which holds one) of ``numscope study plans``."""
+        try:
+            data = json.loads(Path(path).read_text())
+            data = data.get("gap_model", data)
+            coefficients = {g: float(data["coefficients"][g]) for g in GEMMS}
+            return cls(coefficients, float(data["spread"]), int(data.get("points", 0)))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise StudyError(
+                f"{path}: not a gap model (the gap_model.json of 'numscope study plans'): {error}"
+            ) from error
+
+    def noise_weights(self) -> dict[str, float]:
+        """The advisor's ``noise_weights``: each role's coefficient relative to the largest."""
+        top = max(self.coefficients.values())
+        if top <= 0:
+            return {}
+        return {f"*/{g}/*": self.coefficients[g] / top for g in GEMMS}
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties); nan for fewer than 3 points."""
+    from scipy.stats import spearmanr
+
+    if len(a) < 3:
+        return math.nan
+    return float(spearmanr(a, b).statistic)
+
+
+# -- the sensitivity model --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SensitivityModel:
+    """A loss model from measured sensitivities instead of tensor noise: each operand quantized alone in a
+    format on the trained FP32 model (:func:`numscope.sensitivity`, ``granularity="operand"``) perturbs the
+    parameter gradient by a relative error e; its score is e² (the noise power it adds to the update; for
+    fprop operands this includes what their forward noise does downstream, e.g. at the MLM head). The
+    study fits a :class:`GapModel` on the per-role sums of these scores."""
+
+    scores: Mapping[OperandKey, Mapping[str, float]]
+
+    @classmethod
+    def from_sensitivity(cls, sensitivity: Any) -> SensitivityModel:
+        scores: dict[OperandKey, dict[str, float]] = {}
+        for key, per_format in sensitivity.results.items():
+            scores[key] = {label: float(m["grad_rel_error"]) ** 2 for label, m in per_format.items()}
+        return cls(scores)
+
+    def score(self, key: OperandKey, label: str) -> float:
+        if label == HIGH:
+            return 0.0
+        try:
+            return self.scores[key][label]
+        except KeyError as error:
+            raise StudyError(f"no sensitivity of {'/'.join(key)} in {label}: measure it first") from error
+
+    def features(self, operands: Operands, formats: Mapping[OperandKey, str]) -> dict[str, float]:
+        out = dict.fromkeys(GEMMS, 0.0)
+        for key in operands.keys:
+            out[key[1]] += self.score(key, formats[key])
+        return out
+
+
+def measure_sensitivity(
+    model: Any, data: Any, config: PlanStudyConfig, batches: int = 4, seed: int = 0
+) -> Any:
+    """Each operand of the trained ``model`` quantized alone in ``config.low`` and ``config.high`` on
+    ``batches`` training batches (the loss change and the gradient's relative error against FP32)."""
+    from numscope.run.objectives import get_objective
+    from numscope.sensitivity import sensitivity
+
+    objective = get_objective("mlm")
+    stream = objective.batches(data.train_blocks, config.batch_size, data.tokenizer, seed, 0)
+    sample = [next(stream) for _ in range(batches)]
+    return sensitivity(model, sample, candidates=[config.low, config.high], granularity="operand", seed=seed)

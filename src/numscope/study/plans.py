@@ -1,0 +1,207 @@
+"""The plans the study compares, as operand → format maps: operands of a model's analysis, the orders
+heuristics and random draws give them, an order filled to an average-bit budget (:func:`fill_order`), and
+every plan of every budget."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from numscope._names import layer_index
+from numscope.analysis import Analysis, OperandKey
+from numscope.plan import HIGH, Plan
+from numscope.study.config import GEMMS, PlanStudyConfig, StudyError
+from numscope.study.gap_models import GapModel, SensitivityModel
+from numscope.study.operands import Operands, format_bits
+
+
+def order_first_last(operands: Operands) -> list[OperandKey]:
+    """Megatron's ``--first-last-layers-bf16``: sites outside the layers (embeddings, head) first, then the
+    first and last layer, then inwards; site order within a rank."""
+    sites = operands.sites()
+    layers = sorted({i for s in sites if (i := layer_index(s)) is not None})
+    if not layers:
+        return list(operands.keys)
+    first, last = layers[0], layers[-1]
+
+    def rank(key: OperandKey) -> int:
+        layer = layer_index(key[0])
+        return -1 if layer is None else min(layer - first, last - layer)
+
+    return sorted(operands.keys, key=lambda k: (rank(k), operands.keys.index(k)))
+
+
+def order_last_layers(operands: Operands) -> list[OperandKey]:
+    """The NVFP4 recipe's last linear layers in high precision: the last sites (call order) first."""
+    sites = operands.sites()
+    position = {site: i for i, site in enumerate(sites)}
+    return sorted(operands.keys, key=lambda k: (-position[k[0]], operands.keys.index(k)))
+
+
+def order_wgrad_high(operands: Operands) -> list[OperandKey]:
+    """torchao's ``rowwise_with_gw_hp``: the weight-gradient GEMM's operands first, then gradients."""
+    role = {"wgrad": 0, "dgrad": 1, "fprop": 2}
+    return sorted(operands.keys, key=lambda k: (role[k[1]], k[2] != "grad_output", operands.keys.index(k)))
+
+
+def order_gradients_high(operands: Operands) -> list[OperandKey]:
+    """Per GEMM role, as Transformer Engine's hybrid gives gradients the wide format: every
+    ``grad_output`` operand first, then the rest, in site order."""
+    return sorted(operands.keys, key=lambda k: (k[2] != "grad_output", operands.keys.index(k)))
+
+
+HEURISTIC_ORDERS: dict[str, Callable[[Operands], list[OperandKey]]] = {
+    "first/last layers": order_first_last,
+    "last layers": order_last_layers,
+    "wgrad high": order_wgrad_high,
+    "gradients high": order_gradients_high,
+}
+
+
+def order_random(operands: Operands, seed: int) -> list[OperandKey]:
+    rng = np.random.default_rng(seed)
+    return [operands.keys[i] for i in rng.permutation(len(operands.keys))]
+
+
+def benefit_per_bit(analysis: Analysis, operands: Operands, low: str, high: str) -> dict[OperandKey, float]:
+    """The advisor's metric of where bits pay: noise removed by going ``low`` → ``high``, per bit spent."""
+    from numscope.advisor import operand_noise
+
+    extra = format_bits(high) - format_bits(low)
+    return {
+        k: (operand_noise(analysis, k, low) - operand_noise(analysis, k, high))
+        / (extra * operands.elements[k])
+        for k in operands.keys
+    }
+
+
+def order_inverse(analysis: Analysis, operands: Operands, low: str, high: str) -> list[OperandKey]:
+    """Bits where the metrics say they matter least: ascending benefit per bit."""
+    benefit = benefit_per_bit(analysis, operands, low, high)
+    return sorted(operands.keys, key=lambda k: (benefit[k], operands.keys.index(k)))
+
+
+def fill_order(
+    order: Sequence[OperandKey], operands: Operands, budget: float, low: str, high: str
+) -> dict[OperandKey, str]:
+    """Every operand ``low``; then, walking ``order``, each one ``high`` when the average stays within the
+    budget. A budget below all-``low`` is an error."""
+    formats = {k: low for k in operands.keys}
+    total = sum(operands.elements.values())
+    used = sum(operands.elements.values()) * format_bits(low)
+    if used > budget * total + 1e-9:
+        raise StudyError(f"budget {budget:g} bits is below all-{low} ({format_bits(low):g} bits per element)")
+    extra = format_bits(high) - format_bits(low)
+    for key in order:
+        cost = extra * operands.elements[key]
+        if used + cost <= budget * total + 1e-9:
+            formats[key] = high
+            used += cost
+    return formats
+
+
+def plan_of(formats: Mapping[OperandKey, str], reason: str = "") -> Plan:
+    """A plan with one exact-name rule per site giving each operand its format; other sites stay high."""
+    return Plan.per_operand(formats, dict.fromkeys(formats, reason) if reason else None)
+
+
+def role_plan(operands: Operands, gemm: str, low: str) -> dict[OperandKey, str]:
+    """Calibration: ``low`` on every operand of one GEMM role, the rest high."""
+    return {k: (low if k[1] == gemm else HIGH) for k in operands.keys}
+
+
+@dataclass
+class StudyPlan:
+    name: str
+    family: str
+    budget: float | None
+    formats: dict[OperandKey, str] | None  # None: a named plan (uniform, fp32)
+    preset: str | None = None
+
+    def plan(self) -> Plan:
+        return Plan.named(self.preset) if self.preset else plan_of(self.formats or {}, self.name)
+
+
+def budget_plans(
+    analysis: Analysis,
+    operands: Operands,
+    config: PlanStudyConfig,
+    gap_model: GapModel | None = None,
+    sensitivity: tuple[SensitivityModel, GapModel] | None = None,
+) -> list[StudyPlan]:
+    """Every plan of every budget: numscope's (and its calibrated variant given ``gap_model``), the
+    heuristics, the random orders and the inverse, each filled to the budget."""
+    from numscope.advisor import advise
+
+    off = dict(max_be_ratio=None, max_underflow_pct=None, max_overflow_pct=None, min_sqnr_db=None)
+    variants: dict[str, dict[str, Any]] = {"numscope": {}}  # name → how the advisor is asked
+    if gap_model is not None and gap_model.noise_weights():
+        variants["numscope calibrated"] = {"noise_weights": gap_model.noise_weights()}
+    if sensitivity is not None:
+        scores, fitted = sensitivity
+
+        def loss_impact(key: OperandKey, label: str) -> float:
+            return fitted.coefficients[key[1]] * scores.score(key, label)
+
+        variants["numscope sensitivity"] = {"objective": loss_impact}
+    plans = []
+    for budget in config.budgets:
+        tag = f"@{budget:g}"
+        for name, asked in variants.items():
+            rec = advise(analysis, candidates=[config.low, config.high], bit_budget=budget, **asked, **off)
+            formats = {c.key: c.format for c in rec.choices}
+            plans.append(StudyPlan(f"{name}{tag}", "numscope", budget, formats))
+        for name, order in HEURISTIC_ORDERS.items():
+            formats = fill_order(order(operands), operands, budget, config.low, config.high)
+            plans.append(StudyPlan(f"{name}{tag}", "heuristic", budget, formats))
+        for index in range(config.random_plans):
+            seed = int(1000 * budget) * 100 + index
+            formats = fill_order(order_random(operands, seed), operands, budget, config.low, config.high)
+            plans.append(StudyPlan(f"random {index + 1}{tag}", "random", budget, formats))
+        inverse = order_inverse(analysis, operands, config.low, config.high)
+        plans.append(
+            StudyPlan(
+                f"inverse{tag}",
+                "inverse",
+                budget,
+                fill_order(inverse, operands, budget, config.low, config.high),
+            )
+        )
+    for plan in plans:  # the advisor also assigns operands without elements; keep the study's operands
+        plan.formats = {k: (plan.formats or {}).get(k, config.low) for k in operands.keys}
+    return plans
+
+
+def calibration_plans(operands: Operands, config: PlanStudyConfig) -> list[StudyPlan]:
+    return [
+        StudyPlan(
+            f"{config.low.split('_')[0]} {gemm} only",
+            "calibration",
+            None,
+            role_plan(operands, gemm, config.low),
+        )
+        for gemm in GEMMS
+    ]
+
+
+def uniform_formats(name: str, operands: Operands) -> dict[OperandKey, str]:
+    """The format a preset gives each operand (for its bits and its predicted gap)."""
+    plan = Plan.named(name)
+    return {k: plan.for_site(k[0]).operand(k[1], k[2]).format for k in operands.keys}
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.@-]+", "_", name)
+
+
+def _preset_of(label: str) -> str | None:
+    """The uniform preset whose every operand is ``label`` (e.g. ``mxfp4`` for ``mxfp4_e2m1``), if any."""
+    for name in Plan.presets():
+        formats = {spec.format for spec in Plan.named(name).default.operands.values()}
+        if formats == {label}:
+            return name
+    return None
