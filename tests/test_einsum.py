@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import numscope
-from numscope.sites import _einsum_as_matmul, attach, sites
+from numscope.sites import attach, sites
+from numscope.sites.runtime import _einsum_as_matmul
 
 
 @pytest.mark.parametrize(

@@ -101,8 +101,8 @@ class _Quantizer:
         return tensors, unpack
 
     def pack(self, site: Site, tensor: torch.Tensor):
-        """The codes of a quantized fprop input this quantizer produced (see ``numscope.sites._Call.pack``):
-        kept in the format's own torch dtype (1 or 2 bytes) with its descale, unpacked bit for bit."""
+        """The codes of a quantized fprop input this quantizer produced (``numscope.sites.gemm._Call.pack``
+        asks): kept in the format's own torch dtype (1 or 2 bytes) with its descale, unpacked bit for bit."""
         found = self._codes.pop(id(tensor), None)
         if found is None or found[0]() is not tensor:
             return None

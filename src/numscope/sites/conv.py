@@ -1,0 +1,144 @@
+"""Convolutions as sites: the GEMMs of their im2col form, one autograd function (:class:`SiteConv`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from numscope.sites.gemm import _Call, _store
+
+_CONV_FUNCS: dict[Callable[..., Any], tuple[int, bool]] = {
+    F.conv1d: (1, False),
+    F.conv2d: (2, False),
+    F.conv3d: (3, False),
+    F.conv_transpose1d: (1, True),
+    F.conv_transpose2d: (2, True),
+    F.conv_transpose3d: (3, True),
+}
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_TRANSPOSE_ARGS = (
+    "input",
+    "weight",
+    "bias",
+    "stride",
+    "padding",
+    "output_padding",
+    "groups",
+    "dilation",
+)
+
+
+@dataclass(frozen=True)
+class _ConvParams:
+    """A convolution's geometry, in ``aten.convolution``'s terms."""
+
+    dims: int
+    transposed: bool
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    output_padding: tuple[int, ...]
+    groups: int
+
+    @classmethod
+    def of(
+        cls, func: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> tuple[_ConvParams, dict[str, Any]] | None:
+        """The parameters of a ``F.conv*`` call, or ``None`` where its padding is a string ('same')."""
+        dims, transposed = _CONV_FUNCS[func]
+        bound = dict(zip(_CONV_TRANSPOSE_ARGS if transposed else _CONV_ARGS, args, strict=False)) | kwargs
+        if isinstance(bound.get("padding", 0), str):
+            return None
+
+        def tuple_of(value: Any, default: int) -> tuple[int, ...]:
+            value = default if value is None else value
+            return tuple(value) if isinstance(value, list | tuple) else (int(value),) * dims
+
+        params = cls(
+            dims,
+            transposed,
+            tuple_of(bound.get("stride"), 1),
+            tuple_of(bound.get("padding"), 0),
+            tuple_of(bound.get("dilation"), 1),
+            tuple_of(bound.get("output_padding"), 0),
+            int(bound.get("groups", 1) or 1),
+        )
+        return params, bound
+
+    @property
+    def weight_axes(self) -> tuple[int, int]:
+        """The contraction axis of the weight in fprop and in dgrad: a convolution's weight is (C_out,
+        C_in/groups, k…) and contracts over C_in in fprop, over C_out in dgrad; transposed, the reverse."""
+        return (0, 1) if self.transposed else (1, 0)
+
+    def convolve(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.aten.convolution(
+            x, weight, bias, self.stride, self.padding, self.dilation, self.transposed, self.output_padding,
+            self.groups,
+        )  # fmt: skip
+
+    def gradients(
+        self,
+        grad_output: torch.Tensor,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        mask: tuple[bool, bool, bool],
+        bias_sizes: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """``aten.convolution_backward``: the op autograd itself runs for a convolution."""
+        return torch.ops.aten.convolution_backward(
+            grad_output, x, weight, bias_sizes, self.stride, self.padding, self.dilation, self.transposed,
+            self.output_padding, self.groups, list(mask),
+        )  # fmt: skip
+
+
+class SiteConv(torch.autograd.Function):
+    """A convolution site: its input, weight and grad_output through the handler chain in each of its three
+    GEMMs (the convolution is the GEMM of its im2col form), multiplied by ``aten.convolution`` and
+    ``aten.convolution_backward``, the ops autograd itself runs, so identity handlers are bit-identical.
+
+    Contraction axes handed to the handlers: the channel axis 1 of the input (fprop) and of grad_output
+    (dgrad); the weight's C_in axis in fprop and C_out axis in dgrad (see :attr:`_ConvParams.weight_axes`);
+    in wgrad the contraction runs over the batch and every output position, and the handlers get axis 0,
+    the batch axis (so block formats block consecutive samples at one channel and position there).
+    """
+
+    @staticmethod
+    def forward(ctx, call: _Call, params: _ConvParams, x, weight, bias):  # type: ignore[override]
+        fprop_w_axis, _ = params.weight_axes
+        x_q = call.chain("fprop", "input", x, 1)
+        w_q = call.chain("fprop", "weight", weight, fprop_w_axis)
+        out = params.convolve(x_q, w_q, None if bias is None else bias.to(call.compute_dtype(bias.dtype)))
+        ctx.call, ctx.params = call, params
+        ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(_store(x, call.storage), weight)
+        return out if call.upcast is None else out.to(call.upcast)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        call, params = ctx.call, ctx.params
+        x_saved, weight = ctx.saved_tensors
+        x = x_saved.to(ctx.dtypes[0])
+        need_x, need_w, need_bias = ctx.needs_input_grad[2], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
+        _, dgrad_w_axis = params.weight_axes
+        grad_x = grad_w = grad_bias = None
+        if need_x:
+            dy = call.chain("dgrad", "grad_output", grad_output, 1)
+            w_q = call.chain("dgrad", "weight", weight, dgrad_w_axis)
+            grad_x = params.gradients(dy, x.to(dy.dtype), w_q, (True, False, False))[0]
+        if need_w:
+            dy = call.chain("wgrad", "grad_output", grad_output, 0)
+            x_q = call.chain("wgrad", "input", x, 0)
+            grad_w = params.gradients(dy, x_q, weight.to(dy.dtype), (False, True, False))[1]
+        if need_bias and ctx.dtypes[2] is not None:  # from the unquantized grad_output, as autograd sums it
+            channels = [weight.shape[1] * params.groups if params.transposed else weight.shape[0]]
+            grad_bias = params.gradients(grad_output, x, weight, (False, False, True), channels)[2]
+            grad_bias = grad_bias.to(ctx.dtypes[2])
+        if call.upcast is not None:
+            grad_x = None if grad_x is None else grad_x.to(ctx.dtypes[0])
+            grad_w = None if grad_w is None else grad_w.to(ctx.dtypes[1])
+        return None, None, grad_x, grad_w, grad_bias

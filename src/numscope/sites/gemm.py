@@ -1,0 +1,364 @@
+"""Sites, their GEMMs and the one autograd function every intercepted GEMM runs through (:class:`SiteGemm`),
+with exact replicas of autograd's mm backward and emulated narrow accumulation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
+#: number of products summed exactly (in fp32) before a rounding to a narrow accumulator
+ACCUMULATE_CHUNK = 32
+
+
+@dataclass(frozen=True)
+class Accumulator:
+    """How a GEMM sums its products: in ``format`` (``None``: fp32, torch's own matmul), and, where
+    ``promote_every`` is set, with the narrow partial sum added into an fp32 total every that many
+    products (DeepSeek-V3's promotion of the tensor cores' limited accumulation, every 128)."""
+
+    format: str | None
+    promote_every: int | None = None
+
+
+#: the accumulators a plan's ``accumulate`` names: fp32; bf16 and fp16; fp22 (E8M13, the ~14 significant
+#: bits that FP8 tensor cores keep, as the DeepSeek-V3 report measured on H800), alone or promoted to fp32
+#: every 128 products
+ACCUMULATORS: dict[str, Accumulator] = {
+    "fp32": Accumulator(None),
+    "bf16": Accumulator("bf16"),
+    "fp16": Accumulator("fp16"),
+    "fp22": Accumulator("e8m13"),
+    "fp22_promote128": Accumulator("e8m13", 128),
+}
+_LOW = (torch.float16, torch.bfloat16)
+STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+}
+
+
+@dataclass(frozen=True)
+class Site:
+    """One GEMM-bearing call of a model.
+
+    name: the site's name (what plan rules match). module: qualified name of the module it belongs to.
+    kind: ``linear``, ``conv1d``, ``matmul`` (matmul/bmm/mm/addmm/F.linear in forward code) or ``sdpa``.
+    """
+
+    name: str
+    module: str
+    kind: str
+
+    def key(self, gemm: str, operand: str, *parts: str) -> str:
+        """A legible metric key, e.g. ``bert.encoder.layer.0.attention.self.query/wgrad/grad_output``."""
+        return "/".join((self.name, gemm, operand, *parts))
+
+
+@runtime_checkable
+class OperandHandler(Protocol):
+    """Sees (and may replace) one operand of one GEMM of one site.
+
+    ``axis`` is the contraction axis of ``tensor`` in this GEMM. Called inside an autograd Function: no
+    gradient is tracked through what it does. Must return a tensor of the same shape, in ``tensor``'s
+    dtype or in float32 (the site casts it to the dtype its GEMM multiplies in).
+    """
+
+    def __call__(
+        self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int
+    ) -> torch.Tensor: ...
+
+
+# -- exact replicas of autograd's mm backward ----------------------------------------------------------
+
+
+def _mm_mat1_backward(grad: torch.Tensor, mat2: torch.Tensor, sizes: Sequence[int], strides: Sequence[int]):
+    """The gradient of mat1 in ``mat1.mm(mat2)``, as torch's ``mm_mat1_backward`` (alpha 1, strided)."""
+    if strides[0] == 1 and strides[1] == sizes[0]:
+        return mat2.mm(grad.t()).t()
+    return grad.mm(mat2.t())
+
+
+def _mm_mat2_backward(grad: torch.Tensor, mat1: torch.Tensor, sizes: Sequence[int], strides: Sequence[int]):
+    """The gradient of mat2 in ``mat1.mm(mat2)``, as torch's ``mm_mat2_backward`` (alpha 1, strided)."""
+    if strides[0] == 1 and strides[1] == sizes[0]:
+        return grad.t().mm(mat1).t()
+    return mat1.t().mm(grad)
+
+
+def accumulate_matmul(
+    a: torch.Tensor, b: torch.Tensor, accumulate: str, chunk: int = ACCUMULATE_CHUNK
+) -> torch.Tensor:
+    """``a @ b`` (broadcasting, ≥2-D) with the sum over the contraction axis in the ``accumulate`` format.
+
+    See the module docstring for the model (chunks of ``chunk`` products exact in fp32, then sequential
+    additions rounded to the accumulator's format; with promotion, each run of ``promote_every`` products
+    summed so and then added into an fp32 total). ``fp32`` is ``torch.matmul``. Returns ``a``'s dtype.
+    """
+    accumulator = ACCUMULATORS.get(accumulate)
+    if accumulator is None:
+        raise ValueError(f"unknown accumulate {accumulate!r}; allowed: {', '.join(ACCUMULATORS)}")
+    if accumulator.format is None:
+        return torch.matmul(a, b)
+    from numscope.formats.cast import cast_float
+    from numscope.formats.spec import format as get_format
+
+    narrow = get_format(accumulator.format)
+
+    def rounded(values: torch.Tensor) -> torch.Tensor:
+        return cast_float(values, narrow, "nearest", "propagate")  # type: ignore[arg-type]
+
+    out_dtype = a.dtype
+    a, b = a.float(), b.float()
+    length = a.shape[-1]
+    pad = (-length) % chunk
+    if pad:
+        a = F.pad(a, (0, pad))
+        b = F.pad(b, (0, 0, 0, pad))
+    chunks = (length + pad) // chunk
+    a_chunks = a.reshape(*a.shape[:-1], chunks, chunk).movedim(-2, -3)
+    b_chunks = b.reshape(*b.shape[:-2], chunks, chunk, b.shape[-1])
+    partials = rounded(torch.matmul(a_chunks, b_chunks))
+    per_group = chunks if accumulator.promote_every is None else max(accumulator.promote_every // chunk, 1)
+    total = None
+    for first in range(0, chunks, per_group):
+        group = partials.select(-3, first)
+        for index in range(first + 1, min(first + per_group, chunks)):
+            group = rounded(group + partials.select(-3, index))
+        total = group if total is None else total + group  # the promotion: an fp32 addition
+    assert total is not None
+    return total.to(out_dtype)
+
+
+# -- the one autograd function -------------------------------------------------------------------------
+
+
+@dataclass
+class _Call:
+    """Everything the autograd function needs about one site call besides its tensors."""
+
+    site: Site
+    layout: str  # linear | mm | fold | batched
+    handlers: tuple[Callable[..., torch.Tensor], ...]
+    accumulate: str
+    storage: torch.dtype | None
+    weight_axes: tuple[int, int] = (-1, 0)  # (fprop, dgrad) axes of b
+    meta: dict[str, Any] = field(default_factory=dict)
+    share_input: bool = False  # wgrad takes fprop's handled input (every handler said shares_input)
+    prequantize: bool = False  # wgrad's input is quantized in forward and kept in its codes (see below)
+    upcast: torch.dtype | None = None  # the working dtype of a GEMM computed on float32 values
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype an operand of ``dtype`` is multiplied in: float32 for fp16/bf16 when upcasting."""
+        return torch.float32 if self.upcast is not None and dtype in _LOW else dtype
+
+    def pack(
+        self, tensor: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, ...], Callable[..., torch.Tensor]] | None:
+        """A compact form of the handled fprop input kept for wgrad, from the last handler that offers one
+        (``pack(site, tensor) -> (tensors, unpack) | None``; ``unpack(*tensors)`` must give ``tensor`` back
+        bit for bit): a quantized operand kept in its own codes instead of float32."""
+        packer = getattr(self.handlers[-1], "pack", None) if self.handlers else None
+        return None if packer is None else packer(self.site, tensor)
+
+    def pack_wgrad_input(
+        self, tensor: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, ...], Callable[..., torch.Tensor]] | None:
+        """wgrad's input (``tensor``, (tokens, features)) quantized now, in forward, and kept in its codes:
+        what every handler's ``prequantizes_wgrad_input(site)`` allowed, from the last handler's
+        ``pack_wgrad_input(site, tensor) -> (tensors, unpack) | None``; ``unpack(*tensors)`` is exactly what
+        the chain would give wgrad in backward (a block format's input keeps its codes, not float32)."""
+        return self.handlers[-1].pack_wgrad_input(self.site, tensor)  # type: ignore[attr-defined]
+
+    def chain(self, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        dtype = self.compute_dtype(tensor.dtype)
+        for handler in self.handlers:
+            tensor = handler(self.site, gemm, operand, tensor, axis).to(dtype)
+        return tensor.to(dtype)
+
+
+def _store(tensor: torch.Tensor, storage: torch.dtype | None) -> torch.Tensor:
+    """The copy of an activation kept for backward (parameters are kept as they are)."""
+    if storage is None or isinstance(tensor, nn.Parameter) or not tensor.is_floating_point():
+        return tensor
+    return tensor.to(storage)
+
+
+def _sum_bias(grad_output: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """The bias gradient: the unquantized grad_output summed (in fp32) to the bias shape."""
+    if grad_output.dtype == torch.float32:
+        return grad_output.sum_to_size(shape).to(dtype)
+    return grad_output.float().sum_to_size(shape).to(dtype)
+
+
+def _fold_strides(a: torch.Tensor) -> tuple[int, int]:
+    """Strides of ``a.reshape(-1, a.shape[-1])`` (a view where the leading dims fold, else a fresh copy)."""
+    shape, strides = a.shape, a.stride()
+    for index in range(a.dim() - 2):
+        if strides[index] != strides[index + 1] * shape[index + 1]:
+            return (shape[-1], 1)
+    return (strides[-2], strides[-1])
+
+
+def _forward_product(
+    call: _Call, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    layout, acc = call.layout, call.accumulate
+    if acc == "fp32":
+        if layout == "linear":
+            return F.linear(a, b, bias)
+        if layout == "mm":
+            return torch.mm(a, b) if bias is None else torch.addmm(bias, a, b)
+        return torch.matmul(a, b) if bias is None else torch.baddbmm(bias, a, b)
+    if layout == "linear":
+        out = accumulate_matmul(a.reshape(-1, a.shape[-1]), b.t(), acc).reshape(*a.shape[:-1], b.shape[0])
+    else:
+        out = accumulate_matmul(a, b, acc)
+    return out if bias is None else out + bias
+
+
+class SiteGemm(torch.autograd.Function):
+    """``y = a ⊗ b (+ bias)`` of one site, every operand of its three GEMMs passed through the handler chain.
+
+    Parametrised by a :class:`_Call` (layout, site, handlers, accumulation, storage); one class for every
+    kind of site.
+    """
+
+    @staticmethod
+    def forward(ctx, call: _Call, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None):  # type: ignore[override]
+        fprop_b_axis, _ = call.weight_axes
+        a_q = call.chain("fprop", "input", a, -1)
+        b_q = call.chain("fprop", "weight", b, fprop_b_axis)
+        out = _forward_product(
+            call, a_q, b_q, None if bias is None else bias.to(call.compute_dtype(bias.dtype))
+        )
+        need_a, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        # the handled input is kept for wgrad only where it takes no more memory than the raw one
+        share = call.share_input and a_q.element_size() <= a.element_size()
+        ctx.share = share
+        ctx.call = call
+        ctx.a_meta = (a.shape, a.stride(), a.dtype)
+        ctx.b_meta = (b.shape, b.stride(), b.dtype)
+        ctx.has_bias = bias is not None
+        ctx.bias_shape = None if bias is None else bias.shape
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        packed = call.pack(a_q) if share and need_b and call.storage is None else None
+        ctx.unpack = None if packed is None else packed[1]
+        prepared = None
+        if need_b and not share and call.prequantize and call.storage is None:
+            prepared = call.pack_wgrad_input(a if call.layout == "mm" else a.reshape(-1, a.shape[-1]))
+        ctx.wgrad_unpack = None if prepared is None else prepared[1]
+        if prepared is not None:
+            kept_a = prepared[0]
+        elif packed is not None:
+            kept_a = packed[0]
+        else:
+            kept_a = (_store(a_q if share else a, call.storage) if need_b else None,)
+        ctx.save_for_backward(*kept_a, _store(b, call.storage) if need_a else None)
+        ctx.a_saved_dtype = (a_q if share else a).dtype
+        # the parameter object itself for dgrad's handlers (saved-tensor hooks hand back a plain alias),
+        # which may reuse what they made of it in fprop; saved above too, for autograd's version check
+        ctx.parameter = b if need_a and isinstance(b, nn.Parameter) else None
+        return out if call.upcast is None else out.to(call.upcast)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
+        call: _Call = ctx.call
+        *kept_a, b_saved = ctx.saved_tensors
+        a_shape, a_stride, a_dtype = ctx.a_meta
+        b_shape, b_stride, b_dtype = ctx.b_meta
+        need_a, need_b, need_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        # wgrad's input quantized in forward (kept in its codes), as the chain would have made it here
+        prepared = None
+        if ctx.wgrad_unpack is not None:
+            prepared = ctx.wgrad_unpack(*kept_a).to(call.compute_dtype(a_dtype))
+            a_saved = None
+        else:
+            a_saved = ctx.unpack(*kept_a) if ctx.unpack is not None else kept_a[0]
+        a = None if a_saved is None else a_saved.to(ctx.a_saved_dtype)
+        b = ctx.parameter if ctx.parameter is not None else None if b_saved is None else b_saved.to(b_dtype)
+        share = ctx.share
+        grad_a = grad_b = grad_bias = None
+        layout, acc = call.layout, call.accumulate
+        _, dgrad_b_axis = call.weight_axes
+        if layout in ("linear", "fold"):
+            grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+            if need_a:
+                dy = call.chain("dgrad", "grad_output", grad_2d, -1)
+                w = call.chain("dgrad", "weight", b, dgrad_b_axis)
+                mat2 = w.t() if layout == "linear" else w
+                if acc == "fp32":
+                    a2_size = (math.prod(a_shape[:-1]), a_shape[-1])
+                    a2_stride = a_stride if len(a_shape) == 2 else call.meta["a_fold_strides"]
+                    grad_a = _mm_mat1_backward(dy, mat2, a2_size, a2_stride).reshape(a_shape)
+                else:
+                    grad_a = accumulate_matmul(dy, mat2.t(), acc).reshape(a_shape)
+            if need_b:
+                dy = call.chain("wgrad", "grad_output", grad_2d, 0)
+                if prepared is not None:
+                    x = prepared
+                else:
+                    x = a.reshape(-1, a_shape[-1])
+                    x = x if share else call.chain("wgrad", "input", x, 0)
+                if acc != "fp32":
+                    product = accumulate_matmul(x.t(), dy, acc)
+                    grad_b = product.t() if layout == "linear" else product
+                elif layout == "linear":
+                    grad_b = _mm_mat2_backward(
+                        dy, x, (b_shape[1], b_shape[0]), (b_stride[1], b_stride[0])
+                    ).t()
+                else:
+                    grad_b = _mm_mat2_backward(dy, x, b_shape, b_stride)
+        elif layout == "mm":
+            if need_a:
+                dy = call.chain("dgrad", "grad_output", grad_output, -1)
+                w = call.chain("dgrad", "weight", b, dgrad_b_axis)
+                if acc == "fp32":
+                    grad_a = _mm_mat1_backward(dy, w, a_shape, a_stride)
+                else:
+                    grad_a = accumulate_matmul(dy, w.t(), acc)
+            if need_b:
+                dy = call.chain("wgrad", "grad_output", grad_output, 0)
+                x = prepared if prepared is not None else a if share else call.chain("wgrad", "input", a, 0)
+                grad_b = (
+                    _mm_mat2_backward(dy, x, b_shape, b_stride)
+                    if acc == "fp32"
+                    else accumulate_matmul(x.t(), dy, acc)
+                )
+        else:  # batched, as at::matmul: expand the batch dims, fold them into one, bmm
+            batch = call.meta["batch"]
+            count = math.prod(batch)
+            n, m, p = a_shape[-2], a_shape[-1], b_shape[-1]
+            if need_a:
+                dy = call.chain("dgrad", "grad_output", grad_output, -1).reshape(count, n, p)
+                w = call.chain("dgrad", "weight", b, -1).expand(*batch, m, p).reshape(count, m, p)
+                product = (
+                    dy.bmm(w.transpose(1, 2))
+                    if acc == "fp32"
+                    else accumulate_matmul(dy, w.transpose(1, 2), acc)
+                )
+                grad_a = product.reshape(*batch, n, m).sum_to_size(a_shape)
+            if need_b:
+                dy = call.chain("wgrad", "grad_output", grad_output, -2).reshape(count, n, p)
+                x = a if share else call.chain("wgrad", "input", a, -2)
+                x = x.expand(*batch, n, m).reshape(count, n, m)
+                product = (
+                    x.transpose(1, 2).bmm(dy)
+                    if acc == "fp32"
+                    else accumulate_matmul(x.transpose(1, 2), dy, acc)
+                )
+                grad_b = product.reshape(*batch, m, p).sum_to_size(b_shape)
+        if need_bias and ctx.has_bias:
+            flat = grad_output.reshape(-1, grad_output.shape[-1]) if layout == "linear" else grad_output
+            grad_bias = _sum_bias(flat, ctx.bias_shape, ctx.bias_dtype)
+        if call.upcast is not None:  # computed in float32: back to each input's dtype, as autograd's casts
+            grad_a = None if grad_a is None else grad_a.to(a_dtype)
+            grad_b = None if grad_b is None else grad_b.to(b_dtype)
+        return None, grad_a, grad_b, grad_bias
