@@ -11,7 +11,8 @@ import numscope
 from numscope import advisor
 from numscope.advisor import AdvisorError, Limits, recommend_table
 from numscope.analysis import Analysis, OperandRecord, Sensitivity
-from numscope.plan import OPERANDS, Plan
+from numscope.plan import Plan
+from numscope.vocab import OPERANDS
 
 LIMITS = {"max_be_ratio": 40.0, "max_underflow_pct": 2.0, "max_overflow_pct": 0.1, "min_sqnr_db": 22.0}
 """The limits these hand-built analyses were designed around (the advisor's defaults before they were

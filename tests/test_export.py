@@ -23,7 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numscope
 from numscope.cli import main
 from numscope.export import ExportError, export, from_transformer_engine, to_megatron, to_transformer_engine
-from numscope.plan import OPERAND_KEYS, Plan
+from numscope.plan import Plan
+from numscope.vocab import OPERAND_KEYS
 
 PEERS = Path(sys.prefix) / "peers"
 GOLDEN = Path(__file__).parent / "golden"

@@ -17,8 +17,9 @@ from numscope.advisor import recommend
 from numscope.analysis import Analysis
 from numscope.metrics import operand_metrics
 from numscope.observe import MIN_ROWS, Observer, observe
-from numscope.plan import OPERANDS, Plan
+from numscope.plan import Plan
 from numscope.sites import sites
+from numscope.vocab import OPERANDS
 
 CANDIDATES = ("bf16", "fp8_e4m3", "fp8_e5m2", "int8", "mxfp8_e4m3", "nvfp4")
 BATCH, SEQ, VOCAB = 4, 16, 100

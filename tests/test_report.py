@@ -78,7 +78,7 @@ def _backward_error(left: torch.Tensor, right: torch.Tensor, fmt: str) -> float:
 
 
 def _quantized(tensor: torch.Tensor, fmt: str, axis: int) -> torch.Tensor:
-    from numscope.plan import default_scaling
+    from numscope.formats.scaling import default_scaling
 
     scaling = default_scaling(numscope.format(fmt))
     if scaling is not None and scaling.kind == "block":

@@ -12,8 +12,9 @@ from transformers import BertForMaskedLM
 import numscope
 import tiny_models
 from numscope.analysis import ALL, Analysis, Sensitivity
-from numscope.plan import OPERANDS, Plan, Rule, SiteSpec
+from numscope.plan import Plan, Rule, SiteSpec
 from numscope.sensitivity import sensitivity
+from numscope.vocab import OPERANDS
 
 BATCH, SEQ, VOCAB = 4, 16, 100
 CANDIDATES = ("fp32", "bf16", "mxfp4_e2m1")

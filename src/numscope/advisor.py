@@ -78,11 +78,10 @@ import numpy as np
 
 from numscope.analysis import Analysis, AnalysisError, OperandKey, Sensitivity, operand_name
 from numscope.formats.spec import format as get_format
-from numscope.plan import DEFAULT_PATTERN, HIGH, OPERANDS, OperandSpec, Plan
+from numscope.plan import DEFAULT_PATTERN, HIGH, OperandSpec, Plan
+from numscope.vocab import OPERANDS, Metric
 
-SQNR = "sqnr_db"
-UNDERFLOW = "underflow%"
-OVERFLOW = "overflow%"
+SQNR, UNDERFLOW, OVERFLOW = Metric.SQNR.value, Metric.UNDERFLOW.value, Metric.OVERFLOW.value
 HIGH_BITS = 32.0
 DP_CELLS = 1 << 18
 """The largest knapsack table (cells per operand) the bit-budget solver uses before coarsening costs."""

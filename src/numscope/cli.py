@@ -796,6 +796,7 @@ def _register_report(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from numscope import workflow
+    from numscope.vocab import GEMMS
 
     if args.seed != 0:
         raise CLIError("--seed: calibrate trains every seed of --seeds; pass --seeds instead")
@@ -806,7 +807,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     model = result.gap_model
     print(
         "gap ≈ "
-        + " + ".join(f"{model.coefficients[g]:.4g}·noise({g})" for g in ("fprop", "dgrad", "wgrad"))
+        + " + ".join(f"{model.coefficients[g]:.4g}·noise({g})" for g in GEMMS)
         + f" nats (residual sd {model.spread:.3g}; FP32 seed noise {result.noise:.4f} nats over "
         f"{len(args.seeds)} seeds)"
     )

@@ -31,7 +31,8 @@ import yaml
 from numscope._atomic import atomic_write_text
 from numscope._names import layer_index
 from numscope.formats.spec import BlockFormat
-from numscope.plan import GEMMS, OPERAND_KEYS, OPERANDS, OperandSpec, Plan, SiteSpec
+from numscope.plan import OperandSpec, Plan, SiteSpec
+from numscope.vocab import GEMMS, OPERAND_KEYS, OPERANDS
 
 TARGETS: tuple[str, ...] = ("torchao", "te", "megatron")
 #: operands whose contraction axis is their first (the layouts numscope hands to handlers)

@@ -118,7 +118,7 @@ from numscope.convert import HANDLER_NAME as CONVERT_HANDLER
 from numscope.convert import converted_plan
 from numscope.distributed import is_parameter_operand, merge_analysis, world_size
 from numscope.formats.quantize import _tile_shape, quantize
-from numscope.formats.scaling import Scaling, reduce_amax_
+from numscope.formats.scaling import Scaling, default_scaling, reduce_amax_
 from numscope.formats.spec import BlockFormat, Format
 from numscope.formats.spec import format as get_format
 from numscope.metrics import candidate_metrics, log2_histogram, quantize_sample, tensor_stats
@@ -131,8 +131,9 @@ from numscope.metrics.errors import (
     quantize_kept,
 )
 from numscope.metrics.stats import Log2Histogram
-from numscope.plan import OPERANDS, OperandSpec, Plan, default_scaling
+from numscope.plan import OperandSpec, Plan
 from numscope.sites import Site, attach, attached, forward_has_grad, refresh
+from numscope.vocab import OPERANDS
 
 DEFAULT_CANDIDATES: tuple[str, ...] = (
     "bf16",

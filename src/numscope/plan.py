@@ -63,31 +63,22 @@ import yaml
 from numscope._atomic import atomic_write_text
 from numscope._names import exact_pattern
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS
-from numscope.formats.scaling import KINDS, Scaling
+from numscope.formats.scaling import KINDS, Scaling, default_scaling
 from numscope.formats.spec import BlockFormat, Format
 from numscope.formats.spec import format as get_format
 from numscope.formats.transform import Rotation
+from numscope.vocab import GEMMS, OPERAND_KEYS, OPERAND_NAMES, OPERANDS
 
-GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
-OPERANDS: dict[str, tuple[str, ...]] = {
-    "fprop": ("input", "weight"),
-    "dgrad": ("grad_output", "weight"),
-    "wgrad": ("grad_output", "input"),
-}
 #: the accumulators of :data:`numscope.sites.ACCUMULATORS`
 ACCUMULATE: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp22", "fp22_promote128")
 HIGH = "high"
 PLAN_VERSION = 1
 VERSION_KEY = "numscope_plan"
 
-#: every (gemm, operand) pair, in the canonical order used for files and tables
-OPERAND_KEYS: tuple[tuple[str, str], ...] = tuple((g, o) for g in GEMMS for o in OPERANDS[g])
-#: element formats that are used without scaling unless a plan says otherwise
-UNSCALED_FORMATS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
 #: bits of one float32 scale, as stored next to tile-scaled element formats
 SCALE_BITS = 32
 
-_ROLE_KEYS: tuple[str, ...] = ("input", "weight", "grad_output")
+_ROLE_KEYS: tuple[str, ...] = OPERAND_NAMES
 _GROUP_KEYS: dict[str, tuple[str, ...]] = {"forward": ("fprop",), "backward": ("dgrad", "wgrad")}
 _OPERAND_FIELDS: tuple[str, ...] = (
     "format",
@@ -164,20 +155,6 @@ class _FrozenDict(Mapping):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_FrozenDict, (self._data,))
-
-
-def default_scaling(fmt: Format) -> Scaling | None:
-    """The scaling a format gets when a plan names none.
-
-    Block formats: their own block scale (``Scaling("block")``; the runtime sets the block axis to the
-    GEMM's contraction axis). fp32, tf32, bf16, fp16: none (they are plain element casts). Every other
-    element format (fp8, fp6, fp4, int, eXmY): ``Scaling("tensor")``, the current amax of the tensor.
-    """
-    if isinstance(fmt, BlockFormat):
-        return Scaling("block")
-    if fmt.name in UNSCALED_FORMATS:
-        return None
-    return Scaling("tensor")
 
 
 @dataclass(frozen=True)

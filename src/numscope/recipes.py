@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from numscope.formats.scaling import Scaling
-from numscope.plan import OPERAND_KEYS, OperandSpec, Plan, PlanError, SiteSpec, _unknown
+from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec, _unknown
+from numscope.vocab import OPERAND_KEYS
 
 #: the site names of attention's two products (see numscope.sites: ``scores``, ``context``, numbered
 #: ``scores0``, ``scores1``… where a module has several)

@@ -38,9 +38,10 @@ from numscope._rng import fork_rng
 from numscope.analysis import ALL, OperandKey, Sensitivity
 from numscope.convert import convert, unconvert
 from numscope.formats.spec import format as get_format
-from numscope.plan import HIGH, OPERANDS, OperandSpec, Plan, Rule, SiteSpec
+from numscope.plan import HIGH, OperandSpec, Plan, Rule, SiteSpec
 from numscope.sites import attach, attached, operand_sizes
 from numscope.sites import sites as find_sites
+from numscope.vocab import OPERANDS
 
 PLAN_LABEL = "plan"
 GRANULARITIES = ("site", "operand")

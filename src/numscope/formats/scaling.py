@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import torch
 
+from numscope.formats.spec import BlockFormat, Format
+
 ScalingKind = Literal["none", "tensor", "delayed", "row", "column", "block"]
 KINDS: tuple[str, ...] = ("none", "tensor", "delayed", "row", "column", "block")
 AMAX_COMPUTE: tuple[str, ...] = ("max", "most_recent")
@@ -250,3 +252,21 @@ def exact_pow2(exponent: torch.Tensor) -> torch.Tensor:
 
 def is_power_of_two(value: float) -> bool:
     return value > 0 and math.frexp(value)[0] == 0.5
+
+
+#: element formats that are used without scaling unless a plan says otherwise
+UNSCALED_FORMATS: tuple[str, ...] = ("fp32", "tf32", "bf16", "fp16")
+
+
+def default_scaling(fmt: Format | BlockFormat) -> Scaling | None:
+    """The scaling a format gets when a plan names none.
+
+    Block formats: their own block scale (``Scaling("block")``; the runtime sets the block axis to the
+    GEMM's contraction axis). fp32, tf32, bf16, fp16: none (they are plain element casts). Every other
+    element format (fp8, fp6, fp4, int, eXmY): ``Scaling("tensor")``, the current amax of the tensor.
+    """
+    if isinstance(fmt, BlockFormat):
+        return Scaling("block")
+    if fmt.name in UNSCALED_FORMATS:
+        return None
+    return Scaling("tensor")

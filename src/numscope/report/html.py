@@ -27,28 +27,19 @@ from typing import Any
 import numscope
 from numscope._atomic import atomic_write_text
 from numscope._names import natural_key
+from numscope.formats.scaling import UNSCALED_FORMATS
 from numscope.formats.spec import BlockFormat, IntFormat
 from numscope.formats.spec import format as get_format
 from numscope.report import plots
 from numscope.report.plots import FormatRange, Histogram
+from numscope.vocab import GEMMS, OPERAND_KEYS, Metric
 
 REFERENCE_RUN = plots.REFERENCE_RUN
 WITHIN_PERCENT = 1.0
 """A run whose validation loss is at most this many percent above the FP32 run's is highlighted."""
 
-UNSCALED_FORMATS = ("fp32", "tf32", "bf16", "fp16")
-"""Element formats the observer measures as plain casts; every other element format is per-tensor scaled."""
-
 UNDERFLOW_FORMAT = "fp16"
-OPERAND_ORDER = (
-    ("fprop", "input"),
-    ("fprop", "weight"),
-    ("dgrad", "grad_output"),
-    ("dgrad", "weight"),
-    ("wgrad", "grad_output"),
-    ("wgrad", "input"),
-)
-_UNDERFLOW, _OVERFLOW, _SQNR = "underflow%", "overflow%", "sqnr_db"
+_UNDERFLOW, _OVERFLOW, _SQNR = Metric.UNDERFLOW.value, Metric.OVERFLOW.value, Metric.SQNR.value
 
 
 # ============================================================================= plain views of the inputs
@@ -140,7 +131,7 @@ def analysis_tables(analysis: Any) -> AnalysisView:
             if pair in label:
                 value = _nanmean([stats["mean"] for stats in per_step.values() if "mean" in stats])
                 errors.setdefault(gemm, {}).setdefault(site, {})[label[pair]] = value
-    ordered_errors = {gemm: errors[gemm] for gemm in ("fprop", "dgrad", "wgrad") if gemm in errors}
+    ordered_errors = {gemm: errors[gemm] for gemm in GEMMS if gemm in errors}
     return AnalysisView(
         candidates=tuple(analysis.candidates),
         sites=sites,
@@ -183,7 +174,7 @@ def plan_table(plan: Any, sites: Sequence[str] = ()) -> list[dict[str, Any]]:
         entries += [(rule.pattern, rule.spec, rule.reasons) for rule in plan.rules]
     rows = []
     for site, spec, reasons in entries:
-        for gemm, operand in OPERAND_ORDER:
+        for gemm, operand in OPERAND_KEYS:
             op = spec.operand(gemm, operand)
             rows.append(
                 {
@@ -590,17 +581,17 @@ def _bits_of(rows: Sequence[Mapping[str, Any]], name: str) -> Any:
 
 def _plan_matrix(by_site: Mapping[str, Sequence[Mapping[str, Any]]]) -> str:
     """Sites × the six GEMM operands, each cell the chosen format as a chip coloured by its bits."""
-    headers = ["site", *(f"{gemm} {operand}" for gemm, operand in OPERAND_ORDER)]
+    headers = ["site", *(f"{gemm} {operand}" for gemm, operand in OPERAND_KEYS)]
     labels = short_site_names(list(by_site))
     rows = []
     for site, site_rows in by_site.items():
         chosen = {(row["gemm"], row["operand"]): row for row in site_rows}
         cells = [f'<span title="{_esc(site)}">{_esc(labels.get(site, site))}</span>']
-        for key in OPERAND_ORDER:
+        for key in OPERAND_KEYS:
             row = chosen.get(key)
             cells.append(_format_chip(str(row["format"]), row.get("bits")) if row is not None else "—")
         rows.append(cells)
-    table = _table(headers, rows, ["site", *[""] * len(OPERAND_ORDER)])
+    table = _table(headers, rows, ["site", *[""] * len(OPERAND_KEYS)])
     key = " ".join(
         f'<span class="fmt" style="background:{colour}">{_esc(label)}</span>'
         for _, colour, label in BIT_COLOURS

@@ -91,7 +91,6 @@ from numscope.sites.conv import SiteConv
 from numscope.sites.gemm import (
     ACCUMULATE_CHUNK,
     ACCUMULATORS,
-    GEMMS,
     STORAGE_DTYPES,
     Accumulator,
     OperandHandler,
@@ -100,6 +99,7 @@ from numscope.sites.gemm import (
     accumulate_matmul,
 )
 from numscope.sites.sdpa import sdpa_reference
+from numscope.vocab import GEMMS
 
 __all__ = [
     "ACCUMULATE_CHUNK",

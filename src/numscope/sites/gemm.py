@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
 #: number of products summed exactly (in fp32) before a rounding to a narrow accumulator
 ACCUMULATE_CHUNK = 32
 

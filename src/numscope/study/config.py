@@ -7,7 +7,6 @@ from typing import Any
 
 from numscope.plan import OperandSpec, Plan
 
-GEMMS: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
 FAMILIES: tuple[str, ...] = (
     "reference",
     "uniform",

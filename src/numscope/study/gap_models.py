@@ -15,8 +15,9 @@ import numpy as np
 
 from numscope.analysis import Analysis, OperandKey
 from numscope.plan import HIGH, Plan
-from numscope.study.config import GEMMS, PlanStudyConfig, StudyError
+from numscope.study.config import PlanStudyConfig, StudyError
 from numscope.study.operands import Operands
+from numscope.vocab import GEMMS
 
 
 def role_noise(analysis: Analysis, formats: Mapping[OperandKey, str]) -> dict[str, float]:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from numscope._names import natural_key
 from numscope.analysis import Analysis, OperandKey
 from numscope.plan import OperandSpec
-from numscope.study.config import GEMMS, StudyError
+from numscope.study.config import StudyError
+from numscope.vocab import GEMMS
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from numscope._atomic import atomic_write_text
 from numscope.analysis import Analysis, OperandKey
 from numscope.plan import Plan
 from numscope.run.folders import read_settings, setting_changes
-from numscope.study.config import GEMMS, RESULT_NEUTRAL, PlanStudyConfig, StudyError
+from numscope.study.config import RESULT_NEUTRAL, PlanStudyConfig, StudyError
 from numscope.study.gap_models import GapModel, SensitivityModel, measure_sensitivity, role_noise, spearman
 from numscope.study.limits import derive_limits, limits_text, worst_metrics
 from numscope.study.operands import Operands
@@ -64,6 +64,7 @@ from numscope.study.plans import (
     uniform_formats,
 )
 from numscope.study.table import _rank, factor_two_share, plan_study_table, verdict
+from numscope.vocab import GEMMS
 
 _DATA: dict[Any, Any] = {}
 

@@ -14,9 +14,10 @@ import numpy as np
 from numscope._names import layer_index
 from numscope.analysis import Analysis, OperandKey
 from numscope.plan import HIGH, Plan
-from numscope.study.config import GEMMS, PlanStudyConfig, StudyError
+from numscope.study.config import PlanStudyConfig, StudyError
 from numscope.study.gap_models import GapModel, SensitivityModel
 from numscope.study.operands import Operands, format_bits
+from numscope.vocab import GEMMS
 
 
 def order_first_last(operands: Operands) -> list[OperandKey]:

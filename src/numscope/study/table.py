@@ -8,8 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from numscope.study.config import GEMMS, WIN_SIGMAS, PlanStudyConfig
+from numscope.study.config import WIN_SIGMAS, PlanStudyConfig
 from numscope.study.gap_models import GapModel
+from numscope.vocab import GEMMS
 
 
 def _rank(rows: list[dict[str, Any]]) -> None:

@@ -1,0 +1,50 @@
+"""The words numscope's code, plan files, analyses and reports share, defined once.
+
+A *gemm* is one of the three GEMMs of a linear layer (fprop y = x·Wᵀ, dgrad dx = dy·W, wgrad dW = dyᵀ·x);
+an *operand* is a tensor entering one (``input``, ``weight``, ``grad_output``); a *metric* is a what-if
+statistic the observer records per operand and candidate format. The enums are ``str`` enums, equal to
+their values, so files and plain-string callers keep working; the tuples hold plain strings, in the
+canonical order used for files and tables.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Gemm(StrEnum):
+    """The three GEMMs of a linear layer."""
+
+    FPROP = "fprop"
+    DGRAD = "dgrad"
+    WGRAD = "wgrad"
+
+
+class Operand(StrEnum):
+    """The tensors that enter a GEMM."""
+
+    INPUT = "input"
+    WEIGHT = "weight"
+    GRAD_OUTPUT = "grad_output"
+
+
+class Metric(StrEnum):
+    """Per-operand, per-candidate statistics as the observer records them (units in the name)."""
+
+    SQNR = "sqnr_db"  # signal-to-quantization-noise ratio, dB
+    UNDERFLOW = "underflow%"  # nonzeros that become 0, %
+    OVERFLOW = "overflow%"  # elements that saturate or become inf, %
+    MSE = "mse"  # mean squared quantization error
+    BE_RATIO = "be_ratio"  # backward error relative to a reference format's (advisor)
+
+
+GEMMS: tuple[str, ...] = tuple(gemm.value for gemm in Gemm)
+OPERAND_NAMES: tuple[str, ...] = tuple(operand.value for operand in Operand)
+#: the two operands of each GEMM, left (the one contracted along its last axis in fprop/dgrad) first
+OPERANDS: dict[str, tuple[str, str]] = {
+    Gemm.FPROP.value: (Operand.INPUT.value, Operand.WEIGHT.value),
+    Gemm.DGRAD.value: (Operand.GRAD_OUTPUT.value, Operand.WEIGHT.value),
+    Gemm.WGRAD.value: (Operand.GRAD_OUTPUT.value, Operand.INPUT.value),
+}
+#: every (gemm, operand) pair, in the canonical order used for files and tables
+OPERAND_KEYS: tuple[tuple[str, str], ...] = tuple((g, o) for g in GEMMS for o in OPERANDS[g])
