@@ -117,7 +117,8 @@ from numscope.analysis import (
 from numscope.convert import HANDLER_NAME as CONVERT_HANDLER
 from numscope.convert import converted_plan
 from numscope.distributed import is_parameter_operand, merge_analysis, world_size
-from numscope.formats.quantize import _tile_shape, quantize
+from numscope.formats.blocks import tile_shape
+from numscope.formats.quantize import quantize
 from numscope.formats.scaling import Scaling, default_scaling, reduce_amax_
 from numscope.formats.spec import BlockFormat, Format
 from numscope.formats.spec import format as get_format
@@ -752,7 +753,7 @@ def _scaling_amax(tensor: torch.Tensor, index: torch.Tensor, fmt: Format, scalin
             columns = reduce_amax_(columns, scaling.reduce_amax)
         return columns[index % cols]
     assert scaling.kind == "block"
-    rows_per, cols_per = _tile_shape(tensor, fmt, scaling)
+    rows_per, cols_per = tile_shape(tensor, fmt, scaling)
     whole = cols // cols_per * cols_per
     parts = []
     if whole:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from numscope.formats.blocks import block_parts_2d
 from numscope.formats.cast import cast
 from numscope.formats.scaling import Scaling, reduce_amax_, reduces_across_ranks, scale_from_amax
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
@@ -200,8 +201,6 @@ def _element_kernel(
 def _block_kernel(
     x: torch.Tensor, tensor_amax: torch.Tensor | None, *, fmt: BlockFormat, flush: bool
 ) -> torch.Tensor:
-    from numscope.formats.quantize import block_parts_2d
-
     if fmt.tensor_scale and not fmt.row_scale and tensor_amax is None:
         tensor_amax = x.abs().amax()
     parts = block_parts_2d(x, fmt, tensor_amax, "nearest", None, flush)

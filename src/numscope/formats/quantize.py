@@ -27,18 +27,16 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from numscope.formats import fast
-from numscope.formats.cast import OVERFLOWS, ROUNDINGS, cast, cast_float
+from numscope.formats.blocks import axis_last_2d, block_parts, tile_shape, to_tiles, unblock
+from numscope.formats.cast import OVERFLOWS, ROUNDINGS, cast
 from numscope.formats.scaling import (
-    FLOAT32_MAX,
     DelayedScaler,
     Scaling,
     exact_pow2,
     log2_floor,
     reduce_amax_,
-    scale_from_amax,
 )
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
 from numscope.formats.spec import format as get_format
@@ -71,244 +69,6 @@ def _resolve_scaling(scaling: ScalingArg) -> tuple[Scaling | None, DelayedScaler
     return parsed, None
 
 
-def _axis_last_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Size]:
-    """``x`` with ``axis`` moved last and the other axes flattened: (rows, length), plus the moved shape."""
-    if x.dim() == 0:
-        x = x.reshape(1)
-    if not isinstance(axis, int) or not -x.dim() <= axis < x.dim():
-        raise ValueError(f"block axis {axis!r} is out of range for a tensor of shape {tuple(x.shape)}")
-    moved = x.movedim(axis, -1)
-    return moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1]), moved.shape
-
-
-def _unblock(blocks: torch.Tensor, shape: torch.Size, axis: int, length: int) -> torch.Tensor:
-    flat = blocks.reshape(*blocks.shape[:-2], -1)[..., :length]
-    if len(shape) == 0:
-        return flat.reshape(shape)
-    return flat.movedim(-1, axis)
-
-
-@dataclass(frozen=True)
-class BlockParts:
-    """A block-format tensor taken apart: element values and per-block scales, blocks along the last axis."""
-
-    elements: torch.Tensor  # float32 element values, (..., nblocks, block)
-    scales: torch.Tensor  # float32 decode scale per block, (..., nblocks, 1)
-    stored: torch.Tensor  # the scale as the scale format holds it (E8M0 X, or NVFP4's E4M3 s_b)
-    tensor_scale: torch.Tensor | None  # NVFP4's per-tensor encode scale S
-    length: int
-
-
-def _element_mantissa_bits(element: FloatFormat | IntFormat) -> int:
-    """Significand bits below the leading one: a float's mantissa bits; an integer's bits less sign and
-    leading bit (MXINT8's 1.xxxxxx·2^0 has 6)."""
-    return element.mantissa_bits if isinstance(element, FloatFormat) else element.int_bits - 2
-
-
-def _mx_shared_exponent(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """The unclamped exponent of the E8M0 scale of each block under ``fmt.scale_rule`` (int32).
-
-    floor: floor(log2 amax) − emax; ceil: ceil(log2 amax) − emax; even: floor(log2 ρ(amax)) − emax, ρ
-    rounding amax half up to the element's mantissa bits on its bit pattern (torchao's EVEN); rceil:
-    ceil(log2(amax / max_elem)) on the float32 quotient, −127 where the quotient underflows to 0.
-    """
-    element = fmt.element
-    if fmt.scale_rule == "rceil":
-        ratio = amax / element.max
-        below = log2_floor(ratio)
-        shared = below + (exact_pow2(below) != ratio).to(torch.int32)  # ceil(log2 ratio)
-        # an amax so small that amax / max underflows: the true exponent lies below -149, E8M0's floor
-        return torch.where(ratio > 0, shared, torch.full_like(shared, -127))
-    if fmt.scale_rule == "ceil":
-        below = log2_floor(amax)
-        return below + (exact_pow2(below) != amax).to(torch.int32) - element.emax
-    if fmt.scale_rule == "even":
-        half = 1 << (22 - _element_mantissa_bits(element))
-        rounded = ((amax.view(torch.int32) + half) & 0x7F800000).view(torch.float32)
-        return log2_floor(rounded) - element.emax
-    return log2_floor(amax) - element.emax
-
-
-def _mx_parts(
-    blocks: torch.Tensor, fmt: BlockFormat, rounding: str, generator, flush_subnormals: bool = False
-) -> tuple[torch.Tensor, ...]:
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
-    shared = _mx_shared_exponent(amax, fmt).clamp(-127, 127)
-    scale = exact_pow2(shared)
-    elements = cast(
-        blocks * exact_pow2(-shared), fmt.element, rounding, "saturate", flush_subnormals, generator
-    )
-    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(scale, float("nan")))
-    return elements, scale, scale
-
-
-def _nvfp4_candidate(
-    blocks: torch.Tensor,
-    amax: torch.Tensor,
-    fmt: BlockFormat,
-    encode_scale: torch.Tensor,
-    target: float,
-    rounding: str,
-    generator,
-    flush_subnormals: bool,
-) -> tuple[torch.Tensor, ...]:
-    """Elements, decode scale and stored E4M3 scale of NVFP4 blocks whose amax maps to ``target`` (6, or 4
-    for Four Over Six), in the arithmetic order of ``fmt.scale_math`` (see :class:`BlockFormat`)."""
-    element, scale_format = fmt.element, fmt.scale_format
-    if fmt.scale_math == "divide":
-        wanted = amax / target * encode_scale
-    else:  # Transformer Engine: amax_b · (S · (1/6)); elements times 1 / (s_b · (1/S))
-        wanted = amax * (encode_scale * torch.tensor(1.0 / target, dtype=torch.float32))
-    stored = cast_float(wanted.clamp(max=FLOAT32_MAX), scale_format, "nearest", "saturate")  # type: ignore[arg-type]
-    if fmt.scale_math == "divide":
-        decode = stored / encode_scale
-        safe = torch.where(decode > 0, decode, torch.ones_like(decode))
-        scaled = blocks / safe
-    else:
-        decode = stored * (1.0 / encode_scale)
-        scaled = blocks * torch.clamp(1.0 / decode, max=FLOAT32_MAX)
-    elements = cast(scaled, element, rounding, "saturate", flush_subnormals, generator)
-    elements = torch.where(stored > 0, elements, elements * 0.0)  # a block whose scale underflows: zeros
-    decode = torch.where(torch.isfinite(amax), decode, torch.full_like(decode, float("nan")))
-    return elements, decode, stored
-
-
-def _nvfp4_parts(
-    blocks: torch.Tensor,
-    fmt: BlockFormat,
-    encode_scale: torch.Tensor,
-    rounding: str,
-    generator,
-    flush_subnormals: bool = False,
-    amax: torch.Tensor | None = None,
-    tile_rows: int = 1,
-) -> tuple[torch.Tensor, ...]:
-    """NVFP4 block parts; ``amax``: each block's amax where it is not its own (2-D tiles); ``tile_rows``:
-    rows that share a scale, over which Four Over Six sums a tile's error."""
-    if amax is None:
-        amax = blocks.abs().amax(dim=-1, keepdim=True)
-    six = _nvfp4_candidate(blocks, amax, fmt, encode_scale, 6.0, rounding, generator, flush_subnormals)
-    if not fmt.four_over_six:
-        return six
-    four = _nvfp4_candidate(blocks, amax, fmt, encode_scale, 4.0, rounding, generator, flush_subnormals)
-
-    def error(candidate: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        # in float64, so that the choice does not hang on float32's summation order
-        squared = ((candidate[0] * candidate[1]).double() - blocks.double()).square().sum(-1, keepdim=True)
-        if tile_rows == 1:
-            return squared
-        tiles = squared.reshape(-1, tile_rows, *squared.shape[1:]).sum(dim=1, keepdim=True)
-        return tiles.expand(-1, tile_rows, *squared.shape[1:]).reshape(squared.shape)
-
-    pick_four = error(four) < error(six)  # ties keep 6, the plain NVFP4 choice
-    return tuple(torch.where(pick_four, f, s) for f, s in zip(four, six, strict=True))
-
-
-def block_parts_2d(
-    x: torch.Tensor,
-    fmt: BlockFormat,
-    tensor_amax: torch.Tensor | None,
-    rounding: str,
-    generator,
-    flush_subnormals: bool = False,
-) -> BlockParts:
-    """Quantize a 2-D float32 tensor to ``fmt`` with blocks along its last axis (zero-padded to whole blocks).
-
-    ``tensor_amax`` is NVFP4's amax of the whole tensor (already reduced across ranks); ignored for MX and
-    for NVFP4 with a per-row scale (each row's own amax). 2-D NVFP4 blocks (``@2d``) are 16 × 16 tiles of
-    ``x``: rows are zero-padded to whole tiles for the amax, and each row keeps its tile's scale.
-    ``flush_subnormals`` flushes the elements as the element cast does, after the block scale: an element
-    whose scaled value rounds below the element format's smallest normal becomes zero (integer elements
-    have no subnormals: no effect).
-    Shared by the eager path and the compiled fast path (:mod:`numscope.formats.fast`).
-    """
-    length = x.shape[-1]
-    pad = (-length) % fmt.block_size
-    if pad:
-        x = F.pad(x, (0, pad))
-    blocks = x.reshape(x.shape[0], -1, fmt.block_size)
-    if not fmt.tensor_scale:
-        elements, scales, stored = _mx_parts(blocks, fmt, rounding, generator, flush_subnormals)
-        return BlockParts(elements, scales, stored, None, length)
-    target = (256.0 if fmt.four_over_six else fmt.scale_format.max) * fmt.element.max
-    if fmt.row_scale:
-        encode_scale = scale_from_amax(blocks.abs().amax(dim=(-2, -1), keepdim=True), target)
-    else:
-        assert tensor_amax is not None
-        encode_scale = scale_from_amax(tensor_amax, target)
-    amax, tile_rows = None, fmt.block_rows
-    rows = blocks.shape[0]
-    if tile_rows > 1:  # one amax per tile of block_rows x block_size, repeated for each of its rows
-        padded = F.pad(blocks, (0, 0, 0, 0, 0, (-rows) % tile_rows))
-        tiles = padded.reshape(-1, tile_rows, *blocks.shape[1:]).abs().amax(dim=(1, -1), keepdim=True)
-        amax = tiles.expand(-1, tile_rows, -1, -1).reshape(padded.shape[0], -1, 1)
-        blocks = padded
-    elements, scales, stored = _nvfp4_parts(
-        blocks, fmt, encode_scale, rounding, generator, flush_subnormals, amax, tile_rows
-    )
-    if tile_rows > 1:
-        elements, scales, stored = elements[:rows], scales[:rows], stored[:rows]
-    return BlockParts(elements, scales, stored, encode_scale, length)
-
-
-def _block_parts(
-    x: torch.Tensor,
-    fmt: BlockFormat,
-    axis: int,
-    rounding: str,
-    generator,
-    reduce_amax: bool = True,
-    flush_subnormals: bool = False,
-) -> BlockParts:
-    """Block parts of ``x`` with blocks along ``axis``, shaped (..., nblocks, block) with that axis last.
-
-    reduce_amax: NVFP4's per-tensor amax is taken over the default process group (as ``Scaling``'s).
-    """
-    x2d, moved = _axis_last_2d(x, axis)
-    tensor_amax = (
-        reduce_amax_(x.abs().amax().float().reshape(1), reduce_amax)[0]
-        if fmt.tensor_scale and not fmt.row_scale
-        else None
-    )
-    parts = block_parts_2d(x2d, fmt, tensor_amax, rounding, generator, flush_subnormals)
-    lead = tuple(moved[:-1])
-    tensor_scale = parts.tensor_scale
-    if fmt.row_scale:
-        tensor_scale = tensor_scale.reshape(*lead, 1, 1)  # type: ignore[union-attr]
-    return BlockParts(
-        parts.elements.reshape(*lead, -1, fmt.block_size),
-        parts.scales.reshape(*lead, -1, 1),
-        parts.stored.reshape(*lead, -1, 1),
-        tensor_scale,
-        parts.length,
-    )
-
-
-def _tile_shape(x: torch.Tensor, fmt: Format, scaling: Scaling) -> tuple[int, int]:
-    """The (rows, columns) tile of an element format's block scaling, checked against ``x``'s rank."""
-    if scaling.block_shape is None:
-        raise ValueError(
-            f"block scaling of the element format {fmt.name!r} needs block_shape, e.g. (1, 128) or (128, 128)"
-        )
-    block_shape = scaling.block_shape
-    rows_per, cols_per = (1, block_shape[0]) if len(block_shape) == 1 else block_shape
-    if x.dim() < 2 and rows_per != 1:
-        raise ValueError(f"block_shape {block_shape} needs a tensor of >= 2 dims, got shape {tuple(x.shape)}")
-    return rows_per, cols_per
-
-
-def _tiles(x: torch.Tensor, rows_per: int, cols_per: int) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
-    """View float32 ``x`` as (..., rows/M, M, cols/N, N) tiles over its last two axes, zero-padded."""
-    if x.dim() < 2:
-        x = x.reshape(1, -1)
-    rows, cols = x.shape[-2], x.shape[-1]
-    pad_rows, pad_cols = (-rows) % rows_per, (-cols) % cols_per
-    if pad_rows or pad_cols:
-        x = F.pad(x, (0, pad_cols, 0, pad_rows))
-    tiles = x.reshape(*x.shape[:-2], x.shape[-2] // rows_per, rows_per, x.shape[-1] // cols_per, cols_per)
-    return tiles, (rows, cols, rows_per, cols_per)
-
-
 def _element_scale(
     x: torch.Tensor, fmt: FloatFormat | IntFormat, scaling: Scaling, delayed: DelayedScaler | None
 ):
@@ -338,7 +98,7 @@ def _quantize_element(
     if scaling is None:
         return cast(xf, fmt, rounding, overflow, flush_subnormals, generator)
     if scaling.kind == "block":
-        tiles, (rows, cols, _, _) = _tiles(xf, *_tile_shape(xf, fmt, scaling))
+        tiles, (rows, cols, _, _) = to_tiles(xf, *tile_shape(xf, fmt, scaling))
         amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
         scale = scaling.scale(amax, fmt.max)
         q = cast(tiles * scale, fmt, rounding, overflow, flush_subnormals, generator) * (1.0 / scale)
@@ -414,8 +174,8 @@ def quantize(
         out = _quantize_fast(xf, spec, parsed, delayed, overflow, flush_subnormals)
     elif isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
-        parts = _block_parts(xf, spec, axis, rounding, generator, _reduces(parsed), flush_subnormals)
-        out = _unblock(parts.elements * parts.scales, xf.shape, axis, parts.length)
+        parts = block_parts(xf, spec, axis, rounding, generator, _reduces(parsed), flush_subnormals)
+        out = unblock(parts.elements * parts.scales, xf.shape, axis, parts.length)
     else:
         out = _quantize_element(xf, spec, parsed, delayed, rounding, overflow, flush_subnormals, generator)
     return out.to(x.dtype)
@@ -424,9 +184,9 @@ def quantize(
 def _check_layout(x: torch.Tensor, spec: Format, parsed: Scaling | None) -> None:
     """Raise where ``parsed`` does not fit ``spec`` and ``x``'s shape (what quantizing would check)."""
     if isinstance(spec, BlockFormat):
-        _axis_last_2d(x, _block_axis(spec, parsed))
+        axis_last_2d(x, _block_axis(spec, parsed))
     elif parsed is not None and parsed.kind == "block":
-        _tile_shape(x, spec, parsed)
+        tile_shape(x, spec, parsed)
 
 
 def _share_empty_amax(
@@ -477,7 +237,7 @@ def _quantize_fast(
     """Nearest rounding through the compiled kernels of :mod:`numscope.formats.fast` (same results)."""
     if isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
-        x2d, moved = _axis_last_2d(xf, axis)
+        x2d, moved = axis_last_2d(xf, axis)
         out = fast.block(x2d, spec, _reduces(parsed), flush_subnormals).reshape(moved)
         return out.reshape(xf.shape) if xf.dim() == 0 else out.movedim(-1, axis)
     x2d = xf.reshape(-1, xf.shape[-1]) if xf.dim() > 0 else xf.reshape(1, 1)
@@ -621,7 +381,7 @@ class Encoded:
             if self.tensor_scale is not None:  # NVFP4: in the order the format's scale_math says
                 divide = fmt.scale_math == "divide"
                 scales = scales / self.tensor_scale if divide else scales * (1.0 / self.tensor_scale)
-            return _unblock(elements * scales, torch.Size(self.shape), self.axis, self.length)
+            return unblock(elements * scales, torch.Size(self.shape), self.axis, self.length)
         values = _element_values(self.codes, fmt)  # type: ignore[arg-type]
         if self.scales is None:
             return values.reshape(self.shape)
@@ -658,7 +418,7 @@ def encode(
         return Encoded(spec, _element_codes(xf, element), None, None, tuple(x.shape), axis)
     if isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
-        parts = _block_parts(xf, spec, axis, rounding, generator, _reduces(parsed), flush_subnormals)
+        parts = block_parts(xf, spec, axis, rounding, generator, _reduces(parsed), flush_subnormals)
         scale_codes = _float_codes(parts.stored, spec.scale_format).to(torch.uint8)
         return Encoded(
             spec,

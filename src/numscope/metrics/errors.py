@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from numscope.formats.quantize import ScalingArg, block_parts_2d, encode, quantize
+from numscope.formats.blocks import block_parts_2d
+from numscope.formats.quantize import ScalingArg, encode, quantize
 from numscope.formats.scaling import DelayedScaler, Scaling, reduce_amax_
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
 from numscope.formats.spec import format as get_format
