@@ -33,12 +33,10 @@ from numscope._atomic import atomic_write_text
 from numscope.observe import DEFAULT_CANDIDATES
 from numscope.plan import Plan
 from numscope.run.config import RunData, RunResult, RunSpec, TrainConfig
-from numscope.run.corpus import load_corpus, split_corpus
-from numscope.run.data import load_or_make_blocks, unigram_loss
+from numscope.run.data import load_run_data, unigram_loss
 from numscope.run.folders import read_settings, setting_changes
 from numscope.run.loop import read_log, train_run
 from numscope.run.model import ModelConfig
-from numscope.run.tokenizer import TokenizerInfo, load_or_train_tokenizer
 
 WITHIN_PERCENT = 1.0
 """A run "reaches FP32's validation loss" when its loss is at most this many percent above FP32's."""
@@ -249,24 +247,15 @@ def prepare_data(
     progress: bool = False,
 ) -> RunData:
     """Corpus → train/validation split → WordPiece tokenizer (cached) → token blocks (cached)."""
-    with tqdm(total=4, desc=f"{'data':>13}", disable=not progress, leave=True) as bar:
-        bar.set_postfix_str("corpus")
-        documents = load_corpus(list(text_paths) if text_paths else None)
-        train_docs, val_docs = split_corpus(documents)
-        bar.update()
-        bar.set_postfix_str(f"tokenizer ({config.vocab_size} tokens)")
-        tokenizer = load_or_train_tokenizer(train_docs, config.vocab_size, cache_dir)
-        info = TokenizerInfo.from_tokenizer(tokenizer)
-        bar.update()
-        bar.set_postfix_str(f"{config.seq_len}-token blocks")
-        train_blocks = load_or_make_blocks(train_docs, tokenizer, config.seq_len, cache_dir)
-        bar.update()
-        val_blocks = load_or_make_blocks(val_docs, tokenizer, config.seq_len, cache_dir)
-        bar.update()
-    if config.max_train_blocks is not None:
-        train_blocks = train_blocks[: config.max_train_blocks]
-    val_blocks = val_blocks[: min(config.val_blocks, val_blocks.shape[0])]
-    return RunData(train_blocks, val_blocks, info)
+    return load_run_data(
+        config.vocab_size,
+        config.seq_len,
+        config.val_blocks,
+        text_paths,
+        cache_dir,
+        config.max_train_blocks,
+        progress,
+    )
 
 
 def model_config(config: DemoConfig, data: RunData) -> ModelConfig:

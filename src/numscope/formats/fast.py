@@ -8,11 +8,11 @@ toward-zero rounding, tile scaling, ``e8m0``) runs eagerly.
 Why off by default: the results are the same bits either way, so the choice is only about time, and the
 first call of each configuration compiles: seconds per configuration (less from inductor's on-disk cache),
 after a one-time inductor set-up per machine; ``benchmarks/bench_quantize.py`` reports each fast row's
-first call, compile included. It also needs a C++ compiler at run time. Once compiled it is 4-25x faster
-than eager on 16M elements, but on 8K elements from 0.4x (bf16: the call's own overhead) to 6x (nvfp4)
-(``benchmarks/bench_quantize.py`` measures both: 16M elements by default, 8K with ``--shape 64x128``).
-Tests, the quick demo and small models spend more on compiling than they save; long runs on large tensors
-should turn it on.
+first call, compile included. It also needs a C++ compiler at run time. How much faster the compiled
+kernels are depends on the tensor size (the call's own overhead dominates small tensors):
+``benchmarks/bench_quantize.py`` measures it (16M elements by default, 8K with ``--shape 64x128``; the
+README quotes a run). Tests, the quick demo and small models spend more on compiling than they save; long
+runs on large tensors should turn it on.
 
 The compiled kernels call the very functions the eager path calls (:func:`numscope.formats.cast.cast`,
 :func:`numscope.formats.scaling.scale_from_amax`, the MX and NVFP4 block arithmetic), so they compute the

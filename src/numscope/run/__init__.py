@@ -3,9 +3,11 @@
 ``corpus`` reads the default Wikipedia corpus (CC BY-SA 4.0) or the user's text files and splits them;
 ``tokenizer`` trains and caches a WordPiece tokenizer on the training split; ``model`` builds a small
 ``BertForMaskedLM`` from a config; ``data`` turns documents into masked batches and scores a model on a fixed
-set of masked tokens; ``objectives`` are masked and causal LM; ``config`` holds what a run is (its plan,
-optimisation settings, data, result); ``loop`` trains one run, resumable and logged. Names are resolved lazily
-so that reading the corpus does not import torch.
+set of masked tokens (``load_run_data``: corpus to blocks in one call); ``objectives`` are masked and causal
+LM; ``sources`` resolves ``--model`` and the data settings; ``config`` holds what a run is (its plan,
+optimisation settings, data, result); ``loop`` trains one run, resumable and logged; ``folders`` checks output
+folders and the settings a run folder recorded. Names are resolved lazily so that reading the corpus does not
+import torch.
 """
 
 from __future__ import annotations
@@ -39,6 +41,15 @@ _EXPORTS: dict[str, str] = {
     "make_blocks": "numscope.run.data",
     "mlm_mask": "numscope.run.data",
     "num_batches": "numscope.run.data",
+    "load_run_data": "numscope.run.data",
+    "BUILTIN_MODELS": "numscope.run.sources",
+    "DataSettings": "numscope.run.sources",
+    "ModelSource": "numscope.run.sources",
+    "WorkflowError": "numscope.run.sources",
+    "resolve_model": "numscope.run.sources",
+    "OutputPathError": "numscope.run.folders",
+    "check_output_folder": "numscope.run.folders",
+    "check_output_file": "numscope.run.folders",
     "LOSS_SCALING": "numscope.run.config",
     "RunData": "numscope.run.config",
     "RunError": "numscope.run.config",

@@ -20,6 +20,7 @@ import torch
 from tokenizers import Tokenizer
 
 from numscope._atomic import atomic_write
+from numscope.run.config import RunData
 from numscope.run.corpus import CorpusError, corpus_hash
 from numscope.run.tokenizer import TokenizerInfo, default_cache_dir
 
@@ -308,3 +309,39 @@ def unigram_loss(
             "more text"
         )
     return float(-probabilities[targets].log().mean())
+
+
+def load_run_data(
+    vocab_size: int,
+    seq_len: int,
+    val_blocks: int,
+    text_paths: Sequence[Path | str] | None = None,
+    cache_dir: Path | None = None,
+    max_train_blocks: int | None = None,
+    progress: bool = False,
+) -> RunData:
+    """Corpus (the default one, or ``text_paths``) → train/validation split → WordPiece tokenizer of
+    ``vocab_size`` (cached) → blocks of ``seq_len`` tokens (cached); at most ``val_blocks`` validation blocks
+    and ``max_train_blocks`` training blocks (None: all)."""
+    from tqdm.auto import tqdm
+
+    from numscope.run.corpus import load_corpus, split_corpus
+    from numscope.run.tokenizer import load_or_train_tokenizer
+
+    with tqdm(total=4, desc=f"{'data':>13}", disable=not progress, leave=True) as bar:
+        bar.set_postfix_str("corpus")
+        documents = load_corpus([Path(p) for p in text_paths] if text_paths else None)
+        train_docs, val_docs = split_corpus(documents)
+        bar.update()
+        bar.set_postfix_str(f"tokenizer ({vocab_size} tokens)")
+        tokenizer = load_or_train_tokenizer(train_docs, vocab_size, cache_dir)
+        info = TokenizerInfo.from_tokenizer(tokenizer)
+        bar.update()
+        bar.set_postfix_str(f"{seq_len}-token blocks")
+        train = load_or_make_blocks(train_docs, tokenizer, seq_len, cache_dir)
+        bar.update()
+        val = load_or_make_blocks(val_docs, tokenizer, seq_len, cache_dir)
+        bar.update()
+    if max_train_blocks is not None:
+        train = train[:max_train_blocks]
+    return RunData(train, val[: min(val_blocks, val.shape[0])], info)
