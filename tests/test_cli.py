@@ -1089,3 +1089,42 @@ def test_demo_size_flags_reach_the_model_and_the_folder_keeps_them(
         tmp_path / "x", "--hidden", "30", "--heads", "4"
     )
     assert "--seq-len: expected an integer ≥ 3, got 2" in _demo_error(tmp_path / "x", "--seq-len", "2")
+
+
+def test_run_flags_are_the_config_dataclasses_fields_with_their_defaults_and_bounds() -> None:
+    import dataclasses
+
+    from numscope.run.config import TrainConfig
+    from numscope.run.sources import DataSettings
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["train", "--model", "tiny-bert", "--text", "t.txt", "--out", "o", "--plan", "fp8"]
+    )
+    for settings in (TrainConfig, DataSettings):
+        for item in dataclasses.fields(settings):
+            if "help" in item.metadata:
+                assert getattr(args, item.name) == item.default, item.name
+    changed = parser.parse_args(
+        [
+            "train",
+            "--model",
+            "m",
+            "--text",
+            "t",
+            "--out",
+            "o",
+            "--plan",
+            "fp8",
+            "--lr",
+            "1e-4",
+            "--steps",
+            "7",
+        ]
+    )
+    assert (changed.lr, changed.steps) == (1e-4, 7)
+    with contextlib.redirect_stderr(io.StringIO()) as err, pytest.raises(SystemExit):
+        parser.parse_args(
+            ["train", "--model", "m", "--text", "t", "--out", "o", "--plan", "p", "--seq-len", "2"]
+        )
+    assert "--seq-len: expected an integer ≥ 3, got 2" in err.getvalue()

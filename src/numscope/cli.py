@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import math
 import os
@@ -303,10 +304,36 @@ def _dof(text: str) -> float:
     return value
 
 
+def _add_setting_flags(group: Any, settings: type) -> None:
+    """One flag per field of the ``settings`` dataclass that :func:`numscope.run.config.setting` describes
+    (``--field-name``, its type, default, bounds and help); :func:`_settings_from_flags` reads them back."""
+    for item in dataclasses.fields(settings):
+        if "help" not in item.metadata:
+            continue
+        minimum, positive = item.metadata["minimum"], item.metadata["positive"]
+        if isinstance(item.default, int):
+            kind = _int_at_least(int(minimum)) if minimum is not None else int
+        else:
+            kind = _positive_float if positive else float
+        group.add_argument(
+            "--" + item.name.replace("_", "-"),
+            type=kind,
+            default=item.default,
+            metavar="N" if isinstance(item.default, int) else "X",
+            help=item.metadata["help"].replace("%", "%%") + " (default: %(default)s)",
+        )
+
+
+def _settings_from_flags(settings: type, args: argparse.Namespace, **given: Any) -> Any:
+    """The ``settings`` dataclass from the flags :func:`_add_setting_flags` added, plus ``given`` fields."""
+    flagged = {f.name: getattr(args, f.name) for f in dataclasses.fields(settings) if "help" in f.metadata}
+    return settings(**flagged, **given)
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     from numscope.run.config import TrainConfig
+    from numscope.run.sources import DataSettings
 
-    default = TrainConfig()
     model = p.add_argument_group("model and data")
     model.add_argument("--model", required=True, metavar="M", help=_MODEL_HELP)
     model.add_argument(
@@ -324,86 +351,13 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         help="UTF-8 text files; each blank-line-separated paragraph is one document, 5%% of them held out "
         "for validation",
     )
-    model.add_argument(
-        "--vocab-size",
-        type=_int_at_least(6),
-        default=8000,
-        metavar="N",
-        help="most tokens in the WordPiece vocabulary trained (and cached) on your text "
-        "(default: %(default)s)",
-    )
-    model.add_argument(
-        "--seq-len",
-        type=_int_at_least(3),
-        default=64,
-        metavar="N",
-        help="tokens per sequence (default: %(default)s)",
-    )
-    model.add_argument(
-        "--val-blocks",
-        type=_int_at_least(1),
-        default=128,
-        metavar="N",
-        help="most validation sequences scored at each evaluation (default: %(default)s)",
-    )
+    _add_setting_flags(model, DataSettings)
     model.add_argument(
         "--cache",
         metavar="DIR",
         help="cache of tokenizers and token blocks (default: $NUMSCOPE_CACHE, else ~/.cache/numscope)",
     )
-    train = p.add_argument_group("training")
-    train.add_argument(
-        "--steps", type=_int_at_least(1), default=default.steps, help="optimizer steps (default: %(default)s)"
-    )
-    train.add_argument(
-        "--batch-size",
-        type=_int_at_least(1),
-        default=default.batch_size,
-        help="sequences per step, over all processes under torchrun (default: %(default)s)",
-    )
-    train.add_argument(
-        "--lr",
-        type=_positive_float,
-        default=default.lr,
-        help="peak AdamW learning rate (default: %(default)s)",
-    )
-    train.add_argument(
-        "--warmup-steps",
-        type=_int_at_least(0),
-        default=default.warmup_steps,
-        help="linear warm-up steps, then cosine decay to 10%% of --lr (default: %(default)s)",
-    )
-    train.add_argument(
-        "--weight-decay",
-        type=float,
-        default=default.weight_decay,
-        help="AdamW weight decay (default: %(default)s)",
-    )
-    train.add_argument(
-        "--grad-clip",
-        type=_positive_float,
-        default=default.grad_clip,
-        help="clip the gradient's global norm to this, after unscaling (default: %(default)s)",
-    )
-    train.add_argument(
-        "--eval-every",
-        type=_int_at_least(1),
-        default=default.eval_every,
-        help="validate every this many steps, and after the last (default: %(default)s)",
-    )
-    train.add_argument(
-        "--checkpoint-every",
-        type=_int_at_least(1),
-        default=default.checkpoint_every,
-        help="write checkpoint.pt (atomically) every this many steps; a rerun resumes from it "
-        "(default: %(default)s)",
-    )
-    train.add_argument(
-        "--seed",
-        type=int,
-        default=default.seed,
-        help="seed of initialisation, data order and masks (default: 0)",
-    )
+    _add_setting_flags(p.add_argument_group("training"), TrainConfig)
     p.add_argument(
         "--out",
         required=True,
@@ -415,26 +369,10 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 
 def _run_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     from numscope.run.config import TrainConfig
-    from numscope.workflow import DataSettings
+    from numscope.run.sources import DataSettings
 
-    data = DataSettings(
-        text=tuple(args.text),
-        vocab_size=args.vocab_size,
-        seq_len=args.seq_len,
-        val_blocks=args.val_blocks,
-        cache_dir=args.cache,
-    )
-    config = TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        weight_decay=args.weight_decay,
-        grad_clip=args.grad_clip,
-        eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every,
-        seed=args.seed,
-    )
+    data = _settings_from_flags(DataSettings, args, text=tuple(args.text), cache_dir=args.cache)
+    config = _settings_from_flags(TrainConfig, args)
     return data, config
 
 

@@ -41,19 +41,27 @@ class RunSpec:
         return Plan.resolve(self.plan, sites)
 
 
+def setting(default: Any, help: str, minimum: float | None = None, positive: bool = False) -> Any:
+    """A dataclass field that also describes its command-line flag (``--field-name``): the help text, and
+    for numbers the smallest allowed value (``minimum``) or that it must be > 0 (``positive``)."""
+    return field(default=default, metadata={"help": help, "minimum": minimum, "positive": positive})
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimisation settings shared by every run of one experiment (units: steps, tokens, nats)."""
 
-    steps: int = 300
-    batch_size: int = 32
-    lr: float = 2e-3
-    warmup_steps: int = 30
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    eval_every: int = 50
-    checkpoint_every: int = 50
-    seed: int = 0
+    steps: int = setting(300, "optimizer steps", minimum=1)
+    batch_size: int = setting(32, "sequences per step, over all processes under torchrun", minimum=1)
+    lr: float = setting(2e-3, "peak AdamW learning rate", positive=True)
+    warmup_steps: int = setting(30, "linear warm-up steps, then cosine decay to 10% of --lr", minimum=0)
+    weight_decay: float = setting(0.01, "AdamW weight decay")
+    grad_clip: float = setting(1.0, "clip the gradient's global norm to this, after unscaling", positive=True)
+    eval_every: int = setting(50, "validate every this many steps, and after the last", minimum=1)
+    checkpoint_every: int = setting(
+        50, "write checkpoint.pt (atomically) every this many steps; a rerun resumes from it", minimum=1
+    )
+    seed: int = setting(0, "seed of initialisation, data order and masks")
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up then cosine decay to 10% of ``lr``."""

@@ -21,7 +21,7 @@ from torch import nn
 
 from numscope import distributed
 from numscope.plan import PlanError
-from numscope.run.config import RunData, TrainConfig
+from numscope.run.config import RunData, TrainConfig, setting
 from numscope.run.corpus import CorpusError
 from numscope.run.objectives import OBJECTIVES
 from numscope.run.tokenizer import TokenizerInfo
@@ -316,9 +316,11 @@ class DataSettings:
     """The text and how it becomes token blocks (sizes in tokens)."""
 
     text: tuple[str, ...]
-    vocab_size: int = 8000
-    seq_len: int = 64
-    val_blocks: int = 128
+    vocab_size: int = setting(
+        8000, "most tokens in the WordPiece vocabulary trained (and cached) on your text", minimum=6
+    )
+    seq_len: int = setting(64, "tokens per sequence", minimum=3)
+    val_blocks: int = setting(128, "most validation sequences scored at each evaluation", minimum=1)
     cache_dir: str | None = None  # tokenizer and block cache; default $NUMSCOPE_CACHE or ~/.cache/numscope
 
     def __post_init__(self) -> None:
