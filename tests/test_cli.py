@@ -863,7 +863,9 @@ def test_public_subpackages_work_after_import_numscope() -> None:
     code = (
         "import torch, numscope; x = torch.rand(8, 32)\n"
         "print(numscope.metrics.backward_error(x, x.t(), 'fp8_e4m3', 'fp8_e4m3').mean)\n"
-        "print(numscope.recipes.recipes()[0].name, numscope.report.__name__, numscope.train.LossScaler)"
+        "print(numscope.plan.recipes.recipes()[0].name, numscope.report.__name__, "
+        "numscope.train.LossScaler)\n"
+        "assert numscope.recipes is numscope.plan.recipes and numscope.export is numscope.plan.export"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -22,8 +22,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numscope
 from numscope.cli import main
-from numscope.export import ExportError, export, from_transformer_engine, to_megatron, to_transformer_engine
 from numscope.plan import Plan
+from numscope.plan.export import (
+    ExportError,
+    export,
+    from_transformer_engine,
+    to_megatron,
+    to_transformer_engine,
+)
 from numscope.vocab import OPERAND_KEYS
 
 PEERS = Path(sys.prefix) / "peers"
@@ -57,7 +63,7 @@ TORCHAO_RUN = textwrap.dedent(
     import importlib.util, json, sys, torch
     sys.path.insert(0, sys.argv[1])
     import numscope
-    from numscope.export import from_torchao
+    from numscope.plan.export import from_torchao
     from test_export import MLP
     spec = importlib.util.spec_from_file_location("exported", sys.argv[2])
     exported = importlib.util.module_from_spec(spec); spec.loader.exec_module(exported)

@@ -18,7 +18,7 @@ from transformers import BertForMaskedLM
 import numscope
 from numscope.cli import main as cli_main
 from numscope.plan import Plan, PlanError, SiteSpec
-from numscope.recipes import ATTENTION_PATTERNS, NVFP4_BF16_TAIL, RECIPES
+from numscope.plan.recipes import ATTENTION_PATTERNS, NVFP4_BF16_TAIL, RECIPES
 from numscope.sites import accumulate_matmul
 from tiny_models import tiny_bert
 

@@ -67,19 +67,24 @@ _SUBMODULES = (
     "distributed",
     "metrics",
     "plan",
-    "recipes",
     "report",
+    "run",
     "study",
     "train",
     "workflow",
 )
 
-__all__ = sorted([*_EXPORTS, *_CALLABLE_MODULES, *_SUBMODULES])
+#: modules that live inside a package, reachable as ``numscope.<name>`` too
+_NESTED = {"recipes": "numscope.plan.recipes", "export": "numscope.plan.export"}
+
+__all__ = sorted([*_EXPORTS, *_CALLABLE_MODULES, *_SUBMODULES, *_NESTED])
 
 
 def __getattr__(name: str) -> Any:
     if name in _CALLABLE_MODULES or name in _SUBMODULES:  # callable modules: see numscope._callable
         return importlib.import_module(f"numscope.{name}")
+    if name in _NESTED:
+        return importlib.import_module(_NESTED[name])
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'numscope' has no attribute {name!r}")

@@ -85,7 +85,7 @@ def _cmd_formats(args: argparse.Namespace) -> int:
 
 
 def _cmd_recipes(args: argparse.Namespace) -> int:
-    from numscope.recipes import recipes
+    from numscope.plan.recipes import recipes
 
     found = recipes()
     if args.name is not None:
@@ -883,7 +883,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _register_export(sub: argparse._SubParsersAction) -> None:
-    from numscope.export import TARGETS
+    from numscope.plan.export import TARGETS
 
     p = sub.add_parser(
         "export",

@@ -457,8 +457,8 @@ def export_plan(
 ) -> tuple[list[Path], list[str]]:
     """Write ``plan`` (a YAML path, preset or recipe) for ``target`` (torchao, te, megatron) for the Linear
     sites of ``model`` (as ``--model`` takes it; built once, untrained, to list its sites) into ``out``.
-    Returns the files written and what the target cannot express (:mod:`numscope.export`)."""
-    from numscope.export import TARGETS, ExportError, export
+    Returns the files written and what the target cannot express (:mod:`numscope.plan.export`)."""
+    from numscope.plan.export import TARGETS, ExportError, export
     from numscope.run.tokenizer import TokenizerInfo
     from numscope.sites import sites
 

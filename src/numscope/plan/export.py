@@ -31,7 +31,8 @@ import yaml
 from numscope._atomic import atomic_write_text
 from numscope._names import layer_index
 from numscope.formats.spec import BlockFormat
-from numscope.plan import OperandSpec, Plan, SiteSpec
+from numscope.plan.plan import Plan
+from numscope.plan.spec import OperandSpec, SiteSpec
 from numscope.vocab import GEMMS, OPERAND_KEYS, OPERANDS
 
 TARGETS: tuple[str, ...] = ("torchao", "te", "megatron")
@@ -462,7 +463,7 @@ def from_torchao(config: object) -> Plan:
     converts Linear layers only.
     """
     from numscope.formats.scaling import Scaling
-    from numscope.recipes import linear_only
+    from numscope.plan.recipes import linear_only
 
     power = bool(getattr(config, "round_scales_to_power_of_2", False))
     names = {"FLOAT8_E4M3FN": "fp8_e4m3", "FLOAT8_E5M2": "fp8_e5m2"}
@@ -486,8 +487,8 @@ def from_transformer_engine(recipe: object) -> Plan:
     """A Transformer Engine recipe object (``DelayedScaling``, ``Float8CurrentScaling``,
     ``Float8BlockScaling``, ``MXFP8BlockScaling``, ``NVFP4BlockScaling``) as a plan, read by attribute."""
     from numscope.formats.scaling import Scaling
-    from numscope.recipes import linear_only
-    from numscope.recipes import recipe as named
+    from numscope.plan.recipes import linear_only
+    from numscope.plan.recipes import recipe as named
 
     kind = type(recipe).__name__
     fmt = _enum_name(getattr(recipe, "fp8_format", "HYBRID"))

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from numscope.formats.scaling import Scaling
-from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec, _unknown
+from numscope.plan.plan import Plan
+from numscope.plan.spec import OperandSpec, PlanError, SiteSpec, _unknown
 from numscope.vocab import OPERAND_KEYS
 
 #: the site names of attention's two products (see numscope.sites: ``scores``, ``context``, numbered
