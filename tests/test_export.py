@@ -111,15 +111,106 @@ def test_torchao_runs_the_export_as_numscope_emulates_it(plan: str, tolerance: f
     assert result["round_trip"]  # the torchao config read back is the plan's spec
 
 
+class BiasFreeMLP(nn.Module):
+    """torchao's MXFP8 training needs features in multiples of 32 and drops a Linear's bias (fc3 has one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(64, 128, bias=False), nn.Linear(128, 64, bias=False)
+        self.fc3 = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.fc3(self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+
+
+TORCHAO_MX_RUN = textwrap.dedent(
+    """
+    import importlib.util, json, sys, warnings, torch
+    sys.path.insert(0, sys.argv[1])
+    import numscope
+    from numscope.plan.export import from_torchao
+    from test_export import BiasFreeMLP
+    spec = importlib.util.spec_from_file_location("exported", sys.argv[2])
+    exported = importlib.util.module_from_spec(spec); spec.loader.exec_module(exported)
+    plan = numscope.Plan.load(sys.argv[3])
+    x = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        theirs = exported.convert(BiasFreeMLP(), emulate=True)
+    ours = numscope.convert(BiasFreeMLP(), plan)
+    results = []
+    for model in (theirs, ours):
+        inputs = x.clone().requires_grad_()
+        out = model(inputs)
+        (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+        results.append((out.detach(), inputs.grad, model.fc1.weight.grad, model.fc2.weight.grad))
+    print(json.dumps({"converted": [type(m.weight).__name__ for m in (theirs.fc1, theirs.fc2, theirs.fc3)],
+                      "warned": [str(w.message) for w in caught if "bias" in str(w.message)],
+                      "differences": [(a - b).abs().max().item() for a, b in zip(*results)],
+                      "round_trip": from_torchao(exported.configs()[0]).for_site("fc1")
+                                    == plan.for_site("fc1")}))
+    """
+)
+
+
+@pytest.mark.skipif(not (PEERS / "torchao").is_dir(), reason="./run installs torchao into .venv/peers")
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e4m3@rceil", "mxfp8_e4m3@even"])
+@pytest.mark.parametrize("wgrad_high", [False, True])
+def test_torchao_runs_the_mxfp8_export_bit_for_bit_as_numscope(
+    fmt: str, wgrad_high: bool, tmp_path: Path
+) -> None:
+    spec = numscope.SiteSpec(
+        {(g, o): ("high" if wgrad_high and g == "wgrad" else fmt) for g, o in OPERAND_KEYS}
+    )
+    plan = Plan(spec).with_rule("fc3", numscope.SiteSpec())
+    plan.save(tmp_path / "plan.yaml")
+    model = BiasFreeMLP()
+    sites = [(site.name, site.kind) for site in numscope.sites(model, torch.randn(2, 64))]
+    exported = export(plan.with_rule("fc3", spec), "torchao", sites)  # fc3 asked too: its bias is refused
+    text = exported.files["numscope_torchao.py"]
+    assert f"wgrad_with_hp={wgrad_high}" in text
+    written = exported.save(tmp_path)
+    script = tmp_path / "run.py"
+    script.write_text(TORCHAO_MX_RUN)
+    env = {**os.environ, "PYTHONPATH": str(PEERS), "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        str(script),
+        str(Path(__file__).parent),
+        str(written[0]),
+        str(tmp_path / "plan.yaml"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["converted"] == ["MXFP8TrainingWeightWrapperTensor"] * 2 + ["Parameter"], result
+    assert result["warned"] == ["torchao MXFP8 training drops a Linear bias; kept high: ['fc3']"]
+    assert result["differences"] == [0.0, 0.0, 0.0, 0.0], result  # output, dgrad, both wgrads
+    assert result["round_trip"], (
+        result
+    )  # the config read back (numscope.plan.export.from_torchao) is the spec
+
+
+def test_torchao_mx_export_refuses_what_torchao_cannot_run() -> None:
+    sites = [("fc1", "linear")]
+    mixed = numscope.SiteSpec({("fprop", "input"): "mxfp8_e4m3", ("fprop", "weight"): "mxfp8_e4m3@rceil"})
+    lines = export(Plan(mixed), "torchao", sites).unexpressed
+    assert any("fc1: fprop/input" not in line and "mixed" in line for line in lines), lines
+    assert any(line.startswith("fc1: dgrad/grad_output high") for line in lines), lines
+    four = export(Plan.uniform("mxfp4"), "torchao", sites).unexpressed
+    assert any(line.startswith("fc1: fprop/input mxfp4_e2m1") for line in four), four
+
+
 def test_torchao_export_names_what_it_cannot_express() -> None:
     sites = bert_sites()
-    exported = export(Plan.uniform("mxfp8"), "torchao", sites)
+    exported = export(Plan.uniform("mxfp6"), "torchao", sites)
     text = exported.files["numscope_torchao.py"]
     ast.parse(text)
-    assert "MODULES = {\n}" in text  # nothing torchao.float8 can run
+    assert "MODULES = {\n}" in text  # nothing torchao can run
     linear = [name for name, kind in sites if kind == "linear"]
     for name in linear:
-        assert any(line.startswith(f"{name}: fprop/input mxfp8_e4m3") for line in exported.unexpressed), name
+        assert any(line.startswith(f"{name}: fprop/input mxfp6_e3m2") for line in exported.unexpressed), name
     assert any("scores (sdpa): only Linear layers are converted" in line for line in exported.unexpressed)
     mixed = Plan.uniform("fp8").with_rule("*.query", numscope.SiteSpec.uniform("fp8_e4m3"))
     two = export(mixed, "torchao", sites)  # E4M3 gradients for the queries: a second configuration

@@ -3,10 +3,11 @@
 numscope chooses the numerics on emulated GEMMs; these functions write what each library needs to run
 the same choice on its kernels, for the model's own sites (a plan is glob rules; an export is per module):
 
-* :func:`to_torchao` — a Python module for ``torchao.float8``: one ``Float8LinearConfig`` per distinct
-  choice of the plan's Linear sites (each operand of each GEMM: E4M3 or E5M2, per tensor or axiswise along
-  the contraction axis, or left in high precision) and ``convert(model)``, which calls
-  ``convert_to_float8_training`` with a ``module_filter_fn`` that selects exactly those modules.
+* :func:`to_torchao` — a Python module for torchao: one ``Float8LinearConfig`` per distinct float8 choice
+  of the plan's Linear sites (each operand of each GEMM: E4M3 or E5M2, per tensor or axiswise along the
+  contraction axis, or left in high precision) or one ``MXFP8TrainingOpConfig`` per MXFP8 choice (scale
+  rule; wgrad in MXFP8 or high), and ``convert(model)``, which converts exactly those modules
+  (``convert_to_float8_training`` / ``quantize_`` with a filter on their names).
 * :func:`to_transformer_engine` — a Python module with the TE recipe the plan's quantized operands share
   (``Float8CurrentScaling``, ``DelayedScaling``, ``Float8BlockScaling``, ``MXFP8BlockScaling`` or
   ``NVFP4BlockScaling``) and TE's debug-tools YAML (``DisableFP8GEMM``) for the GEMMs the plan keeps high.
@@ -176,6 +177,63 @@ def _torchao_config(spec: SiteSpec) -> str | tuple[str, ...]:
     return "\n".join(["Float8LinearConfig(", *casts, *tail])
 
 
+#: numscope's MXFP8 formats and torchao's name of their scale rule (ScaleCalculationMode)
+_TORCHAO_MX_RULES = {
+    "mxfp8_e4m3": "FLOOR",
+    "mxfp8_e4m3@rceil": "RCEIL",
+    "mxfp8_e4m3@ceil": "CEIL",
+    "mxfp8_e4m3@even": "EVEN",
+}
+
+
+def _is_block(spec: OperandSpec) -> bool:
+    return isinstance(spec.format_spec(), BlockFormat)
+
+
+def _torchao_mx_config(spec: SiteSpec) -> str | tuple[str, ...]:
+    """The MXFP8TrainingOpConfig source of a site spec whose quantized operands are MX, or the reasons
+    torchao cannot express it: torchao 0.18 trains Linear layers in MXFP8 only (E4M3 elements, blocks of 32
+    along the contraction axis, E8M0 scales), both operands of fprop and dgrad quantized, wgrad quantized
+    or left in high precision (``wgrad_with_hp``), one scale rule for all."""
+    if spec.accumulate != "fp32":
+        return (f"accumulate {spec.accumulate}: torchao accumulates in fp32",)
+    problems, rules = [], set()
+    for gemm, operand in OPERAND_KEYS:
+        operand_spec = spec.operand(gemm, operand)
+        if _high(operand_spec) and gemm == "wgrad":
+            continue
+        rule = _TORCHAO_MX_RULES.get(operand_spec.format)
+        exact = (
+            operand_spec.rounding == "nearest"
+            and operand_spec.transform is None
+            and not operand_spec.flush_subnormals
+            and operand_spec.scaling is None
+        )
+        if rule is None or not exact:
+            problems.append(
+                f"{gemm}/{operand} {_describe(operand_spec)}: torchao's MX training runs mxfp8_e4m3 (scale "
+                "rules floor, rceil, ceil, even) with nearest rounding, for both operands of fprop and dgrad"
+            )
+        else:
+            rules.add(rule)
+    wgrad = {_high(spec.operand("wgrad", operand)) for operand in OPERANDS["wgrad"]}
+    if len(wgrad) > 1:
+        problems.append("wgrad: one operand quantized, the other not; torchao quantizes both or neither")
+    if len(rules) > 1:
+        problems.append(f"scale rules {', '.join(sorted(rules))} mixed: torchao uses one per module")
+    if problems:
+        return tuple(problems)
+    return "\n".join(
+        [
+            "MXFP8TrainingOpConfig(",
+            "        kernel_preference=KernelPreference.EMULATED if emulate else KernelPreference.AUTO,",
+            f"        wgrad_with_hp={wgrad == {True}},",
+            f"        scale_calculation_mode=ScaleCalculationMode.{rules.pop()},",
+            "    )",
+        ]
+    )
+
+
 def to_torchao(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a numscope plan") -> Export:
     """A torchao module reproducing ``plan`` on the model whose ``(site name, kind)`` pairs are ``sites``."""
     linear, unexpressed = _linear_sites(plan, sites)
@@ -183,23 +241,43 @@ def to_torchao(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a nu
     for name, spec in linear.items():
         if all(_high(spec.operand(g, o)) for g, o in OPERAND_KEYS):
             continue
-        config = _torchao_config(spec)
+        block = any(_is_block(spec.operand(g, o)) for g, o in OPERAND_KEYS)
+        config = _torchao_mx_config(spec) if block else _torchao_config(spec)
         if isinstance(config, tuple):
             unexpressed += [f"{name}: {reason}; the module stays in high precision" for reason in config]
             continue
         groups.setdefault(config, []).append(name)
+    mx = any(config.startswith("MXFP8") for config in groups)
+    if mx:
+        unexpressed.append(
+            "MXFP8 modules with a bias: torchao 0.18's MXFP8 training drops the bias (measured: its forward "
+            "and gradient); convert() leaves such a module in high precision and warns"
+        )
     lines = [
-        f'"""torchao float8 training for {source}, exported by numscope.',
+        f'"""torchao training for {source}, exported by numscope (float8 and MXFP8 Linear layers).',
         "",
         "    from numscope_torchao import convert",
         "    convert(model)                  # emulate=True runs torchao's emulation, e.g. on a CPU",
         "",
-        "Modules are selected by their qualified names in the model the plan was made for.",
+        "Modules are selected by their qualified names in the model the plan was made for. MXFP8 layers need",
+        "in and out features, and the tokens of a batch, in multiples of 32 (torchao's block size).",
         '"""',
+        "",
+        "import warnings",
         "",
         "import torch",
         "from torchao.float8 import CastConfig, Float8LinearConfig, ScalingGranularity, ScalingType",
         "from torchao.float8 import convert_to_float8_training",
+        *(
+            [
+                "from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig",
+                "from torchao.prototype.mx_formats.config import ScaleCalculationMode",
+                "from torchao.quantization import quantize_",
+                "from torchao.quantization.quantize_.common import KernelPreference",
+            ]
+            if mx
+            else []
+        ),
         "",
         "E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2",
         "",
@@ -213,7 +291,7 @@ def to_torchao(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a nu
         "]",
         "",
         "",
-        "def configs(emulate: bool = False) -> dict[int, Float8LinearConfig]:",
+        "def configs(emulate: bool = False) -> dict:",
         "    return {",
         *(
             f"        {index}: {config.replace(chr(10) + '    ', chr(10) + '        ')},"
@@ -223,12 +301,18 @@ def to_torchao(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a nu
         "",
         "",
         "def convert(model: torch.nn.Module, emulate: bool = False) -> torch.nn.Module:",
-        '    """Convert the plan\'s Linear modules to torchao float8 training, in place."""',
+        '    """Convert the plan\'s Linear modules to torchao float8 or MXFP8 training, in place."""',
         "    for index, config in configs(emulate).items():",
         "        names = set(MODULES[index])",
-        "        convert_to_float8_training(",
-        "            model, config=config, module_filter_fn=lambda module, fqn, names=names: fqn in names",
-        "        )",
+        "        if isinstance(config, Float8LinearConfig):",
+        "            chosen = lambda module, fqn, names=names: fqn in names  # noqa: E731",
+        "            convert_to_float8_training(model, config=config, module_filter_fn=chosen)",
+        "            continue",
+        "        biased = sorted(n for n, m in model.named_modules() if n in names and m.bias is not None)",
+        "        if biased:",
+        "            warnings.warn(f'torchao MXFP8 training drops a Linear bias; kept high: {biased}')",
+        "        kept = names - set(biased)",
+        "        quantize_(model, config, filter_fn=lambda module, fqn, kept=kept: fqn in kept)",
         "    return model",
         "",
     ]
@@ -455,7 +539,9 @@ def _enum_name(value: object) -> str:
 
 
 def from_torchao(config: object) -> Plan:
-    """A torchao ``Float8LinearConfig`` as a plan, so that numscope emulates and measures it exactly.
+    """A torchao ``Float8LinearConfig`` or ``MXFP8TrainingOpConfig`` as a plan, so that numscope emulates
+    and measures it exactly (the MX one: ``mxfp8_e4m3`` with its scale rule, wgrad high for
+    ``wgrad_with_hp``).
 
     Read by attribute (torchao need not be importable here): each cast config becomes its operand's spec
     (DISABLED: high; TENSORWISE: per-tensor scaling; AXISWISE: row or column scaling along the contraction
@@ -465,6 +551,17 @@ def from_torchao(config: object) -> Plan:
     from numscope.formats.scaling import Scaling
     from numscope.plan.recipes import linear_only
 
+    if hasattr(config, "scale_calculation_mode") and hasattr(
+        config, "wgrad_with_hp"
+    ):  # MXFP8TrainingOpConfig
+        rule = _enum_name(config.scale_calculation_mode)
+        fmt = next((name for name, mode in _TORCHAO_MX_RULES.items() if mode == rule), None)
+        if fmt is None:
+            raise ExportError(f"scale_calculation_mode {rule}: no numscope MX scale rule of that name")
+        high = bool(config.wgrad_with_hp)
+        return linear_only(
+            SiteSpec({(g, o): "high" if high and g == "wgrad" else fmt for g, o in OPERAND_KEYS})
+        )
     power = bool(getattr(config, "round_scales_to_power_of_2", False))
     names = {"FLOAT8_E4M3FN": "fp8_e4m3", "FLOAT8_E5M2": "fp8_e5m2"}
     operands = {}
