@@ -347,6 +347,42 @@ def test_missing_reference_backward_error_is_explained():
     assert plan.for_site("enc.q").operand("fprop", "weight").format == "mxfp4_e2m1"
 
 
+def test_the_sensitivity_objective_spends_bits_where_the_gradient_error_is():
+    from numscope.advisor import operand_impact, sensitivity_objective
+
+    table = {
+        A: {"bf16": metrics(55), "fp8_e4m3": metrics(31), "mxfp4_e2m1": metrics(23)},
+        B: {"bf16": metrics(55), "fp8_e4m3": metrics(31), "mxfp4_e2m1": metrics(30)},
+    }
+    analysis = build(
+        {k: {**{c: metrics(10) for c in CANDIDATES}, **v} for k, v in table.items()}, {A: 1000, B: 1000}
+    )
+    errors = {A: {"fp8_e4m3": 0.01, "mxfp4_e2m1": 0.1}, B: {"fp8_e4m3": 0.01, "mxfp4_e2m1": 0.3}}
+    measured = Sensitivity(
+        candidates=("fp8_e4m3", "mxfp4_e2m1"),
+        granularity="operand",
+        results={k: {c: {"grad_rel_error": e} for c, e in v.items()} for k, v in errors.items()},
+    )
+    assert operand_impact(measured, B, "mxfp4_e2m1") == pytest.approx(0.09)
+    assert operand_impact(measured, B, "high") == 0.0
+    budget = dict(bit_budget=6.125, candidates=["fp8_e4m3", "mxfp4_e2m1"])
+    assert chosen(advise(analysis, **budget)) == {A: "fp8_e4m3", B: "mxfp4_e2m1"}  # A is the noisier
+    by_gradient = advise(analysis, **budget, objective=sensitivity_objective(measured))
+    assert chosen(by_gradient) == {A: "mxfp4_e2m1", B: "fp8_e4m3"}  # B's gradient error is the larger
+    weighted = sensitivity_objective(measured, {"fprop": 2.0, "dgrad": 0.0})  # a role's weight multiplies
+    assert weighted(B, "mxfp4_e2m1") == pytest.approx(0.18) and weighted(A, "high") == 0.0
+    with pytest.raises(AdvisorError, match="no sensitivity in 'int8'"):
+        advise(
+            analysis,
+            bit_budget=6.125,
+            candidates=["int8", "mxfp4_e2m1"],
+            objective=sensitivity_objective(measured),
+        )
+    per_site = Sensitivity(candidates=("mxfp4_e2m1",), results={("enc.q", "*", "*"): {"mxfp4_e2m1": {}}})
+    with pytest.raises(AdvisorError, match="needs it per operand"):
+        operand_impact(per_site, A, "mxfp4_e2m1")
+
+
 def sensitivity_of(changes: dict[str, float], cosines: dict[str, float] | None = None) -> Sensitivity:
     """Site-level sensitivity of enc.q only: loss_change% and grad_cosine_min per candidate."""
     cosines = cosines or {}

@@ -351,7 +351,7 @@ def test_recommend_with_a_gap_model_weights_roles_and_predicts_the_gap(
 
 def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str, Result]) -> None:
     out = ws / "calibration"
-    result = cli("calibrate", *flags(ws), "--seeds", "0", "1", "--out", out)
+    result = cli("calibrate", *flags(ws), "--seeds", "0", "1", "--sensitivity", "1", "--out", out)
     assert result.code == 0, result.err
     data = json.loads((out / "gap_model.json").read_text())
     assert data["seeds"] == [0, 1] and data["low"] == "mxfp4_e2m1"
@@ -370,7 +370,7 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
             assert gap == pytest.approx(run["val_loss"] - fp32["val_loss"])
     assert all(v >= 0 for v in data["coefficients"].values())
     assert "gap ≈" in result.out and "--gap-model" in result.out
-    again = cli("calibrate", *flags(ws), "--seeds", "0", "1", "--out", out)  # every run reused
+    again = cli("calibrate", *flags(ws), "--seeds", "0", "1", "--sensitivity", "1", "--out", out)  # reused
     assert again.code == 0 and again.out == result.out
     recommended = cli(
         "recommend", out / "fp32" / "seed0", "-o", ws / "cal.yaml", "--gap-model", out / "gap_model.json"
@@ -378,6 +378,53 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
     assert recommended.code == 0, recommended.err
     assert "predicted validation-loss gap to FP32" in recommended.out
     assert cli("calibrate", *flags(ws), "--seed", "3", "--out", out).code == 2
+    # the sensitivity model: fitted on each operand's measured gradient error (S), as the noise model is
+    analysis = Analysis.load(out / "fp32" / "seed0" / "analysis")
+    assert analysis.sensitivity.granularity == "operand"
+    assert set(analysis.sensitivity.candidates) >= {"mxfp4_e2m1", "mxfp8_e4m3"}
+    from numscope.advisor import operand_impact
+
+    for row in data["runs"]:  # its features: per role, the sum of the operands' S under the run's plan
+        plan = numscope.Plan.load(out / "plans" / f"{row['name'].replace(' ', '_')}.yaml")
+        expected = dict.fromkeys(("fprop", "dgrad", "wgrad"), 0.0)
+        for key in sorted(analysis.keys()):
+            label = plan.for_site(key[0]).operand(key[1], key[2]).format
+            expected[key[1]] += operand_impact(
+                analysis.sensitivity, key, "high" if label == "high" else label
+            )
+        assert row["sensitivity_by_role"] == pytest.approx(expected)
+    assert data["sensitivity"]["features"] == "sensitivity" and data["sensitivity"]["points"] == 4
+    assert "·S(fprop)" in result.out and "--objective sensitivity" in result.out
+    off = [f"--{name}" for name in ("max-be-ratio", "max-underflow-pct", "max-overflow-pct", "min-sqnr-db")]
+    budget = [
+        "--bit-budget",
+        "6",
+        "--candidates",
+        "mxfp4_e2m1",
+        "mxfp8_e4m3",
+        *(x for f in off for x in (f, "none")),
+    ]
+    by_sensitivity = cli(
+        "recommend", out / "fp32" / "seed0", "-o", ws / "sens.yaml", "--objective", "sensitivity", *budget,
+        "--gap-model", out / "gap_model.json",
+    )  # fmt: skip
+    assert by_sensitivity.code == 0, by_sensitivity.err
+    assert "sensitivity features" in by_sensitivity.out
+    chosen = numscope.Plan.load(ws / "sens.yaml")
+    assert chosen.average_bits(analysis_sizes(analysis)) <= 6.0
+    no_budget = cli("recommend", out / "fp32" / "seed0", "-o", ws / "x.yaml", "--objective", "sensitivity")
+    assert no_budget.code == 2 and "--bit-budget" in no_budget.err
+    unmeasured = cli(
+        "recommend", ws / "runs" / "fp32", "-o", ws / "x.yaml", "--objective", "sensitivity", *budget
+    )
+    assert unmeasured.code == 2 and "--sensitivity-granularity operand" in unmeasured.err
+
+
+def analysis_sizes(analysis: Analysis) -> dict[str, dict[tuple[str, str], int]]:
+    sizes: dict[str, dict[tuple[str, str], int]] = {}
+    for (site, gemm, operand), count in analysis.elements.items():
+        sizes.setdefault(site, {})[(gemm, operand)] = int(count)
+    return sizes
 
 
 def test_train_runs_under_the_plan_and_under_a_preset(ws: Path, flow: dict[str, Result]) -> None:

@@ -540,7 +540,7 @@ def advise(
         ``max_loss_increase_pct``, ``min_grad_cosine`` (number or ``None`` to switch off).
     noise_weights: glob over ``site/gemm/operand`` → a factor on that operand's noise in the bit-budget
         objective (later patterns override earlier ones; default 1): what a loss-impact calibration
-        (:mod:`numscope.plan_study`) fits, e.g. ``{"*/wgrad/*": 0.2}`` when wgrad noise costs less loss.
+        (:mod:`numscope.study`) fits, e.g. ``{"*/wgrad/*": 0.2}`` when wgrad noise costs less loss.
     objective: ``objective(key, format) -> float``, the quantity the bit budget minimises the sum of,
         instead of the (weighted) noise power: e.g. a fitted loss impact from measured sensitivities
         (:class:`numscope.study.SensitivityModel`). ``high`` costs 0.
@@ -625,6 +625,42 @@ def operand_noise(analysis: Analysis, key: OperandKey, label: str) -> float:
     return 10.0 ** (-(sum(sqnr) / len(sqnr)) / 10.0)
 
 
+def operand_impact(sensitivity: Sensitivity, key: OperandKey, label: str) -> float:
+    """An operand's measured loss impact in ``label``: the squared relative error that quantizing it alone
+    adds to the parameter gradient of the trained model (``grad_rel_error`` of an operand-granularity
+    :class:`~numscope.analysis.Sensitivity`), the noise power it adds to the update; 0 for ``high``."""
+    if label == HIGH:
+        return 0.0
+    if sensitivity.granularity != "operand":
+        raise AdvisorError(
+            f"the sensitivity was measured per {sensitivity.granularity}; the sensitivity objective needs "
+            "it per operand (numscope.sensitivity(..., granularity='operand'); numscope analyze "
+            "--sensitivity N --sensitivity-granularity operand)"
+        )
+    metrics = sensitivity.results.get(key, {}).get(label)
+    if metrics is None or "grad_rel_error" not in metrics:
+        raise AdvisorError(
+            f"{operand_name(key)}: no sensitivity in {label!r} (measured: "
+            f"{', '.join(sensitivity.candidates) or 'none'}); measure it among the sensitivity's candidates"
+        )
+    return float(metrics["grad_rel_error"]) ** 2
+
+
+def sensitivity_objective(
+    sensitivity: Sensitivity, role_weights: Mapping[str, float] | None = None
+) -> Callable[[OperandKey, str], float]:
+    """The bit-budget objective of measured sensitivities: :func:`operand_impact` times its GEMM role's
+    weight (``role_weights``: gemm → factor, e.g. a gap model's fitted coefficients; default 1 each). The plan
+    study found this objective, with fitted role weights, ranking plans as their trained loss gaps did
+    (docs/plan-study.md)."""
+    weights = dict(role_weights or {})
+
+    def impact(key: OperandKey, label: str) -> float:
+        return weights.get(key[1], 1.0) * operand_impact(sensitivity, key, label)
+
+    return impact
+
+
 def _apply_budget(
     choices: list[Choice], passing: list[list[_Option]], budget: float
 ) -> tuple[list[Choice], bool]:
@@ -683,6 +719,7 @@ def recommend(
     per_operand: Mapping[str, Mapping[str, Any]] | None = None,
     sensitivity: Sensitivity | None = None,
     noise_weights: Mapping[str, float] | None = None,
+    objective: Callable[[OperandKey, str], float] | None = None,
     **criteria: float | None,
 ) -> Plan:
     """The plan :func:`advise` recommends (one exact-name rule per site; unobserved sites stay high).
@@ -698,6 +735,7 @@ def recommend(
         per_operand=per_operand,
         sensitivity=sensitivity,
         noise_weights=noise_weights,
+        objective=objective,
         **criteria,
     ).plan
 

@@ -411,6 +411,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         objective=args.objective,
         tensorboard=args.tensorboard,
         sensitivity_batches=args.sensitivity,
+        sensitivity_granularity=args.sensitivity_granularity,
         progress=not args.no_progress,
     )
     if _launched_as_rank_zero():
@@ -458,6 +459,13 @@ def _register_analyze(sub: argparse._SubParsersAction) -> None:
         "gradient change of the trained model on N validation batches (costs N x (1 + sites x candidates) "
         "forward and backward passes); stored with the analysis for recommend's --criterion "
         "max_loss_increase_pct=... and min_grad_cosine=...; one process only (default: 0, not measured)",
+    )
+    p.add_argument(
+        "--sensitivity-granularity",
+        choices=("site", "operand"),
+        default="site",
+        help="--sensitivity quantizes a whole site or one operand at a time (six times the passes; what "
+        "'recommend --objective sensitivity' needs) (default: %(default)s)",
     )
     p.add_argument(
         "--tensorboard",
@@ -588,8 +596,12 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     for item in args.criterion or ():
         criteria.update(_key_values(item, "--criterion", CRITERIA))
     analysis = Analysis.load(workflow.find_analysis(args.analysis))
-    gap_model = workflow.load_gap_model(args.gap_model) if args.gap_model else None
-    if gap_model is not None and gap_model.noise_weights():
+    gap_model = workflow.load_gap_model(args.gap_model, args.objective) if args.gap_model else None
+    if args.objective == "sensitivity":
+        if args.bit_budget is None:
+            raise CLIError("--objective sensitivity chooses within a --bit-budget; give one")
+        criteria["objective"] = workflow.sensitivity_objective(analysis, gap_model)
+    elif gap_model is not None and gap_model.noise_weights():
         criteria["noise_weights"] = gap_model.noise_weights()
     plan, rows = workflow.recommend_plan(analysis, args.output, **criteria)
     print(render_table(rows))
@@ -601,8 +613,8 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         predicted = workflow.predicted_gap(gap_model, analysis, plan)
         print(
             f"predicted validation-loss gap to FP32: {predicted:+.4f} ± {gap_model.spread:.4f} nats "
-            f"(gap model {args.gap_model}, fitted on {gap_model.points} calibration runs; it holds for the "
-            "model and training it was fitted on)"
+            f"(gap model {args.gap_model}, {gap_model.features} features, fitted on {gap_model.points} "
+            "calibration runs; it holds for the model and training it was fitted on)"
         )
     print(f"plan: {args.output}  (next: numscope train --plan {args.output} ...)")
     return 0
@@ -644,8 +656,17 @@ def _register_recommend(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gap-model",
         metavar="JSON",
-        help="a gap model (gap_model.json of 'numscope study plans'): weights each GEMM role's noise in the "
+        help="a gap model (gap_model.json of 'numscope calibrate'): weights each GEMM role in the "
         "--bit-budget objective by its fitted loss impact and prints the plan's predicted gap to FP32",
+    )
+    p.add_argument(
+        "--objective",
+        choices=("noise", "sensitivity"),
+        default="noise",
+        help="what --bit-budget minimises: noise, the operands' relative noise power in the FP32 analysis; "
+        "sensitivity, their measured gradient error when quantized alone (needs 'numscope analyze "
+        "--sensitivity N --sensitivity-granularity operand'; in the plan study it ranked plans as their "
+        "trained loss did, the noise objective did no better than random plans) (default: %(default)s)",
     )
     p.add_argument(
         "--reference",
@@ -740,7 +761,14 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         raise CLIError("--seed: calibrate trains every seed of --seeds; pass --seeds instead")
     data, config = _run_inputs(args)
     result = workflow.calibrate(
-        args.model, data, args.out, config, seeds=args.seeds, low=args.low, objective=args.objective
+        args.model,
+        data,
+        args.out,
+        config,
+        seeds=args.seeds,
+        low=args.low,
+        objective=args.objective,
+        sensitivity_batches=args.sensitivity,
     )
     model = result.gap_model
     print(
@@ -749,12 +777,20 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         + f" nats (residual sd {model.spread:.3g}; FP32 seed noise {result.noise:.4f} nats over "
         f"{len(args.seeds)} seeds)"
     )
+    fitted = result.sensitivity_model
+    if fitted is not None:
+        print(
+            "gap ≈ "
+            + " + ".join(f"{fitted.coefficients[g]:.4g}·S({g})" for g in GEMMS)
+            + f" nats (S: the operands' measured gradient error squared; residual sd {fitted.spread:.3g})"
+        )
     for row in result.rows:
         per_seed = ", ".join(f"{gap:+.4f}" for gap in row["gaps"])
         print(f"  {row['name']}: gap {row['gap_mean']:+.4f} nats (per seed: {per_seed})")
+    objective = " --objective sensitivity" if fitted is not None else ""
     print(
         f"gap model: {result.files['gap model']}\nnext: numscope recommend {result.analysis} --gap-model "
-        f"{result.files['gap model']} --bit-budget BITS ..."
+        f"{result.files['gap model']}{objective} --bit-budget BITS ..."
     )
     return 0
 
@@ -772,6 +808,15 @@ def _register_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], metavar="SEED", help="(default: 0 1 2)")
     p.add_argument(
         "--low", default="mxfp4_e2m1", metavar="FORMAT", help="the format probed (default: %(default)s)"
+    )
+    p.add_argument(
+        "--sensitivity",
+        type=_int_at_least(0),
+        default=2,
+        metavar="N",
+        help="also quantize every operand of the trained FP32 model alone in every observed format on N "
+        "validation batches and fit the sensitivity gap model ('recommend --objective sensitivity'); 0 "
+        "skips it (default: %(default)s)",
     )
     p.set_defaults(func=_cmd_calibrate)
 

@@ -176,6 +176,7 @@ def analyze(
     progress: bool = False,
     tensorboard: str | os.PathLike[str] | None = None,
     sensitivity_batches: int = 0,
+    sensitivity_granularity: str = "site",
 ) -> RunResult:
     """Train ``model`` in FP32 on ``data`` and observe every GEMM operand every ``every`` steps.
 
@@ -185,7 +186,9 @@ def analyze(
     ``sensitivity_batches`` > 0: then quantize one site at a time in each candidate and measure the loss and
     gradient change of the trained model on that many validation batches (:func:`numscope.sensitivity`),
     stored with the analysis for ``recommend``'s ``max_loss_increase_pct`` / ``min_grad_cosine``; the
-    trained model is kept as ``out/model.pt``. One process only.
+    trained model is kept as ``out/model.pt``. One process only. ``sensitivity_granularity="operand"``
+    quantizes one operand at a time instead (six times the passes), what ``recommend``'s sensitivity
+    objective and a sensitivity gap model need.
     Under ``torchrun`` with ``WORLD_SIZE`` > 1 it trains with DDP over gloo, as :func:`train`; the observer
     merges each sampled step across the ranks (:mod:`numscope.distributed`), and rank 0 writes.
     """
@@ -209,9 +212,13 @@ def analyze(
         raise WorkflowError(f"--sensitivity must be a number of batches >= 0; got {sensitivity_batches!r}")
     if sensitivity_batches and _env_world_size() > 1:
         raise WorkflowError("--sensitivity runs in one process; run analyze without torchrun to measure it")
+    if sensitivity_granularity not in ("site", "operand"):
+        raise WorkflowError(f"--sensitivity-granularity {sensitivity_granularity!r}: allowed: site, operand")
     out_dir = check_output_folder(out)
     with _process_group():
-        extra = {"sensitivity_batches": sensitivity_batches} if sensitivity_batches else {}
+        extra: dict[str, Any] = {"sensitivity_batches": sensitivity_batches} if sensitivity_batches else {}
+        if sensitivity_batches and sensitivity_granularity != "site":
+            extra["sensitivity_granularity"] = sensitivity_granularity
         settings = _settings(
             "analyze", model, objective, data, config, candidates=names, every=every, plan="fp32", **extra
         )
@@ -222,7 +229,16 @@ def analyze(
                 prepared, factory, resolved = _prepare_run(
                     model, data, config, objective, Plan.uniform("fp32")
                 )
-                _measure_sensitivity(out_dir, factory, prepared, config, resolved, names, sensitivity_batches)
+                _measure_sensitivity(
+                    out_dir,
+                    factory,
+                    prepared,
+                    config,
+                    resolved,
+                    names,
+                    sensitivity_batches,
+                    sensitivity_granularity,
+                )
             if writer:
                 _write_tensorboard(out_dir, tensorboard)
             return finished
@@ -253,7 +269,16 @@ def analyze(
         finally:
             close()
         if sensitivity_batches:
-            _measure_sensitivity(out_dir, factory, prepared, config, resolved, names, sensitivity_batches)
+            _measure_sensitivity(
+                out_dir,
+                factory,
+                prepared,
+                config,
+                resolved,
+                names,
+                sensitivity_batches,
+                sensitivity_granularity,
+            )
         if writer:
             _write_tensorboard(out_dir, tensorboard)
         return result
@@ -267,6 +292,7 @@ def _measure_sensitivity(
     objective: str,
     candidates: Sequence[str],
     count: int,
+    granularity: str = "site",
 ) -> None:
     """The trained model's sensitivity on ``count`` validation batches, stored in ``out_dir/analysis``;
     skipped when the analysis already holds it (a finished run asked again)."""
@@ -279,7 +305,7 @@ def _measure_sensitivity(
     batches = _sensitivity_batches(prepared, config, objective, count)
     model = factory()
     model.load_state_dict(load_checkpoint(out_dir / "model.pt")["model"])
-    analysis.sensitivity = sensitivity(model, batches, candidates=list(candidates))
+    analysis.sensitivity = sensitivity(model, batches, candidates=list(candidates), granularity=granularity)
     analysis.save(out_dir / "analysis")
 
 
@@ -699,14 +725,30 @@ class StudyResult:
     formats: list[str] = field(default_factory=list)
 
 
-def load_gap_model(path: str | os.PathLike[str]) -> Any:
-    """A :class:`numscope.study.GapModel` from a file; a clear error if it is not one."""
+def load_gap_model(path: str | os.PathLike[str], features: str = "noise") -> Any:
+    """A :class:`numscope.study.GapModel` of ``features`` (noise or sensitivity) from a file; a clear error if
+    it is not one."""
     from numscope.study import GapModel, StudyError
 
     try:
-        return GapModel.load(path)
+        return GapModel.load(path, features)
     except StudyError as error:
         raise WorkflowError(f"--gap-model: {error}") from error
+
+
+def sensitivity_objective(analysis: Analysis, gap_model: Any = None) -> Callable[[Any, str], float]:
+    """The advisor's sensitivity objective from the analysis's operand sensitivity, its GEMM roles weighted
+    by a sensitivity ``gap_model``'s coefficients (equal without one); a clear error if not measured."""
+    from numscope.advisor import sensitivity_objective as objective
+
+    sensitivity = analysis.sensitivity
+    if sensitivity is None or sensitivity.granularity != "operand":
+        measured = "none" if sensitivity is None else f"per {sensitivity.granularity}"
+        raise WorkflowError(
+            f"--objective sensitivity needs the sensitivity of every operand (measured: {measured}); run "
+            "numscope analyze ... --sensitivity N --sensitivity-granularity operand"
+        )
+    return objective(sensitivity, gap_model.role_weights() if gap_model is not None else None)
 
 
 def predicted_gap(gap_model: Any, analysis: Analysis, plan: Plan) -> float:
@@ -727,6 +769,7 @@ def calibrate(
     seeds: Sequence[int] = (0, 1, 2),
     low: str = "mxfp4_e2m1",
     objective: str = "auto",
+    sensitivity_batches: int = 2,
 ) -> Any:
     """:func:`numscope.study.calibrate` into ``out``, with clear errors for bad settings."""
     from numscope.study import StudyError
@@ -737,7 +780,16 @@ def calibrate(
     except ValueError as error:
         raise WorkflowError(f"--low: {error}") from error
     try:
-        return run(model, data, check_output_folder(out), config, seeds=seeds, low=name, objective=objective)
+        return run(
+            model,
+            data,
+            check_output_folder(out),
+            config,
+            seeds=seeds,
+            low=name,
+            objective=objective,
+            sensitivity_batches=sensitivity_batches,
+        )
     except StudyError as error:
         raise WorkflowError(str(error)) from error
 

@@ -13,7 +13,7 @@ import numpy as np
 from numscope._atomic import atomic_write_text
 from numscope.analysis import Analysis
 from numscope.study.config import UNIFORM_CANDIDATES, PlanStudyConfig, StudyError
-from numscope.study.gap_models import GapModel, role_noise
+from numscope.study.gap_models import GapModel, role_noise, role_sensitivity
 from numscope.study.operands import Operands
 from numscope.study.plans import StudyPlan, _preset_of, _slug, calibration_plans
 
@@ -25,6 +25,7 @@ class Calibration:
     noise: float  # FP32 seed-to-seed sd (nats)
     analysis: str  # the observed FP32 run's analysis folder
     files: dict[str, str] = field(default_factory=dict)
+    sensitivity_model: GapModel | None = None  # fitted on measured sensitivities (None: not measured)
 
 
 def calibrate(
@@ -37,13 +38,18 @@ def calibrate(
     low: str = "mxfp4_e2m1",
     objective: str = "auto",
     every: int = 25,
+    sensitivity_batches: int = 2,
     log: Callable[[str], None] = print,
 ) -> Calibration:
     """Fit a :class:`GapModel` on any model :func:`numscope.workflow.train` can train.
 
     Runs, each for ``config.steps`` steps and on every seed: FP32 (the first seed observed), ``low`` on the
     operands of one GEMM role at a time (fprop, dgrad, wgrad), and ``low`` everywhere: 5 × len(seeds) runs.
-    Writes ``gap_model.json`` into ``out_dir``; finished runs are reused on a rerun.
+    With ``sensitivity_batches`` > 0 the trained FP32 model of the first seed also has every operand
+    quantized alone in every observed format on that many validation batches, and a second gap model is
+    fitted on those measured sensitivities (``features="sensitivity"``, stored under ``sensitivity``), the
+    one ``numscope recommend --objective sensitivity`` weighs roles with. Writes ``gap_model.json`` into
+    ``out_dir``; finished runs are reused on a rerun.
     """
     from dataclasses import replace as replace_config
 
@@ -59,7 +65,15 @@ def calibrate(
     cfg = replace_config(config, seed=seeds[0])
     log(f"[calibrate] fp32, observed (seed {seeds[0]})")
     results[("fp32", seeds[0])] = workflow.analyze(
-        model, data, first, config=cfg, candidates=names, every=every, objective=objective
+        model,
+        data,
+        first,
+        config=cfg,
+        candidates=names,
+        every=every,
+        objective=objective,
+        sensitivity_batches=sensitivity_batches,
+        sensitivity_granularity="operand",
     ).val_loss
     analysis = Analysis.load(first / "analysis")
     operands = Operands.from_analysis(analysis)
@@ -98,11 +112,22 @@ def calibrate(
             {
                 "name": plan.name,
                 "noise_by_role": role_noise(analysis, plan.formats or {}),
+                **(
+                    {"sensitivity_by_role": role_sensitivity(analysis.sensitivity, plan.formats or {})}
+                    if analysis.sensitivity is not None
+                    else {}
+                ),
                 "gaps": gaps,
                 "gap_mean": float(np.mean(gaps)),
             }
         )
-    gap_model = GapModel.fit([r["noise_by_role"] for r in rows], [r["gap_mean"] for r in rows])
+    gaps = [r["gap_mean"] for r in rows]
+    gap_model = GapModel.fit([r["noise_by_role"] for r in rows], gaps)
+    extra: dict[str, Any] = {}
+    fitted = None
+    if analysis.sensitivity is not None:
+        fitted = GapModel.fit([r["sensitivity_by_role"] for r in rows], gaps, "sensitivity")
+        extra["sensitivity"] = fitted.to_dict()
     fp32 = [results[("fp32", s)] for s in seeds]
     noise = float(np.std(fp32, ddof=1))
     path = out_dir / "gap_model.json"
@@ -110,8 +135,8 @@ def calibrate(
         path,
         json.dumps(
             {**gap_model.to_dict(), "fp32_seed_sd": noise, "seeds": list(seeds), "low": low, "runs": rows,
-             "uniform_preset": preset, "analysis": str(first / "analysis")},
+             "uniform_preset": preset, "analysis": str(first / "analysis"), **extra},
             indent=1,
         ),
     )  # fmt: skip
-    return Calibration(gap_model, rows, noise, str(first / "analysis"), {"gap model": str(path)})
+    return Calibration(gap_model, rows, noise, str(first / "analysis"), {"gap model": str(path)}, fitted)

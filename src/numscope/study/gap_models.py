@@ -31,17 +31,39 @@ def role_noise(analysis: Analysis, formats: Mapping[OperandKey, str]) -> dict[st
     return out
 
 
+def role_sensitivity(sensitivity: Any, formats: Mapping[OperandKey, str]) -> dict[str, float]:
+    """Σ measured loss impact (:func:`numscope.advisor.operand_impact`) of the operands of each GEMM role
+    under ``formats`` (the sensitivity gap model's features)."""
+    from numscope.advisor import AdvisorError, operand_impact
+
+    out = dict.fromkeys(GEMMS, 0.0)
+    for key, label in formats.items():
+        try:
+            out[key[1]] += operand_impact(sensitivity, key, label)
+        except AdvisorError as error:
+            raise StudyError(str(error)) from error
+    return out
+
+
+FEATURES: tuple[str, ...] = ("noise", "sensitivity")
+
+
 @dataclass(frozen=True)
 class GapModel:
-    """gap (nats) ≈ Σ_role coefficients[role] · noise[role]; ``spread`` is the residual standard deviation
-    of the calibration fit (nats), the prediction's uncertainty."""
+    """gap (nats) ≈ Σ_role coefficients[role] · feature[role], the feature per GEMM role being the FP32
+    analysis's relative noise power (``features="noise"``, :func:`role_noise`) or the measured loss impact
+    of the operands (``"sensitivity"``, :func:`role_sensitivity`); ``spread`` is the residual standard
+    deviation of the calibration fit (nats), the prediction's uncertainty."""
 
     coefficients: Mapping[str, float]
     spread: float
     points: int
+    features: str = "noise"
 
     @classmethod
-    def fit(cls, features: Sequence[Mapping[str, float]], gaps: Sequence[float]) -> GapModel:
+    def fit(
+        cls, features: Sequence[Mapping[str, float]], gaps: Sequence[float], kind: str = "noise"
+    ) -> GapModel:
         """Non-negative least squares through the origin (no noise, no gap) on calibration points."""
         from scipy.optimize import nnls
 
@@ -55,7 +77,7 @@ class GapModel:
         residual = target - matrix @ coefficients
         dof = max(1, len(gaps) - int((coefficients > 0).sum()))
         spread = float(math.sqrt(float(residual @ residual) / dof))
-        return cls(dict(zip(GEMMS, map(float, coefficients), strict=True)), spread, len(gaps))
+        return cls(dict(zip(GEMMS, map(float, coefficients), strict=True)), spread, len(gaps), kind)
 
     def predict(self, features: Mapping[str, float]) -> float:
         return float(sum(self.coefficients[g] * features[g] for g in GEMMS))
@@ -74,30 +96,60 @@ class GapModel:
                     f"{', '.join(analysis.candidates)}); observe with it among the candidates"
                 )
             formats[key] = label
+        if self.features == "sensitivity":
+            if analysis.sensitivity is None:
+                raise StudyError(
+                    "the sensitivity gap model needs the analysis's operand sensitivity (numscope analyze "
+                    "--sensitivity N --sensitivity-granularity operand)"
+                )
+            return self.predict(role_sensitivity(analysis.sensitivity, formats))
         return self.predict(role_noise(analysis, formats))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"coefficients": dict(self.coefficients), "spread": self.spread, "points": self.points}
+        return {
+            "coefficients": dict(self.coefficients),
+            "spread": self.spread,
+            "points": self.points,
+            "features": self.features,
+        }
 
     @classmethod
-    def load(cls, path: str | Path) -> GapModel:
-        """From ``gap_model.json`` (or a ``plan_study.json``, which holds one) of ``numscope study plans``."""
+    def load(cls, path: str | Path, features: str = "noise") -> GapModel:
+        """From ``gap_model.json`` of ``numscope calibrate`` (or a ``plan_study.json``, which holds one); a
+        calibration that also measured sensitivities holds the ``features="sensitivity"`` model under the
+        key ``sensitivity``."""
+        if features not in FEATURES:
+            raise StudyError(f"unknown gap-model features {features!r}; allowed: {', '.join(FEATURES)}")
         try:
             data = json.loads(Path(path).read_text())
             data = data.get("gap_model", data)
-            coefficients = {g: float(data["coefficients"][g]) for g in GEMMS}
-            return cls(coefficients, float(data["spread"]), int(data.get("points", 0)))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        except (OSError, ValueError, AttributeError) as error:
             raise StudyError(
-                f"{path}: not a gap model (the gap_model.json of 'numscope study plans'): {error}"
+                f"{path}: not a gap model (the gap_model.json of 'numscope calibrate'): {error}"
             ) from error
+        if features == "sensitivity":
+            if not isinstance(data.get("sensitivity"), dict):
+                raise StudyError(
+                    f"{path}: fitted without sensitivities; rerun 'numscope calibrate' (it now measures "
+                    "them) to predict with the sensitivity objective"
+                )
+            data = data["sensitivity"]
+        try:
+            coefficients = {g: float(data["coefficients"][g]) for g in GEMMS}
+            return cls(coefficients, float(data["spread"]), int(data.get("points", 0)), features)
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise StudyError(
+                f"{path}: not a gap model (the gap_model.json of 'numscope calibrate'): {error}"
+            ) from error
+
+    def role_weights(self) -> dict[str, float]:
+        """Each role's coefficient relative to the largest (empty when every coefficient is 0)."""
+        top = max(self.coefficients.values())
+        return {g: self.coefficients[g] / top for g in GEMMS} if top > 0 else {}
 
     def noise_weights(self) -> dict[str, float]:
         """The advisor's ``noise_weights``: each role's coefficient relative to the largest."""
-        top = max(self.coefficients.values())
-        if top <= 0:
-            return {}
-        return {f"*/{g}/*": self.coefficients[g] / top for g in GEMMS}
+        return {f"*/{g}/*": weight for g, weight in self.role_weights().items()}
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
@@ -124,9 +176,11 @@ class SensitivityModel:
 
     @classmethod
     def from_sensitivity(cls, sensitivity: Any) -> SensitivityModel:
+        from numscope.advisor import operand_impact
+
         scores: dict[OperandKey, dict[str, float]] = {}
         for key, per_format in sensitivity.results.items():
-            scores[key] = {label: float(m["grad_rel_error"]) ** 2 for label, m in per_format.items()}
+            scores[key] = {label: operand_impact(sensitivity, key, label) for label in per_format}
         return cls(scores)
 
     def score(self, key: OperandKey, label: str) -> float:
