@@ -867,7 +867,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
 
 
 def _register_study(sub: argparse._SubParsersAction) -> None:
-    from numscope.study import DOFS, FORMATS
+    from numscope.study import DOFS, FORMATS, PlanStudyConfig
 
     p = sub.add_parser(
         "study",
@@ -887,11 +887,33 @@ def _register_study(sub: argparse._SubParsersAction) -> None:
         help="output folder (default: %(default)s; runs/plan_study for 'plans'; reruns resume)",
     )
     p.add_argument("--quick", action="store_true", help="plans: a small model, 40 steps, 1 budget, 2 seeds")
-    p.add_argument("--budgets", nargs="+", type=float, metavar="BITS", help="plans: bits (default: 5 6 7)")
-    p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="plans: seeds (default: 0 1 2)")
-    p.add_argument("--random-plans", type=_int_at_least(0), metavar="N", help="plans: random orders (5)")
-    p.add_argument("--steps", type=_int_at_least(1), metavar="N", help="plans: steps per run (default: 500)")
-    p.add_argument("--jobs", type=_int_at_least(1), metavar="N", help="plans: runs side by side (default: 2)")
+    plans = PlanStudyConfig()  # the plan study's defaults, quoted from its configuration
+
+    def listed(values: Sequence[float]) -> str:
+        return " ".join(f"{value:g}" for value in values)
+
+    p.add_argument(
+        "--budgets",
+        nargs="+",
+        type=float,
+        metavar="BITS",
+        help=f"plans: bits (default: {listed(plans.budgets)})",
+    )
+    p.add_argument(
+        "--seeds", nargs="+", type=int, metavar="SEED", help=f"plans: seeds (default: {listed(plans.seeds)})"
+    )
+    p.add_argument(
+        "--random-plans",
+        type=_int_at_least(0),
+        metavar="N",
+        help=f"plans: random orders (default: {plans.random_plans})",
+    )
+    p.add_argument(
+        "--steps", type=_int_at_least(1), metavar="N", help=f"plans: steps per run (default: {plans.steps})"
+    )
+    p.add_argument(
+        "--jobs", type=_int_at_least(1), metavar="N", help=f"plans: runs side by side (default: {plans.jobs})"
+    )
     p.add_argument("--text", nargs="+", metavar="PATH", help="plans: your text files instead of the corpus")
     p.add_argument(
         "--dofs",
