@@ -205,3 +205,81 @@ def test_vit_and_whisper_front_ends_are_sites() -> None:
         loss = whisper(**inputs, labels=inputs["decoder_input_ids"]).loss
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def _im2col_backward_error(x, weight, fmt, *, stride, padding, groups, quantize_x, quantize_w):
+    """fprop's backward error of a Conv2d computed the long way: each group's im2col GEMM, per output
+    entry |L·R − Q(L)·Q(R)| / (|L|·|R|) in float64; (mean, max, count) over the entries."""
+    qx, qw = quantize_x(x, fmt).double(), quantize_w(weight, fmt).double()
+    x, weight = x.double(), weight.double()
+    out_channels, per_group = weight.shape[0], x.shape[1] // groups
+    errors, magnitudes = [], []
+
+    def cols(t, group):
+        channels = t[:, group * per_group : (group + 1) * per_group]
+        return F.unfold(channels, weight.shape[-2:], padding=padding, stride=stride)
+
+    for g in range(groups):
+        rows = slice(g * out_channels // groups, (g + 1) * out_channels // groups)
+        w, w_q = weight[rows].flatten(1), qw[rows].flatten(1)
+        exact, quantized = w @ cols(x, g), w_q @ cols(qx, g)
+        magnitudes.append(w.abs() @ cols(x, g).abs())
+        errors.append((exact - quantized).abs())
+    error, magnitude = torch.cat(errors, 1).flatten(), torch.cat(magnitudes, 1).flatten()
+    kept = magnitude > 0
+    be = error[kept] / magnitude[kept]
+    return be.mean().item(), be.max().item(), int(kept.sum())
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "mxfp8_e4m3", "mxfp4_e2m1"])
+def test_the_backward_error_of_a_convolution_is_its_im2col_gemms(fmt: str) -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2, bias=False)
+    x = torch.randn(3, 4, 7, 7, requires_grad=True)  # 3 batch entries: all enter the backward error
+    with numscope.observe(conv, candidates=["bf16", fmt], every=1) as observer:
+        conv(x).square().sum().backward()
+        observer.step()
+    analysis = observer.analysis()
+
+    def along_channels(t, name):  # as the runtime: blocks along the contraction axis (channels here)
+        scaling = "block" if name.startswith("mx") else "tensor"  # each format's default scaling
+        return numscope.quantize(t.movedim(1, -1), name, scaling=scaling).movedim(-1, 1)
+
+    mean, largest, count = _im2col_backward_error(
+        x.detach(), conv.weight.detach(), fmt, stride=2, padding=1, groups=2,
+        quantize_x=along_channels, quantize_w=along_channels,
+    )  # fmt: skip
+    recorded = analysis.backward_errors[("", "fprop")][(fmt, fmt)][0]
+    assert recorded["count"] == count == 3 * 6 * 4 * 4
+    assert recorded["mean"] == pytest.approx(mean, rel=1e-9) and recorded["max"] == pytest.approx(
+        largest, rel=1e-9
+    )
+    dgrad = analysis.backward_errors[("", "dgrad")][(fmt, fmt)][0]
+    assert dgrad["count"] + dgrad["excluded"] == x.numel() and 0 < dgrad["mean"] < 1
+    # wgrad, the long way: dW = dY · im2col(x)ᵀ per group, both operands quantized along the batch axis
+    grad_output = 2 * conv(x).detach()  # of out.square().sum()
+
+    def along_batch(t, name):
+        scaling = "block" if name.startswith("mx") else "tensor"
+        return numscope.quantize(t.movedim(0, -1), name, scaling=scaling).movedim(-1, 0).double()
+
+    qdy, qx = along_batch(grad_output, fmt), along_batch(x.detach(), fmt)
+    dy, xd = grad_output.double(), x.detach().double()
+    entries = []
+    for g in range(2):
+        rows = slice(3 * g, 3 * (g + 1))
+
+        def cols(t, g=g):
+            return F.unfold(t[:, 2 * g : 2 * g + 2], 3, padding=1, stride=2).transpose(1, 2).flatten(0, 1)
+
+        def flat(t, rows=rows):
+            return t[:, rows].flatten(2).transpose(0, 1).flatten(1)  # (C_out/g, N·L)
+
+        exact, quantized = flat(dy) @ cols(xd), flat(qdy) @ cols(qx)
+        entries.append(((exact - quantized).abs(), flat(dy).abs() @ cols(xd).abs()))
+    error = torch.cat([e.flatten() for e, _ in entries])
+    magnitude = torch.cat([m.flatten() for _, m in entries])
+    wgrad = analysis.backward_errors[("", "wgrad")][(fmt, fmt)][0]
+    assert wgrad["count"] == int((magnitude > 0).sum()) == conv.weight.numel()
+    assert wgrad["mean"] == pytest.approx((error / magnitude).mean().item(), rel=1e-9)
+    assert analysis.backward_errors[("", "fprop")][("bf16", "bf16")][0]["mean"] < recorded["mean"]

@@ -85,9 +85,13 @@ call ``step()`` alike (it is a collective on sampled steps); write the result on
 :func:`numscope.distributed.save_analysis`.
 
 Operands whose partner never arrives (a GEMM the runtime does not route through the handler) simply get no
-backward error. Nor do convolutions: their GEMM is that of the im2col form, whose rows (a channel block
-times the kernel window) the operands as passed do not show; the advisor decides them on the other
-metrics. If the same operand of a GEMM arrives twice before its partner, the later one replaces the
+backward error. A convolution's GEMM is that of its im2col form, whose rows (a channel block times the
+kernel window) the operands as passed do not show; as a convolution is linear in each operand, its backward
+error is computed through the convolution itself (:class:`numscope.sites.ConvCall`): per output entry of up
+to ``BATCH_ENTRIES`` drawn batch entries, |conv(L, R) − conv(Q(L), Q(R))| / conv(|L|, |R|) in float64 (for
+dgrad and wgrad the input- and weight-gradient products), each operand quantized as inside the whole tensor
+along its contraction axis: equal to the im2col GEMMs' backward error.
+If the same operand of a GEMM arrives twice before its partner, the later one replaces the
 earlier one. A site called several times in one step has its records of that step merged (sample-weighted,
 see :func:`numscope.analysis.default_reduce`; backward errors weighted by their entries, see
 :func:`numscope.analysis.merge_be_stats`) and its element counts added.
@@ -133,7 +137,7 @@ from numscope.metrics.errors import (
 )
 from numscope.metrics.stats import Log2Histogram
 from numscope.plan import OperandSpec, Plan
-from numscope.sites import Site, attach, attached, forward_has_grad, refresh
+from numscope.sites import ConvCall, Site, attach, attached, current_conv, forward_has_grad, refresh
 from numscope.vocab import OPERANDS
 
 DEFAULT_CANDIDATES: tuple[str, ...] = (
@@ -249,6 +253,15 @@ class _Half:
     batch_shape: tuple[int, ...]
 
 
+@dataclass
+class _ConvHalf:
+    """One operand of a convolution's GEMM waiting for its partner, in the operand's own layout."""
+
+    values: torch.Tensor  # float32; input and grad_output: the drawn batch entries only
+    quantized: dict[str, torch.Tensor]  # candidate -> the values as they are inside the quantized tensor
+    batch: torch.Tensor | None  # the batch entries drawn (shared with the partner); None for the weight
+
+
 class _Handler:
     """The operand handler the observer attaches: it measures on sampled steps and is neither active nor
     wanted on the others, so that their forward runs the model's own operations without interception. A
@@ -305,6 +318,7 @@ class Observer:
         self._step = 0
         self._handle: Any = None
         self._pending: dict[tuple[str, str], dict[str, _Half]] = {}
+        self._pending_conv: dict[tuple[str, str], dict[str, _ConvHalf]] = {}
         self._records: dict[OperandKey, dict[int, OperandRecord]] = {}
         self._histograms: dict[OperandKey, Any] = {}
         self._step_histograms: dict[OperandKey, Any] = {}  # the current step's, added at step()
@@ -332,6 +346,7 @@ class Observer:
             self._handle.remove()
             self._handle = None
         self._pending.clear()
+        self._pending_conv.clear()
         self._shared.clear()
 
     def __enter__(self) -> Observer:
@@ -361,6 +376,7 @@ class Observer:
             self._histograms[key] = histogram if previous is None else previous + histogram
         self._step_histograms.clear()
         self._pending.clear()
+        self._pending_conv.clear()
         self._shared.clear()
         was_sampling = self.sampling
         self._step += 1
@@ -420,7 +436,7 @@ class Observer:
         """What a checkpoint needs to resume observing as if never interrupted: everything recorded so far
         (the analysis as JSON text, exact for every float), the step counter and the sampling generator.
         Take it between steps (after :meth:`step`)."""
-        if self._step_histograms or self._pending:
+        if self._step_histograms or self._pending or self._pending_conv:
             raise ValueError("Observer.state_dict() is taken between steps: call step() first")
         return {
             "analysis": json.dumps(self.analysis().to_dict(), allow_nan=True),
@@ -452,6 +468,7 @@ class Observer:
         self.generator.set_state(state["generator"])
         self._step_histograms.clear()
         self._pending.clear()
+        self._pending_conv.clear()
         self._shared.clear()
         refresh(self.model)
 
@@ -518,7 +535,12 @@ class Observer:
         self._elements[key] = max(self._elements.get(key, 0), record.elements)
         previous = self._step_histograms.get(key)
         self._step_histograms[key] = shared.histogram if previous is None else previous + shared.histogram
-        if not self.config.backward_error or site.kind == "conv":  # see the module docstring
+        if not self.config.backward_error:
+            return
+        if site.kind == "conv":  # its products are convolutions: measured through the convolution itself
+            call = current_conv()
+            if call is not None:
+                self._conv_half(gemm_key, operand, tensor, axis, amax, call, step)
             return
         # the backward error's rows, quantized as inside the whole tensor; the block formats' quantization
         # above is reused where the rows were finite (else the operand enters as it is: a non-finite
@@ -642,6 +664,72 @@ class Observer:
         left, right = (half, partner) if OPERANDS[gemm_key[1]][0] == operand else (partner, half)
         self._record_be(gemm_key, step, left, right)
 
+    def _conv_half(
+        self,
+        gemm_key: tuple[str, str],
+        operand: str,
+        tensor: torch.Tensor,
+        axis: int,
+        amax: torch.Tensor,
+        call: ConvCall,
+        step: int,
+    ) -> None:
+        """One operand of a convolution's GEMM with its quantizations (each as inside the whole tensor, along
+        the contraction axis), up to ``BATCH_ENTRIES`` batch entries of it (shared with the partner in wgrad);
+        with its partner waiting, the backward error of the convolution's own products (:meth:`_conv_be`)."""
+        waiting = self._pending_conv.setdefault(gemm_key, {})
+        partner = waiting.get(next(o for o in OPERANDS[gemm_key[1]] if o != operand))
+        batch = None
+        if operand != "weight":  # input and grad_output carry the batch
+            if partner is not None and partner.batch is not None:
+                batch = partner.batch
+            else:
+                count = min(BATCH_ENTRIES, tensor.shape[0])
+                order = torch.randperm(
+                    tensor.shape[0], generator=self.generator, device=self.generator.device
+                )
+                batch = order[:count].to(tensor.device)
+        values = tensor.float()
+        if batch is not None and axis != 0:  # blocks run along channels: the drawn entries quantize alone
+            values = values[batch]
+        moved = values.movedim(axis, -1)
+        quantized = {}
+        for label, (fmt, scaling) in self._row_candidates.items():
+            rows = quantize_sample(moved.reshape(-1, moved.shape[-1]), fmt, scaling, amax=amax)
+            quantized[label] = rows.reshape(moved.shape).movedim(-1, axis)
+        if batch is not None and axis == 0:  # blocks run along the batch: quantize whole, then draw
+            values, quantized = values[batch], {label: q[batch] for label, q in quantized.items()}
+        half = _ConvHalf(values, quantized, batch)
+        if partner is None:
+            waiting.clear()
+            waiting[operand] = half
+            return
+        waiting.clear()
+        left, right = (half, partner) if OPERANDS[gemm_key[1]][0] == operand else (partner, half)
+        self._conv_be(gemm_key, step, left, right, call)
+
+    def _conv_be(
+        self, gemm_key: tuple[str, str], step: int, left: _ConvHalf, right: _ConvHalf, call: ConvCall
+    ) -> None:
+        """Every candidate pair's backward error on every output entry of the drawn batch entries: a
+        convolution is linear in each operand, so |L·R − Q(L)·Q(R)| / (|L|·|R|) per output entry is the
+        convolution's own product of (L, R), (Q(L), Q(R)) and (|L|, |R|), in float64."""
+        product = {"fprop": call.forward, "dgrad": call.grad_input, "wgrad": call.grad_weight}[gemm_key[1]]
+        labels = list(self._formats)
+        exact_left, exact_right = left.values.double(), right.values.double()
+        exact = product(exact_left, exact_right)
+        magnitude = product(exact_left.abs(), exact_right.abs())
+        pairs = [(c, HIGH_LABEL) for c in labels] + [(HIGH_LABEL, c) for c in labels]
+        pairs += [(c, c) for c in labels] + list(self.config.pairs)
+
+        def side(half: _ConvHalf, label: str, exact_values: torch.Tensor) -> torch.Tensor:
+            return exact_values if label == HIGH_LABEL else half.quantized[label].double()
+
+        products = torch.stack(
+            [product(side(left, a, exact_left), side(right, b, exact_right)) for a, b in pairs]
+        )
+        self._store_be(gemm_key, step, pairs, backward_error_stats(exact, products, magnitude, median=False))
+
     def _rows(self, tensor: torch.Tensor, axis: int, partner: _Half | None) -> _Rows:
         """Whole rows along the contraction axis: every row of a tensor of at most ``max_elements``
         elements, else ``max_elements // K`` uniformly drawn rows (at least one), within up to
@@ -708,7 +796,12 @@ class Observer:
         )
         pairs = [(c, HIGH_LABEL) for c in labels] + [(HIGH_LABEL, c) for c in labels]
         pairs += [(c, c) for c in labels] + list(self.config.pairs)
-        numbers = backward_error_stats(exact, products, magnitude, median=False).tolist()  # median unrecorded
+        self._store_be(gemm_key, step, pairs, backward_error_stats(exact, products, magnitude, median=False))
+
+    def _store_be(
+        self, gemm_key: tuple[str, str], step: int, pairs: list[tuple[str, str]], stats_rows: torch.Tensor
+    ) -> None:
+        numbers = stats_rows.tolist()  # the median is not recorded
         per_gemm = self._be.setdefault(gemm_key, {})
         for pair, row in sorted(zip(pairs, numbers, strict=True)):
             stats = {name: value for name, value in zip(BE_STATS, row, strict=True) if name in BE_RECORDED}

@@ -87,7 +87,7 @@ from numscope.sites.api import (
     refresh,
     sites,
 )
-from numscope.sites.conv import SiteConv
+from numscope.sites.conv import ConvCall, SiteConv, current_conv
 from numscope.sites.gemm import (
     ACCUMULATE_CHUNK,
     ACCUMULATORS,
@@ -107,6 +107,7 @@ __all__ = [
     "GEMMS",
     "STORAGE_DTYPES",
     "Accumulator",
+    "ConvCall",
     "Handle",
     "OperandHandler",
     "Site",
@@ -115,6 +116,7 @@ __all__ = [
     "accumulate_matmul",
     "attach",
     "attached",
+    "current_conv",
     "forward_has_grad",
     "is_discovered",
     "on_discovered",

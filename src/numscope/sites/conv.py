@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +98,49 @@ class _ConvParams:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ConvCall:
+    """The convolution a handler is being called for (:func:`current_conv`): its geometry and the shapes of
+    its input and weight, so that a handler can compute the convolution's own products, e.g. of a few batch
+    entries of quantized operands (the observer's backward error of a convolution)."""
+
+    params: _ConvParams
+    input_shape: tuple[int, ...]
+    weight_shape: tuple[int, ...]
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """fprop's product: the convolution of ``x`` (any batch size) with ``weight``, no bias."""
+        return self.params.convolve(x, weight, None)
+
+    def grad_input(self, grad_output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """dgrad's product: the input gradient of ``grad_output`` (any batch size) through ``weight``."""
+        shape = (grad_output.shape[0], *self.input_shape[1:])
+        x = torch.zeros(shape, dtype=grad_output.dtype, device=grad_output.device)  # its shape only
+        return self.params.gradients(grad_output, x, weight, (True, False, False))[0]
+
+    def grad_weight(self, grad_output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """wgrad's product: the weight gradient of ``grad_output`` and ``x`` (the same batch entries)."""
+        weight = torch.zeros(self.weight_shape, dtype=x.dtype, device=x.device)  # its shape only
+        return self.params.gradients(grad_output, x, weight, (False, True, False))[1]
+
+
+_CURRENT: ContextVar[ConvCall | None] = ContextVar("numscope_conv_call", default=None)
+
+
+def current_conv() -> ConvCall | None:
+    """Inside a handler's call for a convolution site, that convolution; None for every other site."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def _calling(params: _ConvParams, x: torch.Tensor, weight: torch.Tensor) -> Iterator[None]:
+    token = _CURRENT.set(ConvCall(params, tuple(x.shape), tuple(weight.shape)))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
 class SiteConv(torch.autograd.Function):
     """A convolution site: its input, weight and grad_output through the handler chain in each of its three
     GEMMs (the convolution is the GEMM of its im2col form), multiplied by ``aten.convolution`` and
@@ -110,8 +155,9 @@ class SiteConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, params: _ConvParams, x, weight, bias):  # type: ignore[override]
         fprop_w_axis, _ = params.weight_axes
-        x_q = call.chain("fprop", "input", x, 1)
-        w_q = call.chain("fprop", "weight", weight, fprop_w_axis)
+        with _calling(params, x, weight):
+            x_q = call.chain("fprop", "input", x, 1)
+            w_q = call.chain("fprop", "weight", weight, fprop_w_axis)
         out = params.convolve(x_q, w_q, None if bias is None else bias.to(call.compute_dtype(bias.dtype)))
         ctx.call, ctx.params = call, params
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -127,12 +173,14 @@ class SiteConv(torch.autograd.Function):
         _, dgrad_w_axis = params.weight_axes
         grad_x = grad_w = grad_bias = None
         if need_x:
-            dy = call.chain("dgrad", "grad_output", grad_output, 1)
-            w_q = call.chain("dgrad", "weight", weight, dgrad_w_axis)
+            with _calling(params, x, weight):
+                dy = call.chain("dgrad", "grad_output", grad_output, 1)
+                w_q = call.chain("dgrad", "weight", weight, dgrad_w_axis)
             grad_x = params.gradients(dy, x.to(dy.dtype), w_q, (True, False, False))[0]
         if need_w:
-            dy = call.chain("wgrad", "grad_output", grad_output, 0)
-            x_q = call.chain("wgrad", "input", x, 0)
+            with _calling(params, x, weight):
+                dy = call.chain("wgrad", "grad_output", grad_output, 0)
+                x_q = call.chain("wgrad", "input", x, 0)
             grad_w = params.gradients(dy, x_q, weight.to(dy.dtype), (False, True, False))[1]
         if need_bias and ctx.dtypes[2] is not None:  # from the unquantized grad_output, as autograd sums it
             channels = [weight.shape[1] * params.groups if params.transposed else weight.shape[0]]
