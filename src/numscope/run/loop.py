@@ -29,13 +29,14 @@ import torch.distributed as dist
 
 from numscope import distributed
 from numscope._atomic import atomic_write_text
-from numscope.convert import convert, load_numerics_state_dict, numerics_state_dict, site_sizes
+from numscope.convert import load_numerics_state_dict, numerics_state_dict, site_sizes
 from numscope.run.config import RunData, RunError, RunResult, RunSpec, TrainConfig, read_result
 from numscope.run.data import num_batches
 from numscope.run.objectives import Objective, get_objective
 from numscope.sites import sites
 from numscope.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from numscope.train.loss_scaler import LossScaler
+from numscope.train.recipe import Recipe
 
 if TYPE_CHECKING:  # the model module imports transformers; train_run imports it when it needs it
     from numscope.run.model import ModelConfig
@@ -126,14 +127,23 @@ def train_run(
         plan.save(out_dir / "plan.yaml")
     # the observer attaches first, so that it sees each operand before the plan quantizes it
     observer = observer_factory(model) if observer_factory is not None else None
-    convert(model, plan, generator=torch.Generator().manual_seed(cfg.seed), compiled=compiled)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     scaler = LossScaler(
         init_scale=spec.init_scale,
         enabled=spec.loss_scaling != "none",
         dynamic=spec.loss_scaling == "dynamic",
     )
-    scaler.track(model)
+    # the recipe with fp32 parameters, ops and activations: the plan's GEMM operands and the loss scale
+    recipe = Recipe(
+        model,
+        plan=plan,
+        dtype=torch.float32,
+        fp32_ops=False,
+        activations=None,
+        loss_scale=scaler,
+        generator=torch.Generator().manual_seed(cfg.seed),
+        compiled=compiled,
+    )
+    optimizer = torch.optim.AdamW(recipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     start, curve, elapsed = 0, [], 0.0
     if checkpoint_path.is_file():
         state = load_checkpoint(checkpoint_path)
@@ -175,16 +185,14 @@ def train_run(
                 loss = trained(**batch).loss * (objective.label_count(batch) * world / max(1, whole))
             else:
                 loss = trained(**batch).loss
-            scaler.scale(loss).backward()
+            recipe.backward(loss)
             if avg_bits is None:
                 avg_bits = plan.average_bits(site_sizes(model))
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            recipe.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(recipe.parameters(), cfg.grad_clip)
             skipped_before = scaler.skipped_steps
             scale = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            recipe.step(optimizer)  # skipped on inf/NaN gradients; the scale updated; gradients zeroed
             if observer is not None:
                 observer.step()
             loss_value = loss.item()

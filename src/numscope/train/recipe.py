@@ -62,7 +62,8 @@ class Recipe:
     With every part off the model trains bit for bit as without the recipe. The model is converted in
     place, for good (build a fresh model to compare settings). ``generator`` is the random source of the
     plan's stochastic rounding; ``example_inputs`` lets the plan be checked against every site now;
-    ``keep_fp32`` overrides the modules :class:`MasterWeights` keeps in fp32.
+    ``keep_fp32`` overrides the modules :class:`MasterWeights` keeps in fp32; ``compiled`` chooses the
+    plan's quantizers as :func:`numscope.convert` does (the same bits either way).
     """
 
     def __init__(
@@ -77,6 +78,7 @@ class Recipe:
         generator: torch.Generator | None = None,
         example_inputs: Any = None,
         keep_fp32: Sequence[type[nn.Module] | str] = DEFAULT_FP32_MODULES,
+        compiled: bool | str = "auto",
     ) -> None:
         # every argument is checked before the model is touched: a bad one leaves it as it was
         if dtype not in _DTYPES:
@@ -91,7 +93,9 @@ class Recipe:
         self.plan = resolved_plan
         self._plan_label = plan if isinstance(plan, str) else "custom"
         if resolved_plan is not None:  # checks the plan against the sites; undoes itself if it fails
-            convert(model, resolved_plan, example_inputs=example_inputs, generator=generator)
+            convert(
+                model, resolved_plan, example_inputs=example_inputs, generator=generator, compiled=compiled
+            )
         try:
             self.master = MasterWeights(model, dtype=dtype, keep_fp32=keep_fp32)  # checks, then casts
         except Exception:
