@@ -1,112 +1,12 @@
-"""The observer: measure every candidate format on a model's own operands while it trains.
-
-::
-
-    with numscope.observe(model, candidates=["bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3"], every=10) as obs:
-        for batch in loader:
-            loss = model(**batch).loss
-            loss.backward()
-            optimizer.step(); optimizer.zero_grad()
-            obs.step()                # once per optimizer step, as Transformer Engine's debug_api.step()
-    analysis = obs.analysis()               # a numscope.Analysis
-
-The observer attaches one :class:`~numscope.sites.OperandHandler` through :func:`numscope.sites.attach`, the
-interception point the runtime quantizes through, so it sees exactly the operands each GEMM receives. It
-returns every tensor unchanged and computes under ``torch.no_grad()`` on detached copies, so training with
-and without it is bit-identical. On a *sampled* step (``step % every == 0``; steps count from 0 and
-:meth:`Observer.step` advances them) it records, per (site, gemm, operand):
-
-* ``stats`` of the high-precision tensor (:func:`numscope.metrics.tensor_stats`; ``amax`` is the full
-  tensor's, the rest is of the sample);
-* the metrics of every candidate format (:func:`numscope.metrics.operand_metrics`: ``sqnr_db``,
-  ``rel_error``, ``underflow%``, ``overflow%``…), block formats with their blocks along the GEMM's
-  contraction axis; each candidate uses its format's default scaling (:func:`numscope.plan.default_scaling`:
-  per-tensor current scaling for fp8/fp6/fp4/int, none for fp32/tf32/bf16/fp16, the own block scale for
-  block formats);
-* a log2 histogram of the sample (:func:`numscope.metrics.log2_histogram`), summed over sampled steps;
-* per GEMM, once both of its operands have passed, the backward error of each candidate on the left
-  operand, on the right one, and on both (``(fmt, "fp32")``, ``("fp32", fmt)``, ``(fmt, fmt)``), and of
-  each mixed pair ``(A, B)`` of ``pairs`` (the left operand in A, the right in B; by default the fp8
-  hybrid's ``("fp8_e5m2", "fp8_e4m3")``: E5M2 gradients times E4M3 weights or inputs in dgrad and wgrad,
-  where both are candidates), on a
-  sub-product of sampled rows (see below): its mean, p99 and max over the output entries whose |L|·|R| is
-  nonzero, with ``count`` (those entries) and ``excluded`` (the others: e.g. the rows of a gradient that
-  is zero at positions without loss), as :func:`numscope.metrics.errors.backward_error_stats` and
-  :func:`numscope.metrics.backward_error` compute them.
-
-Only training forwards are measured: a forward run under ``torch.no_grad()`` (an evaluation between steps)
-is left alone unless ``no_grad_forwards=True``.
-
-Under a plan (monitoring) the observer also records, under the candidate label ``"plan"``, the metrics of
-the format and scaling the plan gives each operand, and the format in ``Analysis.plan_formats``. The plan is
-the one passed as ``plan=``, else the one :func:`numscope.convert` applied to the model. Start observing
-*before* converting: handlers chain in attach order (:mod:`numscope.sites`), so the observer then sees the
-high-precision operands; attaching to an already converted model is an error.
-
-**Sampling (bounded memory and cost, unbiased metrics).** A tensor of at most ``max_elements`` elements is
-measured whole. A larger one is measured on samples drawn with the observer's ``generator``:
-
-* statistics, histogram and element formats: ``max_elements`` elements drawn uniformly (with replacement),
-  so every element-wise fraction or mean (``underflow%``, ``overflow%``, ``rel_error``, noise and signal
-  power) is an unbiased estimate of the tensor's. Per-tensor scales come from the *whole* tensor's amax
-  (reduced across ranks, as in training; ``stats["amax"]`` is this rank's), so each sampled element is
-  quantized exactly as it is inside the whole tensor;
-* block formats and backward errors: whole rows along the GEMM's contraction axis, ``max_elements // K``
-  of them (at least :data:`MIN_ROWS`, or ``be_rows`` if fewer) drawn uniformly with replacement, so every
-  block holds the tensor's own elements and gets its true scale (NVFP4's tensor scale from the whole
-  tensor's amax). For a batched matmul (both operands with the same leading batch shape) the rows are
-  drawn within up to :data:`BATCH_ENTRIES` random batch entries shared by both operands;
-* backward error: ``be_rows`` of those rows of each operand (the right one in its contraction-last
-  layout, i.e. its columns as a GEMM operand), each with the full contraction length; every inner product
-  of the sub-product is one of the full product's, so the mean over its entries estimates the full
-  product's (without bias when no entry is excluded). The rows are quantized as inside their whole
-  tensors (the block formats' quantization above is reused).
-
-Memory held per operand is bounded by ``max(max_elements, MIN_ROWS × K)`` elements plus the candidates'
-quantized copies of ``be_rows`` rows; nothing is kept past :meth:`Observer.step`.
-
-**Cost.** On a step that is not sampled the observer is neither active nor wanted (:mod:`numscope.sites`):
-the forward runs without interception and no operand is touched. On a sampled step, what does not depend
-on the contraction axis (statistics, histogram, element-format metrics, the amax) is measured once per
-tensor and reused where the same tensor (same memory and version, still alive) enters another GEMM —
-the weight in fprop and dgrad, grad_output in dgrad and wgrad, the input in fprop and wgrad, one
-activation entering several projections; the metrics of all candidates come back to the host together
-(:func:`numscope.metrics.candidate_metrics`). ``benchmarks/bench_observer.py`` measures the overhead. Under
-SDPA, a sampled step runs attention as its two matmuls (:func:`numscope.sites.sdpa_reference`: equal in
-value, not in bits, to the fused kernel); eager attention and Linear layers are bit-identical.
-
-**Under torch.distributed** (a process group initialised, ``reduce_ranks=True``, the default) each rank
-measures its own operands and :meth:`Observer.step` merges a sampled step's records across the default
-process group in one ``all_gather_object`` (:func:`numscope.distributed.merge_analysis`): histograms and
-element counts add, ``amax`` takes the maximum, fractions and means weigh by sample size, so every rank then
-holds the analysis one process would have measured on the concatenated batch (exactly, for tensors measured
-whole); the weights of Linear and Conv1D sites, the same on every rank, are counted once. Every rank must
-call ``step()`` alike (it is a collective on sampled steps); write the result once with
-:func:`numscope.distributed.save_analysis`.
-
-Operands whose partner never arrives (a GEMM the runtime does not route through the handler) simply get no
-backward error. A convolution's GEMM is that of its im2col form, whose rows (a channel block times the
-kernel window) the operands as passed do not show; as a convolution is linear in each operand, its backward
-error is computed through the convolution itself (:class:`numscope.sites.ConvCall`): per output entry of up
-to ``BATCH_ENTRIES`` drawn batch entries, |conv(L, R) − conv(Q(L), Q(R))| / conv(|L|, |R|) in float64 (for
-dgrad and wgrad the input- and weight-gradient products), each operand quantized as inside the whole tensor
-along its contraction axis: equal to the im2col GEMMs' backward error.
-If the same operand of a GEMM arrives twice before its partner, the later one replaces the
-earlier one. A site called several times in one step has its records of that step merged (sample-weighted,
-see :func:`numscope.analysis.default_reduce`; backward errors weighted by their entries, see
-:func:`numscope.analysis.merge_be_stats`) and its element counts added.
-"""
+"""The observer: the handler it attaches at every site, and :class:`Observer`, which measures on sampled
+steps and keeps the analysis."""
 
 from __future__ import annotations
 
 import json
-import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from numscope.analysis import (
@@ -121,7 +21,6 @@ from numscope.analysis import (
 from numscope.convert import HANDLER_NAME as CONVERT_HANDLER
 from numscope.convert import converted_plan
 from numscope.distributed import is_parameter_operand, merge_analysis, world_size
-from numscope.formats.blocks import tile_shape
 from numscope.formats.quantize import quantize
 from numscope.formats.scaling import Scaling, default_scaling, reduce_amax_
 from numscope.formats.spec import BlockFormat, Format
@@ -135,131 +34,19 @@ from numscope.metrics.errors import (
     metrics_of_quantized,
     quantize_kept,
 )
-from numscope.metrics.stats import Log2Histogram
+from numscope.observe.config import (
+    BATCH_ENTRIES,
+    BE_RECORDED,
+    BLOCKS_LAST,
+    HANDLER_NAME,
+    HIGH_LABEL,
+    MIN_ROWS,
+    ObserveConfig,
+)
+from numscope.observe.sampling import _ConvHalf, _Half, _identity, _Rows, _scaling_amax, _Shared, _weak
 from numscope.plan import OperandSpec, Plan
 from numscope.sites import ConvCall, Site, attach, attached, current_conv, forward_has_grad, refresh
 from numscope.vocab import OPERANDS
-
-DEFAULT_CANDIDATES: tuple[str, ...] = (
-    "bf16",
-    "fp16",
-    "fp8_e4m3",
-    "fp8_e5m2",
-    "int8",
-    "mxfp8_e4m3",
-    "mxfp6_e3m2",
-    "mxfp6_e2m3",
-    "mxfp4_e2m1",
-    "nvfp4",
-)
-"""What :func:`observe` measures unless told otherwise, and the one default list of numscope: ``numscope
-analyze``, ``numscope demo`` and ``benchmarks/bench_observer.py`` measure these too. bf16 (the advisor's
-reference), fp16, the 8-bit element formats, and the 8-, 6- and 4-bit block formats of current hardware."""
-
-HIGH_LABEL = "fp32"
-BE_RECORDED = ("mean", "p99", "max", "count", "excluded")
-"""The backward-error statistics recorded per GEMM, pair and step (see
-:func:`numscope.metrics.errors.backward_error_stats`)."""
-BATCH_ENTRIES = 4
-MIN_ROWS = 8
-"""Rows drawn at least (fewer if ``be_rows`` is smaller), whatever the contraction length."""
-HANDLER_NAME = "numscope.observe"
-BLOCKS_LAST = Scaling("block", axis=-1)
-
-
-@dataclass(frozen=True)
-class ObserveConfig:
-    """What the observer measures and how much of each tensor.
-
-    candidates: format names (canonical names are stored).
-    every: sample every ``every``-th step (steps count from 0).
-    max_elements: the most elements measured per operand and sampled step (see the module docstring).
-    be_rows: rows of each operand in the backward-error sub-product (``be_rows × be_rows`` inner products).
-    backward_error: whether to compute backward errors at all.
-    pairs: mixed candidate pairs ``(A, B)`` whose backward error is measured in every GEMM, the GEMM's left
-        operand (fprop: input, dgrad and wgrad: grad_output) in A and its right one in B; ``None``: the fp8
-        hybrid's ``("fp8_e5m2", "fp8_e4m3")`` where both are candidates. Pairs of one format are always
-        measured.
-    reduce_ranks: under ``torch.distributed``, merge each sampled step across the ranks at
-        :meth:`Observer.step`.
-    no_grad_forwards: also measure forwards run without gradients (``torch.no_grad()``: evaluation,
-        inference). Off by default: an evaluation between training steps would otherwise be merged into
-        the step's records (other operands, other sizes), and under ``torch.distributed`` a forward run on
-        one rank only would wait for the others.
-    """
-
-    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
-    every: int = 1
-    max_elements: int = 1 << 14
-    be_rows: int = 64
-    backward_error: bool = True
-    reduce_ranks: bool = True
-    no_grad_forwards: bool = False
-    pairs: tuple[tuple[str, str], ...] | None = None
-
-    def __post_init__(self) -> None:
-        names = tuple(dict.fromkeys(get_format(c).name for c in self.candidates))
-        if not names:
-            raise ValueError("observe needs at least one candidate format")
-        object.__setattr__(self, "candidates", names)
-        if self.pairs is None:
-            hybrid = ("fp8_e5m2", "fp8_e4m3")
-            pairs = (hybrid,) if set(hybrid) <= set(names) else ()
-        else:
-            pairs = tuple(self._pair(pair) for pair in self.pairs)
-        object.__setattr__(self, "pairs", tuple(dict.fromkeys(p for p in pairs if p[0] != p[1])))
-        for name in ("every", "max_elements", "be_rows"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"observe: {name} must be a positive int, got {value!r}")
-
-    def _pair(self, pair: Any) -> tuple[str, str]:
-        if isinstance(pair, str) or not isinstance(pair, Sequence) or len(pair) != 2:
-            raise ValueError(f"observe: a pair is two candidate formats (left, right), got {pair!r}")
-        left, right = (get_format(name).name for name in pair)
-        for name in (left, right):
-            if name not in self.candidates:
-                raise ValueError(
-                    f"observe: pair {tuple(pair)!r}: {name!r} is not a candidate; candidates: "
-                    f"{', '.join(self.candidates)}"
-                )
-        return left, right
-
-
-@dataclass
-class _Rows:
-    """Whole rows of an operand along its contraction axis, (entries, rows, K) float32 (see ``_rows``)."""
-
-    values: torch.Tensor
-    be_entries: torch.Tensor | None  # which entries of ``values`` enter the backward error (None: all)
-    be_rows: torch.Tensor  # which rows of each entry enter the backward error
-    batch: torch.Tensor | None  # the batch entries drawn for the backward error (shared with the partner)
-    batch_shape: tuple[int, ...]
-
-    def for_be(self, values: torch.Tensor) -> torch.Tensor:
-        """The backward error's rows of ``values`` (shaped as :attr:`values`)."""
-        if self.be_entries is not None:
-            values = values[self.be_entries]
-        return values[:, self.be_rows]
-
-
-@dataclass
-class _Half:
-    """One operand of a GEMM waiting for its partner: rows (contraction last) and their quantizations."""
-
-    rows: torch.Tensor  # (batch, rows, K) float32
-    quantized: dict[str, torch.Tensor]  # candidate -> the rows as they are inside the quantized tensor
-    batch: torch.Tensor | None  # the batch entries drawn (shared with the partner), None when not batched
-    batch_shape: tuple[int, ...]
-
-
-@dataclass
-class _ConvHalf:
-    """One operand of a convolution's GEMM waiting for its partner, in the operand's own layout."""
-
-    values: torch.Tensor  # float32; input and grad_output: the drawn batch entries only
-    quantized: dict[str, torch.Tensor]  # candidate -> the values as they are inside the quantized tensor
-    batch: torch.Tensor | None  # the batch entries drawn (shared with the partner); None for the weight
 
 
 class _Handler:
@@ -808,124 +595,3 @@ class Observer:
             per_step = per_gemm.setdefault(pair, {})
             # a GEMM called again in this step (a site called twice): its entries join the step's
             per_step[step] = merge_be_stats([per_step[step], stats]) if step in per_step else stats
-
-
-@dataclass
-class _Shared:
-    """What does not depend on the contraction axis, for reuse within a step (see ``_shared_measurement``).
-
-    owner: a weak reference to the tensor measured (while it lives, its memory holds the same values).
-    """
-
-    owner: Callable[[], torch.Tensor | None]
-    local_amax: torch.Tensor  # this rank's max|·| of the whole tensor
-    sample: torch.Tensor
-    stats: dict[str, float]
-    metrics: dict[str, dict[str, float]]
-    histogram: Log2Histogram
-    sampled: int
-    index: torch.Tensor | None  # the sample's indices into the flattened tensor (None: the whole tensor)
-
-
-def _absmax(tensor: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    """max|·| over ``dims`` as float32, without a full-size |tensor| temporary."""
-    return torch.maximum(tensor.amax(dim=dims).abs(), tensor.amin(dim=dims).abs()).float()
-
-
-def _scaling_amax(tensor: torch.Tensor, index: torch.Tensor, fmt: Format, scaling: Scaling) -> torch.Tensor:
-    """For the elements at ``index`` of the flattened ``tensor``, the amax of their row, column or tile (an
-    element format's block scaling over the last two axes), as ``numscope.quantize`` derives the scales:
-    computed by reductions that hold one value per row, column or tile."""
-    matrix = tensor.reshape(1, -1) if tensor.dim() < 2 else tensor  # quantize treats a vector as one row
-    rows, cols = matrix.shape[-2], matrix.shape[-1]
-    if scaling.kind == "row":
-        return _absmax(matrix, (-1,)).reshape(-1)[index // cols]
-    if scaling.kind == "column":
-        columns = _absmax(matrix, tuple(range(matrix.dim() - 1))).reshape(-1)
-        if tensor.dim() >= 2:  # reduced across ranks as quantize reduces it (rows split over the ranks)
-            columns = reduce_amax_(columns, scaling.reduce_amax)
-        return columns[index % cols]
-    assert scaling.kind == "block"
-    rows_per, cols_per = tile_shape(tensor, fmt, scaling)
-    whole = cols // cols_per * cols_per
-    parts = []
-    if whole:
-        parts.append(_absmax(matrix[..., :whole].unflatten(-1, (whole // cols_per, cols_per)), (-1,)))
-    if whole < cols:
-        parts.append(_absmax(matrix[..., whole:], (-1,))[..., None])
-    per_row_tile = torch.cat(parts, dim=-1)  # (..., rows, column tiles), ≥ 0: zero padding is neutral
-    padded = F.pad(per_row_tile, (0, 0, 0, (-rows) % rows_per))
-    tiles = padded.unflatten(-2, (-1, rows_per)).amax(dim=-2)
-    tiles = tiles.reshape(-1, tiles.shape[-2], tiles.shape[-1])
-    leading, within = index // (rows * cols), index % (rows * cols)
-    return tiles[leading, within // cols // rows_per, within % cols // cols_per]
-
-
-def _weak(tensor: torch.Tensor) -> Callable[[], torch.Tensor | None]:
-    try:
-        return weakref.ref(tensor)
-    except TypeError:
-        return lambda: None
-
-
-def _identity(tensor: torch.Tensor) -> tuple | None:
-    """Where a tensor's values live: (device, address, count, dtype, version) for a tensor that covers its
-    memory densely without overlap (a permutation of a contiguous layout), else None (never reused)."""
-    try:
-        address = tensor.data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
-    if address == 0:
-        return None
-    layout = zip(tensor.stride(), tensor.shape, strict=True)
-    dims = sorted((stride, size) for stride, size in layout if size > 1)
-    expected = 1
-    for stride, size in dims:
-        if stride != expected:
-            return None
-        expected *= size
-    return (tensor.device, address, tensor.numel(), tensor.dtype, tensor._version)
-
-
-def observe(
-    model: nn.Module,
-    candidates: Sequence[str] = DEFAULT_CANDIDATES,
-    *,
-    every: int = 1,
-    max_elements: int = 1 << 14,
-    be_rows: int = 64,
-    backward_error: bool = True,
-    plan: Plan | None = None,
-    generator: torch.Generator | None = None,
-    reduce_ranks: bool = True,
-    no_grad_forwards: bool = False,
-    pairs: Sequence[tuple[str, str]] | None = None,
-) -> Observer:
-    """An :class:`Observer` of ``model`` (use it as a context manager; see the module docstring).
-
-    candidates: format names to measure (bf16, the advisor's default reference, should be among them).
-    every: measure every ``every``-th optimizer step. max_elements: per operand and step. be_rows: rows of
-    each operand in the backward-error sub-product. plan: the plan the model runs under (monitoring).
-    generator: the random source of the samples (default: a CPU generator seeded with 0).
-    reduce_ranks: under ``torch.distributed``, merge each sampled step across the ranks at ``step()``.
-    no_grad_forwards: also measure forwards run under ``torch.no_grad()`` (evaluation, inference); by
-    default only training forwards (and their backward) are measured.
-    pairs: mixed candidate pairs (left format, right format) whose backward error is measured in every GEMM
-    (see :class:`ObserveConfig`); default: the fp8 hybrid's E5M2 × E4M3 where both are candidates.
-    """
-    config = ObserveConfig(
-        tuple(candidates),
-        every,
-        max_elements,
-        be_rows,
-        backward_error,
-        reduce_ranks,
-        no_grad_forwards,
-        None if pairs is None else tuple(tuple(pair) for pair in pairs),  # type: ignore[misc]
-    )
-    return Observer(model, config, plan=plan, generator=generator)
-
-
-from numscope._callable import make_callable as _make_callable  # noqa: E402
-
-_make_callable(__name__, "observe")
