@@ -145,7 +145,7 @@ class Check:
         else:
             sign = "<=" if self.passed else ">"
         unit = "× reference" if self.metric == "max_be_ratio" else ""
-        return f"{_METRIC_LABEL[self.metric]} {_fmt(self.value)} {sign} {_fmt(self.limit)}{unit}"
+        return f"{_METRIC_LABEL[self.metric]} {_number(self.value)} {sign} {_number(self.limit)}{unit}"
 
 
 _METRIC_LABEL = {
@@ -213,7 +213,7 @@ class _Option:
         return all(check.passed for check in self.checks)
 
 
-def _fmt(value: float) -> str:
+def _number(value: float) -> str:
     if math.isinf(value) or math.isnan(value):
         return str(value)
     return f"{value:.3g}"
@@ -691,7 +691,7 @@ def _apply_budget(
             continue
         reason = (
             f"{option.label} ({option.bits:g} bits): least total noise within bit budget {budget:g} "
-            f"({method}); sqnr_db {_fmt(option.mean_sqnr)} mean; all limits met"
+            f"({method}); sqnr_db {_number(option.mean_sqnr)} mean; all limits met"
         )
         out.append(
             replace(

@@ -686,21 +686,25 @@ def backward_error_stats(
     return torch.stack(columns, dim=1)
 
 
-def backward_error_from(reference: ProductReference, qa: torch.Tensor, qb: torch.Tensor) -> BackwardError:
+def backward_error_from(
+    reference: ProductReference, left_q: torch.Tensor, right_q: torch.Tensor
+) -> BackwardError:
     """The backward error of Q(a)·Q(b) against a :class:`ProductReference` of a·b.
 
-    ``qa`` and ``qb`` are the full quantized operands (shapes m×k and k×n, as ``numscope.quantize``
+    ``left_q`` and ``right_q`` are the full quantized operands (shapes m×k and k×n, as ``numscope.quantize``
     returns them); the reference's sampled rows and columns are taken from them here. The numbers are
     :func:`backward_error_stats`'s.
     """
     m, k, n = reference.shape
-    if tuple(qa.shape) != (m, k) or tuple(qb.shape) != (k, n):
+    if tuple(left_q.shape) != (m, k) or tuple(right_q.shape) != (k, n):
         raise ValueError(
-            f"quantized operands {tuple(qa.shape)} and {tuple(qb.shape)} do not match the reference "
+            f"quantized operands {tuple(left_q.shape)} and {tuple(right_q.shape)} do not match the reference "
             f"product ({m}×{k})·({k}×{n})"
         )
-    left = qa.detach() if reference.rows is None else qa.detach()[reference.rows.to(qa.device)]
-    right = qb.detach() if reference.cols is None else qb.detach()[:, reference.cols.to(qb.device)]
+    left = left_q.detach() if reference.rows is None else left_q.detach()[reference.rows.to(left_q.device)]
+    right = (
+        right_q.detach() if reference.cols is None else right_q.detach()[:, reference.cols.to(right_q.device)]
+    )
     quantized = left.double() @ right.double()
     exact = reference.exact.to(quantized.device)
     magnitude = reference.magnitude.to(quantized.device)
@@ -740,14 +744,14 @@ def backward_error(
     """
     _check_operands(a, b)
     spec_a, spec_b = get_format(format_a), get_format(format_b)
-    qa = quantize(
+    left_q = quantize(
         a.detach().float(),
         spec_a,
         scaling=_resolve_scaling(spec_a, scaling_a, 1),
         rounding=rounding,
         generator=generator,
     )
-    qb = quantize(
+    right_q = quantize(
         b.detach().float(),
         spec_b,
         scaling=_resolve_scaling(spec_b, scaling_b, 0),
@@ -755,4 +759,4 @@ def backward_error(
         generator=generator,
     )
     reference = product_reference(a, b, sample_rows=sample_rows, sample_cols=sample_cols, generator=generator)
-    return backward_error_from(reference, qa, qb)
+    return backward_error_from(reference, left_q, right_q)
