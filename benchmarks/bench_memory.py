@@ -11,8 +11,11 @@ attention (the issue's configuration). Two figures per row, each also as a ratio
 
 Rows: fp32; bf16 ``torch.autocast``; the plans ``fp16``, ``fp8`` and ``mxfp8`` through ``numscope.convert``;
 the mxfp8 plan with ``low_memory=True``; the fp8 plan with ``storage="fp16"``; the paper's
-``numscope.Recipe`` (fp16 model, fp32 masters and ops, fp16 activations, loss scaling).
-Run: ``python benchmarks/bench_memory.py [--rows a,b]``.
+``numscope.Recipe`` (fp16 model, fp32 masters and ops, fp16 activations, loss scaling); ``observed``, an FP32
+step that ``numscope.observe`` samples with its default candidates (what ``numscope analyze`` runs on a
+sampled step). ``--size base`` takes BERT-base's shape instead (vocab 30522, hidden 768, 12 layers, 12
+heads, FFN 3072; seq 128, batch 8).
+Run: ``python benchmarks/bench_memory.py [--rows a,b] [--size base]``.
 """
 
 from __future__ import annotations
@@ -36,28 +39,32 @@ ROWS = (
     "plan mxfp8 + low memory",
     "plan fp8 + fp16 storage",
     "Recipe fp16",
+    "observed",
 )
+#: (vocabulary, hidden, layers, heads, FFN, batch) of each --size; sequences of 128 tokens
+SIZES = {"default": (4000, 256, 4, 4, 1024, 16), "base": (30522, 768, 12, 12, 3072, 8)}
 
 
-def run_row(row: str) -> dict[str, float]:
+def run_row(row: str, size: str = "default") -> dict[str, float]:
     """One training step under ``row``'s numerics in this process: saved bytes and peak RSS."""
     import torch
     from transformers import BertConfig, BertForMaskedLM
 
     import numscope
 
+    vocab, hidden, layers, heads, ffn, batch = SIZES[size]
     torch.manual_seed(0)
     model = BertForMaskedLM(
         BertConfig(
-            vocab_size=4000,
-            hidden_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            intermediate_size=1024,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=ffn,
             attn_implementation="eager",
         )
     )
-    ids = torch.randint(5, 4000, (16, 128), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(5, vocab, (batch, 128), generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     recipe = None
     context = torch.autocast("cpu", torch.bfloat16) if row == "bf16 autocast" else None
@@ -73,6 +80,7 @@ def run_row(row: str) -> dict[str, float]:
     elif row == "Recipe fp16":
         recipe = numscope.Recipe(model, dtype=torch.float16)
         optimizer = torch.optim.AdamW(recipe.parameters(), lr=1e-4)
+    observer = numscope.observe(model, every=1).__enter__() if row == "observed" else None
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -94,6 +102,8 @@ def run_row(row: str) -> dict[str, float]:
     else:
         loss.backward()
         optimizer.step()
+    if observer is not None:
+        observer.step()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     saved = sum(seen.values()) / 2**20 if recipe is None else float("nan")
     return {"saved_mb": saved, "peak_mb": peak_kib / 1024}
@@ -103,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows (default: all)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per row (default: 1)")
+    parser.add_argument(
+        "--size", choices=tuple(SIZES), default="default", help="model shape (default: %(default)s)"
+    )
     parser.add_argument("--row", help=argparse.SUPPRESS)  # one row, in a child process
     args = parser.parse_args(argv)
     unknown = [row for row in args.rows.split(",") if row.strip() and row.strip() not in ROWS]
@@ -114,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.row is not None:
-        print(json.dumps(run_row(args.row)))
+        print(json.dumps(run_row(args.row, args.size)))
         return
     rows = [row.strip() for row in args.rows.split(",") if row.strip()]
     threads = str(args.threads)
@@ -122,7 +135,7 @@ def main() -> None:
     results = {}
     for row in rows:
         done = subprocess.run(
-            [sys.executable, __file__, "--row", row],
+            [sys.executable, __file__, "--row", row, "--size", args.size],
             capture_output=True,
             text=True,
             env=environment,
@@ -132,7 +145,11 @@ def main() -> None:
             raise SystemExit(f"row {row!r} failed:\n{done.stderr[-2000:]}")
         results[row] = json.loads(done.stdout.strip().splitlines()[-1])
     base = results.get("fp32", next(iter(results.values())))
-    print("BERT MLM h256, 4 layers, seq 128, batch 16: one training step (forward, backward, AdamW)\n")
+    vocab, hidden, layers, heads, ffn, batch = SIZES[args.size]
+    print(
+        f"BERT MLM vocab {vocab}, hidden {hidden}, {layers} layers, {heads} heads, FFN {ffn}, seq 128, batch "
+        f"{batch}: one training step (forward, backward, AdamW)\n"
+    )
     print("| numerics | saved activations (hooks) | vs fp32 | peak RSS | vs fp32 |")
     print("| --- | --- | --- | --- | --- |")
     for row, result in results.items():

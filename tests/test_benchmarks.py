@@ -70,6 +70,8 @@ def test_bench_memory_names_its_rows() -> None:
     assert bench.parse_args(["--rows", "fp32,plan fp8", "--threads", "1"]).rows == "fp32,plan fp8"
     with pytest.raises(SystemExit):
         bench.parse_args(["--rows", "fp64"])
+    assert bench.parse_args(["--rows", "fp32,observed", "--size", "base"]).size == "base"
+    assert bench.SIZES["base"][:3] == (30522, 768, 12)  # BERT-base's vocabulary, hidden size and depth
 
 
 def test_bench_quantize_parses_a_shape() -> None:
