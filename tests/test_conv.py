@@ -283,3 +283,19 @@ def test_the_backward_error_of_a_convolution_is_its_im2col_gemms(fmt: str) -> No
     assert wgrad["count"] == int((magnitude > 0).sum()) == conv.weight.numel()
     assert wgrad["mean"] == pytest.approx((error / magnitude).mean().item(), rel=1e-9)
     assert analysis.backward_errors[("", "fprop")][("bf16", "bf16")][0]["mean"] < recorded["mean"]
+
+
+def test_a_transposed_convolutions_backward_error_is_measured_through_it() -> None:
+    torch.manual_seed(0)
+    up = nn.ConvTranspose2d(4, 2, 4, stride=2, padding=1, bias=False)
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    with numscope.observe(up, candidates=["bf16", "mxfp8_e4m3"], every=1) as observer:
+        up(x).square().sum().backward()
+        observer.step()
+    errors = observer.analysis().backward_errors
+    out_entries = 2 * 2 * 10 * 10
+    for gemm, entries in (("fprop", out_entries), ("dgrad", x.numel()), ("wgrad", up.weight.numel())):
+        fp8 = errors[("", gemm)][("mxfp8_e4m3", "mxfp8_e4m3")][0]
+        bf16 = errors[("", gemm)][("bf16", "bf16")][0]
+        assert fp8["count"] + fp8["excluded"] == entries, gemm
+        assert 0 < bf16["mean"] < fp8["mean"] < 0.1, gemm  # 8 mantissa bits beat 3
