@@ -1,0 +1,124 @@
+"""``numscope`` on the command line: a thin face over the Python API (one module per group of commands)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from numscope.cli.advice import _register_calibrate, _register_recommend
+from numscope.cli.common import CLIError, render_table
+from numscope.cli.demo import _register_demo
+from numscope.cli.info import _cmd_formats, _cmd_recipes, formats_table
+from numscope.cli.runs import (
+    _register_analyze,
+    _register_compare,
+    _register_export,
+    _register_report,
+    _register_train,
+)
+from numscope.cli.study import _register_study
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="numscope",
+        description="Measured, not guessed: exact low-precision formats and per-GEMM precision plans.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    p = sub.add_parser("formats", help="print every number format with its range facts")
+    p.set_defaults(func=_cmd_formats)
+    p = sub.add_parser(
+        "recipes",
+        help="list the field's published training recipes (TE, torchao, DeepSeek-V3, MXFP4) usable as --plan",
+    )
+    p.add_argument("name", nargs="?", help="one recipe: show its plan, operand by operand, and its notes")
+    p.set_defaults(func=_cmd_recipes)
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+_EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _register_demo,
+    _register_analyze,
+    _register_recommend,
+    _register_train,
+    _register_compare,
+    _register_report,
+    _register_study,
+    _register_calibrate,
+    _register_export,
+]
+
+_USER_ERRORS = (
+    ("numscope.run.sources", "WorkflowError"),
+    ("numscope.plan", "PlanError"),
+    ("numscope.advisor", "AdvisorError"),
+    ("numscope.analysis", "AnalysisError"),
+    ("numscope.train.checkpoint", "CheckpointError"),
+    ("numscope.run.corpus", "CorpusError"),
+    ("numscope.run.corpus", "CorpusNotFoundError"),
+    ("numscope.run.config", "RunError"),
+    ("numscope.demo.main", "DemoError"),
+)
+
+
+def _is_user_error(error: BaseException) -> bool:
+    """Errors that describe the user's input (printed in one line); any other exception is a bug."""
+    if isinstance(error, CLIError):
+        return True
+    for module_name, class_name in _USER_ERRORS:
+        module = sys.modules.get(module_name)  # an error of a module never imported cannot have been raised
+        if module is not None and isinstance(error, getattr(module, class_name)):
+            return True
+    return False
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _attach_negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``--lr -1e-3`` as ``--lr=-1e-3``: argparse takes a token that starts with '-' for a flag unless it
+    looks like a plain negative integer or decimal, so ``-1e-3`` would be refused as an unknown flag
+    instead of reaching the option's own check. Only after options that take a value."""
+    takes_value: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                takes_value |= {o for a in sub._actions if a.nargs != 0 for o in a.option_strings}
+        elif action.nargs != 0:
+            takes_value |= set(action.option_strings)
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1] in takes_value and token.startswith("-") and _is_number(token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(_attach_negative_values(parser, argv))
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"numscope {args.command}: interrupted; finished work is kept on disk", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if not _is_user_error(error):
+            raise
+        message = " ".join(str(error).split("\n"))
+        print(f"numscope {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+__all__ = ["CLIError", "build_parser", "formats_table", "main", "render_table"]

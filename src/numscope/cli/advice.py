@@ -1,0 +1,238 @@
+"""``numscope recommend`` (a plan from an analysis, with reasons) and ``numscope calibrate`` (the gap
+models recommend weighs roles with)."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+from numscope.cli.common import (
+    CLIError,
+    _add_run_flags,
+    _int_at_least,
+    _limit,
+    _positive_float,
+    _run_inputs,
+    render_table,
+)
+
+_CRITERIA = (
+    ("max_be_ratio", "max backward error relative to the reference format's"),
+    ("max_underflow_pct", "max %% of nonzeros that become 0"),
+    ("max_overflow_pct", "max %% of elements that saturate or overflow"),
+    ("min_sqnr_db", "min signal-to-quantization-noise ratio in dB"),
+)
+
+
+def _criterion_value(text: str) -> Any:
+    """A criterion's value as given: a number, None for 'none'/'off', else the text itself."""
+    if text.lower() in ("none", "off"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _key_values(text: str, flag: str, allowed: Sequence[str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise CLIError(f"{flag} {text!r}: expected KEY=VALUE pairs separated by commas")
+        name = key.strip().replace("-", "_")
+        if name not in allowed:
+            raise CLIError(f"{flag} {text!r}: unknown criterion {name!r}; allowed: {', '.join(allowed)}")
+        values[name] = value.split("|") if name == "candidates" else _criterion_value(value.strip())
+    return values
+
+
+def _cmd_recommend(args: argparse.Namespace) -> int:
+    from numscope import workflow
+    from numscope.advisor import CRITERIA, OVERRIDE_KEYS
+    from numscope.analysis import Analysis
+
+    criteria: dict[str, Any] = {}
+    for name, _ in _CRITERIA:
+        if hasattr(args, name):  # given on the command line; else the advisor's default applies
+            criteria[name] = getattr(args, name)
+    if args.bit_budget is not None:
+        criteria["bit_budget"] = args.bit_budget
+    if args.candidates:
+        criteria["candidates"] = args.candidates
+    if args.reference:
+        criteria["reference"] = args.reference
+    if args.per_operand:
+        per_operand: dict[str, dict[str, Any]] = {}
+        for item in args.per_operand:
+            pattern, sep, rest = item.partition(":")
+            if not sep or not pattern:
+                raise CLIError(f"--per-operand {item!r}: expected GLOB:KEY=VALUE[,KEY=VALUE...]")
+            per_operand.setdefault(pattern, {}).update(_key_values(rest, "--per-operand", OVERRIDE_KEYS))
+        criteria["per_operand"] = per_operand
+    for item in args.criterion or ():
+        criteria.update(_key_values(item, "--criterion", CRITERIA))
+    analysis = Analysis.load(workflow.find_analysis(args.analysis))
+    gap_model = workflow.load_gap_model(args.gap_model, args.objective) if args.gap_model else None
+    if args.objective == "sensitivity":
+        if args.bit_budget is None:
+            raise CLIError("--objective sensitivity chooses within a --bit-budget; give one")
+        criteria["objective"] = workflow.sensitivity_objective(analysis, gap_model)
+    elif gap_model is not None and gap_model.noise_weights():
+        criteria["noise_weights"] = gap_model.noise_weights()
+    plan, rows = workflow.recommend_plan(analysis, args.output, **criteria)
+    print(render_table(rows))
+    print(
+        f"\naverage bits per GEMM operand element (weighted by operand size): "
+        f"{workflow.analysis_average_bits(plan, analysis):.2f}"
+    )
+    if gap_model is not None:
+        predicted = workflow.predicted_gap(gap_model, analysis, plan)
+        print(
+            f"predicted validation-loss gap to FP32: {predicted:+.4f} ± {gap_model.spread:.4f} nats "
+            f"(gap model {args.gap_model}, {gap_model.features} features, fitted on {gap_model.points} "
+            "calibration runs; it holds for the model and training it was fitted on)"
+        )
+    print(f"plan: {args.output}  (next: numscope train --plan {args.output} ...)")
+    return 0
+
+
+def _register_recommend(sub: argparse._SubParsersAction) -> None:
+    from numscope.advisor import CRITERIA, Limits, recommend
+
+    defaults = Limits()
+    p = sub.add_parser(
+        "recommend",
+        help="recommend a per-operand precision plan (YAML) from an analysis, with reasons",
+        description="Choose a format for every GEMM operand of the analysis: the cheapest candidate that "
+        "meets every limit on every measured step (or, with --bit-budget, the least total noise within the "
+        "budget). Prints the table of choices and reasons and writes the plan YAML.",
+    )
+    p.add_argument("analysis", help="the analysis folder (or the run folder of 'numscope analyze')")
+    p.add_argument(
+        "-o", "--output", default="plan.yaml", help="where to write the plan (default: %(default)s)"
+    )
+    for name, text in _CRITERIA:
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=_limit,
+            default=argparse.SUPPRESS,
+            metavar="X",
+            help=f"{text} (default {getattr(defaults, name):g}); 'none' switches it off",
+        )
+    p.add_argument(
+        "--bit-budget",
+        type=_positive_float,
+        metavar="BITS",
+        help="cap on average bits per operand element (weighted by size), solved for the least total noise",
+    )
+    p.add_argument(
+        "--candidates", nargs="+", metavar="FORMAT", help="choose only among these measured formats"
+    )
+    p.add_argument(
+        "--gap-model",
+        metavar="JSON",
+        help="a gap model (gap_model.json of 'numscope calibrate'): weights each GEMM role in the "
+        "--bit-budget objective by its fitted loss impact and prints the plan's predicted gap to FP32",
+    )
+    p.add_argument(
+        "--objective",
+        choices=("noise", "sensitivity"),
+        default="noise",
+        help="what --bit-budget minimises: noise, the operands' relative noise power in the FP32 analysis; "
+        "sensitivity, their measured gradient error when quantized alone (needs 'numscope analyze "
+        "--sensitivity N --sensitivity-granularity operand'; in the plan study it ranked plans as their "
+        "trained loss did, the noise objective did no better than random plans) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--reference",
+        metavar="FORMAT",
+        help="the format backward errors are compared to (default "
+        f"{inspect.signature(recommend).parameters['reference'].default})",
+    )
+    p.add_argument(
+        "--per-operand",
+        action="append",
+        metavar="GLOB:KEY=VALUE[,...]",
+        help="override criteria for operands whose 'site/gemm/operand' matches GLOB, e.g. "
+        "'*/wgrad/grad_output:max_underflow_pct=5,candidates=bf16|fp8_e5m2' (repeatable)",
+    )
+    p.add_argument(
+        "--criterion",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a limit of numscope.recommend by name, e.g. max_loss_increase_pct=0.5 (needs a sensitivity "
+        f"in the analysis); 'none' switches it off; allowed: {', '.join(CRITERIA)} (repeatable)",
+    )
+    p.set_defaults(func=_cmd_recommend)
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from numscope import workflow
+    from numscope.vocab import GEMMS
+
+    if args.seed != 0:
+        raise CLIError("--seed: calibrate trains every seed of --seeds; pass --seeds instead")
+    data, config = _run_inputs(args)
+    result = workflow.calibrate(
+        args.model,
+        data,
+        args.out,
+        config,
+        seeds=args.seeds,
+        low=args.low,
+        objective=args.objective,
+        sensitivity_batches=args.sensitivity,
+    )
+    model = result.gap_model
+    print(
+        "gap ≈ "
+        + " + ".join(f"{model.coefficients[g]:.4g}·noise({g})" for g in GEMMS)
+        + f" nats (residual sd {model.spread:.3g}; FP32 seed noise {result.noise:.4f} nats over "
+        f"{len(args.seeds)} seeds)"
+    )
+    fitted = result.sensitivity_model
+    if fitted is not None:
+        print(
+            "gap ≈ "
+            + " + ".join(f"{fitted.coefficients[g]:.4g}·S({g})" for g in GEMMS)
+            + f" nats (S: the operands' measured gradient error squared; residual sd {fitted.spread:.3g})"
+        )
+    for row in result.rows:
+        per_seed = ", ".join(f"{gap:+.4f}" for gap in row["gaps"])
+        print(f"  {row['name']}: gap {row['gap_mean']:+.4f} nats (per seed: {per_seed})")
+    objective = " --objective sensitivity" if fitted is not None else ""
+    print(
+        f"gap model: {result.files['gap model']}\nnext: numscope recommend {result.analysis} --gap-model "
+        f"{result.files['gap model']}{objective} --bit-budget BITS ..."
+    )
+    return 0
+
+
+def _register_calibrate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="fit a gap model on your model: what each GEMM role's quantization noise costs in loss",
+        description="Trains your model in FP32 (observed) and with the low format on one GEMM role at a "
+        "time (fprop, dgrad, wgrad) and everywhere, on every seed (5 × seeds runs of --steps each), and fits "
+        "the gap model (numscope.study.GapModel) that 'numscope recommend --gap-model' uses to weigh "
+        "the roles in a bit budget and to predict a plan's validation-loss gap before training it.",
+    )
+    _add_run_flags(p)
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], metavar="SEED", help="(default: 0 1 2)")
+    p.add_argument(
+        "--low", default="mxfp4_e2m1", metavar="FORMAT", help="the format probed (default: %(default)s)"
+    )
+    p.add_argument(
+        "--sensitivity",
+        type=_int_at_least(0),
+        default=2,
+        metavar="N",
+        help="also quantize every operand of the trained FP32 model alone in every observed format on N "
+        "validation batches and fit the sensitivity gap model ('recommend --objective sensitivity'); 0 "
+        "skips it (default: %(default)s)",
+    )
+    p.set_defaults(func=_cmd_calibrate)

@@ -1,0 +1,187 @@
+"""What every command shares: the one-line error, the table printer, flag types, the run flags (generated
+from the config dataclasses) and the printing of a run's result."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class CLIError(Exception):
+    """A user-facing error: printed without a traceback, exit status 2."""
+
+
+def _number(value: float) -> str:
+    """Six significant digits, except a power of two that is far from 1 or that six digits would round
+    (2^-9 is 0.001953125): those print as 2^k, exactly."""
+    if value == 0 or math.isinf(value):
+        return str(value)
+    exponent = math.log2(value)
+    short = f"{value:.6g}"
+    if exponent == int(exponent) and (abs(exponent) > 12 or float(short) != value):
+        return f"2^{int(exponent)}"
+    return short
+
+
+def render_table(rows: Sequence[dict[str, str]]) -> str:
+    """A plain fixed-width text table (Markdown-compatible pipes)."""
+    if not rows:
+        return "(no rows)"
+    columns = list(rows[0])
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in columns}
+    lines = ["| " + " | ".join(c.ljust(widths[c]) for c in columns) + " |"]
+    lines.append("|" + "|".join("-" * (widths[c] + 2) for c in columns) + "|")
+    for row in rows:
+        lines.append("| " + " | ".join(str(row[c]).ljust(widths[c]) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+_MODEL_HELP = (
+    "the model: a built-in tiny config (tiny-bert: masked LM; tiny-gpt2: causal LM), a directory holding a "
+    "transformers config.json or such a .json file, or a Python 'module:factory' / 'file.py:factory' whose "
+    "callable (given vocab_size= if it takes it) returns an nn.Module or a transformers config. Hub names "
+    "(e.g. bert-base-uncased) need network access: only their config is fetched, never weights"
+)
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer ≥ {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer ≥ {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _limit(text: str) -> float | None:
+    """A criterion value: a number, or 'none'/'off' to switch the limit off."""
+    if text.strip().lower() in ("none", "off"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}")
+    return value
+
+
+def _dof(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0 or 'inf', got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"degrees of freedom must be > 0 ('inf' for Gaussian), got {text!r}")
+    return value
+
+
+def _add_setting_flags(group: Any, settings: type) -> None:
+    """One flag per field of the ``settings`` dataclass that :func:`numscope.run.config.setting` describes
+    (``--field-name``, its type, default, bounds and help); :func:`_settings_from_flags` reads them back."""
+    for item in dataclasses.fields(settings):
+        if "help" not in item.metadata:
+            continue
+        minimum, positive = item.metadata["minimum"], item.metadata["positive"]
+        if isinstance(item.default, int):
+            kind = _int_at_least(int(minimum)) if minimum is not None else int
+        else:
+            kind = _positive_float if positive else float
+        group.add_argument(
+            "--" + item.name.replace("_", "-"),
+            type=kind,
+            default=item.default,
+            metavar="N" if isinstance(item.default, int) else "X",
+            help=item.metadata["help"].replace("%", "%%") + " (default: %(default)s)",
+        )
+
+
+def _settings_from_flags(settings: type, args: argparse.Namespace, **given: Any) -> Any:
+    """The ``settings`` dataclass from the flags :func:`_add_setting_flags` added, plus ``given`` fields."""
+    flagged = {f.name: getattr(args, f.name) for f in dataclasses.fields(settings) if "help" in f.metadata}
+    return settings(**flagged, **given)
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    from numscope.run.config import TrainConfig
+    from numscope.run.sources import DataSettings
+
+    model = p.add_argument_group("model and data")
+    model.add_argument("--model", required=True, metavar="M", help=_MODEL_HELP)
+    model.add_argument(
+        "--objective",
+        choices=("auto", "mlm", "clm"),
+        default="auto",
+        help="mlm: masked LM (15%% of tokens masked, BERT); clm: causal LM (next token, GPT); auto: mlm "
+        "where transformers has a masked-LM head for the config, else clm (default: %(default)s)",
+    )
+    model.add_argument(
+        "--text",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="UTF-8 text files; each blank-line-separated paragraph is one document, 5%% of them held out "
+        "for validation",
+    )
+    _add_setting_flags(model, DataSettings)
+    model.add_argument(
+        "--cache",
+        metavar="DIR",
+        help="cache of tokenizers and token blocks (default: $NUMSCOPE_CACHE, else ~/.cache/numscope)",
+    )
+    _add_setting_flags(p.add_argument_group("training"), TrainConfig)
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="the run folder; rerunning into it resumes or reuses the run",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
+    from numscope.run.config import TrainConfig
+    from numscope.run.sources import DataSettings
+
+    data = _settings_from_flags(DataSettings, args, text=tuple(args.text), cache_dir=args.cache)
+    config = _settings_from_flags(TrainConfig, args)
+    return data, config
+
+
+def _print_result(result: Any, out: str) -> None:
+    bits = "—" if result.avg_bits is None else f"{result.avg_bits:.2f}"
+    print(
+        f"{result.name}: val loss {result.val_loss:.4f}, val accuracy {100 * result.val_accuracy:.2f}%, "
+        f"{result.skipped_steps} skipped step(s), {bits} average bits per GEMM operand element, "
+        f"{result.steps} steps in {result.wall_seconds:.0f}s"
+    )
+    if result.world_size > 1:
+        print(
+            f"data-parallel over {result.world_size} processes; largest parameter difference between "
+            f"ranks at the end: {result.rank_divergence:g}"
+        )
+    print(f"run folder: {out}")
+
+
+def _launched_as_rank_zero() -> bool:
+    """Whether this process prints: not a torchrun rank other than 0 (read from the environment, as the
+    process group is gone once a command returns)."""
+    return os.environ.get("RANK", "0") == "0"

@@ -1,0 +1,255 @@
+"""The run verbs: ``analyze`` (FP32, observed), ``train`` (under a plan), ``compare``, ``report`` and
+``export``."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+from pathlib import Path
+
+from numscope.cli.common import (
+    _MODEL_HELP,
+    _add_run_flags,
+    _int_at_least,
+    _launched_as_rank_zero,
+    _positive_float,
+    _print_result,
+    _run_inputs,
+    render_table,
+)
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from numscope import workflow
+
+    data, config = _run_inputs(args)
+    result = workflow.analyze(
+        args.model,
+        data,
+        args.out,
+        config=config,
+        candidates=args.candidates,
+        every=args.every,
+        objective=args.objective,
+        tensorboard=args.tensorboard,
+        sensitivity_batches=args.sensitivity,
+        sensitivity_granularity=args.sensitivity_granularity,
+        progress=not args.no_progress,
+    )
+    if _launched_as_rank_zero():
+        _print_result(result, args.out)
+        print(
+            f"analysis: {Path(args.out) / 'analysis'}  "
+            f"(next: numscope recommend {Path(args.out) / 'analysis'})"
+        )
+    return 0
+
+
+def _register_analyze(sub: argparse._SubParsersAction) -> None:
+    from numscope.workflow import DEFAULT_CANDIDATES
+
+    p = sub.add_parser(
+        "analyze",
+        help="train your model in FP32 and measure every GEMM operand in candidate formats",
+        description="Train the model in FP32 on your text while an observer measures every GEMM operand "
+        "(input, weight, grad_output of fprop, dgrad, wgrad) in each candidate format every K steps. Writes "
+        "the run folder (run name fp32) with DIR/analysis, the input of 'numscope recommend'. Under torchrun "
+        "it trains with DDP and merges the ranks' measurements at each sampled step; rank 0 writes.",
+    )
+    _add_run_flags(p)
+    p.add_argument(
+        "--candidates",
+        nargs="+",
+        default=list(DEFAULT_CANDIDATES),
+        metavar="FORMAT",
+        help="formats to measure (see 'numscope formats'); bf16, the advisor's reference, is always "
+        "measured (default: %(default)s)",
+    )
+    p.add_argument(
+        "--every",
+        type=_int_at_least(1),
+        default=5,
+        metavar="K",
+        help="measure every K-th optimizer step; measuring costs several plain steps (default: %(default)s)",
+    )
+    p.add_argument(
+        "--sensitivity",
+        type=_int_at_least(0),
+        default=0,
+        metavar="N",
+        help="after training, quantize one site at a time in each candidate and measure the loss and "
+        "gradient change of the trained model on N validation batches (costs N x (1 + sites x candidates) "
+        "forward and backward passes); stored with the analysis for recommend's --criterion "
+        "max_loss_increase_pct=... and min_grad_cosine=...; one process only (default: 0, not measured)",
+    )
+    p.add_argument(
+        "--sensitivity-granularity",
+        choices=("site", "operand"),
+        default="site",
+        help="--sensitivity quantizes a whole site or one operand at a time (six times the passes; what "
+        "'recommend --objective sensitivity' needs) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tensorboard",
+        metavar="LOGDIR",
+        help="also write the analysis as TensorBoard scalars to LOGDIR, one per site/gemm/operand/format/"
+        "metric (needs the tensorboard package; default: none)",
+    )
+    p.set_defaults(func=_cmd_analyze)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from numscope import workflow
+
+    data, config = _run_inputs(args)
+    result = workflow.train(
+        args.model,
+        data,
+        args.out,
+        plan=args.plan,
+        loss_scaling=args.loss_scaling,
+        init_scale=args.init_scale,
+        config=config,
+        objective=args.objective,
+        name=args.name,
+        progress=not args.no_progress,
+    )
+    if _launched_as_rank_zero():
+        _print_result(result, args.out)
+    return 0
+
+
+def _register_train(sub: argparse._SubParsersAction) -> None:
+    from numscope.plan import Plan
+    from numscope.run.config import RunSpec
+    from numscope.train.loss_scaler import LossScaler
+
+    growth = inspect.signature(LossScaler).parameters["growth_interval"].default
+
+    p = sub.add_parser(
+        "train",
+        help="train your model under a precision plan (YAML or preset) with loss scaling; torchrun-ready",
+        description="Train the model on your text with every GEMM operand quantized as the plan says (FP32 "
+        "master weights and accumulation). Writes DIR/log.csv, DIR/checkpoint.pt while running (a rerun "
+        "resumes), DIR/result.json and DIR/model.pt. Under 'torchrun --nproc-per-node N' it trains "
+        "data-parallel (DDP over gloo on CPU); only rank 0 writes. A plan with block formats (MX, NVFP4) "
+        "runs numscope's torch.compile'd quantizers: the same bits, compiled in the first steps "
+        "(NUMSCOPE_FAST=0 keeps them eager, NUMSCOPE_FAST=1 compiles every format).",
+    )
+    _add_run_flags(p)
+    p.add_argument(
+        "--plan",
+        required=True,
+        metavar="PLAN",
+        help=f"a plan YAML (e.g. from 'numscope recommend'), a preset ({', '.join(Plan.presets())}) or "
+        "a named recipe ('numscope recipes' lists them)",
+    )
+    p.add_argument(
+        "--loss-scaling",
+        choices=("none", "static", "dynamic"),
+        default="none",
+        help="none; static: multiply the loss by --init-scale; dynamic: start there, halve on inf/NaN "
+        f"gradients (the step is skipped), double after {growth} clean steps (default: %(default)s)",
+    )
+    p.add_argument(
+        "--init-scale",
+        type=_positive_float,
+        default=RunSpec.init_scale,
+        help="the (initial) loss scale (default: %(default)g)",
+    )
+    p.add_argument("--name", help="the run's name in compare and report (default: the folder's name)")
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from numscope import workflow
+
+    rows, notes = workflow.comparison(args.runs, baseline=args.baseline)
+    print(render_table(rows))
+    print(
+        "\ngap = (val loss − baseline val loss) / baseline val loss; avg bits = storage bits per GEMM "
+        "operand element, weighted by a training step's operand sizes"
+    )
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
+    return 0
+
+
+def _register_compare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "compare",
+        help="table of finished runs: val loss/accuracy, gap to a baseline, average bits, skipped steps",
+        description="Compare finished run folders of 'numscope analyze' and 'numscope train'.",
+    )
+    p.add_argument("runs", nargs="+", metavar="DIR", help="run folders")
+    p.add_argument(
+        "--baseline",
+        metavar="RUN",
+        help="run name or folder the gap is measured against (default: the run named fp32, else the first)",
+    )
+    p.set_defaults(func=_cmd_compare)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from numscope import workflow
+
+    command = "numscope report " + " ".join(args.runs)
+    path = workflow.report(
+        args.runs, args.output, analysis=args.analysis, plan=args.plan, title=args.title, command=command
+    )
+    print(f"report: {path}")
+    return 0
+
+
+def _register_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="one self-contained HTML report of finished runs, their analysis and plan",
+        description="Write an HTML file (figures embedded, opens offline): the runs table and loss curves, "
+        "the plan per site, and from the analysis the backward-error heatmap and operand histograms against "
+        "each format's range. The gap column is relative to the run named fp32.",
+    )
+    p.add_argument("runs", nargs="+", metavar="DIR", help="run folders")
+    p.add_argument("-o", "--output", default="report.html", help="the HTML file (default: %(default)s)")
+    p.add_argument(
+        "--analysis", metavar="DIR", help="analysis folder (default: the first run folder holding analysis/)"
+    )
+    p.add_argument(
+        "--plan",
+        metavar="PLAN",
+        help="plan YAML shown per site (default: the first run trained from a plan file)",
+    )
+    p.add_argument("--title", default="numscope report", help="the report's title (default: %(default)s)")
+    p.set_defaults(func=_cmd_report)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from numscope import workflow
+
+    files, unexpressed = workflow.export_plan(args.plan, args.to, args.model, args.out, args.objective)
+    for path in files:
+        print(f"wrote {path}")
+    if unexpressed:
+        print(f"\n{args.to} cannot express {len(unexpressed)} part(s) of the plan:")
+        for line in unexpressed:
+            print(f"  - {line}")
+    return 0
+
+
+def _register_export(sub: argparse._SubParsersAction) -> None:
+    from numscope.plan.export import TARGETS
+
+    p = sub.add_parser(
+        "export",
+        help="write a plan for torchao, Transformer Engine or Megatron-LM, with what they cannot express",
+        description="Carry a plan to a training library: torchao (a module with Float8LinearConfigs and "
+        "convert(model)), te (a recipe module and TE's debug-tools YAML for the GEMMs kept high), megatron "
+        "(--fp8-* flags). The model is built once, untrained, to list its Linear sites.",
+    )
+    p.add_argument("plan", metavar="PLAN", help="a plan YAML, a preset or a named recipe")
+    p.add_argument("--to", required=True, choices=TARGETS, help="the library to write for")
+    p.add_argument("--model", required=True, metavar="M", help=_MODEL_HELP)
+    p.add_argument("--objective", choices=("auto", "mlm", "clm"), default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="export", metavar="DIR", help="output folder (default: %(default)s)")
+    p.set_defaults(func=_cmd_export)
