@@ -13,7 +13,7 @@ import torch
 
 import numscope
 from numscope.report import analysis_tables, gap_to_reference, plan_table, write_report
-from numscope.report.html import format_range, short_site_names
+from numscope.report.views import format_range, short_site_names
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 VOID_TAGS = {"meta", "img", "br", "hr", "link", "input", "col", "source", "wbr"}
