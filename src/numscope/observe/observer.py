@@ -512,10 +512,16 @@ class Observer:
         def side(half: _ConvHalf, label: str, exact_values: torch.Tensor) -> torch.Tensor:
             return exact_values if label == HIGH_LABEL else half.quantized[label].double()
 
-        products = torch.stack(
-            [product(side(left, a, exact_left), side(right, b, exact_right)) for a, b in pairs]
-        )
-        self._store_be(gemm_key, step, pairs, backward_error_stats(exact, products, magnitude, median=False))
+        stats = [  # one pair at a time: a convolution's output can be large (float64, every drawn entry)
+            backward_error_stats(
+                exact,
+                product(side(left, a, exact_left), side(right, b, exact_right))[None],
+                magnitude,
+                median=False,
+            )[0]
+            for a, b in pairs
+        ]
+        self._store_be(gemm_key, step, pairs, torch.stack(stats))
 
     def _rows(self, tensor: torch.Tensor, axis: int, partner: _Half | None) -> _Rows:
         """Whole rows along the contraction axis: every row of a tensor of at most ``max_elements``
