@@ -1,0 +1,80 @@
+"""The training loop on its own (``numscope.run.loop.train_run``): a causal LM from a factory under a plan
+with dynamic loss scaling, what a finished run folder gives back, and the errors of an unusable one."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from numscope.run.config import RunData, RunError, RunSpec, TrainConfig
+from numscope.run.data import make_blocks
+from numscope.run.loop import read_log, train_run
+from numscope.run.tokenizer import TokenizerInfo
+
+SEQ_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def data(small_train: list[str], small_tokenizer: Tokenizer) -> RunData:
+    blocks = make_blocks(small_train[:80], small_tokenizer, SEQ_LEN)
+    return RunData(blocks[:-8], blocks[-8:], TokenizerInfo.from_tokenizer(small_tokenizer))
+
+
+def tiny_gpt2(vocab_size: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def make():
+        config = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=1, n_head=2, n_positions=SEQ_LEN)
+        return GPT2LMHeadModel(config)
+
+    return make
+
+
+def test_a_causal_lm_trains_under_a_plan_and_a_finished_run_is_not_repeated(
+    data: RunData, tmp_path: Path
+) -> None:
+    config = TrainConfig(steps=8, batch_size=8, lr=3e-3, warmup_steps=2, eval_every=4, checkpoint_every=4)
+    spec = RunSpec("fp8", "fp8", loss_scaling="dynamic", init_scale=2.0**8)
+    factory = tiny_gpt2(data.tokenizer.vocab_size)
+    result = train_run(spec, factory, config, data, tmp_path / "run", objective="clm", compiled=False)
+    log = read_log(tmp_path / "run" / "log.csv")
+    assert [row["step"] for row in log] == list(range(1, 9))
+    assert log[-1]["loss"] < log[0]["loss"]  # it learns
+    assert [point["step"] for point in result.curve] == [4, 8] and result.val_loss == result.curve[-1][
+        "val_loss"
+    ]
+    assert result.avg_bits == 8.0 and result.final_scale >= 2.0**8  # fp8 operands; the scale never fell
+    assert not (
+        tmp_path / "run" / "checkpoint.pt"
+    ).exists()  # a finished run keeps its result, not a checkpoint
+    stored = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert stored["val_loss"] == result.val_loss and stored["plan"] == "fp8"
+
+    def no_model():
+        raise AssertionError("a finished run must not build its model again")
+
+    again = train_run(spec, no_model, config, data, tmp_path / "run", objective="clm")
+    assert again == result
+
+
+def test_an_unusable_result_or_log_is_one_clear_error(data: RunData, tmp_path: Path) -> None:
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "result.json").write_text("{ not json")
+    spec, config = RunSpec("fp32", "fp32"), TrainConfig(steps=1, batch_size=8)
+    with pytest.raises(
+        RunError, match=r"result\.json: not a readable run result .*delete it to run the run again"
+    ):
+        train_run(spec, tiny_gpt2(data.tokenizer.vocab_size), config, data, folder, objective="clm")
+    (folder / "log.csv").write_text("step,loss\nnot,a number\n")
+    with pytest.raises(RunError, match="not a numscope training log"):
+        read_log(folder / "log.csv")
+    with pytest.raises(ValueError, match=r"batch size 512 exceeds the \d+ training blocks"):
+        train_run(spec, tiny_gpt2(data.tokenizer.vocab_size), TrainConfig(steps=1, batch_size=512), data,
+                  tmp_path / "big", objective="clm")  # fmt: skip
