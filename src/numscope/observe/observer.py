@@ -477,16 +477,18 @@ class Observer:
                 )
                 batch = order[:count].to(tensor.device)
         values = tensor.float()
-        if batch is not None and axis != 0:  # blocks run along channels: the drawn entries quantize alone
+        # blocks along channels (axis != 0): the drawn entries quantize alone; along the batch (wgrad's axis
+        # 0): each candidate quantizes the whole tensor, and only the drawn entries are kept
+        if batch is not None and axis != 0:
             values = values[batch]
         moved = values.movedim(axis, -1)
+        keep = batch if batch is not None and axis == 0 else None
         quantized = {}
         for label, (fmt, scaling) in self._row_candidates.items():
             rows = quantize_sample(moved.reshape(-1, moved.shape[-1]), fmt, scaling, amax=amax)
-            quantized[label] = rows.reshape(moved.shape).movedim(-1, axis)
-        if batch is not None and axis == 0:  # blocks run along the batch: quantize whole, then draw
-            values, quantized = values[batch], {label: q[batch] for label, q in quantized.items()}
-        half = _ConvHalf(values, quantized, batch)
+            whole = rows.reshape(moved.shape).movedim(-1, axis)
+            quantized[label] = whole if keep is None else whole[keep]
+        half = _ConvHalf(values if keep is None else values[keep], quantized, batch)
         if partner is None:
             waiting.clear()
             waiting[operand] = half
