@@ -1,0 +1,43 @@
+"""The package layout's one rule (docs/architecture.md): a lower layer never imports a higher one, at the
+top of a module or inside a function; the two named exceptions are the only ones."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numscope
+
+#: the layers, lowest first (docs/architecture.md)
+ORDER = (
+    "_names", "_atomic", "_rng", "_callable", "vocab", "formats", "metrics", "_root_call", "sites", "plan",
+    "convert", "analysis", "distributed", "observe", "sensitivity", "advisor", "train", "run", "report",
+    "study", "integrations", "demo", "workflow", "cli",
+)  # fmt: skip
+#: the plan study trains the demo's BERT (its model and data settings)
+EXCEPTIONS = {
+    ("numscope.study.config", "numscope.demo.main"),
+    ("numscope.study.plan_study", "numscope.demo.main"),
+}
+IMPORT = re.compile(r"^\s*(?:from (numscope[\w.]*) import|import (numscope[\w.]*))", re.M)
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1]
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    root = Path(numscope.__file__).parent
+    modules = sorted(root.rglob("*.py"))
+    layers = {_layer("numscope." + ".".join(p.relative_to(root).with_suffix("").parts)) for p in modules}
+    assert layers - {"__init__"} <= set(ORDER), f"modules of no layer: {sorted(layers - set(ORDER))}"
+    upward = set()
+    for path in modules:
+        me = ".".join(("numscope", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        if me == "numscope":
+            continue
+        for match in IMPORT.finditer(path.read_text(encoding="utf-8")):
+            target = match.group(1) or match.group(2)
+            if target != "numscope" and ORDER.index(_layer(target)) > ORDER.index(_layer(me)):
+                upward.add((me, target))
+    assert upward == EXCEPTIONS
