@@ -10,7 +10,7 @@ import numscope
 
 #: the layers, lowest first (docs/architecture.md)
 ORDER = (
-    "_names", "_atomic", "_rng", "_callable", "vocab", "formats", "metrics", "_root_call", "sites", "plan",
+    "_names", "_atomic", "_rng", "_callable", "_lazy", "vocab", "formats", "metrics", "_root_call", "sites", "plan",
     "convert", "analysis", "distributed", "observe", "sensitivity", "advisor", "train", "run", "report",
     "study", "integrations", "demo", "workflow", "cli",
 )  # fmt: skip

@@ -11,8 +11,7 @@ higher ones.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from numscope._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -80,18 +79,9 @@ _NESTED = {"recipes": "numscope.plan.recipes", "export": "numscope.plan.export"}
 __all__ = sorted([*_EXPORTS, *_CALLABLE_MODULES, *_SUBMODULES, *_NESTED])
 
 
-def __getattr__(name: str) -> Any:
-    if name in _CALLABLE_MODULES or name in _SUBMODULES:  # callable modules: see numscope._callable
-        return importlib.import_module(f"numscope.{name}")
-    if name in _NESTED:
-        return importlib.import_module(_NESTED[name])
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'numscope' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+# callable modules (see numscope._callable), public subpackages and the nested modules, each imported on use
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    _EXPORTS,
+    {**{name: f"numscope.{name}" for name in (*_CALLABLE_MODULES, *_SUBMODULES)}, **_NESTED},
+)

@@ -224,50 +224,36 @@ def analyze(
         )
         check_run_settings(out_dir, settings)
         writer = distributed.is_rank_zero()
-        if (finished := finished_result(out_dir)) is not None:
-            if sensitivity_batches:  # an earlier call may have stopped between the run and its sensitivity
-                prepared, factory, resolved = _prepare_run(
-                    model, data, config, objective, Plan.uniform("fp32")
-                )
-                _measure_sensitivity(
-                    out_dir,
-                    factory,
-                    prepared,
-                    config,
-                    resolved,
-                    names,
-                    sensitivity_batches,
-                    sensitivity_granularity,
-                )
+        result = finished_result(out_dir)
+        # a finished run is not trained again, but an earlier call may have stopped before its sensitivity
+        if result is None or sensitivity_batches:
+            prepared, factory, resolved = _prepare_run(model, data, config, objective, Plan.uniform("fp32"))
+        if result is None:
+            settings["objective_resolved"] = resolved
+            if sensitivity_batches:  # too few validation batches: say so before training, not after
+                _sensitivity_batches(prepared, config, resolved, sensitivity_batches)
             if writer:
-                _write_tensorboard(out_dir, tensorboard)
-            return finished
-        prepared, factory, resolved = _prepare_run(model, data, config, objective, Plan.uniform("fp32"))
-        settings["objective_resolved"] = resolved
-        if sensitivity_batches:  # too few validation batches: say so before training, not after
-            _sensitivity_batches(prepared, config, resolved, sensitivity_batches)
-        if writer:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
+                out_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
 
-        def observer(module: nn.Module) -> Any:
-            return observe(module, candidates=names, every=every).__enter__()
+            def observer(module: nn.Module) -> Any:
+                return observe(module, candidates=names, every=every).__enter__()
 
-        on_step, close = _progress(config.steps, "fp32 (observed)", progress and writer)
-        try:
-            result = train_run(
-                RunSpec("fp32", "fp32", description="FP32, observed"),
-                factory,
-                config,
-                prepared,
-                out_dir,
-                on_step,
-                observer,
-                objective=resolved,
-                save_model=bool(sensitivity_batches),
-            )
-        finally:
-            close()
+            on_step, close = _progress(config.steps, "fp32 (observed)", progress and writer)
+            try:
+                result = train_run(
+                    RunSpec("fp32", "fp32", description="FP32, observed"),
+                    factory,
+                    config,
+                    prepared,
+                    out_dir,
+                    on_step,
+                    observer,
+                    objective=resolved,
+                    save_model=bool(sensitivity_batches),
+                )
+            finally:
+                close()
         if sensitivity_batches:
             _measure_sensitivity(
                 out_dir,

@@ -50,9 +50,7 @@ transform of blocks of 16 along the GEMM's contraction axis before the cast, und
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from numscope._lazy import lazy_exports
 from numscope.formats.scaling import default_scaling
 from numscope.plan.plan import Plan
 from numscope.plan.spec import (
@@ -86,7 +84,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("recipes", "export"):  # the field's recipes and the exports, loaded on first use
-        return importlib.import_module(f"numscope.plan.{name}")
-    raise AttributeError(f"module 'numscope.plan' has no attribute {name!r}")
+# the field's recipes and the exports, loaded on first use
+__getattr__, __dir__ = lazy_exports(
+    __name__, {}, {"recipes": "numscope.plan.recipes", "export": "numscope.plan.export"}
+)

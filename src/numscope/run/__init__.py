@@ -12,8 +12,7 @@ import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from numscope._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "CORPUS_ATTRIBUTION": "numscope.run.corpus",
@@ -70,14 +69,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'numscope.run' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -10,8 +10,7 @@ report) and ``plan_study`` (training every plan on every seed). Names are resolv
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from numscope._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "DOFS": "numscope.study.synthetic",
@@ -48,14 +47,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'numscope.study' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,32 @@
+"""Package names resolved on first use, so that importing a package stays cheap and pulls in no layer it
+does not need (reading the corpus does not import torch)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def lazy_exports(
+    package: str, names: Mapping[str, str], modules: Mapping[str, str] | None = None
+) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's ``__getattr__`` and ``__dir__``: ``names`` maps a public name to the module that defines
+    it (fetched on first use and kept in the package), ``modules`` a name to a module returned itself."""
+    modules = dict(modules or {})
+
+    def __getattr__(name: str) -> Any:
+        if name in modules:
+            return importlib.import_module(modules[name])
+        module = names.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(vars(sys.modules[package])) | set(names) | set(modules))
+
+    return __getattr__, __dir__
