@@ -187,3 +187,21 @@ class SavedTensorHooks:
             above.append(top)
         for pack, unpack in reversed(above):
             torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+_EXACT = "_numscope_saved_exactly"
+
+
+def save_exactly(*tensors: torch.Tensor | None) -> None:
+    """Mark tensors that a site saves for backward in the exact form its handlers made them (a quantized
+    operand, its codes, its scales): saved-tensor hooks that store activations in fewer bits keep these as
+    they are (rounding them again would change the plan's values, and a scale rounded to fp16 every value
+    it multiplies)."""
+    for tensor in tensors:
+        if tensor is not None:
+            setattr(tensor, _EXACT, True)
+
+
+def saved_exactly(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` was marked by :func:`save_exactly`."""
+    return getattr(tensor, _EXACT, False)

@@ -101,8 +101,9 @@ class _Quantizer:
         return tensors, unpack
 
     def pack(self, site: Site, tensor: torch.Tensor):
-        """The codes of a quantized fprop input this quantizer produced (``numscope.sites.gemm._Call.pack``
-        asks): kept in the format's own torch dtype (1 or 2 bytes) with its descale, unpacked bit for bit."""
+        """The codes of a quantized fprop input (or activation weight) this quantizer produced
+        (``numscope.sites.gemm._Call.pack`` asks): kept in the format's own torch dtype (1 or 2 bytes) with
+        its descale, unpacked bit for bit."""
         found = self._codes.pop(id(tensor), None)
         if found is None or found[0]() is not tensor:
             return None
@@ -129,6 +130,13 @@ class _Quantizer:
         spec = self.spec(site)
         fprop = spec.operand("fprop", "input")
         return fprop == spec.operand("wgrad", "input") and (fprop.is_high or _axis_independent(fprop))
+
+    def shares_weight(self, site: Site) -> bool:
+        """Whether dgrad's weight is fprop's, quantized the same whatever the axis: a weight that is an
+        activation (the right operand of a product of activations) is then kept in its codes for dgrad."""
+        spec = self.spec(site)
+        fprop = spec.operand("fprop", "weight")
+        return fprop == spec.operand("dgrad", "weight") and not fprop.is_high and _axis_independent(fprop)
 
     def scaler(self, key: str, scaling: Scaling) -> DelayedScaler:
         scaler = self.scalers.get(key)
@@ -162,8 +170,11 @@ class _Quantizer:
                 self._grad = None
                 return cached[2]
         result = self.quantize(site.key(gemm, operand), operand_spec, tensor, axis)
-        kept_for_wgrad = gemm == "fprop" and operand == "input" and self.shares_input(site)
-        if kept_for_wgrad and self._last_codes is not None:  # the site keeps these codes instead
+        kept_for_backward = gemm == "fprop" and (
+            (operand == "input" and self.shares_input(site))
+            or (operand == "weight" and not isinstance(tensor, nn.Parameter) and self.shares_weight(site))
+        )
+        if kept_for_backward and self._last_codes is not None:  # the site keeps these codes instead
             key = id(result)
             forget = weakref.ref(result, lambda _, key=key: self._codes.pop(key, None))
             self._codes[key] = (forget, *self._last_codes)

@@ -67,3 +67,52 @@ def test_bad_dtype_is_named() -> None:
         store_activations(nn.Linear(2, 2), "fp8")
     with pytest.raises(ValueError, match=r"got torch\.float32"):
         store_activations(nn.Linear(2, 2), torch.float32)
+
+
+def test_dropout_masks_are_kept_in_bits_with_torchs_results() -> None:
+    model = nn.Dropout(0.1)
+    x = torch.randn(32, 64, requires_grad=True)
+    torch.manual_seed(0)
+    expected = model(x)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), x)
+    results = {}
+    for compact in (True, False):
+        handle, store = store_activations(model, torch.float16, compact_dropout=compact)
+        torch.manual_seed(0)
+        out = model(x)
+        results[compact] = (out, torch.autograd.grad(out.sum(), x)[0], store.kept_bytes)
+        handle.remove()
+    out, grad, kept = results[True]
+    assert torch.equal(out, expected) and torch.equal(grad, expected_grad)
+    assert kept == 32 * 64 // 8  # one bit per element
+    out, grad, kept = results[False]
+    # torch's CPU mask is a float32 tensor of 0 and 1/0.9: in fp16 its scale is rounded, and it takes 2 bytes
+    assert torch.equal(out, expected) and not torch.equal(grad, expected_grad)
+    assert kept == 32 * 64 * 2
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_quantized_operand_is_kept_exactly(compiled: bool) -> None:
+    """What a plan's site keeps of a quantized operand (codes and their float32 descale, or the float32
+    values) is not rounded again: the weight gradient is the plan's own, with or without the store."""
+    import numscope
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 48) * 3
+
+    def weight_grad(store: bool) -> tuple[torch.Tensor, int]:
+        torch.manual_seed(1)
+        model = nn.Linear(48, 32)
+        numscope.convert(model, numscope.Plan.uniform("fp8"), compiled=compiled)
+        handle, activations = store_activations(model, torch.float16) if store else (None, None)
+        model(x.clone().requires_grad_()).square().sum().backward()
+        kept = 0 if activations is None else activations.kept_bytes
+        if handle is not None:
+            handle.remove()
+        return model.weight.grad, kept
+
+    plain, _ = weight_grad(False)
+    stored, kept = weight_grad(True)
+    assert torch.equal(stored, plain)
+    # eager: the input's fp8 codes (1 byte each) and its descale; compiled: its float32 values
+    assert kept == (16 * 48 * 4 if compiled else 16 * 48 + 4)

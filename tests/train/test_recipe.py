@@ -306,3 +306,25 @@ def test_bad_arguments_leave_the_model_untouched(arguments: dict, error: str) ->
 def test_fp32_activations_keep_them_as_computed(activations) -> None:
     recipe = Recipe(bert(), dtype=torch.float16, activations=activations)
     assert recipe.activations is None
+
+
+@pytest.mark.filterwarnings("error:numscope fast path:RuntimeWarning")  # compiles under the fp32-ops mode
+def test_fp8_plan_in_an_fp16_model_keeps_codes_and_the_same_gradients_compiled_or_not() -> None:
+    """A quantized fp16 GEMM input is kept for wgrad in its fp8 codes (not the raw fp16 activation) and
+    nothing a plan's site keeps is rounded again by the activation store: the eager path (codes) and the
+    compiled one (float32 values, no codes) give the same loss and gradients bit for bit."""
+    results = {}
+    for compiled in (False, True):
+        model = bert(dropout=0.1)
+        recipe = Recipe(model, plan="fp8", dtype=torch.float16, loss_scale=1024.0, compiled=compiled)
+        torch.manual_seed(2)
+        loss = model(input_ids=IDS, labels=IDS).loss
+        recipe.backward(loss)
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results[compiled] = (loss.detach(), grads, recipe.activations.kept_bytes)
+    (eager_loss, eager_grads, eager_kept), (compiled_loss, compiled_grads, compiled_kept) = results.values()
+    assert torch.equal(eager_loss, compiled_loss)
+    assert eager_grads.keys() == compiled_grads.keys() and len(eager_grads) > 30
+    for name, grad in eager_grads.items():
+        assert torch.equal(grad, compiled_grads[name]), name
+    assert eager_kept < 0.8 * compiled_kept

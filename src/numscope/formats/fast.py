@@ -123,7 +123,10 @@ class _Kernel:
     def __call__(self, *args: torch.Tensor | None) -> torch.Tensor:
         if self.compiled is not None:
             try:
-                return self.compiled(*args)
+                # a kernel is pure tensor arithmetic: no torch-function mode of the caller's (a recipe's
+                # fp32 ops) applies to it, and dynamo cannot trace under one
+                with torch._C.DisableTorchFunction():
+                    return self.compiled(*args)
             except _compile_failures() as error:  # this configuration runs eagerly from now on
                 self.compiled = None
                 reason = str(error).strip().splitlines()

@@ -51,7 +51,10 @@ the batched decomposition is used: equal in value, not guaranteed in bits). A ha
 fused kernel), ``accumulate(site) -> str | None`` (a name of :data:`ACCUMULATORS`) and
 ``shares_input(site) -> bool``: when every handler of a site says True (its wgrad input would be its
 fprop input, handled identically), the function saves the handled fprop input for backward instead of
-the raw one and passes it to wgrad without calling the chain again. A handler may also define
+the raw one and passes it to wgrad without calling the chain again; ``shares_weight(site) -> bool`` does
+the same for dgrad's weight where that weight is an activation (the right operand of ``scores`` and
+``context``, a product of two activations); the last handler's ``pack(site, tensor)`` may then keep
+either in its codes (see :class:`numscope.sites.gemm._Call.pack`). A handler may also define
 ``active() -> bool``, asked at the start of each forward: while every attached handler says False, the
 forward runs with no interception at all (an observer between its sampled steps costs nothing).
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from numscope._root_call import save_exactly
+
 #: number of products summed exactly (in fp32) before a rounding to a narrow accumulator
 ACCUMULATE_CHUNK = 32
 
@@ -151,6 +153,7 @@ class _Call:
     weight_axes: tuple[int, int] = (-1, 0)  # (fprop, dgrad) axes of b
     meta: dict[str, Any] = field(default_factory=dict)
     share_input: bool = False  # wgrad takes fprop's handled input (every handler said shares_input)
+    share_weight: bool = False  # dgrad takes fprop's handled weight where it is an activation (shares_weight)
     prequantize: bool = False  # wgrad's input is quantized in forward and kept in its codes (see below)
     upcast: torch.dtype | None = None  # the working dtype of a GEMM computed on float32 values
 
@@ -159,13 +162,18 @@ class _Call:
         return torch.float32 if self.upcast is not None and dtype in _LOW else dtype
 
     def pack(
-        self, tensor: torch.Tensor
+        self, tensor: torch.Tensor, raw: torch.Tensor
     ) -> tuple[tuple[torch.Tensor, ...], Callable[..., torch.Tensor]] | None:
-        """A compact form of the handled fprop input kept for wgrad, from the last handler that offers one
-        (``pack(site, tensor) -> (tensors, unpack) | None``; ``unpack(*tensors)`` must give ``tensor`` back
-        bit for bit): a quantized operand kept in its own codes instead of float32."""
+        """A compact form of a handled fprop operand kept for backward (the input for wgrad, an activation
+        weight for dgrad), from the last handler that offers one (``pack(site, tensor) -> (tensors, unpack)
+        | None``; ``unpack(*tensors)`` must give ``tensor`` back bit for bit): a quantized operand kept in
+        its own codes instead of float32. None where the codes would take more memory than ``raw``, the
+        operand as it came."""
         packer = getattr(self.handlers[-1], "pack", None) if self.handlers else None
-        return None if packer is None else packer(self.site, tensor)
+        packed = None if packer is None else packer(self.site, tensor)
+        if packed is not None and packed[0][0].element_size() > raw.element_size():
+            return None
+        return packed
 
     def pack_wgrad_input(
         self, tensor: torch.Tensor
@@ -239,8 +247,10 @@ class SiteGemm(torch.autograd.Function):
             call, a_q, b_q, None if bias is None else bias.to(call.compute_dtype(bias.dtype))
         )
         need_a, need_b = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        # the handled input is kept for wgrad only where it takes no more memory than the raw one
-        share = call.share_input and a_q.element_size() <= a.element_size()
+        # the handled input is kept for wgrad only where it takes no more memory than the raw one: as it is,
+        # or in the codes its handler made it from (an fp8 operand of an fp16 model: one byte, not four)
+        packed = call.pack(a_q, a) if call.share_input and need_b and call.storage is None else None
+        share = call.share_input and (packed is not None or a_q.element_size() <= a.element_size())
         ctx.share = share
         ctx.call = call
         ctx.a_meta = (a.shape, a.stride(), a.dtype)
@@ -248,7 +258,6 @@ class SiteGemm(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.bias_shape = None if bias is None else bias.shape
         ctx.bias_dtype = None if bias is None else bias.dtype
-        packed = call.pack(a_q) if share and need_b and call.storage is None else None
         ctx.unpack = None if packed is None else packed[1]
         prepared = None
         if need_b and not share and call.prequantize and call.storage is None:
@@ -260,7 +269,20 @@ class SiteGemm(torch.autograd.Function):
             kept_a = packed[0]
         else:
             kept_a = (_store(a_q if share else a, call.storage) if need_b else None,)
-        ctx.save_for_backward(*kept_a, _store(b, call.storage) if need_a else None)
+        if prepared is not None or packed is not None or (share and a_q is not a and call.storage is None):
+            save_exactly(*kept_a)
+        # an activation weight (a product of activations) kept for dgrad in the codes fprop made of it
+        packed_b = None
+        if call.share_weight and need_a and call.storage is None and not isinstance(b, nn.Parameter):
+            packed_b = call.pack(b_q, b)
+        if packed_b is not None:
+            kept_b = packed_b[0]
+            save_exactly(*kept_b)
+        else:
+            kept_b = (_store(b, call.storage) if need_a else None,)
+        ctx.b_unpack = None if packed_b is None else packed_b[1]
+        ctx.kept_a = len(kept_a)
+        ctx.save_for_backward(*kept_a, *kept_b)
         ctx.a_saved_dtype = (a_q if share else a).dtype
         # the parameter object itself for dgrad's handlers (saved-tensor hooks hand back a plain alias),
         # which may reuse what they made of it in fprop; saved above too, for autograd's version check
@@ -270,7 +292,8 @@ class SiteGemm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
         call: _Call = ctx.call
-        *kept_a, b_saved = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        kept_a, kept_b = saved[: ctx.kept_a], saved[ctx.kept_a :]
         a_shape, a_stride, a_dtype = ctx.a_meta
         b_shape, b_stride, b_dtype = ctx.b_meta
         need_a, need_b, need_bias = ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
@@ -282,6 +305,9 @@ class SiteGemm(torch.autograd.Function):
         else:
             a_saved = ctx.unpack(*kept_a) if ctx.unpack is not None else kept_a[0]
         a = None if a_saved is None else a_saved.to(ctx.a_saved_dtype)
+        # dgrad's weight as fprop handled it, where it was kept in its codes (else the chain makes it below)
+        b_q = None if ctx.b_unpack is None else ctx.b_unpack(*kept_b).to(call.compute_dtype(b_dtype))
+        b_saved = None if b_q is not None else kept_b[0]
         b = ctx.parameter if ctx.parameter is not None else None if b_saved is None else b_saved.to(b_dtype)
         share = ctx.share
         grad_a = grad_b = grad_bias = None
@@ -318,7 +344,7 @@ class SiteGemm(torch.autograd.Function):
         elif layout == "mm":
             if need_a:
                 dy = call.chain("dgrad", "grad_output", grad_output, -1)
-                w = call.chain("dgrad", "weight", b, dgrad_b_axis)
+                w = b_q if b_q is not None else call.chain("dgrad", "weight", b, dgrad_b_axis)
                 if acc == "fp32":
                     grad_a = _mm_mat1_backward(dy, w, a_shape, a_stride)
                 else:
@@ -337,7 +363,8 @@ class SiteGemm(torch.autograd.Function):
             n, m, p = a_shape[-2], a_shape[-1], b_shape[-1]
             if need_a:
                 dy = call.chain("dgrad", "grad_output", grad_output, -1).reshape(count, n, p)
-                w = call.chain("dgrad", "weight", b, -1).expand(*batch, m, p).reshape(count, m, p)
+                w = b_q if b_q is not None else call.chain("dgrad", "weight", b, -1)
+                w = w.expand(*batch, m, p).reshape(count, m, p)
                 product = (
                     dy.bmm(w.transpose(1, 2))
                     if acc == "fp32"

@@ -526,6 +526,11 @@ class _Runtime:
             getattr(handler, "shares_input", None) is not None and handler.shares_input(site)
             for handler in handlers
         )
+        share_weight = (
+            bool(handlers)
+            and layout in ("mm", "batched")
+            and all(getattr(h, "shares_weight", lambda site: False)(site) for h in handlers)
+        )
         prequantize = (
             bool(handlers)
             and not share_input
@@ -541,6 +546,7 @@ class _Runtime:
             storage,
             axes,
             share_input=share_input,
+            share_weight=share_weight,
             upcast=upcast,
             prequantize=prequantize,
         )
