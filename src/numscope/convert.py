@@ -34,7 +34,7 @@ from torch import nn
 from numscope.formats.cast import native_dtype
 from numscope.formats.fast import fast_enabled
 from numscope.formats.quantize import Encoded, encode, quantize
-from numscope.formats.scaling import DelayedScaler, Scaling, reduce_amax_
+from numscope.formats.scaling import DelayedScaler, Scaling, element_scale
 from numscope.formats.spec import BlockFormat, FloatFormat
 from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec
 from numscope.sites import Handle, Site, attach, is_discovered, on_discovered, operand_sizes, sites
@@ -205,13 +205,10 @@ class _Quantizer:
         if native is not None and tensor.numel() > 0:
             xf = tensor.detach().float()
             amax = _amax(xf) if scaling is not None or spec.overflow == "saturate" else None
-            if scaling is None:
-                scale = None
-            elif scaling.kind == "delayed":
-                scale = self.scaler(key, scaling).scale_for(xf, fmt.max, amax=amax)  # type: ignore[union-attr]
-            else:
-                amax = reduce_amax_(amax.reshape(1), scaling.reduce_amax)[0]
-                scale = scaling.scale(amax, fmt.max)  # type: ignore[union-attr]
+            scale = None
+            if scaling is not None:
+                delayed = self.scaler(key, scaling) if scaling.kind == "delayed" else None
+                scale = element_scale(xf, fmt, scaling, delayed, local_amax=amax)  # type: ignore[arg-type]
             values, codes = _fake_cast(xf, native, fmt, scale, amax, spec.overflow)  # type: ignore[arg-type]
             self._last_codes = (codes, None if scale is None else 1.0 / scale)
             return values

@@ -256,3 +256,18 @@ def cast(
     if isinstance(fmt, IntFormat):
         return cast_int(x, fmt, rounding, generator)
     return cast_float(x, fmt, rounding, overflow, flush_subnormals, generator)
+
+
+def scale_then_cast(
+    x: torch.Tensor,
+    fmt: FloatFormat | IntFormat,
+    scale: torch.Tensor,
+    rounding: str = "nearest",
+    overflow: str = "saturate",
+    flush_subnormals: bool = False,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cast(x · scale) · (1 / scale)``, and ``x · scale`` (what the cast saw, where overflow and rounding
+    are told apart): the arithmetic of every scaled quantization to an element format here."""
+    scaled = x * scale
+    return cast(scaled, fmt, rounding, overflow, flush_subnormals, generator) * (1.0 / scale), scaled

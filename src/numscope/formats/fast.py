@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from numscope.formats.blocks import block_parts_2d
-from numscope.formats.cast import cast
+from numscope.formats.cast import cast, scale_then_cast
 from numscope.formats.scaling import Scaling, reduce_amax_, reduces_across_ranks, scale_from_amax
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
 
@@ -198,7 +198,7 @@ def _element_kernel(
         scale = scale_from_amax(amax, fmt.max, margin, power_of_two, amax_epsilon)
     if scale is None:
         return cast(x, fmt, "nearest", overflow, flush)
-    return cast(x * scale, fmt, "nearest", overflow, flush) * (1.0 / scale)
+    return scale_then_cast(x, fmt, scale, "nearest", overflow, flush)[0]
 
 
 def _block_kernel(

@@ -30,10 +30,11 @@ import torch
 
 from numscope.formats import fast
 from numscope.formats.blocks import axis_last_2d, block_parts, tile_shape, to_tiles, unblock
-from numscope.formats.cast import OVERFLOWS, ROUNDINGS, cast
+from numscope.formats.cast import OVERFLOWS, ROUNDINGS, cast, scale_then_cast
 from numscope.formats.scaling import (
     DelayedScaler,
     Scaling,
+    element_scale,
     exact_pow2,
     log2_floor,
     reduce_amax_,
@@ -69,22 +70,6 @@ def _resolve_scaling(scaling: ScalingArg) -> tuple[Scaling | None, DelayedScaler
     return parsed, None
 
 
-def _element_scale(
-    x: torch.Tensor, fmt: FloatFormat | IntFormat, scaling: Scaling, delayed: DelayedScaler | None
-):
-    """The multiplier for ``x`` (broadcastable to it) for tensor, delayed, row and column scaling."""
-    if delayed is not None:
-        return delayed.scale_for(x, fmt.max)
-    if scaling.kind == "tensor":
-        amax = reduce_amax_(x.abs().amax().reshape(1), scaling.reduce_amax)[0]
-    elif scaling.kind == "row":
-        amax = x.abs().amax(dim=-1, keepdim=True) if x.dim() else x.abs()
-    else:  # column: its amax runs over every row, and data parallelism splits the rows over the ranks
-        dims = tuple(range(x.dim() - 1))
-        amax = reduce_amax_(x.abs().amax(dim=dims, keepdim=True), scaling.reduce_amax) if dims else x.abs()
-    return scaling.scale(amax, fmt.max)
-
-
 def _quantize_element(
     xf: torch.Tensor,
     fmt: FloatFormat | IntFormat,
@@ -99,13 +84,12 @@ def _quantize_element(
         return cast(xf, fmt, rounding, overflow, flush_subnormals, generator)
     if scaling.kind == "block":
         tiles, (rows, cols, _, _) = to_tiles(xf, *tile_shape(xf, fmt, scaling))
-        amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
-        scale = scaling.scale(amax, fmt.max)
-        q = cast(tiles * scale, fmt, rounding, overflow, flush_subnormals, generator) * (1.0 / scale)
+        scale = scaling.scale(tiles.abs().amax(dim=(-3, -1), keepdim=True), fmt.max)
+        q, _ = scale_then_cast(tiles, fmt, scale, rounding, overflow, flush_subnormals, generator)
         q = q.reshape(*tiles.shape[:-4], tiles.shape[-4] * tiles.shape[-3], -1)[..., :rows, :cols]
         return q.reshape(xf.shape)
-    scale = _element_scale(xf, fmt, scaling, delayed)
-    return cast(xf * scale, fmt, rounding, overflow, flush_subnormals, generator) * (1.0 / scale)
+    scale = element_scale(xf, fmt, scaling, delayed)
+    return scale_then_cast(xf, fmt, scale, rounding, overflow, flush_subnormals, generator)[0]
 
 
 def as_float32(x: torch.Tensor, spec: Format) -> torch.Tensor:
@@ -432,6 +416,6 @@ def encode(
     if parsed is None:
         values = cast(xf, spec, rounding, overflow, flush_subnormals, generator)
         return Encoded(spec, _element_codes(values, spec), None, None, tuple(x.shape))
-    scale = _element_scale(xf, spec, parsed, delayed)
+    scale = element_scale(xf, spec, parsed, delayed)
     values = cast(xf * scale, spec, rounding, overflow, flush_subnormals, generator)
     return Encoded(spec, _element_codes(values, spec), scale, None, tuple(x.shape))

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from numscope.formats.spec import BlockFormat, Format
+from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
 
 ScalingKind = Literal["none", "tensor", "delayed", "row", "column", "block"]
 KINDS: tuple[str, ...] = ("none", "tensor", "delayed", "row", "column", "block")
@@ -270,3 +270,39 @@ def default_scaling(fmt: Format | BlockFormat) -> Scaling | None:
     if fmt.name in UNSCALED_FORMATS:
         return None
     return Scaling("tensor")
+
+
+def element_scale(
+    x: torch.Tensor,
+    fmt: FloatFormat | IntFormat,
+    scaling: Scaling,
+    delayed: DelayedScaler | None = None,
+    *,
+    amax: torch.Tensor | float | None = None,
+    local_amax: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The multiplier of ``x`` (broadcastable to it) under per-tensor (current, or ``delayed`` with its amax
+    history), row or column ``scaling``: ``scaling.scale(amax, fmt.max)``. The one place where an element
+    format's scale is decided: :func:`numscope.quantize`, :func:`numscope.formats.encode`,
+    ``numscope.convert``'s quantizer and the metrics' quantization of samples all take it from here.
+
+    amax: for per-tensor scaling of ``x`` a sample of a larger tensor, that tensor's max|·|, already reduced
+    across ranks (the sample is then scaled as it is inside the whole tensor). local_amax: this process's
+    max|x| where the caller has it already (reduced across ranks here, as ``scaling`` says).
+    """
+    if delayed is not None:
+        return delayed.scale_for(x, fmt.max, amax=local_amax)
+    if scaling.kind == "tensor":
+        if amax is not None:
+            amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(())
+        else:
+            local = x.abs().amax() if local_amax is None else local_amax
+            amax = reduce_amax_(local.reshape(1).clone(), scaling.reduce_amax)[0]
+    elif scaling.kind == "row":
+        amax = x.abs().amax(dim=-1, keepdim=True) if x.dim() else x.abs()
+    elif scaling.kind == "column":  # its amax runs over every row: data parallelism splits the rows
+        dims = tuple(range(x.dim() - 1))
+        amax = reduce_amax_(x.abs().amax(dim=dims, keepdim=True), scaling.reduce_amax) if dims else x.abs()
+    else:
+        raise ValueError(f"scaling {scaling.kind!r} has no per-element scale (tensor, delayed, row, column)")
+    return scaling.scale(amax, fmt.max)

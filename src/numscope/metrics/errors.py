@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from numscope.formats.blocks import block_parts_2d
-from numscope.formats.quantize import ScalingArg, encode, quantize
-from numscope.formats.scaling import DelayedScaler, Scaling, reduce_amax_
+from numscope.formats.cast import scale_then_cast
+from numscope.formats.quantize import ScalingArg, quantize
+from numscope.formats.scaling import DelayedScaler, Scaling, element_scale, reduce_amax_
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
 from numscope.formats.spec import format as get_format
 
@@ -184,16 +185,9 @@ def quantize_kept(
     if delayed is None and parsed.kind == "block":  # tile scaling: scales are not exposed
         q = quantize(xf, spec, scaling=scaling, rounding=rounding, generator=generator)
         return Quantized(q, None, None, spec, axis)
-    if delayed is None and parsed.kind in ("row", "column"):
-        encoded = encode(xf, spec, scaling=scaling, rounding=rounding, generator=generator)
-        assert encoded.scales is not None
-        return Quantized(encoded.decode(), xf * encoded.scales, None, spec, axis)
-    if delayed is not None:
-        scale = delayed.scale_for(xf, spec.max)
-    else:
-        scale = parsed.scale(_tensor_amax(xf, amax, parsed.reduce_amax), spec.max)
-    scaled = xf * scale  # as quantize: cast(x · scale) · (1 / scale)
-    q = quantize(scaled, spec, rounding=rounding, generator=generator) * (1.0 / scale)
+    # the sample's amax stands for the whole tensor's under per-tensor scaling only
+    scale = element_scale(xf, spec, parsed, delayed, amax=amax if parsed.kind == "tensor" else None)
+    q, scaled = scale_then_cast(xf, spec, scale, rounding, generator=generator)
     return Quantized(q, scaled, None, spec, axis)
 
 

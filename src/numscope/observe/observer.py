@@ -21,7 +21,7 @@ from numscope.analysis import (
 from numscope.convert import HANDLER_NAME as CONVERT_HANDLER
 from numscope.convert import converted_plan
 from numscope.distributed import is_parameter_operand, merge_analysis, world_size
-from numscope.formats.quantize import quantize
+from numscope.formats.cast import scale_then_cast
 from numscope.formats.scaling import Scaling, default_scaling, reduce_amax_
 from numscope.formats.spec import BlockFormat, Format
 from numscope.formats.spec import format as get_format
@@ -434,8 +434,7 @@ class Observer:
             index = torch.arange(tensor.numel(), device=tensor.device)
         clean = finite_or_zero(shared.sample)
         scale = scaling.scale(_scaling_amax(tensor, index, fmt, scaling), fmt.max)
-        scaled = clean * scale  # as numscope.quantize: cast(x · scale) · (1 / scale)
-        kept = Quantized(quantize(scaled, fmt) * (1.0 / scale), scaled, None, fmt, -1)
+        kept = Quantized(*scale_then_cast(clean, fmt, scale), None, fmt, -1)  # type: ignore[arg-type]
         return metrics_of_quantized(clean, {PLAN_LABEL: kept})[PLAN_LABEL]
 
     # -- backward error ---------------------------------------------------------------------------
