@@ -20,6 +20,8 @@ EXCEPTIONS = {
     ("numscope.study.plan_study", "numscope.demo.main"),
 }
 IMPORT = re.compile(r"^\s*(?:from (numscope[\w.]*) import|import (numscope[\w.]*))", re.M)
+#: the names of ``from numscope import a, b`` or ``from numscope import (a, b)``: each may be a layer
+FROM_ROOT = re.compile(r"^\s*from numscope import (?:\(([^)]*)\)|([^\n(]+))", re.M)
 
 
 def _layer(module: str) -> str:
@@ -36,8 +38,14 @@ def test_no_module_imports_a_higher_layer() -> None:
         me = ".".join(("numscope", *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
         if me == "numscope":
             continue
-        for match in IMPORT.finditer(path.read_text(encoding="utf-8")):
-            target = match.group(1) or match.group(2)
-            if target != "numscope" and ORDER.index(_layer(target)) > ORDER.index(_layer(me)):
+        source = path.read_text(encoding="utf-8")
+        targets = [match.group(1) or match.group(2) for match in IMPORT.finditer(source)]
+        for match in FROM_ROOT.finditer(source):
+            names = (match.group(1) or match.group(2)).split("#")[0]
+            targets += [f"numscope.{name.split(' as ')[0].strip()}" for name in names.split(",")]
+        for target in targets:
+            if target == "numscope" or _layer(target) not in ORDER:  # the package itself, or a name in it
+                continue
+            if ORDER.index(_layer(target)) > ORDER.index(_layer(me)):
                 upward.add((me, target))
     assert upward == EXCEPTIONS

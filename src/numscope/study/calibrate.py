@@ -41,7 +41,7 @@ def calibrate(
     sensitivity_batches: int = 2,
     log: Callable[[str], None] = print,
 ) -> Calibration:
-    """Fit a :class:`GapModel` on any model :func:`numscope.workflow.train` can train.
+    """Fit a :class:`GapModel` on any model :func:`numscope.run.runner.train` can train.
 
     Runs, each for ``config.steps`` steps and on every seed: FP32 (the first seed observed), ``low`` on the
     operands of one GEMM role at a time (fprop, dgrad, wgrad), and ``low`` everywhere: 5 × len(seeds) runs.
@@ -53,7 +53,7 @@ def calibrate(
     """
     from dataclasses import replace as replace_config
 
-    from numscope import workflow
+    from numscope.run import runner
 
     out_dir = Path(out_dir)
     seeds = tuple(seeds)
@@ -64,7 +64,7 @@ def calibrate(
     results: dict[tuple[str, int], float] = {}
     cfg = replace_config(config, seed=seeds[0])
     log(f"[calibrate] fp32, observed (seed {seeds[0]})")
-    results[("fp32", seeds[0])] = workflow.analyze(
+    results[("fp32", seeds[0])] = runner.analyze(
         model,
         data,
         first,
@@ -90,13 +90,13 @@ def calibrate(
         if seed != seeds[0]:
             log(f"[calibrate] fp32 (seed {seed})")
             folder = out_dir / "fp32" / f"seed{seed}"
-            results[("fp32", seed)] = workflow.train(
+            results[("fp32", seed)] = runner.train(
                 model, data, folder, plan="fp32", config=cfg, objective=objective, name="fp32"
             ).val_loss
         for plan in plans:
             log(f"[calibrate] {plan.name} (seed {seed})")
             folder = out_dir / _slug(plan.name) / f"seed{seed}"
-            results[(plan.name, seed)] = workflow.train(
+            results[(plan.name, seed)] = runner.train(
                 model,
                 data,
                 folder,
