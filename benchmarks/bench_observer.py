@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cli import int_at_least, positive_int
 from bench_train_step import SIZES, batch, make_model
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import get_format
 from numscope.observe import DEFAULT_CANDIDATES, Observer, observe
 
 # the benchmark: 8 candidate formats (the observer's 10 defaults less the two MXFP6);

@@ -216,7 +216,9 @@ def brute_force(analysis: Analysis, budget: float) -> float:
         for label in CANDIDATES:
             sqnr = analysis.metric_values(key, label, "sqnr_db")
             if min(sqnr) >= 22:
-                options.append((numscope.format(label).bits_per_element, 10 ** (-sum(sqnr) / len(sqnr) / 10)))
+                options.append(
+                    (numscope.get_format(label).bits_per_element, 10 ** (-sum(sqnr) / len(sqnr) / 10))
+                )
         passing.append(options)
     elements = [analysis.elements[k] for k in keys]
     best = math.inf

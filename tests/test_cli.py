@@ -296,7 +296,7 @@ def test_recommend_prints_its_choices_and_writes_the_plan(ws: Path, flow: dict[s
 
 def test_recommend_passes_its_criteria_to_the_advisor(ws: Path, flow: dict[str, Result]) -> None:
     analysis = Analysis.load(ws / "runs" / "fp32" / "analysis")
-    cheapest = min(analysis.candidates, key=lambda name: numscope.format(name).bits_per_element)
+    cheapest = min(analysis.candidates, key=lambda name: numscope.get_format(name).bits_per_element)
     no_limits = [
         "--max-be-ratio",
         "none",
@@ -432,12 +432,12 @@ def test_train_runs_under_the_plan_and_under_a_preset(ws: Path, flow: dict[str, 
     fp16 = json.loads((ws / "runs" / "fp16-scaled" / "result.json").read_text())
     assert planned["plan"] == str((ws / "plan.yaml").resolve()) and planned["loss_scaling"] == "none"
     plan_bits = [
-        numscope.format(r.format).bits_per_element
+        numscope.get_format(r.format).bits_per_element
         for r in Plan.load(ws / "plan.yaml").describe()
         if r.format != HIGH
     ]
     assert min(plan_bits) <= planned["avg_bits"] < 32
-    assert fp16["avg_bits"] == numscope.format("fp16").bits_per_element
+    assert fp16["avg_bits"] == numscope.get_format("fp16").bits_per_element
     assert fp16["loss_scaling"] == "dynamic" and fp16["final_scale"] > 1
     for name in ("planned", "fp16-scaled"):
         folder = ws / "runs" / name

@@ -204,7 +204,7 @@ def test_delayed_scaling_and_generator_state_round_trip() -> None:
 
 def _grid_and_ties(fmt: str) -> torch.Tensor:
     """Every finite value of ``fmt``, the midpoints between neighbours and their float32 neighbours."""
-    dtype = native_dtype(numscope.format(fmt))
+    dtype = native_dtype(numscope.get_format(fmt))
     bits = 8 if dtype.itemsize == 1 else 16
     codes = torch.arange(-(2 ** (bits - 1)), 2 ** (bits - 1), dtype=torch.int32)
     codes = codes.to(torch.int8 if bits == 8 else torch.int16)
@@ -222,8 +222,8 @@ def test_native_cast_path_equals_quantize(fmt: str, overflow: str) -> None:
     special = x.clone()
     special[:6] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 7e4])
     ties = _grid_and_ties(fmt)
-    big = numscope.format(fmt).max
-    above_max = torch.linspace(big, _rounds_to_max(numscope.format(fmt)), 64)[:-1]  # round down to max
+    big = numscope.get_format(fmt).max
+    above_max = torch.linspace(big, _rounds_to_max(numscope.get_format(fmt)), 64)[:-1]  # round down to max
     for scaling in (None, numscope.Scaling("tensor"), numscope.Scaling("delayed", history_len=2)):
         spec = OperandSpec(fmt, scaling=scaling if scaling is not None else "none", overflow=overflow)
         quantizer = _Quantizer(Plan(SiteSpec.uniform(spec)), None)

@@ -17,6 +17,7 @@ from numscope.advisor import recommend
 from numscope.analysis import Analysis
 from numscope.metrics import operand_metrics
 from numscope.observe import MIN_ROWS, Observer, observe
+from numscope.observe.sampling import draw_rows
 from numscope.plan import Plan
 from numscope.sites import sites
 from numscope.vocab import OPERANDS
@@ -344,8 +345,8 @@ def test_retained_samples_are_bounded_on_a_large_tensor():
     with observe(layer, ("bf16", "fp8_e4m3", "mxfp8_e4m3"), max_elements=limit, be_rows=16) as obs:
         layer(x).square().mean().backward()
         kept = [shared.sample.numel() for shared in obs._shared.values()]
-        rows = obs._rows(x.detach(), -1, None)
-        rows_along_tokens = obs._rows(x.detach(), 0, None)
+        rows = draw_rows(x.detach(), -1, None, limit, 16, obs.generator)
+        rows_along_tokens = draw_rows(x.detach(), 0, None, limit, 16, obs.generator)
     assert kept and max(kept) == limit  # element samples: max_elements each, whatever the tensor's size
     # whole rows along the contraction axis: max_elements // K of them, at least MIN_ROWS
     assert rows.values.shape == (1, max(MIN_ROWS, limit // 1024), 1024)

@@ -80,7 +80,7 @@ def _backward_error(left: torch.Tensor, right: torch.Tensor, fmt: str) -> float:
 def _quantized(tensor: torch.Tensor, fmt: str, axis: int) -> torch.Tensor:
     from numscope.formats.scaling import default_scaling
 
-    scaling = default_scaling(numscope.format(fmt))
+    scaling = default_scaling(numscope.get_format(fmt))
     if scaling is not None and scaling.kind == "block":
         scaling = numscope.Scaling("block", axis=axis)
     return numscope.quantize(tensor, fmt, scaling=scaling)

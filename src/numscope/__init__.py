@@ -1,8 +1,8 @@
 """numscope: measured, not guessed, low-precision numerics for training.
 
-Formats are exact (``format``, ``formats``, ``quantize``); every GEMM of a model is a *site* whose operands
-pass through one interception point that both observes and quantizes; a *plan* (data, YAML) says which
-format and scaling each operand uses; an *observer* measures candidate formats on real tensors and the
+Formats are exact (``get_format``, ``formats``, ``quantize``); every GEMM of a model is a *site* whose
+operands pass through one interception point that both observes and quantizes; a *plan* (data, YAML) says
+which format and scaling each operand uses; an *observer* measures candidate formats on real tensors and the
 *advisor* turns that analysis into a plan.
 
 The public names are resolved lazily so that ``import numscope`` stays cheap and lower layers never pull in
@@ -21,7 +21,8 @@ _EXPORTS: dict[str, str] = {
     "FloatFormat": "numscope.formats.spec",
     "IntFormat": "numscope.formats.spec",
     "BlockFormat": "numscope.formats.spec",
-    "format": "numscope.formats.spec",
+    "get_format": "numscope.formats.spec",
+    "format": "numscope.formats.spec",  # get_format's first name, kept (not in __all__: it shadows a builtin)
     "Scaling": "numscope.formats.scaling",
     "DelayedScaler": "numscope.formats.scaling",
     "quantize": "numscope.formats.quantize",
@@ -76,7 +77,7 @@ _SUBMODULES = (
 #: modules that live inside a package, reachable as ``numscope.<name>`` too
 _NESTED = {"recipes": "numscope.plan.recipes", "export": "numscope.plan.export"}
 
-__all__ = sorted([*_EXPORTS, *_CALLABLE_MODULES, *_SUBMODULES, *_NESTED])
+__all__ = sorted({*_EXPORTS, *_CALLABLE_MODULES, *_SUBMODULES, *_NESTED} - {"format"})
 
 
 # callable modules (see numscope._callable), public subpackages and the nested modules, each imported on use

@@ -77,7 +77,7 @@ from typing import Any
 import numpy as np
 
 from numscope.analysis import Analysis, AnalysisError, OperandKey, Sensitivity, operand_name
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import get_format
 from numscope.plan import DEFAULT_PATTERN, HIGH, OperandSpec, Plan
 from numscope.vocab import OPERANDS, Metric
 

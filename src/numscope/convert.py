@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from numscope._callable import make_callable as _make_callable
 from numscope.formats.cast import native_dtype
 from numscope.formats.fast import fast_enabled
 from numscope.formats.quantize import Encoded, encode, quantize
@@ -493,7 +494,5 @@ def load_numerics_state_dict(model: nn.Module, state: Mapping[str, Any]) -> None
             )
         quantizer.generator.set_state(generator_state)
 
-
-from numscope._callable import make_callable as _make_callable  # noqa: E402
 
 _make_callable(__name__, "convert")

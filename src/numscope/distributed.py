@@ -52,8 +52,7 @@ from torch import nn
 from numscope.analysis import Analysis, OperandKey, OperandRecord, merge
 from numscope.formats.quantize import Encoded, ScalingArg, encode
 from numscope.formats.scaling import DelayedScaler, Scaling
-from numscope.formats.spec import BlockFormat, Format
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import BlockFormat, Format, get_format
 from numscope.sites import Site
 
 __all__ = [

@@ -33,11 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from numscope._callable import make_callable as _make_callable
 from numscope._names import exact_pattern
 from numscope._rng import fork_rng
 from numscope.analysis import ALL, OperandKey, Sensitivity
 from numscope.convert import convert, unconvert
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import get_format
 from numscope.plan import HIGH, OperandSpec, Plan, Rule, SiteSpec
 from numscope.sites import attach, attached, operand_sizes
 from numscope.sites import sites as find_sites
@@ -267,7 +268,5 @@ def _describe(value: Any) -> str:
         return f"a tensor of shape {tuple(value.shape)}"
     return type(value).__name__
 
-
-from numscope._callable import make_callable as _make_callable  # noqa: E402
 
 _make_callable(__name__, "sensitivity")

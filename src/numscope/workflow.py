@@ -44,7 +44,7 @@ from typing import Any
 
 from numscope._rng import fork_rng
 from numscope.analysis import Analysis
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import get_format
 from numscope.plan import Plan
 from numscope.run.compare import LOSS_LABELS, comparability, compare, comparison, load_run, load_runs
 from numscope.run.config import TrainConfig

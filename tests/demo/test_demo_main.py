@@ -113,7 +113,7 @@ def _assert_final_models(folder: Path, summary: dict, names: list[str]) -> None:
 
 def test_the_baselines_include_the_issues_uniform_formats_with_per_tensor_int8() -> None:
     from numscope.formats.scaling import default_scaling
-    from numscope.formats.spec import format as get_format
+    from numscope.formats.spec import get_format
 
     specs = {spec.name: spec for spec in demo_main.BASELINES}
     assert [spec.name for spec in demo_main.BASELINES] == RUN_NAMES[2:-2]

@@ -68,7 +68,7 @@ def nvfp4_reference(x: np.ndarray, divide: bool = False) -> np.ndarray:
     big = np.finfo(np.float32).max
     amax = f32(np.abs(x).max()) if x.size else f32(0)
     encode = f32(min(f32(f32(448 * 6) / amax), big)) if np.isfinite(amax) and amax > 0 else f32(1)
-    e2m1 = numscope.format("fp4_e2m1")
+    e2m1 = numscope.get_format("fp4_e2m1")
     out = np.empty_like(x)
     for index in np.ndindex(*x.shape[:-1]):
         row = x[index]
@@ -108,7 +108,7 @@ def mx_reference(x: np.ndarray, fmt, axis: int = -1) -> np.ndarray:
 
 
 def reference(x: np.ndarray, name: str, axis: int = -1) -> np.ndarray:
-    fmt = numscope.format(name)
+    fmt = numscope.get_format(name)
     if fmt.tensor_scale:
         moved = np.ascontiguousarray(np.moveaxis(x, axis, -1))
         return np.moveaxis(nvfp4_reference(moved, fmt.scale_math == "divide"), -1, axis)
@@ -180,7 +180,7 @@ def test_zero_blocks_give_zero_and_bad_blocks_give_nan(name: str) -> None:
     x[2, 5] = np.nan
     x[3, 40] = -np.inf
     y = ours(x, name)
-    block = numscope.format(name).block_size
+    block = numscope.get_format(name).block_size
     assert (y[0] == 0).all() and not np.isnan(y[0]).any()
     assert (y[1, :32] == 0).all()
     assert np.isnan(y[2, :block]).all() and not np.isnan(y[2, block:]).any()
@@ -200,7 +200,7 @@ def test_block_encode_decodes_to_quantize(name: str) -> None:
     encoded = numscope.encode(x, name)
     decoded = encoded.decode()
     assert torch.equal(decoded, numscope.quantize(x, name))
-    fmt = numscope.format(name)
+    fmt = numscope.get_format(name)
     blocks = math.ceil(70 / fmt.block_size) * 4
     assert encoded.scales.shape == (4, blocks // 4, 1) and encoded.scales.dtype == torch.uint8
     assert encoded.bits == 4 * 70 * fmt.element.bits + blocks * fmt.scale_format.bits + 32 * fmt.tensor_scale

@@ -31,7 +31,7 @@ def data(name: str, rows: int = 24, seed: int = 0) -> torch.Tensor:
     """Rows of blocks whose elements spread over 2^-24..1 of their block's amax (subnormal elements in
     every format), plus elements at and around the element format's smallest normal after the scale, a
     zero block, and a last axis that does not divide the block."""
-    fmt = numscope.format(name)
+    fmt = numscope.get_format(name)
     block = fmt.block_size
     rng = np.random.default_rng(seed)
     length = 3 * block + 5
@@ -49,7 +49,7 @@ def data(name: str, rows: int = 24, seed: int = 0) -> torch.Tensor:
 
 def block_scales(x: torch.Tensor, name: str) -> torch.Tensor:
     """Each block's decode scale, repeated over the block's elements (shape of ``x``), by hand."""
-    fmt = numscope.format(name)
+    fmt = numscope.get_format(name)
     block = fmt.block_size
     pad = (-x.shape[-1]) % block
     blocks = torch.nn.functional.pad(x, (0, pad)).reshape(x.shape[0], -1, block)
@@ -66,7 +66,7 @@ def block_scales(x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def flushed_reference(x: torch.Tensor, name: str) -> torch.Tensor:
-    fmt = numscope.format(name)
+    fmt = numscope.get_format(name)
     plain = numscope.quantize(x, name)
     scale = block_scales(x, name)
     usable = scale > 0
@@ -138,4 +138,4 @@ def test_the_fast_path_flushes_block_elements() -> None:
         set_fast(True)
         assert_bits_equal(numscope.quantize(x, name, flush_subnormals=True), expected)
         set_fast(False)
-        assert ("block", {"fmt": numscope.format(name), "flush": True}) in fast.compiled_configurations()
+        assert ("block", {"fmt": numscope.get_format(name), "flush": True}) in fast.compiled_configurations()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import numscope
-from numscope import DelayedScaler, Scaling
+from numscope import DelayedScaler, Scaling, get_format
 from numscope.formats import set_fast
 
 X = torch.ones(4, 8)
@@ -18,24 +18,36 @@ X = torch.ones(4, 8)
     ("call", "error", "message"),
     [
         (
-            lambda: numscope.format("fp8_e4m4"),
+            lambda: get_format("fp8_e4m4"),
             ValueError,
             "unknown format 'fp8_e4m4'; did you mean 'fp8_e4m3'",
         ),
-        (lambda: numscope.format("mxfp9"), ValueError, "known: bf16, e8m0, fp16"),
-        (lambda: numscope.format("e9m2"), ValueError, "generic format 'e9m2': exponent bits must be 2..8"),
-        (lambda: numscope.format(8), TypeError, "a format is named by a string, got int: 8"),
-        (lambda: numscope.format("fp8_e4m3@rceil"), ValueError, "apply only to the block formats"),
+        (lambda: get_format("mxfp9"), ValueError, "known: bf16, e8m0, fp16"),
         (
-            lambda: numscope.format("nvfp4@rceil"),
+            lambda: get_format("e9m2"),
+            ValueError,
+            "generic format 'e9m2': exponent bits must be 2..8",
+        ),
+        (lambda: get_format(8), TypeError, "a format is named by a string, got int: 8"),
+        (lambda: get_format("fp8_e4m3@rceil"), ValueError, "apply only to the block formats"),
+        (
+            lambda: get_format("nvfp4@rceil"),
             ValueError,
             "format 'nvfp4': unknown option 'rceil'; the NVFP4 formats take: 2d, row, 4over6, divide",
         ),
-        (lambda: numscope.format("nvfp4@2d@row"), ValueError, "'2d' blocks and a per-row scale ('row')"),
-        (lambda: numscope.format("mxfp8@rceil@even"), ValueError, "one scale rule at most, got even, rceil"),
-        (lambda: numscope.format("mxfp4@full"), ValueError, "option 'full' applies only to integer elements"),
+        (lambda: get_format("nvfp4@2d@row"), ValueError, "'2d' blocks and a per-row scale ('row')"),
         (
-            lambda: numscope.format("mxfp8@up"),
+            lambda: get_format("mxfp8@rceil@even"),
+            ValueError,
+            "one scale rule at most, got even, rceil",
+        ),
+        (
+            lambda: get_format("mxfp4@full"),
+            ValueError,
+            "option 'full' applies only to integer elements",
+        ),
+        (
+            lambda: get_format("mxfp8@up"),
             ValueError,
             "format 'mxfp8_e4m3': unknown option 'up'; the MX formats take: rceil, ceil, even, full",
         ),
@@ -156,7 +168,7 @@ X = torch.ones(4, 8)
             "format 'bad': exponent_bits must be in 1..8, got 9",
         ),
         (
-            lambda: numscope.format("mxfp8").with_scale_rule("round"),
+            lambda: get_format("mxfp8").with_scale_rule("round"),
             ValueError,
             "scale_rule must be one of 'floor', 'rceil', 'ceil', 'even', got 'round'",
         ),
@@ -170,7 +182,18 @@ def test_error_message(call, error: type[Exception], message: str) -> None:
 @pytest.mark.parametrize("name", ["fp9", "float8_e4m3", "bfloat8", "halff"])
 def test_an_unknown_format_suggests_each_near_format_once_by_its_own_name(name: str) -> None:
     with pytest.raises(ValueError, match="did you mean") as error:
-        numscope.format(name)
+        get_format(name)
     suggested = re.findall(r"'([^']+)'", str(error.value).split("did you mean", 1)[1].split("?", 1)[0])
     assert suggested and len(suggested) == len(set(suggested))  # 'fp9' offered 'fp32' twice (an alias)
-    assert all(numscope.format(s).name == s for s in suggested)
+    assert all(get_format(s).name == s for s in suggested)
+
+
+def test_get_format_is_the_name_and_format_stays_an_alias_kept_out_of_star_imports() -> None:
+    assert numscope.get_format("fp8_e4m3").max == 448.0
+    assert numscope.format is numscope.get_format  # the first public name still works
+    assert "get_format" in numscope.__all__ and "format" not in numscope.__all__
+    namespace: dict = {}
+    exec("from numscope import *", namespace)
+    assert "format" not in namespace and namespace["get_format"] is numscope.get_format
+    exec("from numscope.formats import *", namespace)
+    assert "format" not in namespace

@@ -52,7 +52,7 @@ def assert_bits_equal(x: np.ndarray, actual: np.ndarray, expected: np.ndarray) -
 
 def all_codes(name: str) -> np.ndarray:
     """Every value of the format, decoded by the reference (NaN and inf included)."""
-    bits = numscope.format(name).bits
+    bits = numscope.get_format(name).bits
     dtype = REFERENCE[name]
     if bits == 16:
         return np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(dtype).astype(np.float32)
@@ -63,7 +63,7 @@ def ties_and_neighbours(name: str) -> np.ndarray:
     """Midpoints of adjacent finite values (and the overflow threshold), with their float32 neighbours."""
     codes = all_codes(name)
     values = np.unique(codes[np.isfinite(codes)].astype(np.float64))
-    fmt = numscope.format(name)
+    fmt = numscope.get_format(name)
     top = np.array([fmt.overflow_threshold, -fmt.overflow_threshold])
     mids = np.concatenate([(values[1:] + values[:-1]) / 2, top]).astype(np.float32)
     assert np.all(mids.astype(np.float64)[:-2] == (values[1:] + values[:-1]) / 2), "midpoints must be exact"
@@ -164,7 +164,7 @@ def test_tf32_ties_go_to_even() -> None:
     ],
 )
 def test_saturate_sends_every_finite_overflow_to_max(name: str, random_patterns: np.ndarray) -> None:
-    fmt = numscope.format(name)
+    fmt = numscope.get_format(name)
     x = random_patterns[np.isfinite(random_patterns)]
     y = ours(x, name, overflow="saturate")
     beyond = np.abs(x) > fmt.max
@@ -232,7 +232,7 @@ def test_fnuz_formats_have_no_negative_zero() -> None:
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_integers_match_rint_and_clip(name: str, random_patterns: np.ndarray) -> None:
-    fmt = numscope.format(name)
+    fmt = numscope.get_format(name)
     rng = np.random.default_rng(5)
     x = np.concatenate(
         [
@@ -249,7 +249,7 @@ def test_integers_match_rint_and_clip(name: str, random_patterns: np.ndarray) ->
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp4_e2m1", "bf16", "e3m4"])
 def test_flush_subnormals_zeroes_exactly_the_subnormals(name: str) -> None:
-    fmt = numscope.format(name)
+    fmt = numscope.get_format(name)
     codes = all_codes(name)
     codes = codes[np.isfinite(codes)]
     y = ours(codes, name, flush_subnormals=True)

@@ -71,7 +71,7 @@ def spread(shape: tuple[int, ...], seed: int) -> np.ndarray:
 
 def specials(name: str, length: int) -> np.ndarray:
     """Rows of edge values: exact ties at scale 1, zeros, float32 subnormals, inf and NaN blocks."""
-    fmt = numscope.format(name)
+    fmt = numscope.get_format(name)
     element = getattr(fmt, "element", fmt)
     top = float(fmt.max) if not isinstance(fmt, numscope.BlockFormat) else element.max * 2.0**4
     rng = np.random.default_rng(length)

@@ -96,7 +96,7 @@ def assert_bits_equal(x: np.ndarray, actual: np.ndarray, expected: np.ndarray) -
 
 @pytest.mark.parametrize("name", GENERIC)
 def test_the_reference_grid_is_the_format(name: str) -> None:
-    fmt = numscope.format(name)
+    fmt = numscope.get_format(name)
     values = grid(name)
     assert values[-1] == fmt.max and values[1] == fmt.min_subnormal
     assert fmt.min_normal in values and fmt.overflow_threshold == (values[-1] + 2.0 ** (fmt.emax + 1)) / 2
@@ -114,7 +114,7 @@ def test_generic_formats_match_the_brute_force_reference(name: str, overflow: st
 def test_huge_values_overflow_instead_of_vanishing(name: str) -> None:
     """|x| >= 2^127 used to round to 0 in formats without mantissa bits (a spacing of 2^127 has no normal
     float32 inverse); it overflows like any other value beyond max."""
-    fmt = numscope.format(name)
+    fmt = numscope.get_format(name)
     x = torch.tensor([3e38, -3e38, 2.0**127, float(np.finfo(np.float32).max)])
     assert numscope.quantize(x, name).tolist() == [fmt.max, -fmt.max, fmt.max, fmt.max]
     assert numscope.quantize(x, name, overflow="propagate").tolist() == [np.inf, -np.inf, np.inf, np.inf]

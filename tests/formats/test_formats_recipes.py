@@ -104,7 +104,7 @@ def test_every_mx_rule_on_amaxes_near_float32s_bottom(rule: str, base: str) -> N
     rows[2, :2] = [1.1754942e-38, 3e-39]  # just below float32's smallest normal
     rows[3, :2] = [3e38, -1e38]
     got = numscope.quantize(torch.from_numpy(rows), name).numpy()
-    expected = mx_reference(rows, numscope.format(name))
+    expected = mx_reference(rows, numscope.get_format(name))
     assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
 
 
@@ -239,7 +239,7 @@ def test_four_over_six_chooses_four_where_it_is_closer() -> None:
     x[0, :4] = torch.tensor([4.0, 3.1, 3.0, 1.0])  # scaled to 6: 3.1 -> 4.65 -> 4 (0.52 off); to 4: exact 3
     six, chosen = numscope.quantize(x, "nvfp4"), numscope.quantize(x, "nvfp4@4over6")
     assert ((chosen - x) ** 2).sum() < ((six - x) ** 2).sum()
-    assert numscope.format("nvfp4@2d").bits_per_element == 4 + 8 / 256
+    assert numscope.get_format("nvfp4@2d").bits_per_element == 4 + 8 / 256
 
 
 def test_2d_weights_quantize_alike_along_either_axis() -> None:
@@ -264,7 +264,7 @@ def away_reference(x: np.ndarray, dtype) -> np.ndarray:
 
 @pytest.mark.parametrize("name,dtype", [("fp8_e4m3", E4M3), ("fp4_e2m1", ml_dtypes.float4_e2m1fn)])
 def test_round_half_away_from_zero(name: str, dtype) -> None:
-    fmt = numscope.format(name)
+    fmt = numscope.get_format(name)
     codes = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
     grid = np.unique(codes[np.isfinite(codes) & (np.abs(codes) <= fmt.max)])
     ties = ((grid[1:] + grid[:-1]) / 2).astype(np.float32)
@@ -366,7 +366,7 @@ def test_a_plan_transform_reaches_the_wgrad_operands() -> None:
 def fp22_reference(a: np.ndarray, b: np.ndarray, promote: int | None) -> np.ndarray:
     """Products summed exactly in chunks of 32, each partial and every addition rounded to E8M13; with
     ``promote``, each run of that many products then added in fp32."""
-    fp22 = numscope.format("e8m13")
+    fp22 = numscope.get_format("e8m13")
 
     def rounded(value: float) -> float:
         return numscope.quantize(torch.tensor([value], dtype=torch.float32), fp22).item()

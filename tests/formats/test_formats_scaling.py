@@ -140,7 +140,7 @@ def test_encode_decodes_to_quantize(name: str, scaling) -> None:
     expected = numscope.quantize(x, name, scaling=scaling)
     decoded = encoded.decode()
     assert torch.equal(torch.nan_to_num(decoded, nan=7.0), torch.nan_to_num(expected, nan=7.0))
-    assert encoded.bits >= x.numel() * numscope.format(name).bits
+    assert encoded.bits >= x.numel() * numscope.get_format(name).bits
 
 
 def test_encode_with_delayed_scaling_decodes_to_quantize() -> None:
@@ -197,7 +197,7 @@ def test_an_empty_tensor_quantizes_to_itself_under_every_scaling(name: str, shap
     before = fast_enabled()
     set_fast(fast)
     try:
-        block = isinstance(numscope.format(name), numscope.BlockFormat)
+        block = isinstance(numscope.get_format(name), numscope.BlockFormat)
         for scaling in [None, Scaling("block", axis=0)] if block else EMPTY_SCALINGS:
             for dtype in (torch.float32, torch.float16):
                 x = torch.empty(shape, dtype=dtype)

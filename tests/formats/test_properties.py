@@ -153,7 +153,7 @@ def test_one_tensor_scale_keeps_the_order(name: str, x: torch.Tensor) -> None:
 @SETTINGS
 @given(x=_scaled_tensors((1, 32)))
 def test_one_block_scale_keeps_the_order(name: str, x: torch.Tensor) -> None:
-    size = numscope.format(name).block_size
+    size = numscope.get_format(name).block_size
     assert _ascending(numscope.quantize(x[:, :size].sort().values, name))  # one block (NVFP4: 16 elements)
 
 

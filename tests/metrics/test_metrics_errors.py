@@ -91,7 +91,7 @@ def test_block_metrics_reject_element_formats():
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "nvfp4", "bf16"])
 def test_operand_metrics_agree_with_the_single_metrics(fmt):
     x = torch.tensor(np.random.default_rng(0).standard_t(3, (64, 96)), dtype=torch.float32)
-    spec = numscope.format(fmt)
+    spec = numscope.get_format(fmt)
     q = numscope.quantize(x, fmt, scaling=None if spec.kind == "block" else "tensor")
     metrics = operand_metrics(x, fmt)
     assert metrics["sqnr_db"] == pytest.approx(sqnr_db(x, q), rel=1e-6)
@@ -292,7 +292,7 @@ def test_candidate_metrics_equal_one_operand_metrics_call_per_candidate():
 @pytest.mark.parametrize(("fmt", "scaling"), CASES[:8] + CASES[9:12])
 def test_operand_metrics_measure_what_quantize_returns(fmt, scaling):
     x = torch.tensor(np.random.default_rng(8).standard_t(4, (32, 64)), dtype=torch.float32) * 1e3
-    spec = numscope.format(fmt)
+    spec = numscope.get_format(fmt)
     q = numscope.quantize(x, fmt, scaling=None if spec.kind == "block" else scaling)
     metrics = operand_metrics(x, fmt, scaling)
     assert metrics["sqnr_db"] == pytest.approx(sqnr_db(x, q), rel=1e-6)

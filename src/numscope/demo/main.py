@@ -535,7 +535,7 @@ def _operand_sizes(analysis: Any) -> dict[str, dict[tuple[str, str], int]]:
 
 def _fp16_flush_binade() -> int:
     """log2 of half fp16's smallest subnormal: nearest rounding sends smaller magnitudes (and ties) to 0."""
-    from numscope.formats.spec import format as get_format
+    from numscope.formats.spec import get_format
 
     return round(math.log2(get_format("fp16").min_subnormal / 2))
 

@@ -4,7 +4,8 @@ from numscope._callable import make_callable as _make_callable
 from numscope.formats.fast import fast_enabled, set_fast
 from numscope.formats.quantize import Encoded, encode, quantize
 from numscope.formats.scaling import DelayedScaler, Scaling
-from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat, format, formats
+from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat, formats, get_format
+from numscope.formats.spec import format as format  # get_format's first name, kept (not in __all__)
 
 __all__ = [
     "BlockFormat",
@@ -16,8 +17,8 @@ __all__ = [
     "Scaling",
     "encode",
     "fast_enabled",
-    "format",
     "formats",
+    "get_format",
     "quantize",
     "set_fast",
 ]

@@ -39,8 +39,7 @@ from numscope.formats.scaling import (
     log2_floor,
     reduce_amax_,
 )
-from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat, get_format
 
 ScalingArg = str | Scaling | DelayedScaler | dict | None
 

@@ -10,7 +10,7 @@ Three kinds:
 * :class:`BlockFormat` — an element format sharing one scale per block of consecutive elements (OCP MX,
   NVFP4).
 
-Look formats up with :func:`format` and list them with :func:`formats`.
+Look formats up with :func:`get_format` and list them with :func:`formats`.
 """
 
 from __future__ import annotations
@@ -429,7 +429,7 @@ _ALIASES = {
 _GENERIC = re.compile(r"^e(\d)m(\d{1,2})$")
 
 
-def format(name: str | Format) -> Format:
+def get_format(name: str | Format) -> Format:
     """Return the format called ``name`` (a format object is returned unchanged).
 
     Besides the registered names (see :func:`formats`), ``eXmY`` names an IEEE-like float with X exponent
@@ -479,3 +479,9 @@ def format(name: str | Format) -> Format:
 def formats() -> list[Format]:
     """Every registered format, element formats first."""
     return list(_REGISTRY.values())
+
+
+format = get_format
+"""``numscope.format``: the name :func:`get_format` had first, kept for code that uses it (it shadows the
+builtin ``format`` where imported, so numscope itself says ``get_format``; ``from numscope import *`` leaves
+it out)."""

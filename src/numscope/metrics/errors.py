@@ -24,8 +24,7 @@ from numscope.formats.blocks import block_parts_2d
 from numscope.formats.cast import scale_then_cast
 from numscope.formats.quantize import ScalingArg, quantize
 from numscope.formats.scaling import DelayedScaler, Scaling, element_scale, reduce_amax_
-from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat, get_format
 
 AUTO = "auto"
 """The default scaling: per-tensor current scaling for element formats, own blocks for block formats."""

@@ -104,6 +104,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from numscope._callable import make_callable as _make_callable
 from numscope.observe.config import BATCH_ENTRIES, DEFAULT_CANDIDATES, HANDLER_NAME, MIN_ROWS, ObserveConfig
 from numscope.observe.observer import Observer
 from numscope.plan import Plan
@@ -157,7 +158,5 @@ __all__ = [
     "Observer",
     "observe",
 ]
-
-from numscope._callable import make_callable as _make_callable  # noqa: E402
 
 _make_callable(__name__, "observe")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from numscope.formats.scaling import Scaling
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import get_format
 
 DEFAULT_CANDIDATES: tuple[str, ...] = (
     "bf16",

@@ -15,7 +15,6 @@ from numscope.analysis import (
     OperandKey,
     OperandRecord,
     default_reduce,
-    merge_be_stats,
     merge_records,
 )
 from numscope.convert import HANDLER_NAME as CONVERT_HANDLER
@@ -23,30 +22,23 @@ from numscope.convert import converted_plan
 from numscope.distributed import is_parameter_operand, merge_analysis, world_size
 from numscope.formats.cast import scale_then_cast
 from numscope.formats.scaling import Scaling, default_scaling, reduce_amax_
-from numscope.formats.spec import BlockFormat, Format
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import BlockFormat, Format, get_format
 from numscope.metrics import candidate_metrics, log2_histogram, quantize_sample, tensor_stats
 from numscope.metrics.errors import (
-    BE_STATS,
     Quantized,
-    backward_error_stats,
     finite_or_zero,
     metrics_of_quantized,
     quantize_kept,
 )
+from numscope.observe.backward_error import BackwardErrors
 from numscope.observe.config import (
-    BATCH_ENTRIES,
-    BE_RECORDED,
     BLOCKS_LAST,
     HANDLER_NAME,
-    HIGH_LABEL,
-    MIN_ROWS,
     ObserveConfig,
 )
-from numscope.observe.sampling import _ConvHalf, _Half, _identity, _Rows, _scaling_amax, _Shared, _weak
+from numscope.observe.sampling import _Half, _identity, _scaling_amax, _Shared, _weak, draw
 from numscope.plan import OperandSpec, Plan
-from numscope.sites import ConvCall, Site, attach, attached, current_conv, forward_has_grad, refresh
-from numscope.vocab import OPERANDS
+from numscope.sites import Site, attach, attached, current_conv, forward_has_grad, refresh
 
 
 class _Handler:
@@ -104,15 +96,13 @@ class Observer:
         self._shared: dict[tuple, _Shared] = {}  # this step's axis-independent measurements, by tensor
         self._step = 0
         self._handle: Any = None
-        self._pending: dict[tuple[str, str], dict[str, _Half]] = {}
-        self._pending_conv: dict[tuple[str, str], dict[str, _ConvHalf]] = {}
         self._records: dict[OperandKey, dict[int, OperandRecord]] = {}
         self._histograms: dict[OperandKey, Any] = {}
         self._step_histograms: dict[OperandKey, Any] = {}  # the current step's, added at step()
         self._replicated: set[OperandKey] = set()  # the same on every rank: counted once when merged
         self._elements: dict[OperandKey, int] = {}
         self._plan_formats: dict[OperandKey, str] = {}
-        self._be: dict[tuple[str, str], dict[tuple[str, str], dict[int, dict[str, float]]]] = {}
+        self._errors = BackwardErrors(self._formats, self._row_candidates, config.pairs, self.generator)
         self._ranks = 1  # how many ranks the sampled steps were merged over
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -132,8 +122,7 @@ class Observer:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        self._pending.clear()
-        self._pending_conv.clear()
+        self._errors.clear_waiting()
         self._shared.clear()
 
     def __enter__(self) -> Observer:
@@ -162,8 +151,7 @@ class Observer:
             previous = self._histograms.get(key)
             self._histograms[key] = histogram if previous is None else previous + histogram
         self._step_histograms.clear()
-        self._pending.clear()
-        self._pending_conv.clear()
+        self._errors.clear_waiting()
         self._shared.clear()
         was_sampling = self.sampling
         self._step += 1
@@ -179,7 +167,7 @@ class Observer:
             histograms=dict(self._step_histograms),
             backward_errors={
                 g: {p: {step: s[step]} for p, s in pairs.items() if step in s}
-                for g, pairs in self._be.items()
+                for g, pairs in self._errors.records.items()
             },
             elements={k: v[step].elements for k, v in self._records.items() if step in v},
             plan_formats=dict(self._plan_formats),
@@ -193,7 +181,8 @@ class Observer:
         for gemm_key, pairs in merged.backward_errors.items():
             for pair, per_step_be in pairs.items():
                 if step in per_step_be:
-                    self._be.setdefault(gemm_key, {}).setdefault(pair, {})[step] = per_step_be[step]
+                    records = self._errors.records.setdefault(gemm_key, {})
+                    records.setdefault(pair, {})[step] = per_step_be[step]
         self._ranks = world_size()
 
     def analysis(self) -> Analysis:
@@ -206,7 +195,9 @@ class Observer:
             candidates=self.config.candidates + ((PLAN_LABEL,) if self._plan_formats else ()),
             operands={k: dict(v) for k, v in self._records.items()},
             histograms=histograms,
-            backward_errors={g: {p: dict(s) for p, s in pairs.items()} for g, pairs in self._be.items()},
+            backward_errors={
+                g: {p: dict(s) for p, s in pairs.items()} for g, pairs in self._errors.records.items()
+            },
             elements=dict(self._elements),
             plan_formats=dict(self._plan_formats),
             meta={
@@ -223,7 +214,7 @@ class Observer:
         """What a checkpoint needs to resume observing as if never interrupted: everything recorded so far
         (the analysis as JSON text, exact for every float), the step counter and the sampling generator.
         Take it between steps (after :meth:`step`)."""
-        if self._step_histograms or self._pending or self._pending_conv:
+        if self._step_histograms or self._errors.waiting():
             raise ValueError("Observer.state_dict() is taken between steps: call step() first")
         return {
             "analysis": json.dumps(self.analysis().to_dict(), allow_nan=True),
@@ -244,7 +235,7 @@ class Observer:
             )
         self._records = {key: dict(per_step) for key, per_step in analysis.operands.items()}
         self._histograms = dict(analysis.histograms)
-        self._be = {
+        self._errors.records = {
             gemm: {pair: dict(steps) for pair, steps in pairs.items()}
             for gemm, pairs in analysis.backward_errors.items()
         }
@@ -254,8 +245,7 @@ class Observer:
         self._step, self._ranks = int(state["step"]), int(state["ranks"])
         self.generator.set_state(state["generator"])
         self._step_histograms.clear()
-        self._pending.clear()
-        self._pending_conv.clear()
+        self._errors.clear_waiting()
         self._shared.clear()
         refresh(self.model)
 
@@ -290,9 +280,9 @@ class Observer:
             shared = self._shared_measurement(original, tensor, identity, local_amax, amax)
         metrics = {label: dict(values) for label, values in shared.metrics.items()}
         gemm_key = (site.name, gemm)
-        waiting = self._pending.setdefault(gemm_key, {})
-        partner = waiting.get(next(o for o in OPERANDS[gemm] if o != operand))
-        rows = self._rows(tensor, axis, partner)
+        rows = self._errors.rows(
+            tensor, axis, gemm_key, operand, self.config.max_elements, self.config.be_rows
+        )
         flat = rows.values.reshape(-1, rows.values.shape[-1])
         clean = finite_or_zero(flat)
         finite = bool(torch.isfinite(flat).all())
@@ -327,7 +317,7 @@ class Observer:
         if site.kind == "conv":  # its products are convolutions: measured through the convolution itself
             call = current_conv()
             if call is not None:
-                self._conv_half(gemm_key, operand, tensor, axis, amax, call, step)
+                self._errors.add_conv(gemm_key, operand, tensor, axis, amax, call, step)
             return
         # the backward error's rows, quantized as inside the whole tensor; the block formats' quantization
         # above is reused where the rows were finite (else the operand enters as it is: a non-finite
@@ -341,7 +331,7 @@ class Observer:
                 quantized[label] = quantize_sample(
                     values.reshape(-1, values.shape[-1]), fmt, scaling, amax=amax
                 ).reshape(values.shape)
-        self._pair(gemm_key, operand, _Half(values, quantized, rows.batch, rows.batch_shape), step)
+        self._errors.add(gemm_key, operand, _Half(values, quantized, rows.batch, rows.batch_shape), step)
 
     def _shared_measurement(
         self,
@@ -381,16 +371,13 @@ class Observer:
         return None
 
     # -- element and block samples -----------------------------------------------------------------
-    def _draw(self, high: int, count: int) -> torch.Tensor:
-        return torch.randint(high, (count,), generator=self.generator, device=self.generator.device)
-
     def _element_sample(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole tensor (flattened, float32) or ``max_elements`` uniformly drawn elements, and the
         drawn elements' indices into the flattened tensor (None for the whole tensor)."""
         limit = self.config.max_elements
         if tensor.numel() <= limit:
             return tensor.reshape(-1).float(), None
-        index = self._draw(tensor.numel(), limit).to(tensor.device)
+        index = draw(self.generator, tensor.numel(), limit).to(tensor.device)
         if tensor.is_contiguous():
             return tensor.reshape(-1)[index].float(), index
         return tensor[torch.unravel_index(index, tensor.shape)].float(), index
@@ -436,169 +423,3 @@ class Observer:
         scale = scaling.scale(_scaling_amax(tensor, index, fmt, scaling), fmt.max)
         kept = Quantized(*scale_then_cast(clean, fmt, scale), None, fmt, -1)  # type: ignore[arg-type]
         return metrics_of_quantized(clean, {PLAN_LABEL: kept})[PLAN_LABEL]
-
-    # -- backward error ---------------------------------------------------------------------------
-    def _pair(self, gemm_key: tuple[str, str], operand: str, half: _Half, step: int) -> None:
-        waiting = self._pending.setdefault(gemm_key, {})
-        partner_name = next(o for o in OPERANDS[gemm_key[1]] if o != operand)
-        partner = waiting.get(partner_name)
-        if partner is None or partner.rows.shape[-1] != half.rows.shape[-1]:
-            waiting.clear()
-            waiting[operand] = half
-            return
-        del waiting[partner_name]
-        left, right = (half, partner) if OPERANDS[gemm_key[1]][0] == operand else (partner, half)
-        self._record_be(gemm_key, step, left, right)
-
-    def _conv_half(
-        self,
-        gemm_key: tuple[str, str],
-        operand: str,
-        tensor: torch.Tensor,
-        axis: int,
-        amax: torch.Tensor,
-        call: ConvCall,
-        step: int,
-    ) -> None:
-        """One operand of a convolution's GEMM with its quantizations (each as inside the whole tensor, along
-        the contraction axis), up to ``BATCH_ENTRIES`` batch entries of it (shared with the partner in wgrad);
-        with its partner waiting, the backward error of the convolution's own products (:meth:`_conv_be`)."""
-        waiting = self._pending_conv.setdefault(gemm_key, {})
-        partner = waiting.get(next(o for o in OPERANDS[gemm_key[1]] if o != operand))
-        batch = None
-        if operand != "weight":  # input and grad_output carry the batch
-            if partner is not None and partner.batch is not None:
-                batch = partner.batch
-            else:
-                count = min(BATCH_ENTRIES, tensor.shape[0])
-                order = torch.randperm(
-                    tensor.shape[0], generator=self.generator, device=self.generator.device
-                )
-                batch = order[:count].to(tensor.device)
-        values = tensor.float()
-        # blocks along channels (axis != 0): the drawn entries quantize alone; along the batch (wgrad's axis
-        # 0): each candidate quantizes the whole tensor, and only the drawn entries are kept
-        if batch is not None and axis != 0:
-            values = values[batch]
-        moved = values.movedim(axis, -1)
-        keep = batch if batch is not None and axis == 0 else None
-        quantized = {}
-        for label, (fmt, scaling) in self._row_candidates.items():
-            rows = quantize_sample(moved.reshape(-1, moved.shape[-1]), fmt, scaling, amax=amax)
-            whole = rows.reshape(moved.shape).movedim(-1, axis)
-            quantized[label] = whole if keep is None else whole[keep]
-        half = _ConvHalf(values if keep is None else values[keep], quantized, batch)
-        if partner is None:
-            waiting.clear()
-            waiting[operand] = half
-            return
-        waiting.clear()
-        left, right = (half, partner) if OPERANDS[gemm_key[1]][0] == operand else (partner, half)
-        self._conv_be(gemm_key, step, left, right, call)
-
-    def _conv_be(
-        self, gemm_key: tuple[str, str], step: int, left: _ConvHalf, right: _ConvHalf, call: ConvCall
-    ) -> None:
-        """Every candidate pair's backward error on every output entry of the drawn batch entries: a
-        convolution is linear in each operand, so |L·R − Q(L)·Q(R)| / (|L|·|R|) per output entry is the
-        convolution's own product of (L, R), (Q(L), Q(R)) and (|L|, |R|), in float64."""
-        product = {"fprop": call.forward, "dgrad": call.grad_input, "wgrad": call.grad_weight}[gemm_key[1]]
-        labels = list(self._formats)
-        exact_left, exact_right = left.values.double(), right.values.double()
-        exact = product(exact_left, exact_right)
-        magnitude = product(exact_left.abs(), exact_right.abs())
-        pairs = [(c, HIGH_LABEL) for c in labels] + [(HIGH_LABEL, c) for c in labels]
-        pairs += [(c, c) for c in labels] + list(self.config.pairs)
-
-        def side(half: _ConvHalf, label: str, exact_values: torch.Tensor) -> torch.Tensor:
-            return exact_values if label == HIGH_LABEL else half.quantized[label].double()
-
-        stats = [  # one pair at a time: a convolution's output can be large (float64, every drawn entry)
-            backward_error_stats(
-                exact,
-                product(side(left, a, exact_left), side(right, b, exact_right))[None],
-                magnitude,
-                median=False,
-            )[0]
-            for a, b in pairs
-        ]
-        self._store_be(gemm_key, step, pairs, torch.stack(stats))
-
-    def _rows(self, tensor: torch.Tensor, axis: int, partner: _Half | None) -> _Rows:
-        """Whole rows along the contraction axis: every row of a tensor of at most ``max_elements``
-        elements, else ``max_elements // K`` uniformly drawn rows (at least one), within up to
-        ``BATCH_ENTRIES`` batch entries (shared with the GEMM partner) for a batched operand; and which
-        of them enter the backward error (``be_rows`` of them, uniformly)."""
-        moved = tensor.movedim(axis, -1) if tensor.dim() else tensor.reshape(1)
-        if moved.dim() == 1:
-            moved = moved.reshape(1, -1)
-        length = moved.shape[-1]
-        batch_shape = tuple(moved.shape[:-2]) if moved.dim() >= 3 else ()
-        batched = partner is not None and partner.batch is not None and partner.batch_shape == batch_shape
-        whole = moved.numel() <= self.config.max_elements
-        wanted = max(min(self.config.be_rows, MIN_ROWS), self.config.max_elements // max(length, 1))
-        if batch_shape and (partner is None or batched):
-            matrix = moved.reshape(-1, moved.shape[-2], length)
-            if batched:
-                batch = partner.batch
-            else:
-                count = min(BATCH_ENTRIES, matrix.shape[0])
-                batch = self._draw(matrix.shape[0], count).to(tensor.device)
-            if whole:
-                values = matrix.float()
-            else:
-                per_entry = max(1, wanted // len(batch))
-                row_index = self._draw(matrix.shape[1], per_entry).to(tensor.device)
-                values = matrix[batch[:, None], row_index[None, :]].float()
-            be_per_entry = max(1, self.config.be_rows // len(batch))
-        else:
-            matrix = moved.reshape(-1, length)
-            if whole:
-                values = matrix.float()[None]
-            else:
-                values = matrix[self._draw(matrix.shape[0], wanted).to(tensor.device)].float()[None]
-            batch = None
-            be_per_entry = self.config.be_rows
-        if whole:  # every row is here: draw the backward error's rows among them, without replacement
-            order = torch.randperm(values.shape[1], generator=self.generator, device=self.generator.device)
-            be_rows = order[:be_per_entry].to(tensor.device)
-            be_entries = batch
-        else:  # the rows were drawn at random: the first ones are a uniform draw too
-            be_rows = torch.arange(min(be_per_entry, values.shape[1]), device=tensor.device)
-            be_entries = None
-        return _Rows(values, be_entries, be_rows, batch, batch_shape)
-
-    def _record_be(self, gemm_key: tuple[str, str], step: int, left: _Half, right: _Half) -> None:
-        """Every candidate pair's backward error on the sampled sub-product, in one batched product."""
-        labels = list(self._formats)
-        exact_left, exact_right = left.rows.double(), right.rows.double().transpose(-1, -2)
-        quantized_left = torch.stack([left.quantized[c] for c in labels]).double()
-        quantized_right = torch.stack([right.quantized[c] for c in labels]).double()
-        quantized_right = quantized_right.transpose(-1, -2)
-        exact = exact_left @ exact_right
-        magnitude = exact_left.abs() @ exact_right.abs()
-        index = {label: i for i, label in enumerate(labels)}
-        left_index = [index[a] for a, _ in self.config.pairs]
-        right_index = [index[b] for _, b in self.config.pairs]
-        products = torch.cat(
-            [
-                quantized_left @ exact_right,  # (fmt, fp32): the left operand quantized
-                exact_left @ quantized_right,  # (fp32, fmt)
-                quantized_left @ quantized_right,  # (fmt, fmt)
-                quantized_left[left_index] @ quantized_right[right_index],  # (A, B): the mixed pairs
-            ]
-        )
-        pairs = [(c, HIGH_LABEL) for c in labels] + [(HIGH_LABEL, c) for c in labels]
-        pairs += [(c, c) for c in labels] + list(self.config.pairs)
-        self._store_be(gemm_key, step, pairs, backward_error_stats(exact, products, magnitude, median=False))
-
-    def _store_be(
-        self, gemm_key: tuple[str, str], step: int, pairs: list[tuple[str, str]], stats_rows: torch.Tensor
-    ) -> None:
-        numbers = stats_rows.tolist()  # the median is not recorded
-        per_gemm = self._be.setdefault(gemm_key, {})
-        for pair, row in sorted(zip(pairs, numbers, strict=True)):
-            stats = {name: value for name, value in zip(BE_STATS, row, strict=True) if name in BE_RECORDED}
-            per_step = per_gemm.setdefault(pair, {})
-            # a GEMM called again in this step (a site called twice): its entries join the step's
-            per_step[step] = merge_be_stats([per_step[step], stats]) if step in per_step else stats

@@ -14,11 +14,12 @@ from numscope.formats.blocks import tile_shape
 from numscope.formats.scaling import Scaling, reduce_amax_
 from numscope.formats.spec import Format
 from numscope.metrics.stats import Log2Histogram
+from numscope.observe.config import BATCH_ENTRIES, MIN_ROWS
 
 
 @dataclass
 class _Rows:
-    """Whole rows of an operand along its contraction axis, (entries, rows, K) float32 (see ``_rows``)."""
+    """Whole rows of an operand along its contraction axis, (entries, rows, K) float32 (:func:`draw_rows`)."""
 
     values: torch.Tensor
     be_entries: torch.Tensor | None  # which entries of ``values`` enter the backward error (None: all)
@@ -101,6 +102,63 @@ def _scaling_amax(tensor: torch.Tensor, index: torch.Tensor, fmt: Format, scalin
     tiles = tiles.reshape(-1, tiles.shape[-2], tiles.shape[-1])
     leading, within = index // (rows * cols), index % (rows * cols)
     return tiles[leading, within // cols // rows_per, within % cols // cols_per]
+
+
+def draw(generator: torch.Generator, high: int, count: int) -> torch.Tensor:
+    """``count`` indices drawn uniformly from ``range(high)`` (with replacement) from ``generator``."""
+    return torch.randint(high, (count,), generator=generator, device=generator.device)
+
+
+def draw_rows(
+    tensor: torch.Tensor,
+    axis: int,
+    partner: _Half | None,
+    max_elements: int,
+    be_rows: int,
+    generator: torch.Generator,
+) -> _Rows:
+    """Whole rows along the contraction axis: every row of a tensor of at most ``max_elements``
+    elements, else ``max_elements // K`` uniformly drawn rows (at least one), within up to
+    ``BATCH_ENTRIES`` batch entries (shared with the GEMM partner) for a batched operand; and which
+    of them enter the backward error (``be_rows`` of them, uniformly). The draws come from ``generator``."""
+    moved = tensor.movedim(axis, -1) if tensor.dim() else tensor.reshape(1)
+    if moved.dim() == 1:
+        moved = moved.reshape(1, -1)
+    length = moved.shape[-1]
+    batch_shape = tuple(moved.shape[:-2]) if moved.dim() >= 3 else ()
+    batched = partner is not None and partner.batch is not None and partner.batch_shape == batch_shape
+    whole = moved.numel() <= max_elements
+    wanted = max(min(be_rows, MIN_ROWS), max_elements // max(length, 1))
+    if batch_shape and (partner is None or batched):
+        matrix = moved.reshape(-1, moved.shape[-2], length)
+        if batched:
+            batch = partner.batch
+        else:
+            count = min(BATCH_ENTRIES, matrix.shape[0])
+            batch = draw(generator, matrix.shape[0], count).to(tensor.device)
+        if whole:
+            values = matrix.float()
+        else:
+            per_entry = max(1, wanted // len(batch))
+            row_index = draw(generator, matrix.shape[1], per_entry).to(tensor.device)
+            values = matrix[batch[:, None], row_index[None, :]].float()
+        be_per_entry = max(1, be_rows // len(batch))
+    else:
+        matrix = moved.reshape(-1, length)
+        if whole:
+            values = matrix.float()[None]
+        else:
+            values = matrix[draw(generator, matrix.shape[0], wanted).to(tensor.device)].float()[None]
+        batch = None
+        be_per_entry = be_rows
+    if whole:  # every row is here: draw the backward error's rows among them, without replacement
+        order = torch.randperm(values.shape[1], generator=generator, device=generator.device)
+        be_rows = order[:be_per_entry].to(tensor.device)
+        be_entries = batch
+    else:  # the rows were drawn at random: the first ones are a uniform draw too
+        be_rows = torch.arange(min(be_per_entry, values.shape[1]), device=tensor.device)
+        be_entries = None
+    return _Rows(values, be_entries, be_rows, batch, batch_shape)
 
 
 def _weak(tensor: torch.Tensor) -> Callable[[], torch.Tensor | None]:

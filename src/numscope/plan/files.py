@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from numscope.formats.scaling import KINDS, Scaling
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import get_format
 from numscope.plan.spec import (
     _A_TYPE,
     _GROUP_KEYS,

@@ -13,8 +13,7 @@ import yaml
 
 from numscope._atomic import atomic_write_text
 from numscope._names import exact_pattern
-from numscope.formats.spec import BlockFormat
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import BlockFormat, get_format
 from numscope.plan.files import _plan_from_dict, _site_to_dict, _StrictLoader
 from numscope.plan.presets import _PRESETS
 from numscope.plan.spec import (

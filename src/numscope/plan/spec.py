@@ -11,8 +11,7 @@ from typing import Any, NamedTuple
 
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS
 from numscope.formats.scaling import Scaling, default_scaling
-from numscope.formats.spec import BlockFormat, Format
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import BlockFormat, Format, get_format
 from numscope.formats.transform import Rotation
 from numscope.vocab import GEMMS, OPERAND_KEYS, OPERAND_NAMES, OPERANDS
 

@@ -12,8 +12,7 @@ from typing import Any
 
 from numscope._names import natural_key
 from numscope.formats.scaling import UNSCALED_FORMATS
-from numscope.formats.spec import BlockFormat, IntFormat
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import BlockFormat, IntFormat, get_format
 from numscope.report import plots
 from numscope.report.plots import FormatRange, Histogram
 from numscope.vocab import GEMMS, OPERAND_KEYS, Metric

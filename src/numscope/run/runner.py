@@ -28,7 +28,7 @@ from numscope._atomic import atomic_write_text
 from numscope._rng import fork_rng
 from numscope.analysis import Analysis
 from numscope.convert import convert
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import get_format
 from numscope.observe import DEFAULT_CANDIDATES as OBSERVED_BY_DEFAULT
 from numscope.plan import Plan
 from numscope.run.config import LOSS_SCALING, RunData, RunResult, RunSpec, TrainConfig

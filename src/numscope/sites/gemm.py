@@ -109,7 +109,7 @@ def accumulate_matmul(
     if accumulator.format is None:
         return torch.matmul(a, b)
     from numscope.formats.cast import cast_float
-    from numscope.formats.spec import format as get_format
+    from numscope.formats.spec import get_format
 
     narrow = get_format(accumulator.format)
 

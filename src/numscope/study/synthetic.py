@@ -5,7 +5,7 @@ exactly (float64) and after quantizing both in a format; the componentwise backw
 (:func:`numscope.metrics.backward_error`) is averaged over output entries and trials. Heavy tails (small
 ν) stretch the dynamic range a per-tensor scale must cover, which INT8's uniform grid pays for in
 underflow, while a float format's relative precision does not depend on magnitude. Formats are named as
-``numscope.format`` names them, with ``:row`` for per-channel scaling along the contraction dimension
+``numscope.get_format`` names them, with ``:row`` for per-channel scaling along the contraction dimension
 (``int8:row``: one scale per row of a and per column of b). Every trial uses the same matrices for every
 format (common random numbers), seeded from ``(seed, trial, ν)``.
 """
@@ -25,7 +25,7 @@ import torch
 from numscope._atomic import atomic_write_text
 from numscope.formats.quantize import quantize
 from numscope.formats.scaling import Scaling
-from numscope.formats.spec import format as get_format
+from numscope.formats.spec import get_format
 from numscope.metrics.errors import backward_error_from, product_reference
 from numscope.metrics.stats import student_t_dof
 
