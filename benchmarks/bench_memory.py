@@ -14,12 +14,13 @@ attention (the issue's configuration). Two figures per row, each also as a ratio
   has in use rather than what the C allocator kept after freeing it (glibc only; elsewhere the variable is
   ignored and both columns measure the same).
 
-Rows: fp32; bf16 ``torch.autocast``; the plans ``fp16``, ``fp8`` and ``mxfp8`` through ``numscope.convert``;
-the mxfp8 plan with ``low_memory=True``; the fp8 plan with ``storage="fp16"``; the paper's
-``numscope.Recipe`` (fp16 model, fp32 masters and ops, fp16 activations, dropout masks in bits, loss
-scaling), alone and with the fp8 plan; ``observed``, an FP32
-step that ``numscope.observe`` samples with its default candidates (what ``numscope analyze`` runs on a
-sampled step). ``--size base`` takes BERT-base's shape instead (vocab 30522, hidden 768, 12 layers, 12
+Rows: fp32; bf16 ``torch.autocast``; the plans ``fp16``, ``fp8`` and ``mxfp8`` through ``numscope.convert``
+with eager quantizers; the mxfp8 plan with its quantizers compiled (``convert``'s default for block
+formats; its peak RSS includes the compiler's own memory) and with ``low_memory=True``; the fp8 plan with
+``storage="fp16"``; the paper's ``numscope.Recipe`` (fp16 model, fp32 masters and ops, fp16 activations,
+dropout masks in bits, loss scaling), alone and with the fp8 plan; ``observed``, an FP32 step that
+``numscope.observe`` samples with its default candidates (what ``numscope analyze`` runs on a sampled
+step). ``--size base`` takes BERT-base's shape instead (vocab 30522, hidden 768, 12 layers, 12
 heads, FFN 3072; seq 128, batch 8).
 Run: ``python benchmarks/bench_memory.py [--rows a,b] [--size base]``.
 """
@@ -42,6 +43,7 @@ ROWS = (
     "plan fp16",
     "plan fp8",
     "plan mxfp8",
+    "plan mxfp8 + compiled",
     "plan mxfp8 + low memory",
     "plan fp8 + fp16 storage",
     "Recipe fp16",
@@ -86,7 +88,7 @@ def run_row(row: str, size: str = "default") -> dict[str, float]:
             model,
             numscope.Plan.uniform(preset),
             storage="fp16" if option == "fp16 storage" else None,
-            compiled=False,
+            compiled=option == "compiled",
             low_memory=option == "low memory",
         )
     elif row.startswith("Recipe fp16"):

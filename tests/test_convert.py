@@ -401,3 +401,72 @@ def test_a_block_format_input_is_quantized_for_wgrad_in_forward_and_kept_in_code
     assert len(gelu_out) == 2  # GELU's input and the second Linear's raw input, float32
     codes = [t for t in saved if t.dtype == torch.uint8 and t.numel() == 64 * 64]
     assert codes and len([t for t in saved if t.shape == (4, 16, 48)]) == 1  # only GELU's own input
+
+
+@pytest.mark.parametrize("preset", ["mxfp8", "mxfp4"])
+def test_compiled_mx_quantizers_keep_the_wgrad_input_as_exact_bfloat16(preset, monkeypatch) -> None:
+    """An MX plan's compiled quantizers quantize wgrad's input in forward and keep it as bfloat16 (exact for
+    MX values): half the bytes of the raw float32 input, and the same gradients as quantizing it in backward
+    (and as the eager reference)."""
+
+    def step(early: bool, compiled: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        with monkeypatch.context() as patch:
+            if not early:
+                patch.setattr(_Quantizer, "prequantizes_wgrad_input", lambda self, site: False)
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 32))
+            convert(model, Plan.uniform(preset), compiled=compiled)
+            x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
+            saved: list[torch.Tensor] = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+                out = model(x)
+            out.square().sum().backward()
+        return saved, model[0].weight.grad, model[2].weight.grad
+
+    saved, first, second = step(True, True)
+    _, late_first, late_second = step(False, True)
+    _, eager_first, eager_second = step(True, False)  # eager: nothing prequantized, the reference
+    assert torch.equal(first, late_first) and torch.equal(second, late_second)
+    assert torch.equal(first, eager_first) and torch.equal(second, eager_second)
+    kept = [t for t in saved if t.dtype == torch.bfloat16]
+    assert [tuple(t.shape) for t in kept] == [(64, 64), (64, 48)]  # both Linears' inputs, tokens first
+    assert not [t for t in saved if t.dtype == torch.float32 and t.shape == (4, 16, 64)]  # no raw input
+
+
+def test_a_value_below_bfloat16s_grid_keeps_the_raw_input() -> None:
+    """An MX value bfloat16 cannot hold (a tiny block's subnormal element) is not rounded: the site keeps the
+    raw input and quantizes it in backward, as without prequantization."""
+    layer = nn.Linear(32, 8)
+    convert(layer, Plan.uniform("mxfp8"), compiled=True)
+    x = torch.ones(4, 32)
+    # the first feature's block along the tokens: amax 2^-117 gives the E8M0 scale 2^(-117 - 8) = 2^-125, and
+    # 2^-134 is E4M3's smallest subnormal (2^-9) times that: an MX value below bfloat16's grid (2^-133)
+    x[:, 0] = torch.tensor([2.0**-117, 2.0**-134, 0.0, 0.0])
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        out = layer(x.requires_grad_())
+    out.sum().backward()
+    assert not [t for t in saved if t.dtype == torch.bfloat16]
+    assert [t for t in saved if t.dtype == torch.float32 and t.shape == (4, 32)]
+
+
+def test_an_input_of_several_sites_is_prequantized_once() -> None:
+    """Q, K and V's projections take one input: its bfloat16 copy for wgrad is made and kept once."""
+
+    class QKV(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(64, 32), nn.Linear(64, 32), nn.Linear(64, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.q(x) * self.k(x) + self.v(x)
+
+    model = QKV()
+    convert(model, Plan.uniform("mxfp8"), compiled=True)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        out = model(x)
+    out.sum().backward()
+    kept = {t.untyped_storage().data_ptr() for t in saved if t.dtype == torch.bfloat16}
+    assert len(kept) == 1

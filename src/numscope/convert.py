@@ -65,31 +65,55 @@ class _Quantizer:
         self._grad: tuple[torch.Tensor, tuple, torch.Tensor] | None = None
         # quantized fprop inputs that wgrad reuses: their codes and descale, for the site to keep instead
         self._codes: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor | None]] = {}
+        # wgrad inputs quantized in forward, by the input they came from (see pack_wgrad_input)
+        self._prequantized: dict[tuple, tuple[weakref.ref, Any]] = {}
 
     def prequantizes_wgrad_input(self, site: Site) -> bool:
-        """Whether wgrad's input is quantized in forward and kept in its codes (``low_memory``): block
-        formats (MX, NVFP4) rounded to nearest, whose quantization of the input along the token axis depends
-        on nothing that changes between forward and backward (as Transformer Engine keeps a column-wise
-        copy). Off by default: the encoding runs eagerly, slower than the compiled quantizers."""
+        """Whether wgrad's input is quantized in forward and kept for backward in a compact form: block
+        formats rounded to nearest, whose quantization of the input along the token axis depends on nothing
+        that changes between forward and backward (as Transformer Engine keeps a column-wise copy). With
+        ``low_memory`` (MX and NVFP4) in its codes, encoded eagerly; through the compiled quantizers (MX
+        only) as bfloat16 values, which hold every MX value exactly (checked each time)."""
         spec = self.spec(site).operand("wgrad", "input")
-        return (
-            self.low_memory
-            and isinstance(spec.format_spec(), BlockFormat)
-            and spec.rounding == "nearest"
-            and spec.transform is None
-        )
+        fmt = spec.format_spec()
+        if not (isinstance(fmt, BlockFormat) and spec.rounding == "nearest" and spec.transform is None):
+            return False
+        return self.low_memory or (self._compiled() and not fmt.tensor_scale)
+
+    def _compiled(self) -> bool:
+        return fast_enabled() if self.compiled is None else self.compiled
 
     def pack_wgrad_input(self, site: Site, tensor: torch.Tensor):
-        """wgrad's input (tokens, features) encoded along the token axis: element codes (one byte each)
-        and block scales, decoded in backward to exactly what quantizing it there gives."""
-        if not bool(torch.isfinite(tensor).all()):  # integer elements have no NaN code: quantize later
-            return None
+        """wgrad's input (tokens, features) quantized along the token axis now, decoded in backward to
+        exactly what quantizing it there gives: with ``low_memory`` its element codes (one byte each) and
+        block scales; else, compiled, its values as bfloat16 (an MX value has at most 4 significant bits
+        and an E8M0-scaled exponent: bfloat16 holds it unless it lies below bfloat16's subnormal grid; then,
+        or with a NaN, None: the site keeps the input and quantizes it in backward)."""
         spec = self.spec(site).operand("wgrad", "input")
+        # one input entering several sites (Q, K and V's projections) is packed once for all of them
+        base = tensor if tensor._base is None else tensor._base
+        key = (id(base), base._version, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), spec)
+        found = self._prequantized.get(key)
+        if found is not None and found[0]() is base:
+            return found[1]
+        packed = self._pack_wgrad_input(spec, tensor)
+        forget = weakref.ref(base, lambda _, key=key: self._prequantized.pop(key, None))
+        self._prequantized[key] = (forget, packed)
+        return packed
+
+    def _pack_wgrad_input(self, spec: OperandSpec, tensor: torch.Tensor):
         scaling = spec.effective_scaling()
         reduce = scaling is None or scaling.reduce_amax
-        encoded = encode(
-            tensor.float(), spec.format_spec(), scaling=Scaling("block", axis=0, reduce_amax=reduce)
-        )  # type: ignore[arg-type]
+        along_tokens = Scaling("block", axis=0, reduce_amax=reduce)
+        if not self.low_memory:
+            values = quantize(tensor.float(), spec.format_spec(), scaling=along_tokens, compiled=True)  # type: ignore[arg-type]
+            kept = values.to(torch.bfloat16)
+            if not torch.equal(kept.float(), values):
+                return None
+            return (kept,), _from_bfloat16
+        if not bool(torch.isfinite(tensor).all()):  # integer elements have no NaN code: quantize later
+            return None
+        encoded = encode(tensor.float(), spec.format_spec(), scaling=along_tokens)  # type: ignore[arg-type]
         layout = (encoded.fmt, encoded.shape, encoded.axis, encoded.length)
         tensors = (encoded.codes, encoded.scales)
         if encoded.tensor_scale is not None:
@@ -200,7 +224,7 @@ class _Quantizer:
     def _quantize(self, key: str, spec: OperandSpec, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         fmt = spec.format_spec()
         scaling = spec.effective_scaling()
-        compiled = fast_enabled() if self.compiled is None else self.compiled
+        compiled = self._compiled()
         native = None if compiled else _native_cast(spec, fmt, scaling)
         self._last_codes = None
         if native is not None and tensor.numel() > 0:
@@ -263,6 +287,10 @@ def _cast_native(values: torch.Tensor, dtype: torch.dtype, fmt: FloatFormat) -> 
     clamped = values.clamp(-fmt.max, fmt.max)
     infinite = values if fmt.has_inf else torch.full_like(values, float("nan"))
     return torch.where(values.isinf(), infinite, clamped).to(dtype)
+
+
+def _from_bfloat16(values: torch.Tensor) -> torch.Tensor:
+    return values.float()
 
 
 def _unpack(codes: torch.Tensor, descale: torch.Tensor | None = None) -> torch.Tensor:
@@ -406,8 +434,9 @@ def convert(
         times a step, unless ``NUMSCOPE_FAST`` is set (then it decides); ``True`` or ``False`` to choose.
         Element casts are as fast eagerly (``benchmarks/bench_train_step.py``). The first steps compile.
     low_memory: also keep the input of a block-format wgrad (MX, NVFP4) in its codes, quantized along the
-        token axis already in forward (the mxfp8 plan's saved activations 0.83× fp32's instead of 1.00×,
-        ``benchmarks/bench_memory.py``), at the cost of an eager encoding per Linear (the same bits).
+        token axis already in forward (``benchmarks/bench_memory.py`` measures it), at the cost of an eager
+        encoding per Linear (the same bits). Without it, an MX plan's compiled quantizers also quantize that
+        input in forward and keep it as bfloat16 values (exact; half of float32), at no cost in compute.
         Element formats (fp8, fp16, bf16) keep their quantized inputs in codes always: that is free.
     """
     if not isinstance(plan, Plan):
