@@ -377,22 +377,31 @@ def test_a_quantized_input_is_kept_for_wgrad_in_its_own_codes(preset, dtype, mon
     assert torch.equal(grad, plain_grad)  # unpacked bit for bit
 
 
-@pytest.mark.parametrize("preset", ["mxfp8", "mxfp4", "nvfp4"])
-def test_a_block_format_input_is_quantized_for_wgrad_in_forward_and_kept_in_codes(
-    preset, monkeypatch
-) -> None:
-    def step(early: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+def _two_linears_step(
+    preset: str, early: bool, monkeypatch, **options
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """One step of Linear-GELU-Linear under ``preset`` (``convert`` options): the tensors saved for backward
+    and both weight gradients; ``early=False`` quantizes wgrad's input in backward instead of forward."""
+    with monkeypatch.context() as patch:
         if not early:
-            monkeypatch.setattr(_Quantizer, "prequantizes_wgrad_input", lambda self, site: False)
+            patch.setattr(_Quantizer, "prequantizes_wgrad_input", lambda self, site: False)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 32))
-        convert(model, Plan.uniform(preset), compiled=False, low_memory=True)
+        convert(model, Plan.uniform(preset), **options)
         x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
             out = model(x)
         out.square().sum().backward()
-        return saved, model[0].weight.grad, model[2].weight.grad
+    return saved, model[0].weight.grad, model[2].weight.grad
+
+
+@pytest.mark.parametrize("preset", ["mxfp8", "mxfp4", "nvfp4"])
+def test_a_block_format_input_is_quantized_for_wgrad_in_forward_and_kept_in_codes(
+    preset, monkeypatch
+) -> None:
+    def step(early: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        return _two_linears_step(preset, early, monkeypatch, compiled=False, low_memory=True)
 
     saved, first, second = step(True)
     plain_saved, plain_first, plain_second = step(False)
@@ -410,18 +419,7 @@ def test_compiled_mx_quantizers_keep_the_wgrad_input_as_exact_bfloat16(preset, m
     (and as the eager reference)."""
 
     def step(early: bool, compiled: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        with monkeypatch.context() as patch:
-            if not early:
-                patch.setattr(_Quantizer, "prequantizes_wgrad_input", lambda self, site: False)
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(64, 48), nn.GELU(), nn.Linear(48, 32))
-            convert(model, Plan.uniform(preset), compiled=compiled)
-            x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
-            saved: list[torch.Tensor] = []
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
-                out = model(x)
-            out.square().sum().backward()
-        return saved, model[0].weight.grad, model[2].weight.grad
+        return _two_linears_step(preset, early, monkeypatch, compiled=compiled)
 
     saved, first, second = step(True, True)
     _, late_first, late_second = step(False, True)
