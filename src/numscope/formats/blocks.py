@@ -16,9 +16,9 @@ from numscope.formats.scaling import (
     Scaling,
     exact_pow2,
     log2_floor,
-    reduce_amax_,
     scale_from_amax,
 )
+from numscope.formats.scaling import tensor_amax as whole_tensor_amax  # block_parts_2d's argument is named so
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
 
 
@@ -216,12 +216,8 @@ def block_parts(
     reduce_amax: NVFP4's per-tensor amax is taken over the default process group (as ``Scaling``'s).
     """
     x2d, moved = axis_last_2d(x, axis)
-    tensor_amax = (
-        reduce_amax_(x.abs().amax().float().reshape(1), reduce_amax)[0]
-        if fmt.tensor_scale and not fmt.row_scale
-        else None
-    )
-    parts = block_parts_2d(x2d, fmt, tensor_amax, rounding, generator, flush_subnormals)
+    whole_amax = whole_tensor_amax(x, reduce=reduce_amax) if fmt.tensor_scale and not fmt.row_scale else None
+    parts = block_parts_2d(x2d, fmt, whole_amax, rounding, generator, flush_subnormals)
     lead = tuple(moved[:-1])
     tensor_scale = parts.tensor_scale
     if fmt.row_scale:

@@ -272,6 +272,22 @@ def default_scaling(fmt: Format | BlockFormat) -> Scaling | None:
     return Scaling("tensor")
 
 
+def tensor_amax(
+    x: torch.Tensor,
+    amax: torch.Tensor | float | None = None,
+    *,
+    reduce: bool = True,
+    local: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A float32 scalar: ``amax`` where given (a whole tensor's max|·|, already reduced across ranks, for
+    ``x`` a sample of it), else ``x``'s own max|·| (``local`` where the caller has it) reduced across ranks
+    as ``reduce`` says. What per-tensor scales and NVFP4's tensor scale derive from."""
+    if amax is not None:
+        return torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(())
+    own = x.abs().amax() if local is None else local
+    return reduce_amax_(own.float().reshape(1).clone(), reduce)[0]
+
+
 def element_scale(
     x: torch.Tensor,
     fmt: FloatFormat | IntFormat,
@@ -293,11 +309,7 @@ def element_scale(
     if delayed is not None:
         return delayed.scale_for(x, fmt.max, amax=local_amax)
     if scaling.kind == "tensor":
-        if amax is not None:
-            amax = torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(())
-        else:
-            local = x.abs().amax() if local_amax is None else local_amax
-            amax = reduce_amax_(local.reshape(1).clone(), scaling.reduce_amax)[0]
+        amax = tensor_amax(x, amax, reduce=scaling.reduce_amax, local=local_amax)
     elif scaling.kind == "row":
         amax = x.abs().amax(dim=-1, keepdim=True) if x.dim() else x.abs()
     elif scaling.kind == "column":  # its amax runs over every row: data parallelism splits the rows

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from numscope.formats.blocks import block_parts_2d
 from numscope.formats.cast import scale_then_cast
 from numscope.formats.quantize import ScalingArg, quantize
-from numscope.formats.scaling import DelayedScaler, Scaling, element_scale, reduce_amax_
+from numscope.formats.scaling import DelayedScaler, Scaling, element_scale, tensor_amax
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat, get_format
 
 AUTO = "auto"
@@ -190,13 +190,6 @@ def quantize_kept(
     return Quantized(q, scaled, None, spec, axis)
 
 
-def _tensor_amax(xf: torch.Tensor, amax: torch.Tensor | float | None, reduce: bool = True) -> torch.Tensor:
-    """A float32 scalar tensor: the given amax, or xf's own reduced across ranks."""
-    if amax is None:
-        return reduce_amax_(xf.abs().amax().reshape(1), reduce)[0]
-    return torch.as_tensor(amax, dtype=torch.float32, device=xf.device).reshape(())
-
-
 def _quantize_blocks(
     xf: torch.Tensor,
     spec: BlockFormat,
@@ -218,8 +211,8 @@ def _quantize_blocks(
     moved = whole.movedim(axis, -1)
     length = moved.shape[-1]
     rows = moved.reshape(-1, length)
-    tensor_amax = _tensor_amax(xf, amax) if spec.tensor_scale and not spec.row_scale else None
-    parts = block_parts_2d(rows, spec, tensor_amax, rounding, generator)
+    whole_amax = tensor_amax(xf, amax) if spec.tensor_scale and not spec.row_scale else None
+    parts = block_parts_2d(rows, spec, whole_amax, rounding, generator)
 
     def back(blocked: torch.Tensor) -> torch.Tensor:
         flat = blocked.reshape(rows.shape[0], -1)[:, :length]
