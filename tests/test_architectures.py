@@ -185,3 +185,40 @@ def test_what_is_not_unrolled_says_so() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per module and op, not at every step
         lstm(torch.randn(5, 2, 4))
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="eager",
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def _torch_transformer() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Transformer(32, 4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64, dropout=0.0)
+
+
+@pytest.mark.parametrize("make", [_llama, _torch_transformer], ids=["gqa-llama", "nn.Transformer"])
+def test_compiled_mx_quantizers_with_inputs_kept_in_bfloat16_match_the_eager_reference(make) -> None:
+    """The compiled MX quantizers quantize wgrad's inputs in forward and keep them as bfloat16: on GQA Llama
+    and torch's own Transformer the gradients equal the eager reference's (which quantizes in backward)."""
+    grads = {}
+    for compiled in (True, False):
+        model = make()
+        numscope.convert(model, numscope.Plan.uniform("mxfp8"), compiled=compiled)
+        if isinstance(model, nn.Transformer):
+            source = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(1))
+            target = torch.randn(5, 2, 32, generator=torch.Generator().manual_seed(2))
+            loss = (model(source, target) - target).square().mean()
+        else:
+            loss = model(input_ids=IDS, labels=IDS).loss
+        loss.backward()
+        grads[compiled] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[True].keys() == grads[False].keys() and grads[True]
+    for name, grad in grads[True].items():
+        assert torch.equal(grad, grads[False][name]), name
