@@ -203,10 +203,17 @@ def _torch_transformer() -> nn.Module:
     return nn.Transformer(32, 4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64, dropout=0.0)
 
 
-@pytest.mark.parametrize("make", [_llama, _torch_transformer], ids=["gqa-llama", "nn.Transformer"])
+def _lstm() -> nn.Module:
+    return LanguageModel(nn.LSTM, num_layers=2)
+
+
+@pytest.mark.parametrize(
+    "make", [_llama, _torch_transformer, _lstm], ids=["gqa-llama", "nn.Transformer", "lstm"]
+)
 def test_compiled_mx_quantizers_with_inputs_kept_in_bfloat16_match_the_eager_reference(make) -> None:
-    """The compiled MX quantizers quantize wgrad's inputs in forward and keep them as bfloat16: on GQA Llama
-    and torch's own Transformer the gradients equal the eager reference's (which quantizes in backward)."""
+    """The compiled MX quantizers quantize wgrad's inputs in forward and keep them as bfloat16: on GQA Llama,
+    torch's own Transformer and an unrolled LSTM the gradients equal the eager reference's (which quantizes
+    in backward)."""
     grads = {}
     for compiled in (True, False):
         model = make()
@@ -215,6 +222,8 @@ def test_compiled_mx_quantizers_with_inputs_kept_in_bfloat16_match_the_eager_ref
             source = torch.randn(6, 2, 32, generator=torch.Generator().manual_seed(1))
             target = torch.randn(5, 2, 32, generator=torch.Generator().manual_seed(2))
             loss = (model(source, target) - target).square().mean()
+        elif isinstance(model, LanguageModel):
+            loss = model(IDS % 50).square().mean()
         else:
             loss = model(input_ids=IDS, labels=IDS).loss
         loss.backward()
