@@ -182,7 +182,7 @@ def test_config_refuses_budgets_outside_the_two_formats():
 
 def test_a_study_run_is_seeded(tmp_path):
     """The same (plan, seed) trains to the same loss in two folders; another seed differs."""
-    from numscope.study.plan_study import _train
+    from numscope.study.plan_study import _run_all
 
     config = PlanStudyConfig.quick()
     cfg = {**config.__dict__, "steps": 6}
@@ -198,7 +198,9 @@ def test_a_study_run_is_seeded(tmp_path):
             text=None,
         )
 
-    first, again, other = _train(task("a", 0)), _train(task("b", 0)), _train(task("c", 1))
+    first, again, other = (
+        _run_all([task(f, seed)], 1, print)[0] for f, seed in (("a", 0), ("b", 0), ("c", 1))
+    )
     assert first["val_loss"] == again["val_loss"]
     assert first["val_loss"] != other["val_loss"]
 

@@ -13,6 +13,7 @@ from numscope.analysis import Analysis
 from numscope.demo import main as demo_main
 from numscope.demo.main import DemoConfig, fp16_underflow_by_site, run_demo, training_observer
 from numscope.metrics.stats import Log2Histogram
+from numscope.run import loop as run_loop
 from numscope.run.config import TrainConfig
 from numscope.run.model import make_bert_mlm
 
@@ -28,6 +29,7 @@ TINY = DemoConfig(
     observe_every=2,
     candidates=("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp6_e3m2", "mxfp4_e2m1"),
     fast=False,
+    jobs=1,
 )
 
 
@@ -42,20 +44,18 @@ def test_an_interrupted_demo_resumes_bit_exactly_and_keeps_finished_runs(
     tmp_path: Path, text_file: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path / "cache"))
-    real_train_run = demo_main.train_run
+    real_train_run = run_loop.train_run
 
-    def interrupted(spec, *args, **kwargs):  # Ctrl-C in the fp16 run, one step after its step-2 checkpoint
-        on_step = args[4]
-
+    def interrupted(spec, *args, on_step, **kwargs):  # Ctrl-C in the fp16 run, one step after its checkpoint
         def stop(step: int, loss: float) -> None:
             on_step(step, loss)
             if spec.name == "fp16" and step == 3:
                 raise KeyboardInterrupt
 
-        return real_train_run(spec, *args[:4], stop, *args[5:], **kwargs)
+        return real_train_run(spec, *args, on_step=stop, **kwargs)
 
     folder = tmp_path / "demo"
-    monkeypatch.setattr(demo_main, "train_run", interrupted)
+    monkeypatch.setattr(run_loop, "train_run", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_demo(folder, TINY, [text_file], log=lambda _: None, progress=False)
     finished = {p: p.stat().st_mtime_ns for p in folder.glob("runs/*/result.json")}
@@ -63,7 +63,7 @@ def test_an_interrupted_demo_resumes_bit_exactly_and_keeps_finished_runs(
     assert (folder / "runs" / "fp16" / "checkpoint.pt").is_file()
     assert not (folder / "runs" / "fp16" / "result.json").exists()
 
-    monkeypatch.setattr(demo_main, "train_run", real_train_run)
+    monkeypatch.setattr(run_loop, "train_run", real_train_run)
     summary = run_demo(folder, TINY, [text_file], log=lambda _: None, progress=False)
     assert all(path.stat().st_mtime_ns == mtime for path, mtime in finished.items()), "finished runs rerun"
     assert [r["name"] for r in summary["runs"]] == RUN_NAMES
@@ -136,12 +136,12 @@ def test_a_demo_folder_of_an_earlier_demo_keeps_its_runs_and_adds_the_new_ones(
     """A folder made before the mxfp8/int8 baselines and model.pt existed: its finished runs are reused as
     they are (and said to lack a model), the new baselines run and keep theirs."""
     monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path / "cache"))
-    real_train_run = demo_main.train_run
+    real_train_run = run_loop.train_run
     folder = tmp_path / "demo"
     earlier = tuple(spec for spec in demo_main.BASELINES if spec.name not in ("mxfp8", "int8"))
     monkeypatch.setattr(demo_main, "BASELINES", earlier)
     monkeypatch.setattr(
-        demo_main,
+        run_loop,
         "train_run",
         lambda *args, **kwargs: real_train_run(*args, **{**kwargs, "save_model": False}),
     )
@@ -368,7 +368,7 @@ def test_an_interrupted_observed_run_resumes_its_analysis_exactly(tmp_path: Path
     model_config = demo_main.model_config(config, data)
 
     def observed(folder: Path, on_step=None):
-        return demo_main.train_run(
+        return run_loop.train_run(
             demo_main.REFERENCE,
             model_config,
             config.train,
@@ -404,3 +404,49 @@ def test_a_folder_of_runs_made_with_other_settings_is_refused(tmp_path: Path) ->
     (folder / "runs" / "fp32" / "result.json").write_text("{}")
     with pytest.raises(demo_main.DemoError, match=r"no demo\.json"):
         demo_main._check_settings(folder, TINY, None)
+
+
+def test_runs_trained_in_worker_processes_equal_runs_trained_in_this_one(
+    tmp_path: Path, text_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``jobs=2`` trains the runs in two spawned processes: every run's losses, evaluations, final model and
+    the fp32 run's analysis are the same bits as ``jobs=1`` gives, and the table keeps its order."""
+    monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path / "cache"))
+    config = replace(TINY, noise_seeds=(1,))
+    folders = {jobs: tmp_path / f"jobs{jobs}" for jobs in (1, 2)}
+    summaries = {
+        jobs: run_demo(folder, replace(config, jobs=jobs), [text_file], log=lambda _: None, progress=False)
+        for jobs, folder in folders.items()
+    }
+    names = [row["name"] for row in summaries[1]["runs"]]
+    assert names == RUN_NAMES[:-1] and [row["name"] for row in summaries[2]["runs"]] == names
+    from numscope.train.checkpoint import load_checkpoint
+
+    for one, two in zip(summaries[1]["runs"], summaries[2]["runs"], strict=True):
+        assert one["curve"] == two["curve"], one["name"]
+        assert [r["loss"] for r in one["train_log"]] == [r["loss"] for r in two["train_log"]], one["name"]
+        models = [load_checkpoint(Path(row["model"]))["model"] for row in (one, two)]
+        assert all(torch.equal(models[0][key], models[1][key]) for key in models[0]), one["name"]
+    analyses = [Analysis.load(folder / "runs" / "fp32" / "analysis") for folder in folders.values()]
+    assert json.dumps(analyses[0].to_dict()) == json.dumps(analyses[1].to_dict())
+    assert (folders[1] / "plan.yaml").read_text() == (folders[2] / "plan.yaml").read_text()
+
+
+def test_a_run_that_fails_in_a_worker_raises_its_error_here(tmp_path: Path, text_file: Path) -> None:
+    from numscope.run.pool import RunPool
+
+    data = demo_main.prepare_data(TINY, [text_file], cache_dir=tmp_path / "cache")
+    bad = demo_main.RunSpec("bad", str(tmp_path / "no-such-plan.yaml"))
+    with RunPool(data, jobs=2, threads=1) as pool:
+        pool.add(
+            "bad",
+            spec=bad,
+            model_config=demo_main.model_config(TINY, data),
+            cfg=TINY.train,
+            out_dir=tmp_path / "bad",
+        )
+        with pytest.raises(Exception, match="no-such-plan"):
+            pool.next_finished()
+        assert not pool
+    with pytest.raises(ValueError, match="jobs must be a positive integer"):
+        RunPool(data, jobs=0)

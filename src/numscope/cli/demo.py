@@ -22,6 +22,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         config = replace(config, train=replace(config.train, steps=args.steps))
     if args.threads is not None:
         config = replace(config, threads=args.threads)
+    if args.jobs is not None:
+        config = replace(config, jobs=args.jobs)
     sizes = {name: getattr(args, name) for name in _DEMO_SIZES if getattr(args, name) is not None}
     config = replace(config, **{k: v for k, v in sizes.items() if k != "batch_size"})
     if args.batch_size is not None:
@@ -100,6 +102,12 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
         help="torch threads (default 1: on a machine shared with other processes, waiting threads spin and "
         "slow the steps down; on an idle machine more threads are faster; benchmarks/bench_train_step.py "
         "--threads N measures it)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=_int_at_least(1),
+        help="runs trained at once, each in its own process with --threads threads (default: one per "
+        "--threads free cores; 1 trains every run in this process); results do not depend on it",
     )
     p.add_argument(
         "--text", nargs="+", metavar="PATH", help="your own text files instead of the Wikipedia corpus"

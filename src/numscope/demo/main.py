@@ -23,6 +23,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,9 @@ from numscope.plan import Plan
 from numscope.run.config import RunData, RunResult, RunSpec, TrainConfig
 from numscope.run.data import load_run_data, unigram_loss
 from numscope.run.folders import read_settings, setting_changes
-from numscope.run.loop import read_log, train_run
+from numscope.run.loop import read_log
 from numscope.run.model import ModelConfig
+from numscope.run.pool import RunPool, default_jobs
 
 WITHIN_PERCENT = 1.0
 """A run "reaches FP32's validation loss" when its loss is at most this many percent above FP32's."""
@@ -185,6 +187,9 @@ class DemoConfig:
     threads: torch's intra-op threads while the demo runs (None leaves torch's setting). One by default:
         when other processes compete for the cores, threads waiting for each other spin and steps slow
         down; on an idle machine more threads are faster. ``bench_train_step.py --threads N`` measures both.
+    jobs: runs trained at once, each in its own process (:class:`numscope.run.pool.RunPool`); None gives
+        one per ``threads`` free cores. A run's result does not depend on it (tested bit for bit); 1 trains
+        every run in this process, one after the other.
     """
 
     train: TrainConfig = field(
@@ -207,6 +212,7 @@ class DemoConfig:
     fast: bool = True
     threads: int | None = 1
     noise_seeds: tuple[int, ...] = (1, 2)
+    jobs: int | None = None
 
     @classmethod
     def quick(cls) -> DemoConfig:
@@ -302,7 +308,12 @@ class DemoError(ValueError):
 
 
 SETTINGS_FILE = "demo.json"
-_RESULT_NEUTRAL = ("threads", "fast", "noise_seeds")  # settings that do not change what the runs compute
+_RESULT_NEUTRAL = (
+    "threads",
+    "jobs",
+    "fast",
+    "noise_seeds",
+)  # settings that do not change what the runs compute
 # (noise_seeds only adds runs of their own)
 
 
@@ -357,65 +368,82 @@ def _run_demo(
         f"{config.train.steps} steps of {config.train.batch_size} blocks per run"
     )
     results: dict[str, RunResult] = {}
+    plan_path = out_dir / "plan.yaml"
+    jobs = config.jobs if config.jobs is not None else default_jobs(config.threads)
+    bars: dict[str, Any] = {}
 
-    def run(
-        spec: RunSpec,
-        observer_factory: Callable[[torch.nn.Module], Any] | None = None,
-        seed: int | None = None,
-    ) -> RunResult:
-        # the compiled path pays for its compilation only on block formats; element casts run faster eagerly
-        compiled = config.fast and observer_factory is None and spec.load_plan().uses_block_formats()
-        bar = tqdm(total=config.train.steps, desc=f"{spec.name:>13}", disable=not progress, leave=True)
+    def start(name: str) -> None:
+        bars[name] = tqdm(total=config.train.steps, desc=f"{name:>13}", disable=not progress, leave=True)
 
-        def on_step(step: int, loss: float) -> None:
-            bar.n = step
+    def step(name: str, at: int, loss: float) -> None:
+        bar = bars.get(name)
+        if bar is not None:  # a worker's last report may arrive after its run ended
+            bar.n = at
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
             bar.refresh()
 
-        folder = out_dir / "runs" / spec.name
+    def end(name: str) -> None:
+        bar = bars.pop(name, None)
+        if bar is not None:
+            bar.close()
+
+    def queue(pool: RunPool, spec: RunSpec, observed: bool = False, seed: int | None = None) -> None:
+        # the compiled path pays for its compilation only on block formats; element casts run faster eagerly
+        compiled = config.fast and not observed and spec.load_plan().uses_block_formats()
         train, model = config.train, mcfg
         if seed is not None:
             train, model = replace(config.train, seed=seed), replace(mcfg, seed=seed)
-        try:
-            result = train_run(
-                spec,
-                model,
-                train,
-                data,
-                folder,
-                on_step,
-                observer_factory,
-                save_model=True,
-                compiled=compiled,
-            )
-        finally:
-            bar.close()
-        if not (folder / MODEL_FILE).is_file():  # finished by a demo that did not keep models
-            log(
-                f"[{spec.name}] finished without {MODEL_FILE} (an earlier demo did not keep models); "
-                f"delete {folder} to train it again with its model"
-            )
-        results[spec.name] = result
-        return result
-
-    run(REFERENCE, lambda model: training_observer(model, config))
-    analysis = Analysis.load(out_dir / "runs" / REFERENCE.name / "analysis")
-    plan_path = out_dir / "plan.yaml"
-    recommendation = advise(analysis, **config.advisor.kwargs())  # deterministic: what plan.yaml holds
-    if not plan_path.exists():
-        recommendation.plan.save(plan_path)
-        log(
-            f"[plan] {recommendation.average_bits:.2f} average bits per operand element "
-            f"({config.advisor.describe()})"
+        pool.add(
+            spec.name,
+            first=spec.name == RECOMMENDED,  # the run the demo is about starts as soon as it can
+            spec=spec,
+            model_config=model,
+            cfg=train,
+            out_dir=out_dir / "runs" / spec.name,
+            observer_factory=partial(training_observer, config=config) if observed else None,
+            save_model=True,
+            compiled=compiled,
         )
-    # the default limits' bits, said only where the demo's request departs from them
-    departs = bool(config.advisor.criteria) or config.advisor.bit_budget is not None
-    default_bits = _default_limits_bits(analysis) if departs else None
-    run(RunSpec(RECOMMENDED, str(plan_path), description=RECOMMENDED_DESCRIPTION))
-    for spec in BASELINES:
-        run(spec)
-    for seed in config.noise_seeds:
-        run(noise_spec(seed), seed=seed)
+
+    recommendation, default_bits = None, None
+    with RunPool(data, jobs, config.threads, on_start=start, on_step=step, on_end=end) as pool:
+        queue(pool, REFERENCE, observed=True)
+        for spec in BASELINES:
+            queue(pool, spec)
+        for seed in config.noise_seeds:
+            queue(pool, noise_spec(seed), seed=seed)
+        try:
+            while pool:
+                name, result = pool.next_finished()
+                results[name] = result
+                if not (out_dir / "runs" / name / MODEL_FILE).is_file():  # an earlier demo kept no models
+                    log(
+                        f"[{name}] finished without {MODEL_FILE} (an earlier demo did not keep models); "
+                        f"delete {out_dir / 'runs' / name} to train it again with its model"
+                    )
+                if name != REFERENCE.name:
+                    continue
+                analysis = Analysis.load(out_dir / "runs" / REFERENCE.name / "analysis")
+                # deterministic: what plan.yaml holds
+                recommendation = advise(analysis, **config.advisor.kwargs())
+                if not plan_path.exists():
+                    recommendation.plan.save(plan_path)
+                    log(
+                        f"[plan] {recommendation.average_bits:.2f} average bits per operand element "
+                        f"({config.advisor.describe()})"
+                    )
+                # the default limits' bits, said only where the demo's request departs from them
+                departs = bool(config.advisor.criteria) or config.advisor.bit_budget is not None
+                default_bits = _default_limits_bits(analysis) if departs else None
+                recommended = RunSpec(RECOMMENDED, str(plan_path), description=RECOMMENDED_DESCRIPTION)
+                queue(pool, recommended)
+        finally:
+            for name in list(bars):
+                end(name)
+    order = [REFERENCE.name, RECOMMENDED, *(spec.name for spec in BASELINES)]
+    order += [noise_spec(seed).name for seed in config.noise_seeds]
+    results = {name: results[name] for name in order}  # the table's order, whichever finished first
+    analysis = Analysis.load(out_dir / "runs" / REFERENCE.name / "analysis")
 
     sizes = _operand_sizes(analysis)
     rows = []

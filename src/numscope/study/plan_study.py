@@ -36,12 +36,11 @@ every plan it trains (Spearman rank correlation).
 
 from __future__ import annotations
 
-import concurrent.futures as futures
 import json
 import math
-import multiprocessing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -80,53 +79,45 @@ def _data(config: PlanStudyConfig, text_paths: tuple[str, ...] | None) -> Any:
     return _DATA[key]
 
 
-def _train(task: dict[str, Any]) -> dict[str, Any]:
-    """One (plan, seed) run in its folder; resumes or returns a finished result (train_run's contract)."""
-    import torch
-
+def _run_all(tasks: list[dict[str, Any]], jobs: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """Train every (plan, seed) task in its folder, ``jobs`` at a time in processes of one thread
+    (:class:`numscope.run.pool.RunPool`); finished runs are read back (train_run's contract)."""
     from numscope.demo.main import model_config, training_observer
     from numscope.run.config import RunSpec
-    from numscope.run.loop import train_run
+    from numscope.run.pool import RunPool
 
-    torch.set_num_threads(1)
-    config = PlanStudyConfig(**task["config"])
-    data = _data(config, task["text"])
-    demo = config.demo_config(task["seed"])
-    plan = Plan.named(task["plan"]) if not task["plan"].endswith(".yaml") else Plan.load(task["plan"])
-    observer = (lambda model: training_observer(model, demo)) if task["observe"] else None
-    result = train_run(
-        RunSpec(task["name"], task["plan"]),
-        model_config(demo, data),
-        demo.train,
-        data,
-        Path(task["folder"]),
-        observer_factory=observer,
-        compiled=bool(plan.uses_block_formats()) and not task["observe"],
-        save_model=bool(task.get("save_model", False)),
-    )
-    return {
-        "name": task["name"],
-        "seed": task["seed"],
-        "val_loss": result.val_loss,
-        "wall": result.wall_seconds,
-    }
-
-
-def _run_all(tasks: list[dict[str, Any]], jobs: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    if jobs == 1 or len(tasks) == 1:
-        out = []
-        for task in tasks:
-            out.append(_train(task))
-            log(f"  {task['name']} seed {task['seed']}: {out[-1]['val_loss']:.4f}")
-        return out
+    if not tasks:
+        return []
+    config = PlanStudyConfig(**tasks[0]["config"])
+    data = _data(config, tasks[0]["text"])
+    by_key = {f"{task['name']} seed {task['seed']}": task for task in tasks}
     results: list[dict[str, Any]] = []
-    context = multiprocessing.get_context("spawn")
-    with futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-        pending = {pool.submit(_train, task): task for task in tasks}
-        for done in futures.as_completed(pending):
-            result = done.result()
-            results.append(result)
-            log(f"  {result['name']} seed {result['seed']}: {result['val_loss']:.4f} ({result['wall']:.0f}s)")
+    with RunPool(data, jobs=min(jobs, len(tasks)), threads=1) as pool:
+        for key, task in by_key.items():
+            demo = config.demo_config(task["seed"])
+            plan = Plan.named(task["plan"]) if not task["plan"].endswith(".yaml") else Plan.load(task["plan"])
+            pool.add(
+                key,
+                spec=RunSpec(task["name"], task["plan"]),
+                model_config=model_config(demo, data),
+                cfg=demo.train,
+                out_dir=Path(task["folder"]),
+                observer_factory=partial(training_observer, config=demo) if task["observe"] else None,
+                compiled=bool(plan.uses_block_formats()) and not task["observe"],
+                save_model=bool(task.get("save_model", False)),
+            )
+        while pool:
+            key, result = pool.next_finished()
+            task = by_key[key]
+            results.append(
+                {
+                    "name": task["name"],
+                    "seed": task["seed"],
+                    "val_loss": result.val_loss,
+                    "wall": result.wall_seconds,
+                }
+            )
+            log(f"  {task['name']} seed {task['seed']}: {result.val_loss:.4f} ({result.wall_seconds:.0f}s)")
     return results
 
 
