@@ -450,3 +450,25 @@ def test_a_run_that_fails_in_a_worker_raises_its_error_here(tmp_path: Path, text
         assert not pool
     with pytest.raises(ValueError, match="jobs must be a positive integer"):
         RunPool(data, jobs=0)
+
+
+def test_a_worker_that_dies_raises_instead_of_leaving_the_pool_waiting(
+    tmp_path: Path, text_file: Path
+) -> None:
+    import functools
+    import os
+    from concurrent.futures.process import BrokenProcessPool
+
+    from numscope.run.pool import RunPool
+
+    data = demo_main.prepare_data(TINY, [text_file], cache_dir=tmp_path / "cache")
+    with RunPool(data, jobs=2, threads=1) as pool:  # the model factory ends its process at once
+        pool.add(
+            "dies",
+            spec=demo_main.REFERENCE,
+            model_config=functools.partial(os._exit, 3),
+            cfg=TINY.train,
+            out_dir=tmp_path / "dies",
+        )
+        with pytest.raises(BrokenProcessPool):
+            pool.next_finished()

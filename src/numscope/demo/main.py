@@ -308,13 +308,8 @@ class DemoError(ValueError):
 
 
 SETTINGS_FILE = "demo.json"
-_RESULT_NEUTRAL = (
-    "threads",
-    "jobs",
-    "fast",
-    "noise_seeds",
-)  # settings that do not change what the runs compute
-# (noise_seeds only adds runs of their own)
+# settings that do not change what the runs compute (noise_seeds only adds runs of their own)
+_RESULT_NEUTRAL = ("threads", "jobs", "fast", "noise_seeds")
 
 
 def _check_settings(out_dir: Path, config: DemoConfig, text_paths: Sequence[Path] | None) -> None:

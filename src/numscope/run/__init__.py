@@ -5,7 +5,8 @@
 ``BertForMaskedLM`` from a config; ``data`` turns documents into masked batches and scores a model on a fixed
 set of masked tokens (``load_run_data``: corpus to blocks in one call); ``objectives`` are masked and causal
 LM; ``sources`` resolves ``--model`` and the data settings; ``config`` holds what a run is (its plan,
-optimisation settings, data, result); ``loop`` trains one run, resumable and logged; ``folders`` checks output
+optimisation settings, data, result); ``loop`` trains one run, resumable and logged; ``pool`` trains
+several side by side in worker processes; ``folders`` checks output
 folders and the settings a run folder recorded; ``runner`` runs ``analyze`` and ``train`` into a run folder
 (``numscope analyze``/``train``); ``compare`` reads finished run folders and says whether a loss gap between
 them means anything. Names are resolved lazily so that reading the corpus does not
@@ -66,6 +67,8 @@ _EXPORTS: dict[str, str] = {
     "LOG_FIELDS": "numscope.run.loop",
     "read_log": "numscope.run.loop",
     "train_run": "numscope.run.loop",
+    "RunPool": "numscope.run.pool",
+    "default_jobs": "numscope.run.pool",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -9,8 +9,8 @@ resumes from its checkpoint wherever it runs next.
 
 With ``jobs=1`` nothing is spawned: the runs train in this process (with ``threads`` threads while they
 train), one after the other, in the order the queue gives (:meth:`RunPool.add`'s ``first`` puts a run at
-its front). Workers are started with ``spawn``
-(no forked copy of a process that holds threads) and get the run data once, when they start.
+its front). Workers are started with ``spawn`` (no forked copy of a process that holds threads) and get the
+run data once, when they start.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import queue
 from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,7 +75,9 @@ class RunPool:
     ``add`` queues a run (``train_run``'s keyword arguments, without ``data`` and ``on_step``);
     ``next_finished`` starts queued runs while fewer than ``jobs`` train and returns the next one to finish
     as ``(name, result)``. A run's error is raised there, after the other runs' workers are stopped (their
-    checkpoints stay: a rerun resumes them). Use as a context manager, which stops the workers on leaving.
+    checkpoints stay: a rerun resumes them); a worker that dies (killed, out of memory) raises
+    ``BrokenProcessPool`` there instead of leaving the pool waiting. Use as a context manager, which stops
+    the workers on leaving.
     ``on_start(name)``, ``on_step(name, step, loss)`` and ``on_end(name)`` are called in this process.
     """
 
@@ -85,8 +88,8 @@ class RunPool:
     on_step: ProgressCallback | None = None
     on_end: Callable[[str], None] | None = None
     _queue: list[_Job] = field(default_factory=list, init=False)
-    _running: dict[str, Any] = field(default_factory=dict, init=False)
-    _pool: Any = field(default=None, init=False)
+    _running: dict[str, Future[RunResult]] = field(default_factory=dict, init=False)
+    _pool: ProcessPoolExecutor | None = field(default=None, init=False)
     _progress: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -131,11 +134,15 @@ class RunPool:
         """Stop the workers (at once with ``terminate``; a run they were training resumes on a rerun)."""
         if self._pool is not None:
             if terminate or self._running:
-                self._pool.terminate()
-            else:
-                self._pool.close()
-            self._pool.join()
+                # a run in a worker cannot be cancelled; its process is stopped (Python < 3.14 has no
+                # public call for it: the executor's process table, read defensively)
+                processes = getattr(self._pool, "_processes", None) or {}
+                for process in list(processes.values()):
+                    process.terminate()
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+            self._progress.close()
+            self._progress = None
         self._running.clear()
 
     # ------------------------------------------------------------------------------------------- internals
@@ -161,21 +168,21 @@ class RunPool:
         if self._pool is None:
             context = multiprocessing.get_context("spawn")
             self._progress = context.Queue()
-            self._pool = context.Pool(
-                self.jobs, _start_worker, (self.data, self.threads, self._progress), maxtasksperchild=None
+            self._pool = ProcessPoolExecutor(
+                self.jobs, context, _start_worker, (self.data, self.threads, self._progress)
             )
         self._notify(self.on_start, job.name)
-        self._running[job.name] = self._pool.apply_async(_train_in_worker, (job.name, job.kwargs))
+        self._running[job.name] = self._pool.submit(_train_in_worker, job.name, job.kwargs)
 
     def _wait(self) -> tuple[str, RunResult]:
         while True:
             self._pump(timeout=0.2)
             for name, pending in self._running.items():
-                if pending.ready():
+                if pending.done():
                     self._pump(timeout=0.0)  # the steps it reported before finishing
                     del self._running[name]
                     self._notify(self.on_end, name)
-                    return name, pending.get()  # raises the run's error
+                    return name, pending.result()  # raises the run's error
 
     def _pump(self, timeout: float) -> None:
         """Hand on the progress the workers reported (waiting up to ``timeout`` s for the first)."""
