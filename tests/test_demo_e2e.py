@@ -30,6 +30,7 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     names = ["fp32", "recommended", "bf16", "fp16", "fp16+scaling", "fp8", "mxfp8", "int8", "mxfp4"]
     names += ["fp32-seed1", "fp32-seed2"]  # FP32 again from other seeds: the claims' seed noise
+    names += ["recommended-seed1", "recommended-seed2"]  # the plan from those seeds: paired with them
     table = [line.split("|")[1].strip() for line in result.stdout.splitlines() if line.startswith("| ")]
     assert table[1:] == names  # the header, then one row per run in this order
     report = (out / "report.html").read_text()

@@ -95,6 +95,8 @@ RUN_NAMES = [
     "mxfp4",
     "fp32-seed1",
     "fp32-seed2",
+    "recommended-seed1",
+    "recommended-seed2",
 ]
 
 
@@ -116,7 +118,7 @@ def test_the_baselines_include_the_issues_uniform_formats_with_per_tensor_int8()
     from numscope.formats.spec import get_format
 
     specs = {spec.name: spec for spec in demo_main.BASELINES}
-    assert [spec.name for spec in demo_main.BASELINES] == RUN_NAMES[2:-2]
+    assert [spec.name for spec in demo_main.BASELINES] == RUN_NAMES[2:-4]
     assert all(spec.description for spec in (*demo_main.BASELINES, demo_main.REFERENCE))
     for name, fmt, scaling in (("mxfp8", "mxfp8_e4m3", "block"), ("int8", "int8", "tensor")):
         plan = specs[name].load_plan()
@@ -155,7 +157,7 @@ def test_a_demo_folder_of_an_earlier_demo_keeps_its_runs_and_adds_the_new_ones(
     summary = run_demo(folder, TINY, [text_file], log=lines.append, progress=False)
     assert all(path.stat().st_mtime_ns == mtime for path, mtime in finished.items()), "finished runs rerun"
     assert [r["name"] for r in summary["runs"]] == RUN_NAMES
-    new = ["mxfp8", "int8", "fp32-seed1", "fp32-seed2"]
+    new = ["mxfp8", "int8", "fp32-seed1", "fp32-seed2", "recommended-seed1", "recommended-seed2"]
     _assert_final_models(folder, summary, new)
     old = [name for name in RUN_NAMES if name not in new]
     assert all(row["model"] is None for row in summary["runs"] if row["name"] in old)
@@ -276,6 +278,45 @@ def test_claims_measure_differences_against_the_fp32_seed_noise() -> None:
     scaled = next(text for text, _ in claims if text.startswith("FP16 with dynamic"))
     assert "fp16 − fp32 +0.2000 nats = 10.0 sd, beyond the seed noise" in scaled
     assert demo_main.fp32_seed_noise(rows[:1]) is None
+
+
+def test_the_plan_claim_pairs_the_recommended_runs_with_fp32_seed_by_seed() -> None:
+    rows = [
+        _row("fp32", 6.00, 32),
+        _row("recommended", 6.01, 7.1),
+        _row("fp16", 6.00, 16),
+        _row("fp16+scaling", 6.00, 16, scale=2.0**15),
+        _row("fp8", 6.02, 8),
+        _row("mxfp4", 6.12, 4.25),
+        _row("fp32-seed1", 6.10, 32),
+        _row("fp32-seed2", 5.90, 32),
+        _row("recommended-seed1", 6.115, 7.1),
+        _row("recommended-seed2", 5.905, 7.1),
+    ]
+    noise = demo_main.fp32_seed_noise(rows)
+    assert noise == pytest.approx(0.1)  # the fp32 runs only: 6.00, 6.10, 5.90
+    assert demo_main.recommended_pairs(rows) == [
+        ("main", pytest.approx(0.01)),
+        ("seed1", pytest.approx(0.015)),
+        ("seed2", pytest.approx(0.005)),
+    ]
+    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)
+    plan = next(text for text, _ in claims if text.startswith("Recommended plan"))
+    # 0.010 ± 0.005 nats: 2 sd of the paired differences is 0.010, the mean is not beyond it
+    assert "recommended − fp32 = +0.0100 ± 0.0050 nats (main +0.0100, seed1 +0.0150, seed2 +0.0050)" in plan
+    assert _verdict(claims, "Recommended plan") is True
+    rows[8] = _row("recommended-seed1", 6.20, 7.1)  # 0.01, 0.10, 0.005: one seed 0.10 behind, within
+    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)  # both bars (2 x 0.053; 2 x 0.1): a tie
+    assert _verdict(claims, "Recommended plan") is True
+    rows[8] = _row("recommended-seed1", 6.40, 7.1)  # 0.30 nats behind on one seed (stuck): beyond 2 x 0.1
+    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)
+    assert _verdict(claims, "Recommended plan") is False
+    rows[8], rows[9] = _row("recommended-seed1", 6.13, 7.1), _row("recommended-seed2", 5.95, 7.1)
+    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)  # 0.01, 0.03, 0.05: 0.03 <= 2 x 0.02
+    assert _verdict(claims, "Recommended plan") is True
+    rows[1] = _row("recommended", 6.03, 7.1)  # 0.03, 0.03, 0.05: 0.037 > 2 x 0.012, consistently behind
+    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)
+    assert _verdict(claims, "Recommended plan") is False
 
 
 def test_claims_state_their_thresholds_and_the_scale_they_saw() -> None:
@@ -419,7 +460,8 @@ def test_runs_trained_in_worker_processes_equal_runs_trained_in_this_one(
         for jobs, folder in folders.items()
     }
     names = [row["name"] for row in summaries[1]["runs"]]
-    assert names == RUN_NAMES[:-1] and [row["name"] for row in summaries[2]["runs"]] == names
+    assert names == [name for name in RUN_NAMES if not name.endswith("seed2")]
+    assert [row["name"] for row in summaries[2]["runs"]] == names
     from numscope.train.checkpoint import load_checkpoint
 
     for one, two in zip(summaries[1]["runs"], summaries[2]["runs"], strict=True):

@@ -8,7 +8,8 @@ Stages (each skipped when its output exists, so an interrupted demo resumes):
    says) writes ``plan.yaml``, then a run under it;
 4. the baselines — ``bf16``, ``fp16`` without loss scaling, ``fp16`` with dynamic loss scaling, ``fp8``
    (hybrid E4M3/E5M2, per-tensor scaling), ``mxfp8`` (E4M3 in blocks of 32), ``int8`` (per-tensor scaling),
-   ``mxfp4``;
+   ``mxfp4``; then ``fp32`` and the recommended plan again from other seeds (``fp32-seedN``,
+   ``recommended-seedN``): the seed noise, and the plan's comparison with FP32 seed by seed;
 5. ``report.html``, ``summary.json`` and the final table, with each claim checked against the numbers.
 
 Every run keeps its folder ``runs/NAME/``: ``log.csv``, ``plan.yaml``, ``result.json`` and its final model,
@@ -183,7 +184,9 @@ class DemoConfig:
         difference on your machine.
     noise_seeds: the FP32 run is trained again from these seeds (other initialisation, batch order and
         evaluation masks): the standard deviation of FP32's validation loss over all its seeds is the seed
-        noise every claim is measured against (a difference counts only beyond twice it).
+        noise every claim is measured against (a difference counts only beyond twice it). The recommended
+        plan is trained from them too (``recommended-seedN``), so that its claim compares it with FP32
+        seed by seed (paired: the same initialisation, batches and masks on both sides).
     threads: torch's intra-op threads while the demo runs (None leaves torch's setting). One by default:
         when other processes compete for the cores, threads waiting for each other spin and steps slow
         down; on an idle machine more threads are faster. ``bench_train_step.py --threads N`` measures both.
@@ -432,11 +435,14 @@ def _run_demo(
                 default_bits = _default_limits_bits(analysis) if departs else None
                 recommended = RunSpec(RECOMMENDED, str(plan_path), description=RECOMMENDED_DESCRIPTION)
                 queue(pool, recommended)
+                for seed in config.noise_seeds:  # paired with fp32-seedN: the plan's own seed-to-seed test
+                    queue(pool, recommended_seed_spec(seed, str(plan_path)), seed=seed)
         finally:
             for name in list(bars):
                 end(name)
     order = [REFERENCE.name, RECOMMENDED, *(spec.name for spec in BASELINES)]
     order += [noise_spec(seed).name for seed in config.noise_seeds]
+    order += [recommended_seed_spec(seed).name for seed in config.noise_seeds]
     results = {name: results[name] for name in order}  # the table's order, whichever finished first
     analysis = Analysis.load(out_dir / "runs" / REFERENCE.name / "analysis")
 
@@ -495,8 +501,32 @@ def _run_demo(
     return summary
 
 
+def recommended_pairs(rows: Sequence[dict[str, Any]]) -> list[tuple[str, float]]:
+    """(seed, recommended − fp32 validation loss in nats) for every seed both were trained from: the main
+    runs (``"main"``: the config's seed) and each ``recommended-seedN`` with its ``fp32-seedN``."""
+    by = {r["name"]: r for r in rows}
+    pairs = []
+    if RECOMMENDED in by and REFERENCE.name in by:
+        pairs.append(("main", by[RECOMMENDED]["val_loss"] - by[REFERENCE.name]["val_loss"]))
+    for name, row in by.items():
+        if name.startswith(f"{RECOMMENDED}-seed"):
+            seed = name.rsplit("-", 1)[1]
+            fp32 = by.get(f"{REFERENCE.name}-{seed}")
+            if fp32 is not None:
+                pairs.append((seed, row["val_loss"] - fp32["val_loss"]))
+    return pairs
+
+
 def noise_spec(seed: int) -> RunSpec:
     return RunSpec(f"fp32-seed{seed}", "fp32", description=f"fp32 again from seed {seed}: the seed noise")
+
+
+def recommended_seed_spec(seed: int, plan: str = "plan.yaml") -> RunSpec:
+    return RunSpec(
+        f"{RECOMMENDED}-seed{seed}",
+        plan,
+        description=f"the recommended plan from seed {seed}: paired with fp32-seed{seed}",
+    )
 
 
 def fp32_seed_noise(rows: Sequence[dict[str, Any]]) -> float | None:
@@ -612,6 +642,7 @@ def _setup(config: DemoConfig, data: RunData) -> dict[str, Any]:
         RunSpec(RECOMMENDED, "plan.yaml", description=RECOMMENDED_DESCRIPTION),
         *BASELINES,
         *(noise_spec(seed) for seed in config.noise_seeds),
+        *(recommended_seed_spec(seed) for seed in config.noise_seeds),
     )
     return {
         "model": f"BertForMaskedLM, {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "
@@ -678,7 +709,18 @@ def _claims(
             )
         )
     rec, fp8 = by[RECOMMENDED], by["fp8"]
-    if noise is not None:  # the plan trains like FP32: its loss within the seed noise of FP32's
+    paired = recommended_pairs(rows)
+    if len(paired) >= 3 and noise is not None:
+        # paired with FP32 seed by seed: not behind beyond 2 sd of the paired differences, and no single
+        # seed behind by more than 2 sd of FP32's (unpaired) seed noise: a run stuck on one seed counts
+        diffs = [d for _, d in paired]
+        mean, sd = statistics.mean(diffs), statistics.stdev(diffs)
+        held = mean <= NOISE_SIGMAS * sd and max(diffs) <= NOISE_SIGMAS * noise
+        bar = (
+            f"like FP32 paired seed by seed (mean difference within {NOISE_SIGMAS:g} sd of the paired "
+            f"differences, and no seed behind by more than {NOISE_SIGMAS:g} sd of FP32's seed noise)"
+        )
+    elif noise is not None:  # the plan trains like FP32: its loss within the seed noise of FP32's
         held = not beyond(RECOMMENDED, "fp32")
         bar = f"within {NOISE_SIGMAS:g} sd of FP32's seed noise"
     else:
@@ -700,6 +742,12 @@ def _claims(
         noise_text = (
             f"; FP32's seed noise is {noise:.4f} nats (sd over {seeds} seeds): "
             f"{against_noise(RECOMMENDED, 'fp32')}, {against_noise(RECOMMENDED, 'fp8')}"
+        )
+    if len(paired) >= 3 and noise is not None:
+        per_seed = ", ".join(f"{seed} {d:+.4f}" for seed, d in paired)
+        noise_text += (
+            f"; paired with FP32 on {len(paired)} seeds (same initialisation, batches and masks), "
+            f"recommended − fp32 = {mean:+.4f} ± {sd:.4f} nats ({per_seed})"
         )
     claims.append(
         (
