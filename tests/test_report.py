@@ -286,6 +286,48 @@ def test_a_diverging_run_leaves_the_loss_axes_to_the_others_and_is_named(
     plt.close(figures[0])
 
 
+def test_a_run_from_another_seed_keeps_its_runs_colour_dashed_and_is_compared_with_fp32_from_that_seed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import matplotlib.pyplot as plt
+
+    from numscope.report import plots
+
+    names = ["fp32", "recommended", "bf16", "fp32-seed1", "recommended-seed1", "recommended-seed2", "x-seed1"]
+    colours = plots.run_colours(names)
+    assert colours["recommended-seed1"] == colours["recommended-seed2"] == colours["recommended"]
+    assert colours["fp32-seed1"] == colours["fp32"] and colours["x-seed1"] not in (colours["fp32"],)
+    assert len({colours[name] for name in ("fp32", "recommended", "bf16", "x-seed1")}) == 4
+    assert plots.seed_base("recommended-seed12") == ("recommended", 12) and plots.seed_base("fp8") is None
+    template = synthetic_runs()[0]
+
+    def run(name: str, losses: list[float]) -> dict:
+        curve = [{"step": 10 * (i + 1), "val_loss": v, "val_accuracy": 0.1} for i, v in enumerate(losses)]
+        return {**template, "name": name, "curve": curve}
+
+    runs = [
+        run("fp32", [3.0, 2.0]),
+        run("recommended", [3.03, 2.02]),
+        run("fp32-seed1", [3.3, 2.2]),
+        run("recommended-seed1", [3.3, 2.244]),  # 2% behind fp32-seed1, 12.2% behind fp32
+    ]
+    figures = []
+    monkeypatch.setattr(plots, "_png", lambda fig, tight=True: figures.append(fig) or b"")
+    plots.loss_curves(runs)
+    (figure,) = figures
+    try:
+        gap_ax = figure.axes[2]
+        lines = {line.get_label(): line for line in gap_ax.get_lines()}
+        assert list(lines["recommended-seed1"].get_ydata()) == pytest.approx([0.0, 2.0])  # paired
+        assert list(lines["recommended"].get_ydata()) == pytest.approx([1.0, 1.0])
+        assert list(lines["fp32-seed1"].get_ydata()) == pytest.approx([10.0, 10.0])  # the seed noise
+        assert (
+            lines["recommended-seed1"].get_linestyle() == "--" and lines["recommended"].get_linestyle() == "-"
+        )
+    finally:
+        plt.close(figure)
+
+
 def test_gap_to_reference() -> None:
     assert gap_to_reference(2.02, 2.0) == pytest.approx(1.0)
     assert gap_to_reference(1.9, 2.0) == pytest.approx(-5.0)

@@ -55,15 +55,38 @@ plt.rcParams.update(
 )
 
 
+def seed_base(name: str) -> tuple[str, int] | None:
+    """``("recommended", 1)`` for a run named ``recommended-seed1`` (the same run from another seed)."""
+    base, _, seed = name.rpartition("-seed")
+    return (base, int(seed)) if base and seed.isdigit() else None
+
+
 def run_colours(names: Sequence[str]) -> dict[str, str]:
-    """A fixed colour per run name: the FP32 reference dark grey, the others from a 10-colour palette."""
+    """A fixed colour per run name: the FP32 reference dark grey, the others from a 10-colour palette; a
+    run from another seed (``NAME-seedN``) takes the colour of ``NAME`` where that run is present."""
     colours: dict[str, str] = {}
-    others = [name for name in names if name != REFERENCE_RUN]
+    present = set(names)
+
+    def base_of(name: str) -> str | None:
+        base = seed_base(name)
+        return base[0] if base is not None and base[0] in present else None
+
+    others = [name for name in names if name != REFERENCE_RUN and base_of(name) is None]
     for index, name in enumerate(others):
         colours[name] = _PALETTE[index % len(_PALETTE)]
     if REFERENCE_RUN in names:
         colours[REFERENCE_RUN] = _REFERENCE_COLOUR
+    for name in names:
+        base = base_of(name)
+        if base is not None:
+            colours[name] = colours[base]
     return colours
+
+
+def _line_style(name: str) -> str:
+    """Solid for a run, dashed or dotted for the same run from another seed."""
+    base = seed_base(name)
+    return "-" if base is None else ("--", ":", "-.")[(base[1] - 1) % 3]
 
 
 def _png(fig: Figure, tight: bool = True) -> bytes:
@@ -122,7 +145,15 @@ def loss_curves(
             steps = [float(row["step"]) for row in log]
             losses = [float(row["loss"]) for row in log]
             smoothed = ema(losses, smoothing)
-            train_ax.plot(steps, smoothed, color=colour, lw=width, label=run["name"], zorder=order)
+            train_ax.plot(
+                steps,
+                smoothed,
+                color=colour,
+                lw=width,
+                ls=_line_style(run["name"]),
+                label=run["name"],
+                zorder=order,
+            )
             finite = [v for v in losses if math.isfinite(v)]
             finite_losses += finite
             if finite:
@@ -135,6 +166,7 @@ def loss_curves(
                 values,
                 color=colour,
                 lw=width,
+                ls=_line_style(run["name"]),
                 marker="o",
                 ms=3,
                 label=run["name"],
@@ -232,11 +264,16 @@ def _note_off_scale(ax, drawn: Sequence[tuple[str, str, float, float]], top: flo
 def _gap_panel(ax, runs: Sequence[Mapping], reference: Mapping, colours: Mapping[str, str]) -> None:
     """Each run's validation loss over the reference run's at the same evaluation step, in percent (a
     symmetric-log axis beyond ±2%, so a run that falls far behind does not flatten the close ones)."""
-    base = {float(p["step"]): float(p["val_loss"]) for p in reference["curve"]}
+    curves = {run["name"]: run.get("curve") or [] for run in runs}
     gaps: list[float] = []
     for run in runs:
         if run["name"] == REFERENCE_RUN:
             continue
+        # a run from another seed against FP32 from that seed (paired), where there is one
+        seed = seed_base(run["name"])
+        paired = f"{REFERENCE_RUN}-seed{seed[1]}" if seed is not None and seed[0] != REFERENCE_RUN else ""
+        against = curves.get(paired) or reference["curve"]
+        base = {float(p["step"]): float(p["val_loss"]) for p in against}
         points = [(float(p["step"]), float(p["val_loss"])) for p in run.get("curve") or []]
         points = [
             (step, 100.0 * (value - base[step]) / base[step])
@@ -249,6 +286,7 @@ def _gap_panel(ax, runs: Sequence[Mapping], reference: Mapping, colours: Mapping
             *zip(*points, strict=True),
             color=colours[run["name"]],
             lw=1.3,
+            ls=_line_style(run["name"]),
             marker="o",
             ms=3,
             label=run["name"],
@@ -258,7 +296,7 @@ def _gap_panel(ax, runs: Sequence[Mapping], reference: Mapping, colours: Mapping
     ax.axhspan(-1.0, 1.0, color="#2ca02c", alpha=0.08, lw=0, zorder=0)
     if gaps and max(abs(g) for g in gaps) > 2.0:
         ax.set_yscale("symlog", linthresh=2.0, linscale=1.5)
-    ax.set_title("validation loss vs fp32 at the same step")
+    ax.set_title("validation loss vs fp32 at the same step (NAME-seedN: vs fp32-seedN)", fontsize=9)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("gap to fp32 (%); green band ±1%")
 
