@@ -187,7 +187,9 @@ def _curves(
             f"Left: training {loss_label} per step, smoothed with an exponential moving average. "
             f"Middle: validation {loss_label} at each evaluation. Right: each run's validation loss relative "
             "to FP32's at the same step, in percent (green: within ±1%; a logarithmic scale beyond ±2%). "
-            f"Every run starts from the same seed and sees the same batches.{reference}",
+            "Every run starts from the same seed and sees the same batches, except a run named NAME-seedN: "
+            "the same run from seed N (dashed or dotted, in NAME's colour), compared with fp32-seedN where "
+            f"there is one.{reference}",
         ),
         _loss_scales(runs),
     ]
