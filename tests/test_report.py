@@ -291,6 +291,7 @@ def test_a_run_from_another_seed_keeps_its_runs_colour_dashed_and_is_compared_wi
 ) -> None:
     import matplotlib.pyplot as plt
 
+    from numscope._names import parse_seed_run
     from numscope.report import plots
 
     names = ["fp32", "recommended", "bf16", "fp32-seed1", "recommended-seed1", "recommended-seed2", "x-seed1"]
@@ -298,7 +299,7 @@ def test_a_run_from_another_seed_keeps_its_runs_colour_dashed_and_is_compared_wi
     assert colours["recommended-seed1"] == colours["recommended-seed2"] == colours["recommended"]
     assert colours["fp32-seed1"] == colours["fp32"] and colours["x-seed1"] not in (colours["fp32"],)
     assert len({colours[name] for name in ("fp32", "recommended", "bf16", "x-seed1")}) == 4
-    assert plots.seed_base("recommended-seed12") == ("recommended", 12) and plots.seed_base("fp8") is None
+    assert parse_seed_run("recommended-seed12") == ("recommended", 12) and parse_seed_run("fp8") is None
     template = synthetic_runs()[0]
 
     def run(name: str, losses: list[float]) -> dict:

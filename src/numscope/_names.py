@@ -1,5 +1,5 @@
-"""Small facts about site names that several modules need: exact-match patterns, natural order, layer
-indices."""
+"""Small facts about names that several modules need: site names (exact-match patterns, natural order,
+layer indices) and the names of runs trained again from another seed."""
 
 from __future__ import annotations
 
@@ -23,3 +23,14 @@ def layer_index(site: str) -> int | None:
     ``…blocks.3.…``), or None outside the layers."""
     match = _LAYER.search(site)
     return int(match.group(1)) if match else None
+
+
+def seed_run_name(name: str, seed: int) -> str:
+    """The name of run ``name`` trained again from another seed: ``fp32-seed1``."""
+    return f"{name}-seed{seed}"
+
+
+def parse_seed_run(name: str) -> tuple[str, int] | None:
+    """``("recommended", 1)`` for ``recommended-seed1`` (see :func:`seed_run_name`); None for other names."""
+    base, _, seed = name.rpartition("-seed")
+    return (base, int(seed)) if base and seed.isdigit() else None

@@ -110,7 +110,7 @@ class _Quantizer:
             kept = values.to(torch.bfloat16)
             if not torch.equal(kept.float(), values):
                 return None
-            return (kept,), _from_bfloat16
+            return (kept,), _unpack  # bfloat16 → float32, no descale
         if not bool(torch.isfinite(tensor).all()):  # integer elements have no NaN code: quantize later
             return None
         encoded = encode(tensor.float(), spec.format_spec(), scaling=along_tokens)  # type: ignore[arg-type]
@@ -287,10 +287,6 @@ def _cast_native(values: torch.Tensor, dtype: torch.dtype, fmt: FloatFormat) -> 
     clamped = values.clamp(-fmt.max, fmt.max)
     infinite = values if fmt.has_inf else torch.full_like(values, float("nan"))
     return torch.where(values.isinf(), infinite, clamped).to(dtype)
-
-
-def _from_bfloat16(values: torch.Tensor) -> torch.Tensor:
-    return values.float()
 
 
 def _unpack(codes: torch.Tensor, descale: torch.Tensor | None = None) -> torch.Tensor:

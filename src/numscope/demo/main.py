@@ -32,6 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from numscope._atomic import atomic_write_text
+from numscope._names import parse_seed_run, seed_run_name
 from numscope.observe import DEFAULT_CANDIDATES
 from numscope.plan import Plan
 from numscope.run.config import RunData, RunResult, RunSpec, TrainConfig
@@ -403,7 +404,7 @@ def _run_demo(
             compiled=compiled,
         )
 
-    recommendation, default_bits = None, None
+    analysis, recommendation, default_bits = None, None, None
     with RunPool(data, jobs, config.threads, on_start=start, on_step=step, on_end=end) as pool:
         queue(pool, REFERENCE, observed=True)
         for spec in BASELINES:
@@ -444,7 +445,7 @@ def _run_demo(
     order += [noise_spec(seed).name for seed in config.noise_seeds]
     order += [recommended_seed_spec(seed).name for seed in config.noise_seeds]
     results = {name: results[name] for name in order}  # the table's order, whichever finished first
-    analysis = Analysis.load(out_dir / "runs" / REFERENCE.name / "analysis")
+    assert analysis is not None  # loaded when the fp32 run finished
 
     sizes = _operand_sizes(analysis)
     rows = []
@@ -509,21 +510,25 @@ def recommended_pairs(rows: Sequence[dict[str, Any]]) -> list[tuple[str, float]]
     if RECOMMENDED in by and REFERENCE.name in by:
         pairs.append(("main", by[RECOMMENDED]["val_loss"] - by[REFERENCE.name]["val_loss"]))
     for name, row in by.items():
-        if name.startswith(f"{RECOMMENDED}-seed"):
-            seed = name.rsplit("-", 1)[1]
-            fp32 = by.get(f"{REFERENCE.name}-{seed}")
+        seeded = parse_seed_run(name)
+        if seeded is not None and seeded[0] == RECOMMENDED:
+            fp32 = by.get(seed_run_name(REFERENCE.name, seeded[1]))
             if fp32 is not None:
-                pairs.append((seed, row["val_loss"] - fp32["val_loss"]))
+                pairs.append((f"seed{seeded[1]}", row["val_loss"] - fp32["val_loss"]))
     return pairs
 
 
 def noise_spec(seed: int) -> RunSpec:
-    return RunSpec(f"fp32-seed{seed}", "fp32", description=f"fp32 again from seed {seed}: the seed noise")
+    return RunSpec(
+        seed_run_name(REFERENCE.name, seed),
+        "fp32",
+        description=f"fp32 again from seed {seed}: the seed noise",
+    )
 
 
 def recommended_seed_spec(seed: int, plan: str = "plan.yaml") -> RunSpec:
     return RunSpec(
-        f"{RECOMMENDED}-seed{seed}",
+        seed_run_name(RECOMMENDED, seed),
         plan,
         description=f"the recommended plan from seed {seed}: paired with fp32-seed{seed}",
     )

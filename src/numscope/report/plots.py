@@ -22,6 +22,8 @@ from matplotlib import colors as mcolors
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from numscope._names import parse_seed_run, seed_run_name
+
 DPI = 110
 REFERENCE_RUN = "fp32"
 _REFERENCE_COLOUR = "#222222"
@@ -55,12 +57,6 @@ plt.rcParams.update(
 )
 
 
-def seed_base(name: str) -> tuple[str, int] | None:
-    """``("recommended", 1)`` for a run named ``recommended-seed1`` (the same run from another seed)."""
-    base, _, seed = name.rpartition("-seed")
-    return (base, int(seed)) if base and seed.isdigit() else None
-
-
 def run_colours(names: Sequence[str]) -> dict[str, str]:
     """A fixed colour per run name: the FP32 reference dark grey, the others from a 10-colour palette; a
     run from another seed (``NAME-seedN``) takes the colour of ``NAME`` where that run is present."""
@@ -68,7 +64,7 @@ def run_colours(names: Sequence[str]) -> dict[str, str]:
     present = set(names)
 
     def base_of(name: str) -> str | None:
-        base = seed_base(name)
+        base = parse_seed_run(name)
         return base[0] if base is not None and base[0] in present else None
 
     others = [name for name in names if name != REFERENCE_RUN and base_of(name) is None]
@@ -85,7 +81,7 @@ def run_colours(names: Sequence[str]) -> dict[str, str]:
 
 def _line_style(name: str) -> str:
     """Solid for a run, dashed or dotted for the same run from another seed."""
-    base = seed_base(name)
+    base = parse_seed_run(name)
     return "-" if base is None else ("--", ":", "-.")[(base[1] - 1) % 3]
 
 
@@ -270,8 +266,10 @@ def _gap_panel(ax, runs: Sequence[Mapping], reference: Mapping, colours: Mapping
         if run["name"] == REFERENCE_RUN:
             continue
         # a run from another seed against FP32 from that seed (paired), where there is one
-        seed = seed_base(run["name"])
-        paired = f"{REFERENCE_RUN}-seed{seed[1]}" if seed is not None and seed[0] != REFERENCE_RUN else ""
+        seed = parse_seed_run(run["name"])
+        paired = (
+            seed_run_name(REFERENCE_RUN, seed[1]) if seed is not None and seed[0] != REFERENCE_RUN else ""
+        )
         against = curves.get(paired) or reference["curve"]
         base = {float(p["step"]): float(p["val_loss"]) for p in against}
         points = [(float(p["step"]), float(p["val_loss"])) for p in run.get("curve") or []]

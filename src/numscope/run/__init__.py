@@ -6,11 +6,10 @@
 set of masked tokens (``load_run_data``: corpus to blocks in one call); ``objectives`` are masked and causal
 LM; ``sources`` resolves ``--model`` and the data settings; ``config`` holds what a run is (its plan,
 optimisation settings, data, result); ``loop`` trains one run, resumable and logged; ``pool`` trains
-several side by side in worker processes; ``folders`` checks output
-folders and the settings a run folder recorded; ``runner`` runs ``analyze`` and ``train`` into a run folder
-(``numscope analyze``/``train``); ``compare`` reads finished run folders and says whether a loss gap between
-them means anything. Names are resolved lazily so that reading the corpus does not
-import torch.
+several side by side in worker processes; ``folders`` checks output folders and the settings a run folder
+recorded; ``runner`` runs ``analyze`` and ``train`` into a run folder (``numscope analyze``/``train``);
+``compare`` reads finished run folders and says whether a loss gap between them means anything. Names are
+resolved lazily so that reading the corpus does not import torch.
 """
 
 from __future__ import annotations
