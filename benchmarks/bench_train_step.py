@@ -3,10 +3,13 @@
 Model: BertForMaskedLM, hidden 128, 2 layers, 2 heads, intermediate 512, vocab 8192, seq 128, batch 32, eager
 attention. Rows: fp32; bf16 autocast (``torch.autocast("cpu", torch.bfloat16)``); the plans ``fp16`` (+
 ``numscope.LossScaler``), ``fp8``, ``mxfp8``, ``mxfp4``, ``nvfp4`` through ``numscope.convert`` with its
-defaults (block formats' quantizers compiled, bit-identical; the compile happens in the warm-up steps), and
-``fp8`` compiled, ``mxfp8`` eager for comparison; the paper's whole recipe (``numscope.Recipe``: fp16 model
-with fp32 masters, fp32 ops, fp16 activations, dynamic loss scaling); torchao's
-``convert_to_float8_training(emulate=True)`` where torchao is installed (``pip install -e '.[bench]'``).
+defaults (the native quantizers for block formats, bit-identical; element formats through torch's own
+fp8/fp16 casts, which keep codes for backward); and for comparison ``fp8`` with ``compiled=True``
+(through ``numscope.quantize``: the native quantizers), ``mxfp8`` and ``nvfp4`` with the native
+quantizers off (the ``torch.compile`` kernels: they compile in the warm-up steps) and ``mxfp8`` eager
+(both off); the paper's whole recipe (``numscope.Recipe``: fp16 model with fp32 masters, fp32 ops, fp16
+activations, dynamic loss scaling); torchao's ``convert_to_float8_training(emulate=True)`` where torchao
+is installed (``pip install -e '.[bench]'``).
 Each is printed as a ratio to the fp32 step, all in one run.
 
 On a shared machine the load drifts: every row is built first, then the rows take one step each in turn,
@@ -111,6 +114,25 @@ def plan_step(
     return step_fn(convert(make_model(), numscope.Plan.uniform(name), compiled=compiled), scaler=scaler)
 
 
+def without_native(build: Callable[[], Callable[[], None]]) -> Callable[[], Callable[[], None]]:
+    """A row's builder whose steps (and warm-up) run with numscope's native quantizers off."""
+
+    def built() -> Callable[[], None]:
+        step = build()
+
+        def step_without() -> None:
+            before = numscope.formats.native_enabled()
+            numscope.formats.set_native(False)
+            try:
+                step()
+            finally:
+                numscope.formats.set_native(before)
+
+        return step_without
+
+    return built
+
+
 def torchao_step() -> Callable[[], None]:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -128,7 +150,9 @@ def rows() -> dict[str, Callable[[], Callable[[], None]] | str]:
         "mxfp4 plan": lambda: plan_step("mxfp4"),
         "nvfp4 plan": lambda: plan_step("nvfp4"),
         "fp8 plan (compiled)": lambda: plan_step("fp8", compiled=True),
-        "mxfp8 plan (eager)": lambda: plan_step("mxfp8", compiled=False),
+        "mxfp8 plan (torch.compile)": without_native(lambda: plan_step("mxfp8")),
+        "nvfp4 plan (torch.compile)": without_native(lambda: plan_step("nvfp4")),
+        "mxfp8 plan (eager)": without_native(lambda: plan_step("mxfp8", compiled=False)),
         "fp16 Recipe (paper)": recipe_step,
     }
     try:

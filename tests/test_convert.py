@@ -234,7 +234,10 @@ def test_native_cast_path_equals_quantize(fmt: str, overflow: str) -> None:
             got = quantizer(site, "fprop", "input", values, -1)
             assert torch.equal(got.isnan(), expected.isnan())
             assert torch.equal(got.nan_to_num(1.5), expected.nan_to_num(1.5)), (fmt, overflow, scaling)
-            assert torch.equal(torch.signbit(got), torch.signbit(expected))
+            # signs of zeros and infinities; a NaN's sign is no value (IEEE 754 leaves it unspecified for
+            # conversions: torch's bfloat16 cast gives a negative NaN, numscope's quantizers keep the input's)
+            numbers = ~got.isnan()
+            assert torch.equal(torch.signbit(got[numbers]), torch.signbit(expected[numbers]))
 
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp16"])
@@ -331,10 +334,11 @@ def test_a_site_with_no_rows_trains(spec: OperandSpec) -> None:
 
 
 def test_block_format_plans_compile_their_quantizers_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    from numscope.formats import fast
+    from numscope.formats import fast, native
 
     monkeypatch.delenv("NUMSCOPE_FAST", raising=False)
     monkeypatch.setattr(fast, "_enabled", False)  # the process-wide switch off: "auto" decides alone
+    monkeypatch.setattr(native, "_enabled", False)  # else the native quantizers take MX before torch.compile
     results = []
     for compiled in ("auto", False):
         torch.manual_seed(0)

@@ -425,10 +425,12 @@ def convert(
     storage: ``"fp16"``/``"bf16"``: the dtype site activations are kept in for backward (None: as they are).
         Only the GEMM inputs the site function saves; :func:`numscope.store_activations` (or
         ``numscope.Recipe(activations=...)``) keeps every activation autograd saves in 16 bits, as the paper.
-    compiled: quantize through the ``torch.compile`` kernels (the same bits, :mod:`numscope.formats.fast`):
-        ``"auto"`` (default) for plans with block formats (MX, NVFP4), whose eager quantizers cost several
-        times a step, unless ``NUMSCOPE_FAST`` is set (then it decides); ``True`` or ``False`` to choose.
-        Element casts are as fast eagerly (``benchmarks/bench_train_step.py``). The first steps compile.
+    compiled: quantize what the native quantizers do not cover through the ``torch.compile`` kernels (the
+        same bits, :mod:`numscope.formats.fast`): ``"auto"`` (default) for plans with block formats (MX,
+        NVFP4: 2-D tiles and Four Over Six are not native), unless ``NUMSCOPE_FAST`` is set (then it
+        decides); ``True`` or ``False`` to choose. The native quantizers (on by default,
+        :mod:`numscope.formats.native`) take every operand they cover either way; with them off
+        (``NUMSCOPE_NATIVE=0``) and ``compiled=False`` the quantizers are the eager reference.
     low_memory: also keep the input of a block-format wgrad (MX, NVFP4) in its codes, quantized along the
         token axis already in forward (``benchmarks/bench_memory.py`` measures it), at the cost of an eager
         encoding per Linear (the same bits). Without it, an MX plan's compiled quantizers also quantize that

@@ -1,4 +1,5 @@
-"""The torch.compile fast path against the eager reference, bit for bit.
+"""The torch.compile fast path against the eager reference, bit for bit (the native quantizers, which
+stand in front of it where they cover a call, are off here; test_formats_native.py checks them).
 
 Covers the configurations the benchmark times (per-tensor fp8_e4m3, bf16, mxfp8_e4m3, mxfp4_e2m1, nvfp4,
 per-tensor int8) over random values spread across many binades, format ties, zeros, float32 subnormals,
@@ -18,7 +19,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import numscope
-from numscope.formats import fast, set_fast
+from numscope.formats import fast, native, set_fast
+from numscope.formats.native import set_native
 
 CONFIGS: list[tuple[str, str | None]] = [
     ("fp8_e4m3", "tensor"),
@@ -32,9 +34,13 @@ CONFIGS: list[tuple[str, str | None]] = [
 
 @pytest.fixture(autouse=True)
 def restore_fast():
-    before = fast.fast_enabled()
+    """The torch.compile kernels, without the native quantizers in front of them (tested on their own in
+    test_formats_native.py): "fast" here is the compiled kernel, "eager" the reference."""
+    before, native_before = fast.fast_enabled(), native.native_enabled()
+    set_native(False)
     yield
     set_fast(before)
+    set_native(native_before)
 
 
 def both(x: torch.Tensor, name: str, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from numscope._callable import make_callable as _make_callable
 from numscope.formats.fast import fast_enabled, set_fast
+from numscope.formats.native import native_enabled, set_native
 from numscope.formats.quantize import Encoded, encode, quantize
 from numscope.formats.scaling import DelayedScaler, Scaling
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat, formats, get_format
@@ -19,8 +20,10 @@ __all__ = [
     "fast_enabled",
     "formats",
     "get_format",
+    "native_enabled",
     "quantize",
     "set_fast",
+    "set_native",
 ]
 
 

@@ -50,7 +50,7 @@ class BlockParts:
     length: int
 
 
-def _element_mantissa_bits(element: FloatFormat | IntFormat) -> int:
+def element_mantissa_bits(element: FloatFormat | IntFormat) -> int:
     """Significand bits below the leading one: a float's mantissa bits; an integer's bits less sign and
     leading bit (MXINT8's 1.xxxxxx·2^0 has 6)."""
     return element.mantissa_bits if isinstance(element, FloatFormat) else element.int_bits - 2
@@ -74,7 +74,7 @@ def _mx_shared_exponent(amax: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
         below = log2_floor(amax)
         return below + (exact_pow2(below) != amax).to(torch.int32) - element.emax
     if fmt.scale_rule == "even":
-        half = 1 << (22 - _element_mantissa_bits(element))
+        half = 1 << (22 - element_mantissa_bits(element))
         rounded = ((amax.view(torch.int32) + half) & 0x7F800000).view(torch.float32)
         return log2_floor(rounded) - element.emax
     return log2_floor(amax) - element.emax

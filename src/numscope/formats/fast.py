@@ -1,18 +1,26 @@
-"""The fast path of :func:`numscope.quantize`: the eager reference, fused by ``torch.compile``.
+"""The fast paths of :func:`numscope.quantize`: native quantizers first, then the eager reference fused
+by ``torch.compile``.
 
-Off by default; turn it on with :func:`set_fast` (``numscope.formats.set_fast(True)``) or the environment
-variable ``NUMSCOPE_FAST=1``. It covers nearest rounding of element formats (no scaling, tensor, row,
-column and delayed scaling) and of the block formats (MX, NVFP4); everything else (stochastic and
-toward-zero rounding, tile scaling, ``e8m0``) runs eagerly.
+**Native quantizers** (:mod:`numscope.formats.native`, on by default): a small C library, built once per
+machine on first use, that computes the eager path's float32 arithmetic element by element, vectorized
+by the C compiler. Every entry point here tries it first; :func:`numscope.quantize` uses it by default
+wherever it covers a call (nearest rounding of float and integer element formats, unscaled or per tensor,
+row, column or delayed; MX blocks; plain NVFP4), because it costs no compilation and returns the same
+bits. ``NUMSCOPE_NATIVE=0`` or :func:`numscope.formats.set_native` turns it off.
+
+**Compiled kernels** (``torch.compile``): off by default; turn them on with :func:`set_fast`
+(``numscope.formats.set_fast(True)``), ``NUMSCOPE_FAST=1`` or ``quantize(..., compiled=True)``. They cover
+nearest rounding of element formats (no scaling, tensor, row, column and delayed scaling) and of the
+block formats (MX, NVFP4, also 2-D tiles and Four Over Six, which the native code leaves to them);
+everything else (stochastic and toward-zero rounding, tile scaling, ``e8m0``) runs eagerly. With the
+native quantizers in front they only take what those do not cover.
 
 Why off by default: the results are the same bits either way, so the choice is only about time, and the
 first call of each configuration compiles: seconds per configuration (less from inductor's on-disk cache),
 after a one-time inductor set-up per machine; ``benchmarks/bench_quantize.py`` reports each fast row's
-first call, compile included. It also needs a C++ compiler at run time. How much faster the compiled
-kernels are depends on the tensor size (the call's own overhead dominates small tensors):
-``benchmarks/bench_quantize.py`` measures it (16M elements by default, 8K with ``--shape 64x128``; the
-README quotes a run). Tests, the quick demo and small models spend more on compiling than they save; long
-runs on large tensors should turn it on.
+first call, compile included. It also needs a C++ compiler at run time. Inductor's CPU code for the bit
+reinterpretations the casts need (``Tensor.view(torch.int32)``) moves vector lanes one by one through
+memory, which is why the native code is faster on every format it covers.
 
 The compiled kernels call the very functions the eager path calls (:func:`numscope.formats.cast.cast`,
 :func:`numscope.formats.scaling.scale_from_amax`, the MX and NVFP4 block arithmetic), so they compute the
@@ -44,6 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from numscope.formats import native
 from numscope.formats.blocks import block_parts_2d
 from numscope.formats.cast import cast, scale_then_cast
 from numscope.formats.scaling import Scaling, reduce_amax_, reduces_across_ranks, scale_from_amax
@@ -222,6 +231,9 @@ _KERNELS: dict[str, Callable[..., torch.Tensor]] = {
 
 def abs_amax(x: torch.Tensor, mode: str) -> torch.Tensor:
     """amax(|x|) of a 2-D float32 tensor: ``tensor`` (0-d), ``row`` (R, 1) or ``column`` (1, C)."""
+    result = native.abs_amax(x, mode) if native.available() else None
+    if result is not None:
+        return result
     _dynamic(x)
     return _compiled("amax", mode=mode)(x)
 
@@ -233,17 +245,25 @@ def element(
     flush: bool,
     scaling: Scaling | None = None,
     scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+    compile: bool = True,
+) -> torch.Tensor | None:
     """Nearest-rounded ``cast(x · s) / s`` of a 2-D float32 tensor.
 
     ``s`` is ``scale`` where given (delayed scaling), else the scale of ``scaling`` (``tensor``, ``row`` or
-    ``column``: computed in the same compiled function as the cast), else no scaling at all.
+    ``column``: computed in the same compiled function as the cast), else no scaling at all. By the native
+    quantizers where they cover the call, else by the compiled kernel; ``compile=False``: None instead.
     """
     mode = None if scale is not None or scaling is None else scaling.kind
     amax = None
     if mode in ("tensor", "column") and reduces_across_ranks(scaling.reduce_amax):  # type: ignore[union-attr]
         # amaxes that span the rows, which data parallelism splits over the ranks
         amax = reduce_amax_(abs_amax(x, mode).reshape(1, -1)).reshape(() if mode == "tensor" else (1, -1))
+    if native.available():
+        result = _native_element(x, fmt, overflow, flush, scaling, scale, mode, amax)
+        if result is not None:
+            return result
+    if not compile:
+        return None
     _dynamic(x, scale)
     margin, power_of_two, epsilon = (
         (scaling.margin, scaling.power_of_two, scaling.amax_epsilon) if mode is not None else (0, False, 0.0)  # type: ignore[union-attr]
@@ -261,10 +281,54 @@ def element(
     return kernel(x, amax, scale)
 
 
-def block(x: torch.Tensor, fmt: BlockFormat, reduce_amax: bool = True, flush: bool = False) -> torch.Tensor:
+def _native_element(
+    x: torch.Tensor,
+    fmt: FloatFormat | IntFormat,
+    overflow: str,
+    flush: bool,
+    scaling: Scaling | None,
+    scale: torch.Tensor | None,
+    mode: str | None,
+    amax: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """:func:`element` by the native quantizers (None where they do not cover it): the amax and the scale
+    are taken here, eagerly (a reduction and a few scalar or per-row operations), the cast natively."""
+    if scale is not None:
+        if scale.numel() != 1:
+            return None
+        return native.element(x, fmt, overflow, flush, scale.reshape(()), "tensor")
+    if mode is None:
+        return native.element(x, fmt, overflow, flush)
+    if amax is None:
+        amax = native.abs_amax(x, mode)
+        if amax is None:
+            return None
+    s = scale_from_amax(amax, fmt.max, scaling.margin, scaling.power_of_two, scaling.amax_epsilon)  # type: ignore[union-attr]
+    return native.element(x, fmt, overflow, flush, s, mode)
+
+
+def block_columns(
+    x: torch.Tensor, fmt: BlockFormat, reduce_amax: bool = True, flush: bool = False
+) -> torch.Tensor | None:
+    """A 2-D float32 tensor with blocks down its columns (along its first axis) quantized to ``fmt``
+    without a transposed copy, by the native quantizers; None where they do not cover it (the caller then
+    moves the axis last and calls :func:`block`)."""
+    if not native.available():
+        return None
+    tensor_amax = None
+    if fmt.tensor_scale and not fmt.row_scale and reduces_across_ranks(reduce_amax) and x.numel():
+        tensor_amax = reduce_amax_(abs_amax(x, "tensor").reshape(1))[0]
+    return native.block(x, fmt, flush, along_columns=True, tensor_amax=tensor_amax)
+
+
+def block(
+    x: torch.Tensor, fmt: BlockFormat, reduce_amax: bool = True, flush: bool = False, compile: bool = True
+) -> torch.Tensor | None:
     """A 2-D float32 tensor (blocks along its last axis) quantized to the block format ``fmt``.
 
     ``flush`` flushes the elements' subnormals after the block scale (``quantize``'s ``flush_subnormals``).
+    By the native quantizers where they cover ``fmt``, else by the compiled kernel; ``compile=False``: None
+    instead.
 
     A last axis that does not divide the block is zero-padded here, before the compiled kernel, so that
     one kernel (which sees whole blocks only) serves every shape; the result is a view without the padding.
@@ -275,6 +339,10 @@ def block(x: torch.Tensor, fmt: BlockFormat, reduce_amax: bool = True, flush: bo
     tensor_amax = None
     if fmt.tensor_scale and not fmt.row_scale and reduces_across_ranks(reduce_amax):
         tensor_amax = reduce_amax_(abs_amax(padded, "tensor").reshape(1))[0]
-    _dynamic(padded)
-    out = _compiled("block", fmt=fmt, flush=flush)(padded, tensor_amax)
+    out = native.block(padded, fmt, flush, tensor_amax=tensor_amax) if native.available() else None
+    if out is None:
+        if not compile:
+            return None
+        _dynamic(padded)
+        out = _compiled("block", fmt=fmt, flush=flush)(padded, tensor_amax)
     return out[:, :length] if pad else out

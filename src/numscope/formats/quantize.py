@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from numscope.formats import fast
+from numscope.formats import fast, native
 from numscope.formats.blocks import axis_last_2d, block_parts, tile_shape, to_tiles, unblock
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS, cast, scale_then_cast
 from numscope.formats.scaling import (
@@ -136,8 +136,11 @@ def quantize(
         elements after the block scale (an element below its format's smallest normal becomes zero; no
         effect on integer elements).
     generator: the random source of stochastic rounding (reproducible runs).
-    compiled: use the ``torch.compile`` kernels of :mod:`numscope.formats.fast` where they apply (the same
-        bits); ``None`` (default): as :func:`numscope.formats.set_fast` says (``NUMSCOPE_FAST``).
+    compiled: use the ``torch.compile`` kernels of :mod:`numscope.formats.fast` for what the native
+        quantizers do not cover (the same bits); ``None`` (default): as :func:`numscope.formats.set_fast`
+        says (``NUMSCOPE_FAST``). The native quantizers (:mod:`numscope.formats.native`, the same bits
+        again) take every call they cover either way, unless :func:`numscope.formats.set_native` (or
+        ``NUMSCOPE_NATIVE=0``) turns them off; with both off this is the eager reference.
 
     The arithmetic is float32's. float64 input is first rounded to float32 *to odd* (see
     :func:`as_float32`), so that unscaled nearest rounding to any format narrower than fp32 is that of the
@@ -153,13 +156,14 @@ def quantize(
         _share_empty_amax(xf, spec, parsed, delayed)
         return x.detach().clone()
     use_compiled = fast.fast_enabled() if compiled is None else compiled
-    if use_compiled and fast.supports(spec, kind, rounding):
-        out = _quantize_fast(xf, spec, parsed, delayed, overflow, flush_subnormals)
-    elif isinstance(spec, BlockFormat):
+    out = None
+    if fast.supports(spec, kind, rounding) and (use_compiled or native.available()):
+        out = _quantize_fast(xf, spec, parsed, delayed, overflow, flush_subnormals, use_compiled)
+    if out is None and isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
         parts = block_parts(xf, spec, axis, rounding, generator, _reduces(parsed), flush_subnormals)
         out = unblock(parts.elements * parts.scales, xf.shape, axis, parts.length)
-    else:
+    elif out is None:
         out = _quantize_element(xf, spec, parsed, delayed, rounding, overflow, flush_subnormals, generator)
     return out.to(x.dtype)
 
@@ -216,20 +220,32 @@ def _quantize_fast(
     delayed: DelayedScaler | None,
     overflow: str,
     flush_subnormals: bool,
-) -> torch.Tensor:
-    """Nearest rounding through the compiled kernels of :mod:`numscope.formats.fast` (same results)."""
+    compile: bool,
+) -> torch.Tensor | None:
+    """Nearest rounding through :mod:`numscope.formats.fast` (same results): its native quantizers where
+    they cover the call, else its compiled kernels, or (``compile=False``) None, which leaves the call to
+    the eager path. A delayed scaler records this tensor's amax only where a result comes back."""
     if isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
+        if xf.dim() >= 2 and axis in (0, -xf.dim()) and xf.is_contiguous():  # blocks down the first axis
+            out = fast.block_columns(xf.reshape(xf.shape[0], -1), spec, _reduces(parsed), flush_subnormals)
+            if out is not None:
+                return out.reshape(xf.shape)
         x2d, moved = axis_last_2d(xf, axis)
-        out = fast.block(x2d, spec, _reduces(parsed), flush_subnormals).reshape(moved)
+        out = fast.block(x2d, spec, _reduces(parsed), flush_subnormals, compile)
+        if out is None:
+            return None
+        out = out.reshape(moved)
         return out.reshape(xf.shape) if xf.dim() == 0 else out.movedim(-1, axis)
     x2d = xf.reshape(-1, xf.shape[-1]) if xf.dim() > 0 else xf.reshape(1, 1)
     if delayed is not None:
+        if not compile and not native.covers(spec, overflow, flush_subnormals):
+            return None  # decided before scale_for, which records the amax
         scale = delayed.scale_for(xf, spec.max, amax=fast.abs_amax(x2d, "tensor"))
-        out = fast.element(x2d, spec, overflow, flush_subnormals, scale=scale)
+        out = fast.element(x2d, spec, overflow, flush_subnormals, scale=scale, compile=compile)
     else:
-        out = fast.element(x2d, spec, overflow, flush_subnormals, scaling=parsed)
-    return out.reshape(xf.shape)
+        out = fast.element(x2d, spec, overflow, flush_subnormals, scaling=parsed, compile=compile)
+    return None if out is None else out.reshape(xf.shape)
 
 
 # -- raw codes ----------------------------------------------------------------------------------------

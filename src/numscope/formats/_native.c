@@ -1,0 +1,351 @@
+/* numscope's native quantizers: the eager reference's float32 arithmetic, one element at a time.
+ *
+ * Each function computes exactly the float32 operations of numscope.formats.cast / scaling / blocks
+ * (the same products, the same round-to-nearest-even, the same order), so its results are the eager
+ * path's bit for bit (tests/formats/test_formats_native.py checks it). Compiled by numscope.formats.native
+ * with -O3 and without -ffast-math: IEEE semantics, no contraction into fused multiply-adds, and the
+ * default rounding mode, so rintf rounds to nearest even as torch.round does.
+ *
+ * Layout: x and out are distinct contiguous float32 (rows, cols). Element formats take an optional
+ * scale: none, one for the tensor, one per row or one per column (scale_mode 0..3). Block formats have
+ * blocks of block_size consecutive elements along each row (cols a multiple of block_size) or down each
+ * column. Flags that select a branch are compile-time constants of each loop (macros below), so that the
+ * compiler vectorizes every loop; with them read at run time it emitted scalar code, 4x slower.
+ */
+#include <math.h>
+#include <float.h>
+#include <stdlib.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    int32_t kind;          /* 0: float, fewer than 8 exponent bits; 1: float, 8 exponent bits; 2: integer */
+    int32_t mantissa_bits; /* floats */
+    int32_t emin;          /* floats: exponent of the smallest normal */
+    int32_t overflow;      /* beyond max: 0 ±max, 1 ±inf, 2 NaN */
+    int32_t nonfinite;     /* inf and NaN inputs: 0 kept, 1 NaN, 2 NaN kept and ±inf to ±max */
+    int32_t flush;         /* results below min_normal become zero (sign kept) */
+    float zero_add;        /* added to every result: -0 keeps -0, +0 turns -0 into +0 (no -0) */
+    float max, min_normal;
+    float to_units, from_units;  /* integers: 2^fraction_bits, 2^-fraction_bits */
+    float min_code, max_code;    /* integers */
+} numscope_format;
+
+static inline uint32_t bits_of(float x) { uint32_t b; memcpy(&b, &x, 4); return b; }
+static inline float float_of(uint32_t b) { float x; memcpy(&x, &b, 4); return x; }
+static inline float quiet_nan(void) { return float_of(0x7FC00000u); }
+
+/* cast.py cast_int */
+static inline float cast_int(float x, const numscope_format *f) {
+    float code = rintf(x * f->to_units);
+    code = code < f->min_code ? f->min_code : (code > f->max_code ? f->max_code : code); /* NaN stays */
+    code = code == 0.0f ? 0.0f : code;                                                  /* no -0 */
+    return code * f->from_units;
+}
+
+/* cast.py cast_float after the grid rounding: overflow, flush, zeros, non-finite inputs. OV, NF and FL are
+ * compile-time constants in every caller (f->overflow, f->nonfinite, f->flush), so that each combination
+ * gets its own branch-free loop, which the compiler vectorizes (with runtime flags it does not). */
+static inline float finish(float x, float y, const numscope_format *f, const int OV, const int NF, const int FL) {
+    const float beyond = OV == 2 ? quiet_nan() : copysignf(OV == 1 ? INFINITY : f->max, y);
+    y = fabsf(y) > f->max ? beyond : y;
+    if (FL) y = fabsf(y) < f->min_normal ? y * 0.0f : y;
+    y = y + f->zero_add;
+    const float special = NF == 0 ? x : (NF == 1 ? quiet_nan() : ((x != x) ? x : copysignf(f->max, x)));
+    return fabsf(x) < INFINITY ? y : special;
+}
+
+/* cast.py _grid_small: spacing 2^(max(e, emin) - m), capped at 2^126 */
+static inline float cast_small(float x, const numscope_format *f, const int OV, const int NF, const int FL) {
+    const float safe = fabsf(x) < INFINITY ? x : 0.0f;
+    int e = (int)((bits_of(safe) >> 23) & 0xFFu) - 127;
+    e = e < f->emin ? f->emin : e;
+    e -= f->mantissa_bits;
+    e = e > 126 ? 126 : e;
+    const float spacing = float_of((uint32_t)(e + 127) << 23);
+    const float inverse = float_of((uint32_t)(127 - e) << 23);
+    return finish(x, rintf(safe * inverse) * spacing, f, OV, NF, FL);
+}
+
+/* cast.py _grid_e8: round the bit pattern (drop = 23 - mantissa bits > 0) */
+static inline float cast_e8(float x, const numscope_format *f, const int OV, const int NF, const int FL) {
+    const float safe = fabsf(x) < INFINITY ? x : 0.0f;
+    const int drop = 23 - f->mantissa_bits;
+    const uint32_t sb = bits_of(safe);
+    uint32_t magnitude = sb & 0x7FFFFFFFu;
+    magnitude = magnitude + ((1u << (drop - 1)) - 1u) + ((magnitude >> drop) & 1u);
+    magnitude &= ~((1u << drop) - 1u);
+    return finish(x, float_of((sb & 0x80000000u) | magnitude), f, OV, NF, FL);
+}
+
+static inline float cast_integer(float x, const numscope_format *f, const int OV, const int NF, const int FL) {
+    (void)OV, (void)NF, (void)FL;
+    return cast_int(x, f);
+}
+
+/* The three loops of one cast: unscaled; x * s ... * inv with one s; x * s[i] ... * (1 / s[i]) */
+#define NUMSCOPE_LOOPS(NAME, CAST, OV, NF, FL)                                                            \
+    static void NAME(const float *restrict x, float *restrict out, int64_t n, const float *restrict s,      \
+                     float scale, float inverse, int scaled, const numscope_format *format) {           \
+        const numscope_format local = *format, *f = &local;                                               \
+        if (s) {                                                                                          \
+            for (int64_t i = 0; i < n; ++i) out[i] = CAST(x[i] * s[i], f, OV, NF, FL) * (1.0f / s[i]);    \
+        } else if (scaled) {                                                                             \
+            for (int64_t i = 0; i < n; ++i) out[i] = CAST(x[i] * scale, f, OV, NF, FL) * inverse;         \
+        } else {                                                                                          \
+            for (int64_t i = 0; i < n; ++i) out[i] = CAST(x[i], f, OV, NF, FL);                           \
+        }                                                                                                 \
+    }
+/* the combinations cast.py allows: (overflow, non-finite) per format family, with and without flush */
+#define NUMSCOPE_FAMILY(CAST)                                                                             \
+    NUMSCOPE_LOOPS(CAST##_00, CAST, 0, 0, 0) NUMSCOPE_LOOPS(CAST##_00f, CAST, 0, 0, 1)                    \
+    NUMSCOPE_LOOPS(CAST##_10, CAST, 1, 0, 0) NUMSCOPE_LOOPS(CAST##_10f, CAST, 1, 0, 1)                    \
+    NUMSCOPE_LOOPS(CAST##_01, CAST, 0, 1, 0) NUMSCOPE_LOOPS(CAST##_01f, CAST, 0, 1, 1)                    \
+    NUMSCOPE_LOOPS(CAST##_21, CAST, 2, 1, 0) NUMSCOPE_LOOPS(CAST##_21f, CAST, 2, 1, 1)                    \
+    NUMSCOPE_LOOPS(CAST##_02, CAST, 0, 2, 0) NUMSCOPE_LOOPS(CAST##_02f, CAST, 0, 2, 1)                    \
+    static void CAST##_any(const float *restrict x, float *restrict out, int64_t n, const float *restrict s, \
+                           float scale, float inverse, int scaled, const numscope_format *f) {           \
+        const int code = f->overflow * 10 + f->nonfinite;                                                 \
+        if (code == 0) (f->flush ? CAST##_00f : CAST##_00)(x, out, n, s, scale, inverse, scaled, f);     \
+        else if (code == 10) (f->flush ? CAST##_10f : CAST##_10)(x, out, n, s, scale, inverse, scaled, f); \
+        else if (code == 1) (f->flush ? CAST##_01f : CAST##_01)(x, out, n, s, scale, inverse, scaled, f); \
+        else if (code == 21) (f->flush ? CAST##_21f : CAST##_21)(x, out, n, s, scale, inverse, scaled, f); \
+        else (f->flush ? CAST##_02f : CAST##_02)(x, out, n, s, scale, inverse, scaled, f);               \
+    }
+NUMSCOPE_FAMILY(cast_small)
+NUMSCOPE_FAMILY(cast_e8)
+NUMSCOPE_LOOPS(cast_integer_any, cast_integer, 0, 0, 0)
+
+/* n elements of x: unscaled (s NULL, scaled 0), times scale then inverse (scaled 1), or per element s[i] */
+static inline void run_cast(const float *restrict x, float *restrict out, int64_t n, const float *restrict s,
+                            float scale, float inverse, int scaled, const numscope_format *f) {
+    if (f->kind == 0) cast_small_any(x, out, n, s, scale, inverse, scaled, f);
+    else if (f->kind == 1) cast_e8_any(x, out, n, s, scale, inverse, scaled, f);
+    else cast_integer_any(x, out, n, s, scale, inverse, scaled, f);
+}
+
+/* cast(x), or cast(x * s) * (1 / s) with s: scale[0] (mode 1), scale[row] (2), scale[col] (3) */
+void numscope_element(const float *restrict x, float *restrict out, int64_t rows, int64_t cols,
+                      numscope_format format, const float *restrict scale, int32_t scale_mode) {
+    const numscope_format *f = &format;
+    if (scale_mode == 0) {
+        run_cast(x, out, rows * cols, NULL, 1.0f, 1.0f, 0, f);
+    } else if (scale_mode == 1) {
+        run_cast(x, out, rows * cols, NULL, scale[0], 1.0f / scale[0], 1, f);
+    } else {
+        for (int64_t r = 0; r < rows; ++r) {
+            if (scale_mode == 2) run_cast(x + r * cols, out + r * cols, cols, NULL, scale[r], 1.0f / scale[r], 1, f);
+            else run_cast(x + r * cols, out + r * cols, cols, scale, 1.0f, 1.0f, 0, f);
+        }
+    }
+}
+
+/* scaling.py log2_floor: floor(log2 x) for positive float32, subnormals included; -127 for zero */
+static inline int log2_floor(float x) {
+    const int field = (int)((bits_of(x) >> 23) & 0xFFu);
+    if (field > 0) return field - 127;
+    if (!(x > 0.0f)) return -127;
+    return (int)((bits_of(x * 18446744073709551616.0f) >> 23) & 0xFFu) - (127 + 64);
+}
+
+/* scaling.py exact_pow2: 2^e exactly, e in [-149, 127] */
+static inline float exact_pow2(int e) {
+    if (e >= -126) return float_of((uint32_t)(e + 127) << 23);
+    int shift = e + 149;
+    if (shift < 0) shift = 0;
+    if (shift > 22) shift = 22;
+    return float_of(1u << shift);
+}
+
+/* blocks.py _mx_shared_exponent; rule 0 floor, 1 ceil, 2 even (half = 2^(22 - element mantissa bits)),
+ * 3 rceil */
+static inline int mx_shared_exponent(float amax, int rule, int emax, float element_max, uint32_t half) {
+    if (rule == 3) {
+        const float ratio = amax / element_max;
+        if (!(ratio > 0.0f)) return -127;
+        const int below = log2_floor(ratio);
+        return below + (exact_pow2(below) != ratio);
+    }
+    if (rule == 1) {
+        const int below = log2_floor(amax);
+        return below + (exact_pow2(below) != amax) - emax;
+    }
+    if (rule == 2) {
+        const float rounded = float_of((bits_of(amax) + half) & 0x7F800000u);
+        return log2_floor(rounded) - emax;
+    }
+    return log2_floor(amax) - emax;
+}
+
+/* Block formats. Each block gets, from its amax, a factor, a mask m (0 or 1) and an output scale; its
+ * elements become CAST(x * factor) * m * out (x / factor where DIV). A block with a non-finite element is
+ * NaN throughout (factor and out NaN), as the reference's NaN scale makes it.
+ *   MX (blocks.py _mx_parts): factor 2^-s, m 1, out 2^s, s the E8M0 exponent of the scale rule.
+ *   NVFP4 (blocks.py _nvfp4_candidate), S the per-tensor encode scale, T 6:
+ *     multiply (Transformer Engine): stored = e4m3(min(amax * (S * f32(1/T)), FLT_MAX)),
+ *       decode = stored * f32(1/S), factor min(1 / decode, FLT_MAX);
+ *     divide: stored = e4m3(min(amax / T * S, FLT_MAX)), decode = stored / S, factor decode > 0 ? decode : 1;
+ *     m = stored > 0, out = decode. */
+typedef struct {
+    int32_t kind;       /* 0 MX, 1 NVFP4 multiply, 2 NVFP4 divide */
+    int32_t rule, emax; /* MX */
+    uint32_t half;      /* MX "even" rule */
+    float element_max;  /* MX "rceil" rule */
+    float encode, inverse_encode, target, inverse_target; /* NVFP4: S, f32(1 / S), T, f32(1 / T) */
+    numscope_format scale_format;                         /* NVFP4: E4M3, saturating */
+} numscope_blocks;
+
+static inline void block_factors(uint32_t top, const numscope_blocks *p, float *factor, float *mask, float *out) {
+    if (top >= 0x7F800000u) {
+        *factor = *out = quiet_nan();
+        *mask = 1.0f;
+        return;
+    }
+    const float amax = float_of(top);
+    if (p->kind == 0) {
+        int shared = mx_shared_exponent(amax, p->rule, p->emax, p->element_max, p->half);
+        shared = shared < -127 ? -127 : (shared > 127 ? 127 : shared);
+        *factor = exact_pow2(-shared);
+        *mask = 1.0f;
+        *out = exact_pow2(shared);
+        return;
+    }
+    float wanted = p->kind == 1 ? amax * (p->encode * p->inverse_target) : amax / p->target * p->encode;
+    wanted = wanted > FLT_MAX ? FLT_MAX : wanted;
+    const float stored = cast_small(wanted, &p->scale_format, 0, 1, 0);
+    if (p->kind == 1) {
+        const float decode = stored * p->inverse_encode;
+        const float inverse = 1.0f / decode;
+        *factor = inverse > FLT_MAX ? FLT_MAX : inverse;
+        *out = decode;
+    } else {
+        const float decode = stored / p->encode;
+        *factor = decode > 0.0f ? decode : 1.0f;
+        *out = decode;
+    }
+    *mask = stored > 0.0f ? 1.0f : 0.0f;
+}
+
+#define NUMSCOPE_SCALED(CAST, NF, FL, DIV, X, FACTOR, MASK, OUT) \
+    (CAST((DIV) ? (X) / (FACTOR) : (X) * (FACTOR), f, 0, NF, FL) * (MASK) * (OUT))
+
+/* blocks of B consecutive elements (B a constant in the common cases, so that both loops vectorize) */
+#define NUMSCOPE_ROW_BLOCKS(B, CAST, NF, FL, DIV)                                                         \
+    for (int64_t start = 0; start < total; start += (B)) {                                                \
+        const float *xb = x + start;                                                                      \
+        float *ob = out + start;                                                                          \
+        /* max |x| on the bit patterns: their order is the magnitudes' (inf above, NaN above inf) */    \
+        uint32_t top = 0;                                                                                 \
+        for (int i = 0; i < (B); ++i) {                                                                   \
+            const uint32_t magnitude = bits_of(xb[i]) & 0x7FFFFFFFu;                                      \
+            top = magnitude > top ? magnitude : top;                                                      \
+        }                                                                                                 \
+        float factor, mask, scale;                                                                        \
+        block_factors(top, p, &factor, &mask, &scale);                                                    \
+        for (int i = 0; i < (B); ++i) ob[i] = NUMSCOPE_SCALED(CAST, NF, FL, DIV, xb[i], factor, mask, scale); \
+    }
+
+/* blocks down the columns: block b of column c is rows [b*B, b*B + B) of c; the last may be short (the
+ * reference zero-pads it, which changes no amax). Loops run along the rows: no transposed copy. */
+#define NUMSCOPE_COLUMN_BLOCKS(CAST, NF, FL, DIV)                                                         \
+    for (int64_t start = 0; start < rows; start += block_size) {                                          \
+        const int64_t height = rows - start < block_size ? rows - start : block_size;                     \
+        for (int64_t c = 0; c < cols; ++c) top[c] = 0;                                                    \
+        for (int64_t r = start; r < start + height; ++r) {                                                \
+            const float *xr = x + r * cols;                                                               \
+            for (int64_t c = 0; c < cols; ++c) {                                                          \
+                const uint32_t magnitude = bits_of(xr[c]) & 0x7FFFFFFFu;                                  \
+                top[c] = magnitude > top[c] ? magnitude : top[c];                                         \
+            }                                                                                             \
+        }                                                                                                 \
+        for (int64_t c = 0; c < cols; ++c) block_factors(top[c], p, factor + c, mask + c, scale + c);     \
+        for (int64_t r = start; r < start + height; ++r) {                                                \
+            const float *xr = x + r * cols;                                                               \
+            float *orow = out + r * cols;                                                                 \
+            for (int64_t c = 0; c < cols; ++c)                                                            \
+                orow[c] = NUMSCOPE_SCALED(CAST, NF, FL, DIV, xr[c], factor[c], mask[c], scale[c]);         \
+        }                                                                                                 \
+    }
+
+typedef void (*blocks_function)(const float *restrict, float *restrict, int64_t, int64_t, int64_t, int,
+                                const numscope_format *, const numscope_blocks *, uint32_t *restrict,
+                                float *restrict, float *restrict, float *restrict);
+
+/* one element cast's block loops: rows (columns 0) or columns (1); DIV for NVFP4's divide */
+#define NUMSCOPE_BLOCK_FUNCTION(NAME, CAST, NF, FL, DIV)                                                  \
+    static void NAME(const float *restrict x, float *restrict out, int64_t rows, int64_t cols, int64_t columns, \
+                     int block_size, const numscope_format *format, const numscope_blocks *params,          \
+                     uint32_t *restrict top, float *restrict factor, float *restrict mask, float *restrict scale) { \
+        const numscope_format local = *format, *f = &local;                                               \
+        const numscope_blocks block_local = *params, *p = &block_local;                                   \
+        const int64_t total = rows * cols;                                                                \
+        if (columns) {                                                                                    \
+            NUMSCOPE_COLUMN_BLOCKS(CAST, NF, FL, DIV)                                                     \
+        } else if (block_size == 32) {                                                                    \
+            NUMSCOPE_ROW_BLOCKS(32, CAST, NF, FL, DIV)                                                    \
+        } else if (block_size == 16) {                                                                    \
+            NUMSCOPE_ROW_BLOCKS(16, CAST, NF, FL, DIV)                                                    \
+        } else {                                                                                          \
+            NUMSCOPE_ROW_BLOCKS(block_size, CAST, NF, FL, DIV)                                            \
+        }                                                                                                 \
+    }
+#define NUMSCOPE_BLOCK_FAMILY(NAME, CAST, DIV)                                                            \
+    NUMSCOPE_BLOCK_FUNCTION(NAME##_0, CAST, 0, 0, DIV) NUMSCOPE_BLOCK_FUNCTION(NAME##_0f, CAST, 0, 1, DIV) \
+    NUMSCOPE_BLOCK_FUNCTION(NAME##_1, CAST, 1, 0, DIV) NUMSCOPE_BLOCK_FUNCTION(NAME##_1f, CAST, 1, 1, DIV) \
+    NUMSCOPE_BLOCK_FUNCTION(NAME##_2, CAST, 2, 0, DIV) NUMSCOPE_BLOCK_FUNCTION(NAME##_2f, CAST, 2, 1, DIV) \
+    static const blocks_function NAME[3][2] = {{NAME##_0, NAME##_0f}, {NAME##_1, NAME##_1f}, {NAME##_2, NAME##_2f}};
+NUMSCOPE_BLOCK_FAMILY(blocks_small, cast_small, 0)
+NUMSCOPE_BLOCK_FAMILY(blocks_e8, cast_e8, 0)
+NUMSCOPE_BLOCK_FAMILY(blocks_small_divide, cast_small, 1)
+NUMSCOPE_BLOCK_FUNCTION(blocks_integer, cast_integer, 0, 0, 0)
+
+/* A block format over a (rows, cols) tensor, blocks along each row (columns 0; cols a multiple of
+ * block_size) or down each column (1). Returns 0, or -1 where scratch memory could not be allocated. */
+int numscope_blocks_quantize(const float *restrict x, float *restrict out, int64_t rows, int64_t cols,
+                             int32_t columns, int32_t block_size, numscope_format format, numscope_blocks params) {
+    const int nf = format.nonfinite, fl = format.flush != 0;
+    blocks_function run;
+    if (format.kind == 2) run = params.kind == 2 ? NULL : blocks_integer;
+    else if (params.kind == 2) run = format.kind == 0 ? blocks_small_divide[nf][fl] : NULL;
+    else run = (format.kind == 0 ? blocks_small : blocks_e8)[nf][fl];
+    if (!run) return -2;
+    void *scratch = NULL;
+    if (columns) {
+        scratch = malloc((size_t)cols * 16 + 64);
+        if (!scratch) return -1;
+    }
+    uint32_t *top = (uint32_t *)scratch;
+    float *factor = columns ? (float *)(top + cols) : NULL;
+    float *mask = columns ? factor + cols : NULL, *scale = columns ? mask + cols : NULL;
+    run(x, out, rows, cols, columns, block_size, &format, &params, top, factor, mask, scale);
+    free(scratch);
+    return 0;
+}
+
+/* max |x| as torch's x.abs().amax(...) gives it for finite x (NaN where any element is NaN, inf where the
+ * largest is inf; a NaN's payload may differ, which no caller reads): over everything (mode 1, out[0]),
+ * per row (2, out[r]) or per column (3, out[c]), taken on the bit patterns (vectorizes, NaN included). */
+void numscope_abs_amax(const float *restrict x, float *restrict out, int64_t rows, int64_t cols, int32_t mode) {
+    if (mode == 3) {
+        uint32_t *top = (uint32_t *)out;
+        for (int64_t c = 0; c < cols; ++c) top[c] = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+            const float *xr = x + r * cols;
+            for (int64_t c = 0; c < cols; ++c) {
+                const uint32_t magnitude = bits_of(xr[c]) & 0x7FFFFFFFu;
+                top[c] = magnitude > top[c] ? magnitude : top[c];
+            }
+        }
+        return;
+    }
+    const int64_t n = mode == 1 ? rows * cols : cols;
+    for (int64_t r = 0; r < (mode == 1 ? 1 : rows); ++r) {
+        const float *xr = x + r * n;
+        uint32_t top = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            const uint32_t magnitude = bits_of(xr[i]) & 0x7FFFFFFFu;
+            top = magnitude > top ? magnitude : top;
+        }
+        out[r] = float_of(top);
+    }
+}

@@ -1,0 +1,369 @@
+"""Native quantizers: the eager reference's float32 arithmetic as a small C library, compiled on first use.
+
+Why: inductor's CPU code for the bit reinterpretations the casts need (``Tensor.view(torch.int32)``) stores
+each vector and moves its lanes one by one, so the ``torch.compile`` kernels of :mod:`numscope.formats.fast`
+spend 2.5–4 ns per element where a copy takes 0.3; a C compiler vectorizes the same arithmetic directly.
+``_native.c`` computes, element by element, exactly the float32 operations of
+:func:`numscope.formats.cast.cast`, :func:`numscope.formats.scaling.scale_from_amax`'s users and the MX
+block arithmetic of :mod:`numscope.formats.blocks` (same products, same round-to-nearest-even, same order;
+built without ``-ffast-math`` and with ``-ffp-contract=off``), so it returns their bits; the tests check it
+against the eager path over ties, subnormals, ±inf and NaN.
+
+What it covers (everything else keeps the compiled or eager path): nearest rounding of float element
+formats (not ``e8m0``) and integer formats, unscaled or with a per-tensor, per-row or per-column scale
+(the amax is taken natively, the scale by :func:`numscope.formats.scaling.scale_from_amax`), delayed
+scaling; MX block formats under every scale rule; NVFP4 with its per-tensor scale (both scale maths); and
+for block formats blocks along the rows or down the columns (a tensor blocked along its first axis needs
+no transposed copy). Not 2-D NVFP4 tiles, NVFP4 per-row scales or Four Over Six.
+
+Built once per machine and source: the library is cached under ``$NUMSCOPE_CACHE`` (default
+``~/.cache/numscope``, else a folder in the temp dir) by a hash of the source, the compiler's version and
+the CPU's flags (it is built with ``-march=native``), written atomically. No C compiler, or a failed
+build: one warning, and quantizing goes on eagerly (or compiled, where that is on) with the same results.
+``NUMSCOPE_NATIVE=0`` (or :func:`set_native`) turns it off; the eager path stays the reference it is
+tested against. ``benchmarks/bench_train_step.py`` times it against the compiled kernels and eagerly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from numscope.formats.blocks import element_mantissa_bits
+from numscope.formats.scaling import scale_from_amax
+from numscope.formats.spec import BlockFormat, FloatFormat, IntFormat
+
+_SOURCE = Path(__file__).with_name("_native.c")
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-std=c11"]
+_enabled = os.environ.get("NUMSCOPE_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def set_native(enabled: bool) -> None:
+    """Turn the native quantizers on or off (process-wide); off, the fast path compiles with torch."""
+    global _enabled
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_native expects True or False, got {enabled!r}")
+    _enabled = enabled
+
+
+def native_enabled() -> bool:
+    """Whether the native quantizers are switched on (:func:`available` also builds and loads them)."""
+    return _enabled
+
+
+class _Format(ctypes.Structure):
+    """``numscope_format`` of ``_native.c``: an element format and the cast's options, as numbers."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("mantissa_bits", ctypes.c_int32),
+        ("emin", ctypes.c_int32),
+        ("overflow", ctypes.c_int32),
+        ("nonfinite", ctypes.c_int32),
+        ("flush", ctypes.c_int32),
+        ("zero_add", ctypes.c_float),
+        ("max", ctypes.c_float),
+        ("min_normal", ctypes.c_float),
+        ("to_units", ctypes.c_float),
+        ("from_units", ctypes.c_float),
+        ("min_code", ctypes.c_float),
+        ("max_code", ctypes.c_float),
+    ]
+
+
+class _Blocks(ctypes.Structure):
+    """``numscope_blocks`` of ``_native.c``: how a block's scale follows from its amax."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("rule", ctypes.c_int32),
+        ("emax", ctypes.c_int32),
+        ("half", ctypes.c_uint32),
+        ("element_max", ctypes.c_float),
+        ("encode", ctypes.c_float),
+        ("inverse_encode", ctypes.c_float),
+        ("target", ctypes.c_float),
+        ("inverse_target", ctypes.c_float),
+        ("scale_format", _Format),
+    ]
+
+
+_SCALE_RULES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}
+_SCALE_MODES = {None: 0, "tensor": 1, "row": 2, "column": 3}
+
+
+def _folders() -> list[Path]:
+    """Where the library is cached: ``$NUMSCOPE_CACHE`` or ``~/.cache/numscope``, else (not writable) a
+    folder of this user's in the temp dir."""
+    root = os.environ.get("NUMSCOPE_CACHE")
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    user = os.getuid() if hasattr(os, "getuid") else 0
+    return [Path(root) if root else Path(base) / "numscope", Path(tempfile.gettempdir()) / f"numscope-{user}"]
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> Path:
+    """The compiled library's path, building it first where the cache lacks it (atomically)."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (cc, gcc, clang or $CC)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                source,
+                " ".join(_FLAGS).encode(),
+                version.encode(),
+                _cpu_flags().encode(),
+                platform.machine().encode(),
+            ]
+        )
+    ).hexdigest()[:16]
+    name = f"numscope_native_{key}{'.dll' if sys.platform == 'win32' else '.so'}"
+    for folder in _folders():
+        if (folder / name).exists():
+            return folder / name
+    for folder in _folders():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, partial = tempfile.mkstemp(prefix=name, suffix=".part", dir=folder)
+        except OSError:
+            continue
+        target = folder / name
+        break
+    else:
+        raise RuntimeError(
+            f"no writable folder for the compiled library (tried {', '.join(map(str, _folders()))})"
+        )
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *_FLAGS, str(_SOURCE), "-o", partial, "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:500]}")
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    try:
+        library = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError) as error:
+        warnings.warn(
+            f"numscope: the native quantizers are unavailable ({error}); quantizing eagerly (or with "
+            "torch.compile where that is on) instead: the same results, slower",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+    library.numscope_element.argtypes = [pointer, pointer, i64, i64, _Format, pointer, i32]
+    library.numscope_element.restype = None
+    library.numscope_blocks_quantize.argtypes = [pointer, pointer, i64, i64, i32, i32, _Format, _Blocks]
+    library.numscope_blocks_quantize.restype = ctypes.c_int
+    library.numscope_abs_amax.argtypes = [pointer, pointer, i64, i64, i32]
+    library.numscope_abs_amax.restype = None
+    return library
+
+
+def available() -> bool:
+    """Whether the native quantizers are on and built (building them on the first call)."""
+    return _enabled and _library() is not None
+
+
+def _format(fmt: FloatFormat | IntFormat, overflow: str, flush: bool) -> _Format | None:
+    """The C description of an element format, or None where the native code does not cover it."""
+    if isinstance(fmt, IntFormat):
+        if not 0 <= fmt.fraction_bits < 100:
+            return None
+        return _Format(
+            kind=2,
+            to_units=float(2**fmt.fraction_bits),
+            from_units=2.0**-fmt.fraction_bits,
+            min_code=float(fmt.min_code),
+            max_code=float(fmt.max_code),
+        )
+    if fmt.special == "e8m0" or (fmt.exponent_bits == 8 and fmt.mantissa_bits == 23):
+        return None  # e8m0 has its own rounding; float32 itself has nothing to round
+    if fmt.exponent_bits < 8 and fmt.emin - fmt.mantissa_bits < -126:
+        return None  # the spacing would be a float32 subnormal, which _grid_small's bit pattern cannot build
+    # beyond max: ±max (saturate, or a format with neither inf nor NaN), else ±inf, or NaN
+    beyond = 0 if overflow == "saturate" or not (fmt.has_inf or fmt.has_nan) else 1 if fmt.has_inf else 2
+    return _Format(
+        kind=1 if fmt.exponent_bits == 8 else 0,
+        mantissa_bits=fmt.mantissa_bits,
+        emin=fmt.emin,
+        overflow=beyond,
+        nonfinite=0 if fmt.has_inf else (1 if fmt.has_nan else 2),
+        flush=int(flush),
+        zero_add=-0.0 if fmt.has_negative_zero else 0.0,
+        max=fmt.max,
+        min_normal=fmt.min_normal,
+    )
+
+
+def covers(fmt: FloatFormat | IntFormat, overflow: str, flush: bool) -> bool:
+    """Whether the native quantizers are on and cover nearest rounding to the element format ``fmt``."""
+    return available() and _format(fmt, overflow, flush) is not None
+
+
+def _ready(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and not x.requires_grad
+
+
+def abs_amax(x: torch.Tensor, mode: str) -> torch.Tensor | None:
+    """max |x| of a 2-D float32 tensor: ``tensor`` (shape ()), ``row`` (R, 1) or ``column`` (1, C), as
+    ``x.abs().amax(...)`` (NaN where an element is NaN); None where the native code does not cover it."""
+    if not (available() and _ready(x)) or mode not in ("tensor", "row", "column") or not x.numel():
+        return None
+    x = x.contiguous()
+    shape = {"tensor": (), "row": (x.shape[0], 1), "column": (1, x.shape[1])}[mode]
+    out = torch.empty(shape, dtype=torch.float32)
+    _library().numscope_abs_amax(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], _SCALE_MODES[mode])  # type: ignore[union-attr]
+    return out
+
+
+def element(
+    x: torch.Tensor,
+    fmt: FloatFormat | IntFormat,
+    overflow: str,
+    flush: bool,
+    scale: torch.Tensor | None = None,
+    mode: str | None = None,
+) -> torch.Tensor | None:
+    """Nearest-rounded ``cast(x · s) · (1 / s)`` of a 2-D float32 tensor (``s``: ``scale``, of shape ``()``
+    for ``mode="tensor"``, (R, 1) for ``"row"``, (1, C) for ``"column"``), or ``cast(x)`` without a scale;
+    None where the native code does not cover the call (the caller then takes another path)."""
+    if not (available() and _ready(x)) or mode not in _SCALE_MODES or (mode is None) != (scale is None):
+        return None
+    spec = _format(fmt, overflow, flush)
+    if spec is None:
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    pointer = None
+    if scale is not None:
+        scale = scale.detach().to(torch.float32).contiguous()
+        expected = {"tensor": 1, "row": x.shape[0], "column": x.shape[1]}[mode]  # type: ignore[index]
+        if scale.numel() != expected:
+            return None
+        pointer = scale.data_ptr()
+    if x.numel():
+        _library().numscope_element(  # type: ignore[union-attr]
+            x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], spec, pointer, _SCALE_MODES[mode]
+        )
+    return out
+
+
+def _blocks(
+    fmt: BlockFormat, flush: bool, tensor_amax: torch.Tensor | None, x: torch.Tensor
+) -> tuple[_Format, _Blocks] | None:
+    """The element format and block parameters of ``fmt`` for numscope_blocks_quantize, or None where the
+    native code does not cover it (2-D NVFP4 tiles, NVFP4 per-row scales, Four Over Six)."""
+    if fmt.block_rows != 1 or fmt.row_scale or fmt.four_over_six:
+        return None
+    element_fmt = fmt.element
+    spec = _format(element_fmt, "saturate", flush)
+    if spec is None:
+        return None
+    if not fmt.tensor_scale:
+        half = 1 << (22 - element_mantissa_bits(element_fmt)) if fmt.scale_rule == "even" else 0
+        params = _Blocks(
+            kind=0,
+            rule=_SCALE_RULES[fmt.scale_rule],
+            emax=element_fmt.emax,
+            half=half,
+            element_max=float(element_fmt.max),
+        )
+        return spec, params
+    scale_spec = _format(fmt.scale_format, "saturate", False)
+    if scale_spec is None or scale_spec.kind != 0 or (fmt.scale_math == "divide" and spec.kind != 0):
+        return None
+    if tensor_amax is None:
+        tensor_amax = abs_amax(x, "tensor") if x.numel() else torch.zeros(())
+        if tensor_amax is None:
+            return None
+    target = 6.0
+    encode = scale_from_amax(tensor_amax.reshape(()), fmt.scale_format.max * element_fmt.max)
+    params = _Blocks(
+        kind=2 if fmt.scale_math == "divide" else 1,
+        encode=encode.item(),
+        inverse_encode=(1.0 / encode).item(),  # float32, as the reference's 1.0 / encode_scale
+        target=target,
+        inverse_target=torch.tensor(1.0 / target, dtype=torch.float32).item(),
+        scale_format=scale_spec,
+    )
+    return spec, params
+
+
+def block(
+    x: torch.Tensor,
+    fmt: BlockFormat,
+    flush: bool,
+    along_columns: bool = False,
+    tensor_amax: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """A 2-D float32 tensor quantized to the block format ``fmt`` (nearest), blocks along its rows (the last
+    axis, a whole number of blocks long) or, ``along_columns``, down its columns (any number of rows: a
+    short last block is the reference's zero-padded one). ``tensor_amax``: NVFP4's amax of the whole tensor
+    where it was reduced across ranks (else taken here). None where the native code does not cover it."""
+    if not (available() and _ready(x)):
+        return None
+    if not along_columns and x.shape[1] % fmt.block_size:
+        return None
+    x = x.contiguous()
+    arguments = _blocks(fmt, flush, tensor_amax, x)
+    if arguments is None:
+        return None
+    out = torch.empty_like(x)
+    if x.numel():
+        done = _library().numscope_blocks_quantize(  # type: ignore[union-attr]
+            x.data_ptr(),
+            out.data_ptr(),
+            x.shape[0],
+            x.shape[1],
+            int(along_columns),
+            fmt.block_size,
+            *arguments,
+        )
+        if done == -1:
+            raise MemoryError(f"numscope native quantizer: no memory for {x.shape[1]} column scales")
+        if done != 0:
+            return None
+    return out

@@ -1,0 +1,206 @@
+"""The native quantizers (numscope.formats.native, a C library built on first use) against the eager
+reference, bit for bit: every element format family and scaling they cover, MX blocks under every scale
+rule, NVFP4 (both scale maths), blocks along rows and down columns, over values across many binades, exact
+ties, zeros, float32 subnormals, ±inf and NaN; and what happens without a C compiler."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from tests.formats.test_formats_fast import assert_bits_equal, specials, spread
+
+import numscope
+from numscope.formats import native, set_native
+
+
+@pytest.fixture(autouse=True)
+def native_on():
+    before = native.native_enabled()
+    set_native(True)
+    yield
+    set_native(before)
+
+
+def native_and_eager(x: torch.Tensor, name: str, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(native, eager) results of the same call; checks the native code took the call."""
+    calls = []
+    element, block = native.element, native.block
+
+    def spy(function):
+        def wrapped(*args, **kw):
+            result = function(*args, **kw)
+            calls.append(result is not None)
+            return result
+
+        return wrapped
+
+    native.element, native.block = spy(element), spy(block)
+    try:
+        fast = numscope.quantize(x, name, compiled=False, **kwargs)
+    finally:
+        native.element, native.block = element, block
+    assert calls and all(calls), f"{name} {kwargs}: the native code did not take the call"
+    set_native(False)
+    eager = numscope.quantize(x, name, compiled=False, **kwargs)
+    set_native(True)
+    return fast, eager
+
+
+def inputs(name: str) -> list[np.ndarray]:
+    return [spread((37, 70), seed=1), spread((3, 5, 64), seed=2), specials(name, 64), spread((2, 96), seed=3)]
+
+
+ELEMENT_CASES = [
+    ("fp8_e4m3", {"scaling": "tensor"}),
+    ("fp8_e4m3", {"scaling": "tensor", "overflow": "propagate"}),
+    ("fp8_e5m2", {"scaling": "row", "overflow": "propagate"}),
+    ("fp8_e5m2", {"scaling": "column"}),
+    ("fp8_e4m3fnuz", {"scaling": "tensor"}),
+    ("fp8_e5m2fnuz", {"scaling": "tensor", "overflow": "propagate"}),
+    ("fp8_e4m3", {"scaling": numscope.Scaling("tensor", margin=1, power_of_two=True, amax_epsilon=1e-3)}),
+    ("fp8_e4m3", {}),
+    ("fp6_e2m3", {"scaling": "row", "flush_subnormals": True}),
+    ("fp6_e3m2", {"overflow": "propagate"}),
+    ("fp4_e2m1", {"flush_subnormals": True}),
+    ("bf16", {}),
+    ("bf16", {"overflow": "propagate", "flush_subnormals": True}),
+    ("tf32", {}),
+    ("fp16", {}),
+    ("fp16", {"overflow": "propagate"}),
+    ("e5m6", {"scaling": "tensor"}),
+    ("int8", {"scaling": "tensor"}),
+    ("int4", {"scaling": "row"}),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs"), ELEMENT_CASES)
+def test_element_formats_equal_the_eager_reference(name: str, kwargs: dict) -> None:
+    for values in inputs(name):
+        assert_bits_equal(*native_and_eager(torch.from_numpy(values), name, **kwargs))
+    for row in specials(name, 64):  # each edge row alone: a non-finite value poisons a tensor scale
+        assert_bits_equal(*native_and_eager(torch.from_numpy(row).reshape(2, 32), name, **kwargs))
+
+
+BLOCK_CASES = [
+    "mxfp8_e4m3",
+    "mxfp8_e5m2",
+    "mxfp6_e2m3",
+    "mxfp6_e3m2",
+    "mxfp4_e2m1",
+    "mxint8",
+    "mxfp8_e4m3@ceil",
+    "mxfp4_e2m1@even",
+    "mxfp8_e5m2@rceil",
+    "nvfp4",
+    "nvfp4@divide",
+]
+
+
+@pytest.mark.parametrize("name", BLOCK_CASES)
+@pytest.mark.parametrize("axis", [-1, 0])
+@pytest.mark.parametrize("flush", [False, True])
+def test_block_formats_equal_the_eager_reference(name: str, axis: int, flush: bool) -> None:
+    scaling = numscope.Scaling("block", axis=axis)
+    for values in [*inputs(name), spread((70, 37), seed=4), spread((33, 9), seed=5)]:
+        if axis == -1 and values.shape[-1] % numscope.get_format(name).block_size:
+            continue  # rows the native code leaves to the other paths (a short last block)
+        x = torch.from_numpy(values)
+        assert_bits_equal(*native_and_eager(x, name, scaling=scaling, flush_subnormals=flush))
+    edges = torch.from_numpy(specials(name, 64))
+    assert_bits_equal(*native_and_eager(edges.T.contiguous() if axis == 0 else edges, name, scaling=scaling))
+
+
+def test_delayed_scaling_records_the_same_history() -> None:
+    x = torch.from_numpy(spread((16, 64), seed=6))
+    scalers = [numscope.DelayedScaler(numscope.Scaling("delayed", history_len=4)) for _ in range(2)]
+    for step in range(3):
+        fast = numscope.quantize(x * 2.0**step, "fp8_e4m3", scaling=scalers[0], compiled=False)
+        set_native(False)
+        eager = numscope.quantize(x * 2.0**step, "fp8_e4m3", scaling=scalers[1], compiled=False)
+        set_native(True)
+        assert_bits_equal(fast, eager)
+    assert torch.equal(scalers[0].amax_history, scalers[1].amax_history)
+
+
+def test_uncovered_calls_fall_back_to_the_same_results() -> None:
+    """2-D NVFP4 tiles, Four Over Six, e8m0 and stochastic rounding are not native: the eager path runs."""
+    x = torch.from_numpy(spread((32, 64), seed=7))
+    for name, kwargs in [("nvfp4@2d", {}), ("nvfp4@4over6", {}), ("e8m0", {})]:
+        set_native(False)
+        expected = numscope.quantize(x.abs() + 1e-3, name, **kwargs)
+        set_native(True)
+        assert_bits_equal(numscope.quantize(x.abs() + 1e-3, name, **kwargs), expected)
+    assert native.block(x, numscope.get_format("nvfp4@2d"), False) is None
+
+
+def test_without_a_c_compiler_it_warns_once_and_quantizes_eagerly(monkeypatch, tmp_path) -> None:
+    x = torch.from_numpy(spread((8, 64), seed=8))
+    set_native(False)
+    expected = numscope.quantize(x, "mxfp8_e4m3")
+    set_native(True)
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path))
+    native._library.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            first = numscope.quantize(x, "mxfp8_e4m3")
+            second = numscope.quantize(x, "mxfp8_e4m3")
+        messages = [str(w.message) for w in caught if "native quantizers are unavailable" in str(w.message)]
+        assert len(messages) == 1 and "no C compiler found" in messages[0]
+        assert_bits_equal(first, expected)
+        assert_bits_equal(second, expected)
+        assert not native.available()
+    finally:
+        native._library.cache_clear()
+
+
+def test_the_library_is_built_once_per_source_into_the_cache(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path))
+    run = native.subprocess.run
+    compiles = []
+
+    def counting(command, *args, **kwargs):
+        compiles.extend([command] if "-shared" in command else [])
+        return run(command, *args, **kwargs)
+
+    monkeypatch.setattr(native.subprocess, "run", counting)
+    first = native._build()
+    assert first.parent == tmp_path and first.exists() and len(compiles) == 1
+    assert not list(tmp_path.glob("*.part")), "the partial file of the atomic write is left behind"
+    assert native._build() == first and len(compiles) == 1, "a cached library was compiled again"
+
+
+def test_set_native_takes_only_a_bool() -> None:
+    with pytest.raises(TypeError, match="set_native expects True or False, got 'yes'"):
+        set_native("yes")  # type: ignore[arg-type]
+
+
+def test_convert_quantizes_block_formats_natively_by_default() -> None:
+    """A converted layer's MX and NVFP4 operands go through the native code (without torch.compile), and
+    train to the same bits as the eager reference."""
+    results = []
+    for on in (True, False):
+        set_native(on)
+        calls: list[int] = []
+        block = native.block
+
+        def counting(*args, block=block, calls=calls, **kwargs):
+            calls.append(1)
+            return block(*args, **kwargs)
+
+        native.block = counting
+        try:
+            torch.manual_seed(0)
+            layer = torch.nn.Linear(64, 32)
+            numscope.convert(layer, numscope.Plan.uniform("nvfp4"), compiled=False)
+            out = layer(torch.randn(8, 64, generator=torch.Generator().manual_seed(1)))
+            out.sum().backward()
+        finally:
+            native.block = block
+        assert bool(calls) is on
+        results.append((out.detach(), layer.weight.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
