@@ -214,9 +214,14 @@ def _grid_and_ties(fmt: str) -> torch.Tensor:
     return torch.cat([grid.float(), mids, mids.nextafter(mids + 1), mids.nextafter(mids - 1)])
 
 
+@pytest.mark.parametrize("library", [True, False], ids=["native-quantizers", "torch-casts"])
 @pytest.mark.parametrize("overflow", ["saturate", "propagate"])
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp16", "bf16", "fp8_e4m3fnuz", "fp8_e5m2fnuz"])
-def test_native_cast_path_equals_quantize(fmt: str, overflow: str) -> None:
+def test_native_cast_path_equals_quantize(monkeypatch, fmt: str, overflow: str, library: bool) -> None:
+    """convert's element casts that keep codes (the native quantizers' codes, or torch's own dtype casts
+    with them off) against the eager reference."""
+    from numscope.formats import native
+
     torch.manual_seed(0)
     x = torch.randn(4096) * torch.logspace(-20, 20, 4096) ** 0.5
     special = x.clone()
@@ -230,8 +235,16 @@ def test_native_cast_path_equals_quantize(fmt: str, overflow: str) -> None:
         reference = DelayedScaler(scaling) if scaling is not None and scaling.kind == "delayed" else scaling
         site = Site("s", "s", "linear")
         for values in (x, special, x * 1e-6, ties, torch.cat([ties, ties * 1.5 + big]), above_max):
+            monkeypatch.setattr(native, "_enabled", False)
             expected = numscope.quantize(values, fmt, scaling=reference, overflow=overflow)
-            got = quantizer(site, "fprop", "input", values, -1)
+            monkeypatch.setattr(native, "_enabled", library)
+            got = quantizer.quantize(site.key("fprop", "input"), spec, values, -1)
+            kept = quantizer._last_codes  # the codes a site keeps for backward: they unpack to got
+            assert (kept is not None) == (overflow == "saturate" or fmt in ("fp16", "bf16", "fp8_e5m2"))
+            if kept is not None:
+                codes, descale = kept
+                unpacked = codes.float() if descale is None else codes.float() * descale
+                assert torch.equal(unpacked.nan_to_num(1.5), got.nan_to_num(1.5))
             assert torch.equal(got.isnan(), expected.isnan())
             assert torch.equal(got.nan_to_num(1.5), expected.nan_to_num(1.5)), (fmt, overflow, scaling)
             # signs of zeros and infinities; a NaN's sign is no value (IEEE 754 leaves it unspecified for
@@ -254,7 +267,11 @@ def test_native_cast_path_with_a_margin_near_float32s_max_equals_quantize(fmt: s
 @pytest.mark.parametrize("scaling", ["none", "tensor"])
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "bf16"])
 def test_a_native_saturating_cast_reads_the_device_once(monkeypatch, fmt: str, scaling: str) -> None:
-    # each host read of a tensor is a synchronisation on an accelerator: one per quantized operand
+    # each host read of a tensor is a synchronisation on an accelerator: one per quantized operand (on
+    # torch's own casts, the path an accelerator takes; the native quantizers are CPU code, off here)
+    from numscope.formats import native
+
+    monkeypatch.setattr(native, "_enabled", False)
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__"):
         method = getattr(torch.Tensor, name)

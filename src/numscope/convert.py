@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from numscope._callable import make_callable as _make_callable
+from numscope.formats import native
 from numscope.formats.cast import native_dtype
 from numscope.formats.fast import fast_enabled
 from numscope.formats.quantize import Encoded, encode, quantize
@@ -225,16 +226,24 @@ class _Quantizer:
         fmt = spec.format_spec()
         scaling = spec.effective_scaling()
         compiled = self._compiled()
-        native = None if compiled else _native_cast(spec, fmt, scaling)
+        dtype = None if compiled else _native_cast(spec, fmt, scaling)
         self._last_codes = None
-        if native is not None and tensor.numel() > 0:
+        if dtype is not None and tensor.numel() > 0:
             xf = tensor.detach().float()
-            amax = _amax(xf) if scaling is not None or spec.overflow == "saturate" else None
+            # fp8: the native quantizers write the codes (torch's fp8 conversion is scalar code; its
+            # fp16/bf16 conversions are single vector instructions, faster than any rounding arithmetic)
+            by_library = dtype.itemsize == 1 and native.covers(fmt, spec.overflow, False)
+            amax = None
+            if scaling is not None or (spec.overflow == "saturate" and not by_library):
+                amax = native.abs_amax(xf.reshape(1, -1), "tensor") if by_library else _amax(xf)
             scale = None
             if scaling is not None:
                 delayed = self.scaler(key, scaling) if scaling.kind == "delayed" else None
                 scale = element_scale(xf, fmt, scaling, delayed, local_amax=amax)  # type: ignore[arg-type]
-            values, codes = _fake_cast(xf, native, fmt, scale, amax, spec.overflow)  # type: ignore[arg-type]
+            done = native.element_codes(xf, fmt, spec.overflow, dtype, scale) if by_library else None
+            if done is None:
+                done = _fake_cast(xf, dtype, fmt, scale, amax, spec.overflow)  # type: ignore[arg-type]
+            values, codes = done
             self._last_codes = (codes, None if scale is None else 1.0 / scale)
             return values
         if isinstance(fmt, BlockFormat):
@@ -290,7 +299,11 @@ def _cast_native(values: torch.Tensor, dtype: torch.dtype, fmt: FloatFormat) -> 
 
 
 def _unpack(codes: torch.Tensor, descale: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 values from codes in a torch dtype and a descale: what :func:`_fake_cast` returned."""
+    """float32 values from codes in a torch dtype and a descale: what :func:`_fake_cast` returned (fp8
+    codes through the native quantizers' decoder where it is on: the same bits, vectorized)."""
+    decoded = native.decode(codes, descale) if codes.element_size() == 1 else None
+    if decoded is not None:
+        return decoded
     return codes.float() if descale is None else codes.float() * descale
 
 

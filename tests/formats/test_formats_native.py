@@ -204,3 +204,34 @@ def test_convert_quantizes_block_formats_natively_by_default() -> None:
         assert bool(calls) is on
         results.append((out.detach(), layer.weight.grad))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
+)
+def test_fp8_codes_decode_as_torch_converts_them(dtype: torch.dtype) -> None:
+    """Every code of the dtype (subnormals, ±0, ±inf, NaNs), times descales down to float32's subnormals."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).reshape(16, 16)
+    for descale in (None, torch.tensor(0.375), torch.tensor(2.0**-130), torch.tensor(3.0e30)):
+        expected = codes.float() if descale is None else codes.float() * descale
+        assert_bits_equal(native.decode(codes, descale), expected)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz"])
+@pytest.mark.parametrize("overflow", ["saturate", "propagate"])
+def test_fp8_codes_are_the_rounded_values(fmt: str, overflow: str) -> None:
+    """element_codes' codes decode to cast(x · s) and its values are that times 1 / s, as the eager path."""
+    from numscope.formats.cast import native_dtype
+
+    spec = numscope.get_format(fmt)
+    for values in [spread((37, 70), seed=9), specials(fmt, 64)]:
+        x = torch.from_numpy(values)
+        for scale in (None, torch.tensor(3.0), torch.tensor(2.0**-20)):
+            result = native.element_codes(x, spec, overflow, native_dtype(spec), scale)
+            assert result is not None
+            got, codes = result
+            set_native(False)
+            rounded = numscope.quantize(x if scale is None else x * scale, fmt, overflow=overflow)
+            set_native(True)
+            assert_bits_equal(codes.float(), rounded)
+            assert_bits_equal(got, rounded if scale is None else rounded * (1.0 / scale))

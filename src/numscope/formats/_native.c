@@ -31,12 +31,12 @@ typedef struct {
     float min_code, max_code;    /* integers */
 } numscope_format;
 
-static inline uint32_t bits_of(float x) { uint32_t b; memcpy(&b, &x, 4); return b; }
-static inline float float_of(uint32_t b) { float x; memcpy(&x, &b, 4); return x; }
-static inline float quiet_nan(void) { return float_of(0x7FC00000u); }
+static inline __attribute__((always_inline)) uint32_t bits_of(float x) { uint32_t b; memcpy(&b, &x, 4); return b; }
+static inline __attribute__((always_inline)) float float_of(uint32_t b) { float x; memcpy(&x, &b, 4); return x; }
+static inline __attribute__((always_inline)) float quiet_nan(void) { return float_of(0x7FC00000u); }
 
 /* cast.py cast_int */
-static inline float cast_int(float x, const numscope_format *f) {
+static inline __attribute__((always_inline)) float cast_int(float x, const numscope_format *f) {
     float code = rintf(x * f->to_units);
     code = code < f->min_code ? f->min_code : (code > f->max_code ? f->max_code : code); /* NaN stays */
     code = code == 0.0f ? 0.0f : code;                                                  /* no -0 */
@@ -46,7 +46,7 @@ static inline float cast_int(float x, const numscope_format *f) {
 /* cast.py cast_float after the grid rounding: overflow, flush, zeros, non-finite inputs. OV, NF and FL are
  * compile-time constants in every caller (f->overflow, f->nonfinite, f->flush), so that each combination
  * gets its own branch-free loop, which the compiler vectorizes (with runtime flags it does not). */
-static inline float finish(float x, float y, const numscope_format *f, const int OV, const int NF, const int FL) {
+static inline __attribute__((always_inline)) float finish(float x, float y, const numscope_format *f, const int OV, const int NF, const int FL) {
     const float beyond = OV == 2 ? quiet_nan() : copysignf(OV == 1 ? INFINITY : f->max, y);
     y = fabsf(y) > f->max ? beyond : y;
     if (FL) y = fabsf(y) < f->min_normal ? y * 0.0f : y;
@@ -56,7 +56,7 @@ static inline float finish(float x, float y, const numscope_format *f, const int
 }
 
 /* cast.py _grid_small: spacing 2^(max(e, emin) - m), capped at 2^126 */
-static inline float cast_small(float x, const numscope_format *f, const int OV, const int NF, const int FL) {
+static inline __attribute__((always_inline)) float cast_small(float x, const numscope_format *f, const int OV, const int NF, const int FL) {
     const float safe = fabsf(x) < INFINITY ? x : 0.0f;
     int e = (int)((bits_of(safe) >> 23) & 0xFFu) - 127;
     e = e < f->emin ? f->emin : e;
@@ -68,7 +68,7 @@ static inline float cast_small(float x, const numscope_format *f, const int OV, 
 }
 
 /* cast.py _grid_e8: round the bit pattern (drop = 23 - mantissa bits > 0) */
-static inline float cast_e8(float x, const numscope_format *f, const int OV, const int NF, const int FL) {
+static inline __attribute__((always_inline)) float cast_e8(float x, const numscope_format *f, const int OV, const int NF, const int FL) {
     const float safe = fabsf(x) < INFINITY ? x : 0.0f;
     const int drop = 23 - f->mantissa_bits;
     const uint32_t sb = bits_of(safe);
@@ -78,7 +78,7 @@ static inline float cast_e8(float x, const numscope_format *f, const int OV, con
     return finish(x, float_of((sb & 0x80000000u) | magnitude), f, OV, NF, FL);
 }
 
-static inline float cast_integer(float x, const numscope_format *f, const int OV, const int NF, const int FL) {
+static inline __attribute__((always_inline)) float cast_integer(float x, const numscope_format *f, const int OV, const int NF, const int FL) {
     (void)OV, (void)NF, (void)FL;
     return cast_int(x, f);
 }
@@ -117,7 +117,7 @@ NUMSCOPE_FAMILY(cast_e8)
 NUMSCOPE_LOOPS(cast_integer_any, cast_integer, 0, 0, 0)
 
 /* n elements of x: unscaled (s NULL, scaled 0), times scale then inverse (scaled 1), or per element s[i] */
-static inline void run_cast(const float *restrict x, float *restrict out, int64_t n, const float *restrict s,
+static inline __attribute__((always_inline)) void run_cast(const float *restrict x, float *restrict out, int64_t n, const float *restrict s,
                             float scale, float inverse, int scaled, const numscope_format *f) {
     if (f->kind == 0) cast_small_any(x, out, n, s, scale, inverse, scaled, f);
     else if (f->kind == 1) cast_e8_any(x, out, n, s, scale, inverse, scaled, f);
@@ -141,7 +141,7 @@ void numscope_element(const float *restrict x, float *restrict out, int64_t rows
 }
 
 /* scaling.py log2_floor: floor(log2 x) for positive float32, subnormals included; -127 for zero */
-static inline int log2_floor(float x) {
+static inline __attribute__((always_inline)) int log2_floor(float x) {
     const int field = (int)((bits_of(x) >> 23) & 0xFFu);
     if (field > 0) return field - 127;
     if (!(x > 0.0f)) return -127;
@@ -149,7 +149,7 @@ static inline int log2_floor(float x) {
 }
 
 /* scaling.py exact_pow2: 2^e exactly, e in [-149, 127] */
-static inline float exact_pow2(int e) {
+static inline __attribute__((always_inline)) float exact_pow2(int e) {
     if (e >= -126) return float_of((uint32_t)(e + 127) << 23);
     int shift = e + 149;
     if (shift < 0) shift = 0;
@@ -159,7 +159,7 @@ static inline float exact_pow2(int e) {
 
 /* blocks.py _mx_shared_exponent; rule 0 floor, 1 ceil, 2 even (half = 2^(22 - element mantissa bits)),
  * 3 rceil */
-static inline int mx_shared_exponent(float amax, int rule, int emax, float element_max, uint32_t half) {
+static inline __attribute__((always_inline)) int mx_shared_exponent(float amax, int rule, int emax, float element_max, uint32_t half) {
     if (rule == 3) {
         const float ratio = amax / element_max;
         if (!(ratio > 0.0f)) return -127;
@@ -195,7 +195,7 @@ typedef struct {
     numscope_format scale_format;                         /* NVFP4: E4M3, saturating */
 } numscope_blocks;
 
-static inline void block_factors(uint32_t top, const numscope_blocks *p, float *factor, float *mask, float *out) {
+static inline __attribute__((always_inline)) void block_factors(uint32_t top, const numscope_blocks *p, float *factor, float *mask, float *out) {
     if (top >= 0x7F800000u) {
         *factor = *out = quiet_nan();
         *mask = 1.0f;
@@ -320,6 +320,115 @@ int numscope_blocks_quantize(const float *restrict x, float *restrict out, int64
     run(x, out, rows, cols, columns, block_size, &format, &params, top, factor, mask, scale);
     free(scratch);
     return 0;
+}
+
+/* Codes: the rounded value y (on the format's grid, or ±inf/NaN) in the format's own bit layout, as torch's
+ * float8/float16/bfloat16 dtypes store it, written beside the descaled values so that a caller can keep
+ * the codes (1 or 2 bytes) for backward instead of float32. */
+typedef struct {
+    int32_t e8;            /* bfloat16: the top half of float32's pattern (encode_e8) */
+    int32_t mantissa_bits, bias, emin;
+    uint32_t sign_bit;     /* 0x80 or 0x8000 */
+    uint32_t exponent_ones; /* the exponent field all ones, at its place (inf where the format has it) */
+    uint32_t nan_code;
+    float subnormal_units; /* 2^(mantissa_bits - emin): a subnormal's mantissa field from its value */
+} numscope_codes;
+
+static inline __attribute__((always_inline)) uint32_t encode_e8(float y, const numscope_codes *c) {
+    return (y != y) ? c->nan_code : (bits_of(y) >> 16);
+}
+
+static inline __attribute__((always_inline)) uint32_t encode_small(float y, const numscope_codes *c) {
+    const uint32_t b = bits_of(y);
+    const uint32_t sign = (b >> 31) ? c->sign_bit : 0u;
+    const int biased = (int)((b >> 23) & 0xFFu) - 127 + c->bias;
+    const uint32_t normal = ((uint32_t)(biased < 1 ? 1 : biased) << c->mantissa_bits) |
+                            ((b >> (23 - c->mantissa_bits)) & ((1u << c->mantissa_bits) - 1u));
+    const uint32_t subnormal = (uint32_t)(int32_t)(fabsf(y) * c->subnormal_units);
+    uint32_t code = biased >= 1 ? normal : subnormal;
+    code = fabsf(y) == INFINITY ? c->exponent_ones : code;
+    return (y != y) ? c->nan_code : (code | sign);
+}
+
+#define NUMSCOPE_CODES_LOOP(NAME, CAST, ENCODE, OV, NF, CODE)                                                     \
+    static void NAME(const float *restrict x, float *restrict out, CODE *restrict codes, int64_t n, float scale, \
+                     float inverse, int scaled, const numscope_format *format, const numscope_codes *layout) { \
+        const numscope_format local = *format, *f = &local;                                               \
+        const numscope_codes code_local = *layout, *c = &code_local;                                      \
+        if (scaled) {                                                                                     \
+            for (int64_t i = 0; i < n; ++i) {                                                             \
+                const float y = CAST(x[i] * scale, f, OV, NF, 0);                                          \
+                out[i] = y * inverse;                                                                     \
+                codes[i] = (CODE)ENCODE(y, c);                                                            \
+            }                                                                                             \
+        } else {                                                                                          \
+            for (int64_t i = 0; i < n; ++i) {                                                             \
+                const float y = CAST(x[i], f, OV, NF, 0);                                                  \
+                out[i] = y;                                                                               \
+                codes[i] = (CODE)ENCODE(y, c);                                                            \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+/* the layouts torch has: fp8 E4M3FN (NaN only), E5M2 (inf), the FNUZ pair (NaN only), fp16 (inf), bf16 */
+NUMSCOPE_CODES_LOOP(codes8_00, cast_small, encode_small, 0, 0, uint8_t)
+NUMSCOPE_CODES_LOOP(codes8_10, cast_small, encode_small, 1, 0, uint8_t)
+NUMSCOPE_CODES_LOOP(codes8_01, cast_small, encode_small, 0, 1, uint8_t)
+NUMSCOPE_CODES_LOOP(codes8_21, cast_small, encode_small, 2, 1, uint8_t)
+NUMSCOPE_CODES_LOOP(codes16_00, cast_small, encode_small, 0, 0, uint16_t)
+NUMSCOPE_CODES_LOOP(codes16_10, cast_small, encode_small, 1, 0, uint16_t)
+NUMSCOPE_CODES_LOOP(codes16_e8_00, cast_e8, encode_e8, 0, 0, uint16_t)
+NUMSCOPE_CODES_LOOP(codes16_e8_10, cast_e8, encode_e8, 1, 0, uint16_t)
+
+/* numscope_element without flushing, unscaled or with one scale (scale NULL or scale[0]), also writing
+ * each result's code (1 or 2 bytes by code_bytes). Returns 0, or -2 for a combination not built here. */
+int numscope_element_codes(const float *restrict x, float *restrict out, void *restrict codes, int64_t n,
+                           int32_t code_bytes, numscope_format format, numscope_codes layout,
+                           const float *restrict scale) {
+    const numscope_format *f = &format;
+    if (f->flush || f->kind == 2) return -2;
+    const float s = scale ? scale[0] : 1.0f, inverse = scale ? 1.0f / scale[0] : 1.0f;
+    const int scaled = scale != NULL, mode = f->overflow * 10 + f->nonfinite;
+    if (code_bytes == 1 && f->kind == 0) {
+        if (mode == 0) codes8_00(x, out, codes, n, s, inverse, scaled, f, &layout);
+        else if (mode == 10) codes8_10(x, out, codes, n, s, inverse, scaled, f, &layout);
+        else if (mode == 1) codes8_01(x, out, codes, n, s, inverse, scaled, f, &layout);
+        else if (mode == 21) codes8_21(x, out, codes, n, s, inverse, scaled, f, &layout);
+        else return -2;
+    } else if (code_bytes == 2 && f->kind == 0) {
+        if (mode == 0) codes16_00(x, out, codes, n, s, inverse, scaled, f, &layout);
+        else if (mode == 10) codes16_10(x, out, codes, n, s, inverse, scaled, f, &layout);
+        else return -2;
+    } else if (code_bytes == 2 && f->kind == 1) {
+        if (mode == 0) codes16_e8_00(x, out, codes, n, s, inverse, scaled, f, &layout);
+        else if (mode == 10) codes16_e8_10(x, out, codes, n, s, inverse, scaled, f, &layout);
+        else return -2;
+    } else {
+        return -2;
+    }
+    return 0;
+}
+
+/* The inverse: 8-bit codes back to float32 values times a descale (values · descale, one float32 product,
+ * as codes.float() * descale in torch; descale NULL: the values alone). The exponent and mantissa fields
+ * move into float32's; subnormals are their mantissa times 2^(emin - m), exactly. */
+void numscope_decode8(const uint8_t *restrict codes, float *restrict out, int64_t n, numscope_codes layout,
+                      const float *restrict descale) {
+    const numscope_codes local = layout, *c = &local;
+    const uint32_t mask = (1u << c->mantissa_bits) - 1u;
+    const float d = descale ? descale[0] : 1.0f, subnormal_unit = 1.0f / c->subnormal_units;
+    const int fnuz = c->nan_code == c->sign_bit, fn = c->nan_code == c->sign_bit - 1u;
+    for (int64_t i = 0; i < n; ++i) {
+        const uint32_t code = codes[i], magnitude = code & (c->sign_bit - 1u);
+        const uint32_t field = magnitude >> c->mantissa_bits, mantissa = magnitude & mask;
+        const float normal = float_of(((uint32_t)((int)field - c->bias + 127) << 23) |
+                                      (mantissa << (23 - c->mantissa_bits)));
+        float v = field ? normal : (float)(int32_t)mantissa * subnormal_unit;
+        v = (code & c->sign_bit) ? -v : v; /* FNUZ's 0x80 is NaN, below */
+        const int nan = fnuz ? code == c->nan_code : (fn ? magnitude == c->nan_code : (magnitude > c->exponent_ones));
+        v = (!fn && !fnuz && magnitude == c->exponent_ones) ? copysignf(INFINITY, v) : v;
+        v = nan ? quiet_nan() : v;
+        out[i] = descale ? v * d : v;
+    }
 }
 
 /* max |x| as torch's x.abs().amax(...) gives it for finite x (NaN where any element is NaN, inf where the

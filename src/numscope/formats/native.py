@@ -14,7 +14,10 @@ formats (not ``e8m0``) and integer formats, unscaled or with a per-tensor, per-r
 (the amax is taken natively, the scale by :func:`numscope.formats.scaling.scale_from_amax`), delayed
 scaling; MX block formats under every scale rule; NVFP4 with its per-tensor scale (both scale maths); and
 for block formats blocks along the rows or down the columns (a tensor blocked along its first axis needs
-no transposed copy). Not 2-D NVFP4 tiles, NVFP4 per-row scales or Four Over Six.
+no transposed copy). Not 2-D NVFP4 tiles, NVFP4 per-row scales or Four Over Six. For
+``numscope.convert``'s fp8 operands it also writes the codes in torch's float8 dtypes beside the values
+(:func:`element_codes`: a site keeps them for backward, 1 byte instead of 4) and decodes them
+(:func:`decode`; torch converts float8 to float32 one element at a time).
 
 Built once per machine and source: the library is cached under ``$NUMSCOPE_CACHE`` (default
 ``~/.cache/numscope``, else a folder in the temp dir) by a hash of the source, the compiler's version and
@@ -96,6 +99,21 @@ class _Blocks(ctypes.Structure):
         ("target", ctypes.c_float),
         ("inverse_target", ctypes.c_float),
         ("scale_format", _Format),
+    ]
+
+
+class _Codes(ctypes.Structure):
+    """``numscope_codes`` of ``_native.c``: the bit layout of a torch float8/float16/bfloat16 dtype."""
+
+    _fields_ = [
+        ("e8", ctypes.c_int32),
+        ("mantissa_bits", ctypes.c_int32),
+        ("bias", ctypes.c_int32),
+        ("emin", ctypes.c_int32),
+        ("sign_bit", ctypes.c_uint32),
+        ("exponent_ones", ctypes.c_uint32),
+        ("nan_code", ctypes.c_uint32),
+        ("subnormal_units", ctypes.c_float),
     ]
 
 
@@ -197,6 +215,10 @@ def _library() -> ctypes.CDLL | None:
     library.numscope_element.restype = None
     library.numscope_blocks_quantize.argtypes = [pointer, pointer, i64, i64, i32, i32, _Format, _Blocks]
     library.numscope_blocks_quantize.restype = ctypes.c_int
+    library.numscope_element_codes.argtypes = [pointer, pointer, pointer, i64, i32, _Format, _Codes, pointer]
+    library.numscope_element_codes.restype = ctypes.c_int
+    library.numscope_decode8.argtypes = [pointer, pointer, i64, _Codes, pointer]
+    library.numscope_decode8.restype = None
     library.numscope_abs_amax.argtypes = [pointer, pointer, i64, i64, i32]
     library.numscope_abs_amax.restype = None
     return library
@@ -245,6 +267,93 @@ def covers(fmt: FloatFormat | IntFormat, overflow: str, flush: bool) -> bool:
 
 def _ready(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and not x.requires_grad
+
+
+def _layout(fmt: FloatFormat, dtype: torch.dtype) -> _Codes | None:
+    """How ``dtype`` (torch's storage of ``fmt``) lays out ``fmt``'s values, or None for another dtype."""
+    width = torch.empty((), dtype=dtype).element_size() * 8
+    if dtype == torch.bfloat16 and fmt.exponent_bits == 8 and fmt.mantissa_bits == 7:
+        return _Codes(e8=1, nan_code=0x7FC0)
+    if width != 1 + fmt.exponent_bits + fmt.mantissa_bits or fmt.exponent_bits >= 8:
+        return None
+    sign = 1 << (width - 1)
+    ones = ((1 << fmt.exponent_bits) - 1) << fmt.mantissa_bits
+    nan = {"ieee": ones | (1 << (fmt.mantissa_bits - 1)), "fn": sign - 1, "fnuz": sign}.get(fmt.special)
+    if nan is None:
+        return None
+    return _Codes(
+        mantissa_bits=fmt.mantissa_bits,
+        bias=1 - fmt.emin,
+        emin=fmt.emin,
+        sign_bit=sign,
+        exponent_ones=ones,
+        nan_code=nan,
+        subnormal_units=2.0 ** (fmt.mantissa_bits - fmt.emin),
+    )
+
+
+def element_codes(
+    x: torch.Tensor, fmt: FloatFormat, overflow: str, dtype: torch.dtype, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``cast(x · s) · (1 / s)`` (or ``cast(x)``) of a float32 tensor under nearest rounding, with one
+    scale ``s`` for the tensor, and the codes of ``cast(x · s)`` in ``dtype`` (torch's float8, float16 or
+    bfloat16 storage of ``fmt``: ``codes.float() · (1 / s)`` gives the values back bit for bit); None
+    where the native code does not cover it."""
+    if not (available() and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad):
+        return None
+    spec, layout = _format(fmt, overflow, False), _layout(fmt, dtype)
+    if spec is None or layout is None or (scale is not None and scale.numel() != 1):
+        return None
+    x = x.contiguous()
+    values, codes = torch.empty_like(x), torch.empty(x.shape, dtype=dtype)
+    pointer = None
+    if scale is not None:
+        scale = scale.detach().to(torch.float32).reshape(1).contiguous()
+        pointer = scale.data_ptr()
+    if x.numel():
+        done = _library().numscope_element_codes(  # type: ignore[union-attr]
+            x.data_ptr(),
+            values.data_ptr(),
+            codes.data_ptr(),
+            x.numel(),
+            codes.element_size(),
+            spec,
+            layout,
+            pointer,
+        )
+        if done != 0:
+            return None
+    return values, codes
+
+
+_LAYOUTS = {
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+    torch.float8_e4m3fnuz: "fp8_e4m3fnuz",
+    torch.float8_e5m2fnuz: "fp8_e5m2fnuz",
+}
+
+
+def decode(codes: torch.Tensor, descale: torch.Tensor | None = None) -> torch.Tensor | None:
+    """float32 ``codes.float() · descale`` (``descale`` one float32 value, or None) of torch fp8 codes, bit
+    for bit (torch converts fp8 to float32 one element at a time); None where not covered."""
+    name = _LAYOUTS.get(codes.dtype)
+    if name is None or not available() or codes.device.type != "cpu":
+        return None
+    from numscope.formats.spec import get_format
+
+    layout = _layout(get_format(name), codes.dtype)  # type: ignore[arg-type]
+    if layout is None or (descale is not None and descale.numel() != 1):
+        return None
+    codes = codes.contiguous()
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    pointer = None
+    if descale is not None:
+        descale = descale.detach().to(torch.float32).reshape(1).contiguous()
+        pointer = descale.data_ptr()
+    if codes.numel():
+        _library().numscope_decode8(codes.data_ptr(), out.data_ptr(), codes.numel(), layout, pointer)  # type: ignore[union-attr]
+    return out
 
 
 def abs_amax(x: torch.Tensor, mode: str) -> torch.Tensor | None:
