@@ -143,18 +143,17 @@ void numscope_element(const float *restrict x, float *restrict out, int64_t rows
 /* scaling.py log2_floor: floor(log2 x) for positive float32, subnormals included; -127 for zero */
 static inline __attribute__((always_inline)) int log2_floor(float x) {
     const int field = (int)((bits_of(x) >> 23) & 0xFFu);
-    if (field > 0) return field - 127;
-    if (!(x > 0.0f)) return -127;
-    return (int)((bits_of(x * 18446744073709551616.0f) >> 23) & 0xFFu) - (127 + 64);
+    const int lifted = (int)((bits_of(x * 18446744073709551616.0f) >> 23) & 0xFFu) - (127 + 64); /* subnormal */
+    const int small = x > 0.0f ? lifted : -127;
+    return field > 0 ? field - 127 : small;
 }
 
-/* scaling.py exact_pow2: 2^e exactly, e in [-149, 127] */
+/* scaling.py exact_pow2: 2^e exactly, e in [-149, 127] (branch-free: it runs once per block) */
 static inline __attribute__((always_inline)) float exact_pow2(int e) {
-    if (e >= -126) return float_of((uint32_t)(e + 127) << 23);
+    const float normal = float_of((uint32_t)((e < -126 ? -126 : e) + 127) << 23);
     int shift = e + 149;
-    if (shift < 0) shift = 0;
-    if (shift > 22) shift = 22;
-    return float_of(1u << shift);
+    shift = shift < 0 ? 0 : (shift > 22 ? 22 : shift);
+    return e >= -126 ? normal : float_of(1u << shift);
 }
 
 /* blocks.py _mx_shared_exponent; rule 0 floor, 1 ceil, 2 even (half = 2^(22 - element mantissa bits)),
@@ -195,59 +194,71 @@ typedef struct {
     numscope_format scale_format;                         /* NVFP4: E4M3, saturating */
 } numscope_blocks;
 
-static inline __attribute__((always_inline)) void block_factors(uint32_t top, const numscope_blocks *p, float *factor, float *mask, float *out) {
-    if (top >= 0x7F800000u) {
-        *factor = *out = quiet_nan();
-        *mask = 1.0f;
-        return;
-    }
+static inline __attribute__((always_inline)) void block_factors(uint32_t top, const numscope_blocks *p, const int KIND,
+                                                                float *factor, float *mask, float *out) {
     const float amax = float_of(top);
-    if (p->kind == 0) {
+    const int finite = top < 0x7F800000u;
+    float f, m, o;
+    if (KIND == 0) {
         int shared = mx_shared_exponent(amax, p->rule, p->emax, p->element_max, p->half);
         shared = shared < -127 ? -127 : (shared > 127 ? 127 : shared);
-        *factor = exact_pow2(-shared);
-        *mask = 1.0f;
-        *out = exact_pow2(shared);
-        return;
-    }
-    float wanted = p->kind == 1 ? amax * (p->encode * p->inverse_target) : amax / p->target * p->encode;
-    wanted = wanted > FLT_MAX ? FLT_MAX : wanted;
-    const float stored = cast_small(wanted, &p->scale_format, 0, 1, 0);
-    if (p->kind == 1) {
-        const float decode = stored * p->inverse_encode;
-        const float inverse = 1.0f / decode;
-        *factor = inverse > FLT_MAX ? FLT_MAX : inverse;
-        *out = decode;
+        f = exact_pow2(-shared);
+        m = 1.0f;
+        o = exact_pow2(shared);
     } else {
-        const float decode = stored / p->encode;
-        *factor = decode > 0.0f ? decode : 1.0f;
-        *out = decode;
+        float wanted = KIND == 1 ? amax * (p->encode * p->inverse_target) : amax / p->target * p->encode;
+        wanted = wanted > FLT_MAX ? FLT_MAX : wanted;
+        const float stored = cast_small(wanted, &p->scale_format, 0, 1, 0);
+        if (KIND == 1) {
+            const float decode = stored * p->inverse_encode;
+            const float inverse = 1.0f / decode;
+            f = inverse > FLT_MAX ? FLT_MAX : inverse;
+            o = decode;
+        } else {
+            const float decode = stored / p->encode;
+            f = decode > 0.0f ? decode : 1.0f;
+            o = decode;
+        }
+        m = stored > 0.0f ? 1.0f : 0.0f;
     }
-    *mask = stored > 0.0f ? 1.0f : 0.0f;
+    *factor = finite ? f : quiet_nan();
+    *mask = finite ? m : 1.0f;
+    *out = finite ? o : quiet_nan();
 }
 
 #define NUMSCOPE_SCALED(CAST, NF, FL, DIV, X, FACTOR, MASK, OUT) \
     (CAST((DIV) ? (X) / (FACTOR) : (X) * (FACTOR), f, 0, NF, FL) * (MASK) * (OUT))
 
 /* blocks of B consecutive elements (B a constant in the common cases, so that both loops vectorize) */
-#define NUMSCOPE_ROW_BLOCKS(B, CAST, NF, FL, DIV)                                                         \
-    for (int64_t start = 0; start < total; start += (B)) {                                                \
-        const float *xb = x + start;                                                                      \
-        float *ob = out + start;                                                                          \
-        /* max |x| on the bit patterns: their order is the magnitudes' (inf above, NaN above inf) */    \
-        uint32_t top = 0;                                                                                 \
-        for (int i = 0; i < (B); ++i) {                                                                   \
-            const uint32_t magnitude = bits_of(xb[i]) & 0x7FFFFFFFu;                                      \
-            top = magnitude > top ? magnitude : top;                                                      \
+/* blocks of B consecutive elements (B a constant in the common cases), in chunks of up to 64 blocks: their
+ * amaxes, then their scales (a loop over blocks, which vectorizes), then their elements */
+#define NUMSCOPE_ROW_BLOCKS(B, CAST, NF, FL, DIV, KIND)                                                   \
+    for (int64_t start = 0; start < total; start += 64 * (B)) {                                           \
+        const int64_t blocks = (total - start) / (B) < 64 ? (total - start) / (B) : 64;                   \
+        uint32_t top[64];                                                                                 \
+        float factor[64], mask[64], scale[64];                                                            \
+        for (int64_t k = 0; k < blocks; ++k) {                                                            \
+            const float *xb = x + start + k * (B);                                                        \
+            /* max |x| on the bit patterns: their order is the magnitudes' (inf above, NaN above inf) */ \
+            uint32_t t = 0;                                                                               \
+            for (int i = 0; i < (B); ++i) {                                                               \
+                const uint32_t magnitude = bits_of(xb[i]) & 0x7FFFFFFFu;                                  \
+                t = magnitude > t ? magnitude : t;                                                        \
+            }                                                                                             \
+            top[k] = t;                                                                                   \
         }                                                                                                 \
-        float factor, mask, scale;                                                                        \
-        block_factors(top, p, &factor, &mask, &scale);                                                    \
-        for (int i = 0; i < (B); ++i) ob[i] = NUMSCOPE_SCALED(CAST, NF, FL, DIV, xb[i], factor, mask, scale); \
+        for (int64_t k = 0; k < blocks; ++k) block_factors(top[k], p, KIND, factor + k, mask + k, scale + k); \
+        for (int64_t k = 0; k < blocks; ++k) {                                                            \
+            const float *xb = x + start + k * (B);                                                        \
+            float *ob = out + start + k * (B);                                                            \
+            const float fk = factor[k], mk = mask[k], sk = scale[k];                                      \
+            for (int i = 0; i < (B); ++i) ob[i] = NUMSCOPE_SCALED(CAST, NF, FL, DIV, xb[i], fk, mk, sk);   \
+        }                                                                                                 \
     }
 
 /* blocks down the columns: block b of column c is rows [b*B, b*B + B) of c; the last may be short (the
  * reference zero-pads it, which changes no amax). Loops run along the rows: no transposed copy. */
-#define NUMSCOPE_COLUMN_BLOCKS(CAST, NF, FL, DIV)                                                         \
+#define NUMSCOPE_COLUMN_BLOCKS(CAST, NF, FL, DIV, KIND)                                                         \
     for (int64_t start = 0; start < rows; start += block_size) {                                          \
         const int64_t height = rows - start < block_size ? rows - start : block_size;                     \
         for (int64_t c = 0; c < cols; ++c) top[c] = 0;                                                    \
@@ -258,7 +269,7 @@ static inline __attribute__((always_inline)) void block_factors(uint32_t top, co
                 top[c] = magnitude > top[c] ? magnitude : top[c];                                         \
             }                                                                                             \
         }                                                                                                 \
-        for (int64_t c = 0; c < cols; ++c) block_factors(top[c], p, factor + c, mask + c, scale + c);     \
+        for (int64_t c = 0; c < cols; ++c) block_factors(top[c], p, KIND, factor + c, mask + c, scale + c); \
         for (int64_t r = start; r < start + height; ++r) {                                                \
             const float *xr = x + r * cols;                                                               \
             float *orow = out + r * cols;                                                                 \
@@ -271,7 +282,19 @@ typedef void (*blocks_function)(const float *restrict, float *restrict, int64_t,
                                 const numscope_format *, const numscope_blocks *, uint32_t *restrict,
                                 float *restrict, float *restrict, float *restrict);
 
-/* one element cast's block loops: rows (columns 0) or columns (1); DIV for NVFP4's divide */
+/* the loops of one element cast and one kind of block scale: columns, or rows of 32, 16 or other blocks */
+#define NUMSCOPE_BLOCK_LOOPS(CAST, NF, FL, DIV, KIND)                                                     \
+    if (columns) {                                                                                        \
+        NUMSCOPE_COLUMN_BLOCKS(CAST, NF, FL, DIV, KIND)                                                   \
+    } else if (block_size == 32) {                                                                        \
+        NUMSCOPE_ROW_BLOCKS(32, CAST, NF, FL, DIV, KIND)                                                  \
+    } else if (block_size == 16) {                                                                        \
+        NUMSCOPE_ROW_BLOCKS(16, CAST, NF, FL, DIV, KIND)                                                  \
+    } else {                                                                                              \
+        NUMSCOPE_ROW_BLOCKS(block_size, CAST, NF, FL, DIV, KIND)                                          \
+    }
+
+/* one element cast's block function: MX or NVFP4 multiply (DIV 0), NVFP4 divide (DIV 1) */
 #define NUMSCOPE_BLOCK_FUNCTION(NAME, CAST, NF, FL, DIV)                                                  \
     static void NAME(const float *restrict x, float *restrict out, int64_t rows, int64_t cols, int64_t columns, \
                      int block_size, const numscope_format *format, const numscope_blocks *params,          \
@@ -279,14 +302,12 @@ typedef void (*blocks_function)(const float *restrict, float *restrict, int64_t,
         const numscope_format local = *format, *f = &local;                                               \
         const numscope_blocks block_local = *params, *p = &block_local;                                   \
         const int64_t total = rows * cols;                                                                \
-        if (columns) {                                                                                    \
-            NUMSCOPE_COLUMN_BLOCKS(CAST, NF, FL, DIV)                                                     \
-        } else if (block_size == 32) {                                                                    \
-            NUMSCOPE_ROW_BLOCKS(32, CAST, NF, FL, DIV)                                                    \
-        } else if (block_size == 16) {                                                                    \
-            NUMSCOPE_ROW_BLOCKS(16, CAST, NF, FL, DIV)                                                    \
+        if (DIV) {                                                                                        \
+            NUMSCOPE_BLOCK_LOOPS(CAST, NF, FL, 1, 2)                                                      \
+        } else if (p->kind == 0) {                                                                        \
+            NUMSCOPE_BLOCK_LOOPS(CAST, NF, FL, 0, 0)                                                      \
         } else {                                                                                          \
-            NUMSCOPE_ROW_BLOCKS(block_size, CAST, NF, FL, DIV)                                            \
+            NUMSCOPE_BLOCK_LOOPS(CAST, NF, FL, 0, 1)                                                      \
         }                                                                                                 \
     }
 #define NUMSCOPE_BLOCK_FAMILY(NAME, CAST, DIV)                                                            \
