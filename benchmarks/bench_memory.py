@@ -15,8 +15,10 @@ attention (the issue's configuration). Two figures per row, each also as a ratio
   ignored and both columns measure the same).
 
 Rows: fp32; bf16 ``torch.autocast``; the plans ``fp16``, ``fp8`` and ``mxfp8`` through ``numscope.convert``
-with eager quantizers; the mxfp8 plan with its quantizers compiled (``convert``'s default for block
-formats; its peak RSS includes the compiler's own memory) and with ``low_memory=True``; the fp8 plan with
+with ``compiled=False`` (the native quantizers, :mod:`numscope.formats.native`, where they cover an
+operand, else eager); the mxfp8 plan with ``compiled=True`` (``convert``'s default for block formats: it
+also keeps wgrad's input quantized in forward as bfloat16, and torch.compile builds what the native code
+does not cover, none here) and with ``low_memory=True``; the fp8 plan with
 ``storage="fp16"``; the paper's ``numscope.Recipe`` (fp16 model, fp32 masters and ops, fp16 activations,
 dropout masks in bits, loss scaling), alone and with the fp8 plan; ``observed``, an FP32 step that
 ``numscope.observe`` samples with its default candidates (what ``numscope analyze`` runs on a sampled

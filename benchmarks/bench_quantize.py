@@ -1,4 +1,8 @@
-"""Throughput of numscope.quantize, eager and compiled, against clone() and peer libraries.
+"""Throughput of numscope.quantize, eager, native (the default) and compiled, against clone() and peers.
+
+Rows per case: ``eager`` (the reference: native quantizers and fast path off), ``native`` (the default:
+numscope's C quantizers, :mod:`numscope.formats.native`, built once before the first row), ``fast``
+(``set_fast(True)`` with the native quantizers off: the ``torch.compile`` kernels).
 
 Run: ``.venv/bin/python benchmarks/bench_quantize.py`` (16M float32 elements) or ``--quick`` (1M).
 Each row is timed alternately with ``x.clone()`` (the memory-bandwidth limit: one read, one fresh
@@ -30,7 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numscope
 from _cli import positive_int, shape_2d
-from numscope.formats import set_fast
+from numscope.formats import set_fast, set_native
 
 CASES: list[tuple[str, str, str | None]] = [
     ("fp8_e4m3, tensor scaling", "fp8_e4m3", "tensor"),
@@ -193,13 +197,18 @@ def main() -> None:
             return numscope.quantize(x, fmt, scaling=scaling)
 
         set_fast(False)
+        set_native(False)
         row(f"numscope {label} (eager)", run)
+        set_native(True)
+        row(f"numscope {label} (native)", run, "the default")
+        set_native(False)
         set_fast(True)
         if args.only in f"numscope {label} (fast)":
             start = time.perf_counter()
             run()
             row(f"numscope {label} (fast)", run, f"first call {time.perf_counter() - start:.1f} s")
     set_fast(False)
+    set_native(True)
 
     header = ("what", "Gelem/s", "wall ms", "clone", "vs clone", "cpu ms", "clone", "vs clone", "note")
     widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]

@@ -11,6 +11,9 @@ import torch
 
 import numscope
 
+# through the native quantizers (the default) and through the eager reference (tests/formats/conftest.py)
+pytestmark = pytest.mark.usefixtures("quantizer_path")
+
 ELEMENT_DTYPE = {
     "fp8_e4m3": ml_dtypes.float8_e4m3fn,
     "fp8_e5m2": ml_dtypes.float8_e5m2,

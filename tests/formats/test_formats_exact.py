@@ -12,6 +12,9 @@ import torch
 
 import numscope
 
+# through the native quantizers (the default) and through the eager reference (tests/formats/conftest.py)
+pytestmark = pytest.mark.usefixtures("quantizer_path")
+
 REFERENCE: dict[str, type] = {
     "bf16": ml_dtypes.bfloat16,
     "fp16": np.float16,

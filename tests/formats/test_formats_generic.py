@@ -17,6 +17,9 @@ import torch
 
 import numscope
 
+# through the native quantizers (the default) and through the eager reference (tests/formats/conftest.py)
+pytestmark = pytest.mark.usefixtures("quantizer_path")
+
 GENERIC = ["e2m0", "e3m0", "e4m0", "e5m0", "e7m0", "e2m1", "e3m1", "e2m5", "e4m2", "e5m4"]
 
 

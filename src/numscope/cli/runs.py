@@ -133,9 +133,10 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
         description="Train the model on your text with every GEMM operand quantized as the plan says (FP32 "
         "master weights and accumulation). Writes DIR/log.csv, DIR/checkpoint.pt while running (a rerun "
         "resumes), DIR/result.json and DIR/model.pt. Under 'torchrun --nproc-per-node N' it trains "
-        "data-parallel (DDP over gloo on CPU); only rank 0 writes. A plan with block formats (MX, NVFP4) "
-        "runs numscope's torch.compile'd quantizers: the same bits, compiled in the first steps "
-        "(NUMSCOPE_FAST=0 keeps them eager, NUMSCOPE_FAST=1 compiles every format).",
+        "data-parallel (DDP over gloo on CPU); only rank 0 writes. Quantizers run through numscope's native "
+        "quantizers (C, built on first use; NUMSCOPE_NATIVE=0 turns them off) and, for what those do not "
+        "cover in a plan with block formats, torch.compile (NUMSCOPE_FAST=0 keeps that eager): the same "
+        "bits every way.",
     )
     _add_run_flags(p)
     p.add_argument(

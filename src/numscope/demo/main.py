@@ -178,11 +178,11 @@ class DemoConfig:
     The default, 500 steps of 16 blocks, is where FP32 has clearly left the context-free loss behind within
     the time budget, so the gaps between runs mean something.
 
-    fast: runs whose plan uses block formats (MX, NVFP4) quantize through the ``torch.compile`` fast path
-        (bit-identical to the eager reference, faster per step on block formats after some seconds of
-        compilation per format); every other run quantizes eagerly, which compiles nothing.
-        ``python benchmarks/bench_train_step.py --rows "mxfp8 plan,mxfp8 plan (compiled)"`` measures the
-        difference on your machine.
+    fast: runs whose plan uses block formats (MX, NVFP4) may compile with ``torch.compile`` what the
+        native quantizers do not cover (``convert``'s ``compiled``; bit-identical to the eager reference);
+        every run quantizes through the native quantizers where they cover an operand, whatever this says
+        (``NUMSCOPE_NATIVE=0`` turns them off). ``python benchmarks/bench_train_step.py`` measures the paths
+        on your machine.
     noise_seeds: the FP32 run is trained again from these seeds (other initialisation, batch order and
         evaluation masks): the standard deviation of FP32's validation loss over all its seeds is the seed
         noise every claim is measured against (a difference counts only beyond twice it). The recommended
@@ -387,7 +387,7 @@ def _run_demo(
             bar.close()
 
     def queue(pool: RunPool, spec: RunSpec, observed: bool = False, seed: int | None = None) -> None:
-        # the compiled path pays for its compilation only on block formats; element casts run faster eagerly
+        # torch.compile pays for its compilation only on block formats the native quantizers leave to it
         compiled = config.fast and not observed and spec.load_plan().uses_block_formats()
         train, model = config.train, mcfg
         if seed is not None:
