@@ -232,7 +232,7 @@ class _Quantizer:
             xf = tensor.detach().float()
             # fp8: the native quantizers write the codes (torch's fp8 conversion is scalar code; its
             # fp16/bf16 conversions are single vector instructions, faster than any rounding arithmetic)
-            by_library = dtype.itemsize == 1 and native.covers(fmt, spec.overflow, False)
+            by_library = dtype.itemsize == 1 and native.covers(fmt, spec.overflow, False, xf)
             amax = None
             if scaling is not None or (spec.overflow == "saturate" and not by_library):
                 amax = native.abs_amax(xf.reshape(1, -1), "tensor") if by_library else _amax(xf)

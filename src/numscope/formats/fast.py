@@ -254,11 +254,14 @@ def element(
     quantizers where they cover the call, else by the compiled kernel; ``compile=False``: None instead.
     """
     mode = None if scale is not None or scaling is None else scaling.kind
+    by_library = native.covers(fmt, overflow, flush, x)
+    if not (by_library or compile):
+        return None  # decided before any amax is reduced across ranks: the caller's path reduces its own
     amax = None
     if mode in ("tensor", "column") and reduces_across_ranks(scaling.reduce_amax):  # type: ignore[union-attr]
         # amaxes that span the rows, which data parallelism splits over the ranks
         amax = reduce_amax_(abs_amax(x, mode).reshape(1, -1)).reshape(() if mode == "tensor" else (1, -1))
-    if native.available():
+    if by_library:
         result = _native_element(x, fmt, overflow, flush, scaling, scale, mode, amax)
         if result is not None:
             return result
@@ -313,8 +316,8 @@ def block_columns(
     """A 2-D float32 tensor with blocks down its columns (along its first axis) quantized to ``fmt``
     without a transposed copy, by the native quantizers; None where they do not cover it (the caller then
     moves the axis last and calls :func:`block`)."""
-    if not native.available():
-        return None
+    if not native.covers_block(fmt, x):
+        return None  # before the amax is reduced across ranks: the caller's path reduces its own
     tensor_amax = None
     if fmt.tensor_scale and not fmt.row_scale and reduces_across_ranks(reduce_amax) and x.numel():
         tensor_amax = reduce_amax_(abs_amax(x, "tensor").reshape(1))[0]
@@ -336,6 +339,8 @@ def block(
     length = x.shape[1]
     pad = (-length) % fmt.block_size
     padded = F.pad(x, (0, pad)) if pad else x
+    if not (compile or native.covers_block(fmt, padded)):
+        return None  # before the amax is reduced across ranks: the caller's path reduces its own
     tensor_amax = None
     if fmt.tensor_scale and not fmt.row_scale and reduces_across_ranks(reduce_amax):
         tensor_amax = reduce_amax_(abs_amax(padded, "tensor").reshape(1))[0]

@@ -260,13 +260,24 @@ def _format(fmt: FloatFormat | IntFormat, overflow: str, flush: bool) -> _Format
     )
 
 
-def covers(fmt: FloatFormat | IntFormat, overflow: str, flush: bool) -> bool:
-    """Whether the native quantizers are on and cover nearest rounding to the element format ``fmt``."""
-    return available() and _format(fmt, overflow, flush) is not None
+def covers(fmt: FloatFormat | IntFormat, overflow: str, flush: bool, x: torch.Tensor) -> bool:
+    """Whether the native quantizers are on and cover nearest rounding of ``x`` (a CPU float32 tensor) to
+    the element format ``fmt``."""
+    return available() and _cpu_float(x) and _format(fmt, overflow, flush) is not None
+
+
+def covers_block(fmt: BlockFormat, x: torch.Tensor) -> bool:
+    """Whether the native quantizers are on and cover the block format ``fmt`` for ``x`` (CPU float32)."""
+    blocks_covered = fmt.block_rows == 1 and not fmt.row_scale and not fmt.four_over_six
+    return blocks_covered and available() and _cpu_float(x)
+
+
+def _cpu_float(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad
 
 
 def _ready(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and not x.requires_grad
+    return _cpu_float(x) and x.dim() == 2
 
 
 def _layout(fmt: FloatFormat, dtype: torch.dtype) -> _Codes | None:
@@ -299,7 +310,7 @@ def element_codes(
     scale ``s`` for the tensor, and the codes of ``cast(x · s)`` in ``dtype`` (torch's float8, float16 or
     bfloat16 storage of ``fmt``: ``codes.float() · (1 / s)`` gives the values back bit for bit); None
     where the native code does not cover it."""
-    if not (available() and x.dtype == torch.float32 and x.device.type == "cpu" and not x.requires_grad):
+    if not (available() and _cpu_float(x)):
         return None
     spec, layout = _format(fmt, overflow, False), _layout(fmt, dtype)
     if spec is None or layout is None or (scale is not None and scale.numel() != 1):

@@ -239,7 +239,7 @@ def _quantize_fast(
         return out.reshape(xf.shape) if xf.dim() == 0 else out.movedim(-1, axis)
     x2d = xf.reshape(-1, xf.shape[-1]) if xf.dim() > 0 else xf.reshape(1, 1)
     if delayed is not None:
-        if not compile and not native.covers(spec, overflow, flush_subnormals):
+        if not compile and not native.covers(spec, overflow, flush_subnormals, x2d):
             return None  # decided before scale_for, which records the amax
         scale = delayed.scale_for(xf, spec.max, amax=fast.abs_amax(x2d, "tensor"))
         out = fast.element(x2d, spec, overflow, flush_subnormals, scale=scale, compile=compile)
