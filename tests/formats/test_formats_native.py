@@ -5,6 +5,7 @@ ties, zeros, float32 subnormals, ±inf and NaN; and what happens without a C com
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
@@ -235,3 +236,13 @@ def test_fp8_codes_are_the_rounded_values(fmt: str, overflow: str) -> None:
             set_native(True)
             assert_bits_equal(codes.float(), rounded)
             assert_bits_equal(got, rounded if scale is None else rounded * (1.0 / scale))
+
+
+@pytest.mark.skipif(not hasattr(os, "chown") or os.geteuid() != 0, reason="needs root to give a folder away")
+def test_a_cache_folder_of_another_user_is_never_loaded_from(monkeypatch, tmp_path) -> None:
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    os.chown(foreign, 12345, -1)
+    monkeypatch.setenv("NUMSCOPE_CACHE", str(foreign))
+    built = native._build()
+    assert foreign not in built.parents and not list(foreign.iterdir())

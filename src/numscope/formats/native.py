@@ -53,7 +53,8 @@ _enabled = os.environ.get("NUMSCOPE_NATIVE", "1").strip().lower() not in ("0", "
 
 
 def set_native(enabled: bool) -> None:
-    """Turn the native quantizers on or off (process-wide); off, the fast path compiles with torch."""
+    """Turn the native quantizers on or off (process-wide); off, quantizing is eager (or torch.compile'd
+    where the fast path is on): the same bits, slower."""
     global _enabled
     if not isinstance(enabled, bool):
         raise TypeError(f"set_native expects True or False, got {enabled!r}")
@@ -130,6 +131,19 @@ def _folders() -> list[Path]:
     return [Path(root) if root else Path(base) / "numscope", Path(tempfile.gettempdir()) / f"numscope-{user}"]
 
 
+def _ours(folder: Path) -> bool:
+    """Whether ``folder`` is absent or this user's own: a library is loaded and run from it, so a folder in
+    a shared temp dir that someone else made first is never used."""
+    if not hasattr(os, "getuid"):
+        return True
+    try:
+        return folder.stat().st_uid == os.getuid()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
@@ -166,10 +180,11 @@ def _build() -> Path:
         )
     ).hexdigest()[:16]
     name = f"numscope_native_{key}{'.dll' if sys.platform == 'win32' else '.so'}"
-    for folder in _folders():
+    folders = [folder for folder in _folders() if _ours(folder)]
+    for folder in folders:
         if (folder / name).exists():
             return folder / name
-    for folder in _folders():
+    for folder in folders:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             fd, partial = tempfile.mkstemp(prefix=name, suffix=".part", dir=folder)
