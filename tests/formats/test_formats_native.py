@@ -159,8 +159,17 @@ def test_without_a_c_compiler_it_warns_once_and_quantizes_eagerly(monkeypatch, t
         native._library.cache_clear()
 
 
+def _small_source(monkeypatch, tmp_path) -> None:
+    """A tiny C source in place of the real one (which takes seconds to compile), and a private temp dir."""
+    source = tmp_path / "probe.c"
+    source.write_text("int numscope_probe(void) { return 1; }\n")
+    monkeypatch.setattr(native, "_SOURCE", source)
+    monkeypatch.setattr(native.tempfile, "tempdir", str(tmp_path / "temp"))  # the fallback folder's parent
+
+
 def test_the_library_is_built_once_per_source_into_the_cache(monkeypatch, tmp_path) -> None:
-    monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path))
+    _small_source(monkeypatch, tmp_path)
+    monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path / "cache"))
     run = native.subprocess.run
     compiles = []
 
@@ -170,8 +179,8 @@ def test_the_library_is_built_once_per_source_into_the_cache(monkeypatch, tmp_pa
 
     monkeypatch.setattr(native.subprocess, "run", counting)
     first = native._build()
-    assert first.parent == tmp_path and first.exists() and len(compiles) == 1
-    assert not list(tmp_path.glob("*.part")), "the partial file of the atomic write is left behind"
+    assert first.parent == tmp_path / "cache" and first.exists() and len(compiles) == 1
+    assert not list(first.parent.glob("*.part")), "the partial file of the atomic write is left behind"
     assert native._build() == first and len(compiles) == 1, "a cached library was compiled again"
 
 
@@ -243,6 +252,39 @@ def test_a_cache_folder_of_another_user_is_never_loaded_from(monkeypatch, tmp_pa
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     os.chown(foreign, 12345, -1)
+    _small_source(monkeypatch, tmp_path)
     monkeypatch.setenv("NUMSCOPE_CACHE", str(foreign))
     built = native._build()
-    assert foreign not in built.parents and not list(foreign.iterdir())
+    assert built.parent.parent == tmp_path / "temp" and not list(foreign.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("name", "scaling"),
+    [
+        ("mxfp8_e4m3", None),
+        ("mxfp4_e2m1", numscope.Scaling("block", axis=0)),
+        ("nvfp4", None),
+        ("fp8_e4m3", "tensor"),
+        ("fp8_e5m2", "row"),
+        ("int8", "column"),
+    ],
+)
+def test_the_metrics_kept_quantization_is_the_same_natively(name: str, scaling) -> None:
+    """What the observer's metrics read (values, what the cast saw, block scales) with native on and off."""
+    from numscope.metrics.errors import quantize_kept
+
+    spec = numscope.get_format(name)
+    results = []
+    for on in (True, False):
+        set_native(on)
+        for values in (spread((3, 10, 70), seed=11), specials(name, 64)):
+            kept = quantize_kept(torch.from_numpy(values), spec, scaling, "nearest", None, amax=None)
+            results.append(kept)
+    half = len(results) // 2
+    for fast, eager in zip(results[:half], results[half:], strict=True):
+        assert_bits_equal(fast.q, eager.q)
+        if eager.scaled is not None:
+            assert_bits_equal(fast.scaled, eager.scaled)
+        if eager.blocks is not None:
+            assert_bits_equal(fast.blocks.scales, eager.blocks.scales)
+            assert_bits_equal(fast.blocks.x, eager.blocks.x)

@@ -248,6 +248,8 @@ static inline __attribute__((always_inline)) void block_factors(uint32_t top, co
             top[k] = t;                                                                                   \
         }                                                                                                 \
         for (int64_t k = 0; k < blocks; ++k) block_factors(top[k], p, KIND, factor + k, mask + k, scale + k); \
+        if (block_scales)                                                                                 \
+            for (int64_t k = 0; k < blocks; ++k) block_scales[start / (B) + k] = scale[k];                \
         for (int64_t k = 0; k < blocks; ++k) {                                                            \
             const float *xb = x + start + k * (B);                                                        \
             float *ob = out + start + k * (B);                                                            \
@@ -280,7 +282,7 @@ static inline __attribute__((always_inline)) void block_factors(uint32_t top, co
 
 typedef void (*blocks_function)(const float *restrict, float *restrict, int64_t, int64_t, int64_t, int,
                                 const numscope_format *, const numscope_blocks *, uint32_t *restrict,
-                                float *restrict, float *restrict, float *restrict);
+                                float *restrict, float *restrict, float *restrict, float *restrict);
 
 /* the loops of one element cast and one kind of block scale: columns, or rows of 32, 16 or other blocks */
 #define NUMSCOPE_BLOCK_LOOPS(CAST, NF, FL, DIV, KIND)                                                     \
@@ -294,41 +296,41 @@ typedef void (*blocks_function)(const float *restrict, float *restrict, int64_t,
         NUMSCOPE_ROW_BLOCKS(block_size, CAST, NF, FL, DIV, KIND)                                          \
     }
 
-/* one element cast's block function: MX or NVFP4 multiply (DIV 0), NVFP4 divide (DIV 1) */
-#define NUMSCOPE_BLOCK_FUNCTION(NAME, CAST, NF, FL, DIV)                                                  \
+/* one element cast's block function for one kind of block scale: MX (KIND 0), NVFP4 multiply (1), NVFP4
+ * divide (2, whose elements are divided by their factor) */
+#define NUMSCOPE_BLOCK_FUNCTION(NAME, CAST, NF, FL, KIND)                                                 \
     static void NAME(const float *restrict x, float *restrict out, int64_t rows, int64_t cols, int64_t columns, \
                      int block_size, const numscope_format *format, const numscope_blocks *params,          \
-                     uint32_t *restrict top, float *restrict factor, float *restrict mask, float *restrict scale) { \
+                     uint32_t *restrict top, float *restrict factor, float *restrict mask, float *restrict scale, \
+                     float *restrict block_scales) {                                                       \
         const numscope_format local = *format, *f = &local;                                               \
         const numscope_blocks block_local = *params, *p = &block_local;                                   \
         const int64_t total = rows * cols;                                                                \
-        if (DIV) {                                                                                        \
-            NUMSCOPE_BLOCK_LOOPS(CAST, NF, FL, 1, 2)                                                      \
-        } else if (p->kind == 0) {                                                                        \
-            NUMSCOPE_BLOCK_LOOPS(CAST, NF, FL, 0, 0)                                                      \
-        } else {                                                                                          \
-            NUMSCOPE_BLOCK_LOOPS(CAST, NF, FL, 0, 1)                                                      \
-        }                                                                                                 \
+        NUMSCOPE_BLOCK_LOOPS(CAST, NF, FL, (KIND) == 2, KIND)                                             \
     }
-#define NUMSCOPE_BLOCK_FAMILY(NAME, CAST, DIV)                                                            \
-    NUMSCOPE_BLOCK_FUNCTION(NAME##_0, CAST, 0, 0, DIV) NUMSCOPE_BLOCK_FUNCTION(NAME##_0f, CAST, 0, 1, DIV) \
-    NUMSCOPE_BLOCK_FUNCTION(NAME##_1, CAST, 1, 0, DIV) NUMSCOPE_BLOCK_FUNCTION(NAME##_1f, CAST, 1, 1, DIV) \
-    NUMSCOPE_BLOCK_FUNCTION(NAME##_2, CAST, 2, 0, DIV) NUMSCOPE_BLOCK_FUNCTION(NAME##_2f, CAST, 2, 1, DIV) \
-    static const blocks_function NAME[3][2] = {{NAME##_0, NAME##_0f}, {NAME##_1, NAME##_1f}, {NAME##_2, NAME##_2f}};
-NUMSCOPE_BLOCK_FAMILY(blocks_small, cast_small, 0)
-NUMSCOPE_BLOCK_FAMILY(blocks_e8, cast_e8, 0)
-NUMSCOPE_BLOCK_FAMILY(blocks_small_divide, cast_small, 1)
-NUMSCOPE_BLOCK_FUNCTION(blocks_integer, cast_integer, 0, 0, 0)
+/* what the formats use: MX elements are E4M3 (non-finite kind 1), E5M2 (0), FP6/FP4 (2) or integers;
+ * NVFP4's are E2M1 (2). Other combinations return -2 and are left to the other paths. */
+NUMSCOPE_BLOCK_FUNCTION(mx_0, cast_small, 0, 0, 0) NUMSCOPE_BLOCK_FUNCTION(mx_0f, cast_small, 0, 1, 0)
+NUMSCOPE_BLOCK_FUNCTION(mx_1, cast_small, 1, 0, 0) NUMSCOPE_BLOCK_FUNCTION(mx_1f, cast_small, 1, 1, 0)
+NUMSCOPE_BLOCK_FUNCTION(mx_2, cast_small, 2, 0, 0) NUMSCOPE_BLOCK_FUNCTION(mx_2f, cast_small, 2, 1, 0)
+NUMSCOPE_BLOCK_FUNCTION(mx_integer, cast_integer, 0, 0, 0)
+NUMSCOPE_BLOCK_FUNCTION(nv_multiply, cast_small, 2, 0, 1) NUMSCOPE_BLOCK_FUNCTION(nv_multiply_f, cast_small, 2, 1, 1)
+NUMSCOPE_BLOCK_FUNCTION(nv_divide, cast_small, 2, 0, 2) NUMSCOPE_BLOCK_FUNCTION(nv_divide_f, cast_small, 2, 1, 2)
 
 /* A block format over a (rows, cols) tensor, blocks along each row (columns 0; cols a multiple of
- * block_size) or down each column (1). Returns 0, or -1 where scratch memory could not be allocated. */
+ * block_size) or down each column (1); block_scales (rows only, may be NULL) receives each block's decode
+ * scale (what multiplies its elements), row by row. Returns 0, -1 where scratch memory could not be
+ * allocated, -2 for a combination not built here. */
 int numscope_blocks_quantize(const float *restrict x, float *restrict out, int64_t rows, int64_t cols,
-                             int32_t columns, int32_t block_size, numscope_format format, numscope_blocks params) {
+                             int32_t columns, int32_t block_size, numscope_format format, numscope_blocks params,
+                             float *restrict block_scales) {
+    static const blocks_function mx[3][2] = {{mx_0, mx_0f}, {mx_1, mx_1f}, {mx_2, mx_2f}};
+    static const blocks_function nv[2][2] = {{nv_multiply, nv_multiply_f}, {nv_divide, nv_divide_f}};
     const int nf = format.nonfinite, fl = format.flush != 0;
-    blocks_function run;
-    if (format.kind == 2) run = params.kind == 2 ? NULL : blocks_integer;
-    else if (params.kind == 2) run = format.kind == 0 ? blocks_small_divide[nf][fl] : NULL;
-    else run = (format.kind == 0 ? blocks_small : blocks_e8)[nf][fl];
+    blocks_function run = NULL;
+    if (format.kind == 2) run = params.kind == 0 ? mx_integer : NULL;
+    else if (format.kind == 0 && params.kind == 0) run = mx[nf][fl];
+    else if (format.kind == 0 && nf == 2) run = nv[params.kind - 1][fl];
     if (!run) return -2;
     void *scratch = NULL;
     if (columns) {
@@ -338,7 +340,8 @@ int numscope_blocks_quantize(const float *restrict x, float *restrict out, int64
     uint32_t *top = (uint32_t *)scratch;
     float *factor = columns ? (float *)(top + cols) : NULL;
     float *mask = columns ? factor + cols : NULL, *scale = columns ? mask + cols : NULL;
-    run(x, out, rows, cols, columns, block_size, &format, &params, top, factor, mask, scale);
+    if (columns) block_scales = NULL;
+    run(x, out, rows, cols, columns, block_size, &format, &params, top, factor, mask, scale, block_scales);
     free(scratch);
     return 0;
 }

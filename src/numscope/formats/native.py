@@ -17,7 +17,8 @@ for block formats blocks along the rows or down the columns (a tensor blocked al
 no transposed copy). Not 2-D NVFP4 tiles, NVFP4 per-row scales or Four Over Six. For
 ``numscope.convert``'s fp8 operands it also writes the codes in torch's float8 dtypes beside the values
 (:func:`element_codes`: a site keeps them for backward, 1 byte instead of 4) and decodes them
-(:func:`decode`; torch converts float8 to float32 one element at a time).
+(:func:`decode`; torch converts float8 to float32 one element at a time); and for the observer's metrics
+each block's scale beside the values (:func:`block_with_scales`).
 
 Built once per machine and source: the library is cached under ``$NUMSCOPE_CACHE`` (default
 ``~/.cache/numscope``, else a folder in the temp dir) by a hash of the source, the compiler's version and
@@ -228,7 +229,17 @@ def _library() -> ctypes.CDLL | None:
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
     library.numscope_element.argtypes = [pointer, pointer, i64, i64, _Format, pointer, i32]
     library.numscope_element.restype = None
-    library.numscope_blocks_quantize.argtypes = [pointer, pointer, i64, i64, i32, i32, _Format, _Blocks]
+    library.numscope_blocks_quantize.argtypes = [
+        pointer,
+        pointer,
+        i64,
+        i64,
+        i32,
+        i32,
+        _Format,
+        _Blocks,
+        pointer,
+    ]
     library.numscope_blocks_quantize.restype = ctypes.c_int
     library.numscope_element_codes.argtypes = [pointer, pointer, pointer, i64, i32, _Format, _Codes, pointer]
     library.numscope_element_codes.restype = ctypes.c_int
@@ -478,6 +489,27 @@ def block(
     axis, a whole number of blocks long) or, ``along_columns``, down its columns (any number of rows: a
     short last block is the reference's zero-padded one). ``tensor_amax``: NVFP4's amax of the whole tensor
     where it was reduced across ranks (else taken here). None where the native code does not cover it."""
+    done = _blocks_quantize(x, fmt, flush, along_columns, tensor_amax, False)
+    return None if done is None else done[0]
+
+
+def block_with_scales(
+    x: torch.Tensor, fmt: BlockFormat, tensor_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`block` along the rows, and each block's decode scale (what multiplies its elements; NaN for a
+    block with a non-finite element) as a (blocks, 1) tensor in row order, as
+    :func:`numscope.formats.blocks.block_parts_2d` gives ``scales``; None where not covered."""
+    return _blocks_quantize(x, fmt, False, False, tensor_amax, True)
+
+
+def _blocks_quantize(
+    x: torch.Tensor,
+    fmt: BlockFormat,
+    flush: bool,
+    along_columns: bool,
+    tensor_amax: torch.Tensor | None,
+    with_scales: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     if not (available() and _ready(x)):
         return None
     if not along_columns and x.shape[1] % fmt.block_size:
@@ -487,18 +519,21 @@ def block(
     if arguments is None:
         return None
     out = torch.empty_like(x)
+    scales = torch.empty((x.numel() // fmt.block_size, 1), dtype=torch.float32) if with_scales else None
     if x.numel():
+        rows, cols = x.shape
         done = _library().numscope_blocks_quantize(  # type: ignore[union-attr]
             x.data_ptr(),
             out.data_ptr(),
-            x.shape[0],
-            x.shape[1],
+            rows,
+            cols,
             int(along_columns),
             fmt.block_size,
             *arguments,
+            None if scales is None else scales.data_ptr(),
         )
         if done == -1:
             raise MemoryError(f"numscope native quantizer: no memory for {x.shape[1]} column scales")
         if done != 0:
             return None
-    return out
+    return out, scales

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from numscope.formats import native
 from numscope.formats.blocks import block_parts_2d
 from numscope.formats.cast import scale_then_cast
 from numscope.formats.quantize import ScalingArg, quantize
@@ -186,8 +187,30 @@ def quantize_kept(
         return Quantized(q, None, None, spec, axis)
     # the sample's amax stands for the whole tensor's under per-tensor scaling only
     scale = element_scale(xf, spec, parsed, delayed, amax=amax if parsed.kind == "tensor" else None)
+    q = _native_scaled_cast(xf, spec, scale) if rounding == "nearest" else None
+    if q is not None:
+        return Quantized(q, xf * scale, None, spec, axis)
     q, scaled = scale_then_cast(xf, spec, scale, rounding, generator=generator)
     return Quantized(q, scaled, None, spec, axis)
+
+
+def _native_scaled_cast(
+    xf: torch.Tensor, spec: FloatFormat | IntFormat, scale: torch.Tensor
+) -> torch.Tensor | None:
+    """``scale_then_cast``'s values (nearest, saturating) by the native quantizers, for a scale per tensor,
+    per row (..., 1) or per column (1, ..., C); None where they do not cover it."""
+    if xf.dim() == 0 or not native.covers(spec, "saturate", False, xf):
+        return None
+    x2d = xf.reshape(-1, xf.shape[-1])
+    if scale.numel() == 1:
+        q = native.element(x2d, spec, "saturate", False, scale.reshape(()), "tensor")
+    elif scale.dim() == xf.dim() and scale.shape[-1] == 1:
+        q = native.element(x2d, spec, "saturate", False, scale.reshape(-1, 1), "row")
+    elif scale.dim() == xf.dim() and scale.numel() == xf.shape[-1]:
+        q = native.element(x2d, spec, "saturate", False, scale.reshape(1, -1), "column")
+    else:
+        return None
+    return None if q is None else q.reshape(xf.shape)
 
 
 def _quantize_blocks(
@@ -212,17 +235,23 @@ def _quantize_blocks(
     length = moved.shape[-1]
     rows = moved.reshape(-1, length)
     whole_amax = tensor_amax(xf, amax) if spec.tensor_scale and not spec.row_scale else None
-    parts = block_parts_2d(rows, spec, whole_amax, rounding, generator)
+    padded = F.pad(rows, (0, (-length) % spec.block_size))
+    # the native quantizers where they cover it (the same bits and scales as the block arithmetic)
+    fast = native.block_with_scales(padded, spec, whole_amax) if rounding == "nearest" else None
+    if fast is not None:
+        values, scales = fast
+    else:
+        parts = block_parts_2d(rows, spec, whole_amax, rounding, generator)
+        values, scales = parts.elements * parts.scales, parts.scales
 
     def back(blocked: torch.Tensor) -> torch.Tensor:
         flat = blocked.reshape(rows.shape[0], -1)[:, :length]
         return flat.reshape(moved.shape).movedim(-1, axis).reshape(xf.shape)
 
-    q = back(parts.elements * parts.scales)
+    q = back(values)
     if not keep:
         return Quantized(q, None, None, spec, axis)
-    blocks = F.pad(rows, (0, (-length) % spec.block_size)).reshape(-1, spec.block_size)
-    return Quantized(q, None, Blocked(blocks, parts.scales.reshape(-1, 1)), spec, axis)
+    return Quantized(q, None, Blocked(padded.reshape(-1, spec.block_size), scales.reshape(-1, 1)), spec, axis)
 
 
 def _overflows(scaled: torch.Tensor, element: FloatFormat | IntFormat) -> torch.Tensor:
