@@ -439,6 +439,10 @@ def test_compiled_mx_quantizers_keep_the_wgrad_input_as_exact_bfloat16(preset, m
     MX values): half the bytes of the raw float32 input, and the same gradients as quantizing it in backward
     (and as the eager reference)."""
 
+    from numscope.formats import native
+
+    monkeypatch.setattr(native, "_enabled", False)  # the torch.compile path (the native one keeps codes)
+
     def step(early: bool, compiled: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         return _two_linears_step(preset, early, monkeypatch, compiled=compiled)
 
@@ -452,9 +456,31 @@ def test_compiled_mx_quantizers_keep_the_wgrad_input_as_exact_bfloat16(preset, m
     assert not [t for t in saved if t.dtype == torch.float32 and t.shape == (4, 16, 64)]  # no raw input
 
 
-def test_a_value_below_bfloat16s_grid_keeps_the_raw_input() -> None:
+@pytest.mark.parametrize("preset", ["mxfp8", "mxfp4"])
+def test_native_mx_codes_keep_the_wgrad_input(preset, monkeypatch) -> None:
+    """With the native quantizers (the default) an MX plan keeps wgrad's input as element codes and E8M0
+    scale codes, one byte and 1/32 of a byte per element, and gives the gradients of quantizing it in
+    backward and of the eager reference, bit for bit."""
+    from numscope.formats import native
+
+    saved, first, second = _two_linears_step(preset, True, monkeypatch, compiled=False)
+    _, late_first, late_second = _two_linears_step(preset, False, monkeypatch, compiled=False)
+    monkeypatch.setattr(native, "_enabled", False)
+    _, eager_first, eager_second = _two_linears_step(preset, True, monkeypatch, compiled=False)
+    assert torch.equal(first, late_first) and torch.equal(second, late_second)
+    assert torch.equal(first, eager_first) and torch.equal(second, eager_second)
+    codes = [tuple(t.shape) for t in saved if t.dtype == torch.uint8]
+    assert codes == [(64, 64), (2, 64), (64, 48), (2, 48)]  # each Linear's element and scale codes
+    assert not [t for t in saved if t.dtype == torch.float32 and t.shape == (4, 16, 64)]  # no raw input
+
+
+def test_a_value_below_bfloat16s_grid_keeps_the_raw_input(monkeypatch) -> None:
     """An MX value bfloat16 cannot hold (a tiny block's subnormal element) is not rounded: the site keeps the
-    raw input and quantizes it in backward, as without prequantization."""
+    raw input and quantizes it in backward, as without prequantization (the compiled path's bfloat16 copy;
+    the native quantizers keep codes, which hold every value)."""
+    from numscope.formats import native
+
+    monkeypatch.setattr(native, "_enabled", False)
     layer = nn.Linear(32, 8)
     convert(layer, Plan.uniform("mxfp8"), compiled=True)
     x = torch.ones(4, 32)
@@ -469,8 +495,13 @@ def test_a_value_below_bfloat16s_grid_keeps_the_raw_input() -> None:
     assert [t for t in saved if t.dtype == torch.float32 and t.shape == (4, 32)]
 
 
-def test_an_input_of_several_sites_is_prequantized_once() -> None:
-    """Q, K and V's projections take one input: its bfloat16 copy for wgrad is made and kept once."""
+@pytest.mark.parametrize("library", [False, True], ids=["compiled-bfloat16", "native-codes"])
+def test_an_input_of_several_sites_is_prequantized_once(monkeypatch, library: bool) -> None:
+    """Q, K and V's projections take one input: its copy for wgrad (the compiled path's bfloat16 values, or
+    the native quantizers' codes) is made and kept once."""
+    from numscope.formats import native
+
+    monkeypatch.setattr(native, "_enabled", library)
 
     class QKV(nn.Module):
         def __init__(self) -> None:
@@ -487,5 +518,9 @@ def test_an_input_of_several_sites_is_prequantized_once() -> None:
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
         out = model(x)
     out.sum().backward()
-    kept = {t.untyped_storage().data_ptr() for t in saved if t.dtype == torch.bfloat16}
-    assert len(kept) == 1
+    kept = {
+        t.untyped_storage().data_ptr()
+        for t in saved
+        if t.dtype == (torch.uint8 if library else torch.bfloat16)
+    }
+    assert len(kept) == (2 if library else 1)  # the element codes and the scale codes, or the bfloat16 copy

@@ -22,6 +22,7 @@ go through ``numscope.quantize`` and its fused kernels instead, the same bits.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import weakref
@@ -72,24 +73,28 @@ class _Quantizer:
     def prequantizes_wgrad_input(self, site: Site) -> bool:
         """Whether wgrad's input is quantized in forward and kept for backward in a compact form: block
         formats rounded to nearest, whose quantization of the input along the token axis depends on nothing
-        that changes between forward and backward (as Transformer Engine keeps a column-wise copy). With
-        ``low_memory`` (MX and NVFP4) in its codes, encoded eagerly; through the compiled quantizers (MX
-        only) as bfloat16 values, which hold every MX value exactly (checked each time)."""
+        that changes between forward and backward (as Transformer Engine keeps a column-wise copy). MX
+        with the native quantizers on: in its codes, natively; with ``low_memory`` (MX and NVFP4) in its
+        codes, encoded eagerly; through the compiled quantizers (MX only) as bfloat16 values, which hold
+        every MX value exactly (checked each time)."""
         spec = self.spec(site).operand("wgrad", "input")
         fmt = spec.format_spec()
         if not (isinstance(fmt, BlockFormat) and spec.rounding == "nearest" and spec.transform is None):
             return False
-        return self.low_memory or (self._compiled() and not fmt.tensor_scale)
+        native_codes = native.native_enabled() and not spec.flush_subnormals  # MX float codes, natively
+        return self.low_memory or ((self._compiled() or native_codes) and not fmt.tensor_scale)
 
     def _compiled(self) -> bool:
         return fast_enabled() if self.compiled is None else self.compiled
 
     def pack_wgrad_input(self, site: Site, tensor: torch.Tensor):
         """wgrad's input (tokens, features) quantized along the token axis now, decoded in backward to
-        exactly what quantizing it there gives: with ``low_memory`` its element codes (one byte each) and
-        block scales; else, compiled, its values as bfloat16 (an MX value has at most 4 significant bits
-        and an E8M0-scaled exponent: bfloat16 holds it unless it lies below bfloat16's subnormal grid; then,
-        or with a NaN, None: the site keeps the input and quantizes it in backward)."""
+        exactly what quantizing it there gives: MX with float elements, by the native quantizers, as its
+        element codes and E8M0 scale codes (1 + 1/32 bytes per element); else with ``low_memory`` its
+        element codes (one byte each) and block scales, encoded eagerly; else, compiled, its values as
+        bfloat16 (an MX value has at most 4 significant bits and an E8M0-scaled exponent: bfloat16 holds it
+        unless it lies below bfloat16's subnormal grid; then, or with a NaN, None: the site keeps the input
+        and quantizes it in backward)."""
         spec = self.spec(site).operand("wgrad", "input")
         # one input entering several sites (Q, K and V's projections) is packed once for all of them
         base = tensor if tensor._base is None else tensor._base
@@ -106,6 +111,13 @@ class _Quantizer:
         scaling = spec.effective_scaling()
         reduce = scaling is None or scaling.reduce_amax
         along_tokens = Scaling("block", axis=0, reduce_amax=reduce)
+        fmt = spec.format_spec()
+        if tensor.dim() == 2 and not spec.flush_subnormals:  # MX: element and E8M0 codes, 1 + 1/32 bytes
+            codes = native.mx_pack_columns(tensor.detach().float(), fmt)  # type: ignore[arg-type]
+            if codes is not None:
+                return codes, functools.partial(native.mx_unpack_columns, fmt=fmt)
+        if not self.low_memory and not self._compiled():
+            return None  # the site keeps the input and quantizes it in backward
         if not self.low_memory:
             values = quantize(tensor.float(), spec.format_spec(), scaling=along_tokens, compiled=True)  # type: ignore[arg-type]
             kept = values.to(torch.bfloat16)

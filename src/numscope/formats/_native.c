@@ -455,6 +455,78 @@ void numscope_decode8(const uint8_t *restrict codes, float *restrict out, int64_
     }
 }
 
+/* MX blocks down the columns kept compactly: each element's code (1 byte, the element format's bit layout)
+ * and each block's E8M0 scale code (exponent + 127; 255, NaN, for a block with a non-finite element,
+ * whose element codes then carry nothing), and back. Unpacking gives what numscope_blocks_quantize gives for the same
+ * blocks, bit for bit: the element value (exact in float32) times the same power of two. Float elements
+ * only (their values are finite under the saturating cast). */
+#define NUMSCOPE_MX_PACK(NAME, NF)                                                                        \
+    static void NAME(const float *restrict x, uint8_t *restrict codes, uint8_t *restrict scale_codes,      \
+                     int64_t rows, int64_t cols, int block_size, const numscope_format *format,            \
+                     const numscope_blocks *params, const numscope_codes *layout, uint32_t *restrict top,  \
+                     float *restrict factor) {                                                             \
+        const numscope_format local = *format, *f = &local;                                               \
+        const numscope_blocks block_local = *params, *p = &block_local;                                   \
+        const numscope_codes code_local = *layout, *c = &code_local;                                      \
+        for (int64_t start = 0, b = 0; start < rows; start += block_size, ++b) {                          \
+            const int64_t height = rows - start < block_size ? rows - start : block_size;                 \
+            for (int64_t j = 0; j < cols; ++j) top[j] = 0;                                                \
+            for (int64_t r = start; r < start + height; ++r)                                              \
+                for (int64_t j = 0; j < cols; ++j) {                                                      \
+                    const uint32_t magnitude = bits_of(x[r * cols + j]) & 0x7FFFFFFFu;                    \
+                    top[j] = magnitude > top[j] ? magnitude : top[j];                                     \
+                }                                                                                         \
+            for (int64_t j = 0; j < cols; ++j) {                                                          \
+                int shared = mx_shared_exponent(float_of(top[j]), p->rule, p->emax, p->element_max, p->half); \
+                shared = shared < -127 ? -127 : (shared > 127 ? 127 : shared);                            \
+                const int finite = top[j] < 0x7F800000u;                                                  \
+                factor[j] = finite ? exact_pow2(-shared) : 0.0f;                                          \
+                scale_codes[b * cols + j] = (uint8_t)(finite ? shared + 127 : 255);                       \
+            }                                                                                             \
+            for (int64_t r = start; r < start + height; ++r)                                              \
+                for (int64_t j = 0; j < cols; ++j)                                                        \
+                    codes[r * cols + j] = (uint8_t)encode_small(cast_small(x[r * cols + j] * factor[j], f, 0, NF, 0), c); \
+        }                                                                                                 \
+    }
+NUMSCOPE_MX_PACK(mx_pack_0, 0) NUMSCOPE_MX_PACK(mx_pack_1, 1) NUMSCOPE_MX_PACK(mx_pack_2, 2)
+
+/* Returns 0, -1 where scratch memory could not be allocated, -2 for an element format not built here. */
+int numscope_mx_pack_columns(const float *restrict x, uint8_t *restrict codes, uint8_t *restrict scale_codes,
+                             int64_t rows, int64_t cols, int32_t block_size, numscope_format format,
+                             numscope_blocks params, numscope_codes layout) {
+    if (format.kind != 0 || format.flush || params.kind != 0) return -2;
+    void *scratch = malloc((size_t)cols * 8 + 64);
+    if (!scratch) return -1;
+    uint32_t *top = (uint32_t *)scratch;
+    float *factor = (float *)(top + cols);
+    if (format.nonfinite == 0) mx_pack_0(x, codes, scale_codes, rows, cols, block_size, &format, &params, &layout, top, factor);
+    else if (format.nonfinite == 1) mx_pack_1(x, codes, scale_codes, rows, cols, block_size, &format, &params, &layout, top, factor);
+    else mx_pack_2(x, codes, scale_codes, rows, cols, block_size, &format, &params, &layout, top, factor);
+    free(scratch);
+    return 0;
+}
+
+void numscope_mx_unpack_columns(const uint8_t *restrict codes, const uint8_t *restrict scale_codes,
+                                float *restrict out, int64_t rows, int64_t cols, int32_t block_size,
+                                numscope_codes layout) {
+    const numscope_codes local = layout, *c = &local;
+    const uint32_t mask = (1u << c->mantissa_bits) - 1u;
+    const float subnormal_unit = 1.0f / c->subnormal_units;
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t *scales = scale_codes + (r / block_size) * cols;
+        for (int64_t j = 0; j < cols; ++j) {
+            const uint32_t code = codes[r * cols + j], magnitude = code & (c->sign_bit - 1u);
+            const uint32_t field = magnitude >> c->mantissa_bits, mantissa = magnitude & mask;
+            const float normal = float_of(((uint32_t)((int)field - c->bias + 127) << 23) |
+                                          (mantissa << (23 - c->mantissa_bits)));
+            float v = field ? normal : (float)(int32_t)mantissa * subnormal_unit;
+            v = (code & c->sign_bit) ? -v : v;
+            const int s = scales[j];
+            out[r * cols + j] = s == 255 ? quiet_nan() : v * exact_pow2(s - 127);
+        }
+    }
+}
+
 /* max |x| as torch's x.abs().amax(...) gives it for finite x (NaN where any element is NaN, inf where the
  * largest is inf; a NaN's payload may differ, which no caller reads): over everything (mode 1, out[0]),
  * per row (2, out[r]) or per column (3, out[c]), taken on the bit patterns (vectorizes, NaN included). */

@@ -245,6 +245,20 @@ def _library() -> ctypes.CDLL | None:
     library.numscope_element_codes.restype = ctypes.c_int
     library.numscope_decode8.argtypes = [pointer, pointer, i64, _Codes, pointer]
     library.numscope_decode8.restype = None
+    library.numscope_mx_pack_columns.argtypes = [
+        pointer,
+        pointer,
+        pointer,
+        i64,
+        i64,
+        i32,
+        _Format,
+        _Blocks,
+        _Codes,
+    ]
+    library.numscope_mx_pack_columns.restype = ctypes.c_int
+    library.numscope_mx_unpack_columns.argtypes = [pointer, pointer, pointer, i64, i64, i32, _Codes]
+    library.numscope_mx_unpack_columns.restype = None
     library.numscope_abs_amax.argtypes = [pointer, pointer, i64, i64, i32]
     library.numscope_abs_amax.restype = None
     return library
@@ -306,16 +320,21 @@ def _ready(x: torch.Tensor) -> bool:
     return _cpu_float(x) and x.dim() == 2
 
 
-def _layout(fmt: FloatFormat, dtype: torch.dtype) -> _Codes | None:
-    """How ``dtype`` (torch's storage of ``fmt``) lays out ``fmt``'s values, or None for another dtype."""
-    width = torch.empty((), dtype=dtype).element_size() * 8
+def _layout(fmt: FloatFormat, dtype: torch.dtype | None) -> _Codes | None:
+    """How ``dtype`` (torch's storage of ``fmt``; None: the format's own bits, in a byte) lays out ``fmt``'s
+    values, or None for another dtype."""
+    width = 1 + fmt.exponent_bits + fmt.mantissa_bits
     if dtype == torch.bfloat16 and fmt.exponent_bits == 8 and fmt.mantissa_bits == 7:
         return _Codes(e8=1, nan_code=0x7FC0)
-    if width != 1 + fmt.exponent_bits + fmt.mantissa_bits or fmt.exponent_bits >= 8:
+    if dtype is not None and width != torch.empty((), dtype=dtype).element_size() * 8:
+        return None
+    if fmt.exponent_bits >= 8 or width > 8 + 8 * (dtype is not None) or fmt.mantissa_bits == 0:
         return None
     sign = 1 << (width - 1)
     ones = ((1 << fmt.exponent_bits) - 1) << fmt.mantissa_bits
-    nan = {"ieee": ones | (1 << (fmt.mantissa_bits - 1)), "fn": sign - 1, "fnuz": sign}.get(fmt.special)
+    nan = {"ieee": ones | (1 << (fmt.mantissa_bits - 1)), "fn": sign - 1, "fnuz": sign, "finite": 0}.get(
+        fmt.special
+    )
     if nan is None:
         return None
     return _Codes(
@@ -369,6 +388,57 @@ _LAYOUTS = {
     torch.float8_e4m3fnuz: "fp8_e4m3fnuz",
     torch.float8_e5m2fnuz: "fp8_e5m2fnuz",
 }
+
+
+def mx_pack_columns(x: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A 2-D float32 tensor's MX quantization with blocks down its columns, kept as element codes (uint8, the
+    shape of ``x``) and E8M0 scale codes (uint8, one row per block of rows; 255 marks a block with a
+    non-finite element): 1 + 1/32 bytes per element. :func:`mx_unpack_columns` gives back exactly what
+    :func:`block` along the columns gives. None where not covered (NVFP4, integer elements)."""
+    if fmt.tensor_scale or not (available() and _ready(x)) or not isinstance(fmt.element, FloatFormat):
+        return None
+    arguments = _blocks(fmt, False, None, x)
+    layout = _layout(fmt.element, None)
+    if arguments is None or layout is None:
+        return None
+    x = x.contiguous()
+    rows, cols = x.shape
+    codes = torch.empty((rows, cols), dtype=torch.uint8)
+    scale_codes = torch.empty((-(-rows // fmt.block_size), cols), dtype=torch.uint8)
+    if x.numel():
+        done = _library().numscope_mx_pack_columns(  # type: ignore[union-attr]
+            x.data_ptr(),
+            codes.data_ptr(),
+            scale_codes.data_ptr(),
+            rows,
+            cols,
+            fmt.block_size,
+            *arguments,
+            layout,
+        )
+        if done == -1:
+            raise MemoryError(f"numscope native quantizer: no memory for {cols} column scales")
+        if done != 0:
+            return None
+    return codes, scale_codes
+
+
+def mx_unpack_columns(codes: torch.Tensor, scale_codes: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The float32 values of :func:`mx_pack_columns`' codes, bit for bit those of the quantization."""
+    layout = _layout(fmt.element, None)  # type: ignore[arg-type]
+    rows, cols = codes.shape
+    out = torch.empty((rows, cols), dtype=torch.float32)
+    if codes.numel():
+        _library().numscope_mx_unpack_columns(  # type: ignore[union-attr]
+            codes.contiguous().data_ptr(),
+            scale_codes.contiguous().data_ptr(),
+            out.data_ptr(),
+            rows,
+            cols,
+            fmt.block_size,
+            layout,
+        )
+    return out
 
 
 def decode(codes: torch.Tensor, descale: torch.Tensor | None = None) -> torch.Tensor | None:
