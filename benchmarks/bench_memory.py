@@ -14,11 +14,11 @@ attention (the issue's configuration). Two figures per row, each also as a ratio
   has in use rather than what the C allocator kept after freeing it (glibc only; elsewhere the variable is
   ignored and both columns measure the same).
 
-Rows: fp32; bf16 ``torch.autocast``; the plans ``fp16``, ``fp8`` and ``mxfp8`` through ``numscope.convert``
-with ``compiled=False`` (the native quantizers, :mod:`numscope.formats.native`, where they cover an
-operand, else eager); the mxfp8 plan with ``compiled=True`` (``convert``'s default for block formats: it
-also keeps wgrad's input quantized in forward as bfloat16, and torch.compile builds what the native code
-does not cover, none here) and with ``low_memory=True``; the fp8 plan with
+Rows: fp32; bf16 ``torch.autocast``; the plans ``fp16``, ``fp8``, ``mxfp8`` and ``nvfp4`` through
+``numscope.convert`` with ``compiled=False`` (the native quantizers, :mod:`numscope.formats.native`,
+where they cover an operand, else eager; they keep an MX or NVFP4 wgrad input as element and scale
+codes); the mxfp8 plan with ``compiled=True`` (``convert``'s default for block formats: torch.compile
+builds what the native code does not cover, none here) and with ``low_memory=True``; the fp8 plan with
 ``storage="fp16"``; the paper's ``numscope.Recipe`` (fp16 model, fp32 masters and ops, fp16 activations,
 dropout masks in bits, loss scaling), alone and with the fp8 plan; ``observed``, an FP32 step that
 ``numscope.observe`` samples with its default candidates (what ``numscope analyze`` runs on a sampled
@@ -47,6 +47,7 @@ ROWS = (
     "plan mxfp8",
     "plan mxfp8 + compiled",
     "plan mxfp8 + low memory",
+    "plan nvfp4",
     "plan fp8 + fp16 storage",
     "Recipe fp16",
     "Recipe fp16 + plan fp8",

@@ -456,11 +456,11 @@ def test_compiled_mx_quantizers_keep_the_wgrad_input_as_exact_bfloat16(preset, m
     assert not [t for t in saved if t.dtype == torch.float32 and t.shape == (4, 16, 64)]  # no raw input
 
 
-@pytest.mark.parametrize("preset", ["mxfp8", "mxfp4"])
-def test_native_mx_codes_keep_the_wgrad_input(preset, monkeypatch) -> None:
-    """With the native quantizers (the default) an MX plan keeps wgrad's input as element codes and E8M0
-    scale codes, one byte and 1/32 of a byte per element, and gives the gradients of quantizing it in
-    backward and of the eager reference, bit for bit."""
+@pytest.mark.parametrize("preset", ["mxfp8", "mxfp4", "nvfp4"])
+def test_native_block_codes_keep_the_wgrad_input(preset, monkeypatch) -> None:
+    """With the native quantizers (the default) an MX or NVFP4 plan keeps wgrad's input as element codes
+    and scale codes (one byte, and one per block), and gives the gradients of quantizing it in backward and
+    of the eager reference, bit for bit."""
     from numscope.formats import native
 
     saved, first, second = _two_linears_step(preset, True, monkeypatch, compiled=False)
@@ -470,7 +470,10 @@ def test_native_mx_codes_keep_the_wgrad_input(preset, monkeypatch) -> None:
     assert torch.equal(first, late_first) and torch.equal(second, late_second)
     assert torch.equal(first, eager_first) and torch.equal(second, eager_second)
     codes = [tuple(t.shape) for t in saved if t.dtype == torch.uint8]
-    assert codes == [(64, 64), (2, 64), (64, 48), (2, 48)]  # each Linear's element and scale codes
+    blocks = (
+        64 // numscope.get_format(Plan.uniform(preset).default.operand("wgrad", "input").format).block_size
+    )
+    assert codes == [(64, 64), (blocks, 64), (64, 48), (blocks, 48)]  # each Linear's element and scale codes
     assert not [t for t in saved if t.dtype == torch.float32 and t.shape == (4, 16, 64)]  # no raw input
 
 

@@ -22,7 +22,6 @@ go through ``numscope.quantize`` and its fused kernels instead, the same bits.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import weakref
@@ -37,7 +36,7 @@ from numscope.formats import native
 from numscope.formats.cast import native_dtype
 from numscope.formats.fast import fast_enabled
 from numscope.formats.quantize import Encoded, encode, quantize
-from numscope.formats.scaling import DelayedScaler, Scaling, element_scale
+from numscope.formats.scaling import DelayedScaler, Scaling, element_scale, reduce_amax_, reduces_across_ranks
 from numscope.formats.spec import BlockFormat, FloatFormat
 from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec
 from numscope.sites import Handle, Site, attach, is_discovered, on_discovered, operand_sizes, sites
@@ -81,8 +80,9 @@ class _Quantizer:
         fmt = spec.format_spec()
         if not (isinstance(fmt, BlockFormat) and spec.rounding == "nearest" and spec.transform is None):
             return False
-        native_codes = native.native_enabled() and not spec.flush_subnormals  # MX float codes, natively
-        return self.low_memory or ((self._compiled() or native_codes) and not fmt.tensor_scale)
+        # MX and NVFP4 with float elements: their codes, natively
+        native_codes = native.native_enabled() and not spec.flush_subnormals and native.packs_columns(fmt)
+        return self.low_memory or native_codes or (self._compiled() and not fmt.tensor_scale)
 
     def _compiled(self) -> bool:
         return fast_enabled() if self.compiled is None else self.compiled
@@ -112,10 +112,16 @@ class _Quantizer:
         reduce = scaling is None or scaling.reduce_amax
         along_tokens = Scaling("block", axis=0, reduce_amax=reduce)
         fmt = spec.format_spec()
-        if tensor.dim() == 2 and not spec.flush_subnormals:  # MX: element and E8M0 codes, 1 + 1/32 bytes
-            codes = native.mx_pack_columns(tensor.detach().float(), fmt)  # type: ignore[arg-type]
-            if codes is not None:
-                return codes, functools.partial(native.mx_unpack_columns, fmt=fmt)
+        if tensor.dim() == 2 and not spec.flush_subnormals and native.packs_columns(fmt):  # type: ignore[arg-type]
+            # element and scale codes, 1 + 1/32 (MX) or 1 + 1/16 (NVFP4) bytes per element
+            x = tensor.detach().float()
+            tensor_amax = None
+            if fmt.tensor_scale and reduces_across_ranks(reduce) and x.numel():  # type: ignore[union-attr]
+                local = native.abs_amax(x, "tensor")
+                tensor_amax = None if local is None else reduce_amax_(local.reshape(1))[0]
+            packed = native.block_pack_columns(x, fmt, tensor_amax)  # type: ignore[arg-type]
+            if packed is not None:
+                return packed
         if not self.low_memory and not self._compiled():
             return None  # the site keeps the input and quantizes it in backward
         if not self.low_memory:

@@ -288,3 +288,24 @@ def test_the_metrics_kept_quantization_is_the_same_natively(name: str, scaling) 
         if eager.blocks is not None:
             assert_bits_equal(fast.blocks.scales, eager.blocks.scales)
             assert_bits_equal(fast.blocks.x, eager.blocks.x)
+
+
+@pytest.mark.parametrize(
+    "name", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp4_e2m1@even", "nvfp4", "nvfp4@divide"]
+)
+def test_block_codes_down_the_columns_unpack_to_the_quantized_values(name: str) -> None:
+    """What convert keeps of an MX or NVFP4 wgrad input (element and scale codes) gives back the eager
+    quantization along the first axis, bit for bit, NaN blocks and short last blocks included."""
+    fmt = numscope.get_format(name)
+    for values in [spread((70, 37), seed=12), spread((33, 9), seed=13), specials(name, 64).T.copy()]:
+        x = torch.from_numpy(values)
+        packed = native.block_pack_columns(x, fmt)
+        assert packed is not None
+        (codes, scale_codes), unpack = packed
+        assert codes.dtype == scale_codes.dtype == torch.uint8
+        assert scale_codes.shape == (-(-x.shape[0] // fmt.block_size), x.shape[1])
+        set_native(False)
+        expected = numscope.quantize(x, fmt, scaling=numscope.Scaling("block", axis=0))
+        set_native(True)
+        assert_bits_equal(unpack(codes, scale_codes), expected)
+    assert native.block_pack_columns(x, numscope.get_format("mxint8")) is None  # integer elements: not here

@@ -194,6 +194,27 @@ typedef struct {
     numscope_format scale_format;                         /* NVFP4: E4M3, saturating */
 } numscope_blocks;
 
+/* NVFP4 (blocks.py _nvfp4_candidate): a block's E4M3 scale as stored, from its amax */
+static inline __attribute__((always_inline)) float nvfp4_stored(float amax, const numscope_blocks *p, const int KIND) {
+    float wanted = KIND == 1 ? amax * (p->encode * p->inverse_target) : amax / p->target * p->encode;
+    wanted = wanted > FLT_MAX ? FLT_MAX : wanted;
+    return cast_small(wanted, &p->scale_format, 0, 1, 0);
+}
+
+/* NVFP4: from the stored scale, the factor of the elements (x * factor, or x / factor where KIND 2) and the
+ * decode scale that multiplies them */
+static inline __attribute__((always_inline)) void nvfp4_factors(float stored, const numscope_blocks *p, const int KIND,
+                                                                float *factor, float *decode) {
+    if (KIND == 1) {
+        *decode = stored * p->inverse_encode;
+        const float inverse = 1.0f / *decode;
+        *factor = inverse > FLT_MAX ? FLT_MAX : inverse;
+    } else {
+        *decode = stored / p->encode;
+        *factor = *decode > 0.0f ? *decode : 1.0f;
+    }
+}
+
 static inline __attribute__((always_inline)) void block_factors(uint32_t top, const numscope_blocks *p, const int KIND,
                                                                 float *factor, float *mask, float *out) {
     const float amax = float_of(top);
@@ -206,19 +227,8 @@ static inline __attribute__((always_inline)) void block_factors(uint32_t top, co
         m = 1.0f;
         o = exact_pow2(shared);
     } else {
-        float wanted = KIND == 1 ? amax * (p->encode * p->inverse_target) : amax / p->target * p->encode;
-        wanted = wanted > FLT_MAX ? FLT_MAX : wanted;
-        const float stored = cast_small(wanted, &p->scale_format, 0, 1, 0);
-        if (KIND == 1) {
-            const float decode = stored * p->inverse_encode;
-            const float inverse = 1.0f / decode;
-            f = inverse > FLT_MAX ? FLT_MAX : inverse;
-            o = decode;
-        } else {
-            const float decode = stored / p->encode;
-            f = decode > 0.0f ? decode : 1.0f;
-            o = decode;
-        }
+        const float stored = nvfp4_stored(amax, p, KIND);
+        nvfp4_factors(stored, p, KIND, &f, &o);
         m = stored > 0.0f ? 1.0f : 0.0f;
     }
     *factor = finite ? f : quiet_nan();
@@ -455,16 +465,26 @@ void numscope_decode8(const uint8_t *restrict codes, float *restrict out, int64_
     }
 }
 
-/* MX blocks down the columns kept compactly: each element's code (1 byte, the element format's bit layout)
- * and each block's E8M0 scale code (exponent + 127; 255, NaN, for a block with a non-finite element,
- * whose element codes then carry nothing), and back. Unpacking gives what numscope_blocks_quantize gives for the same
- * blocks, bit for bit: the element value (exact in float32) times the same power of two. Float elements
- * only (their values are finite under the saturating cast). */
-#define NUMSCOPE_MX_PACK(NAME, NF)                                                                        \
+/* Block formats down the columns kept compactly: each element's code (1 byte, the element format's bit
+ * layout) and each block's scale code: MX, the E8M0 code (exponent + 127; 255, NaN, for a block with a
+ * non-finite element); NVFP4, the stored E4M3 scale's code (its NaN code for such a block). The element
+ * codes of a NaN block carry nothing. Unpacking gives what numscope_blocks_quantize gives for the same
+ * blocks, bit for bit: the element value (exact in float32) times the block's mask and decode scale,
+ * recomputed from the scale code as the quantizer computed them. Float elements only (their values are
+ * finite under the saturating cast). */
+static inline __attribute__((always_inline)) float decode_finite(uint32_t code, const numscope_codes *c) {
+    const uint32_t magnitude = code & (c->sign_bit - 1u);
+    const uint32_t field = magnitude >> c->mantissa_bits, mantissa = magnitude & ((1u << c->mantissa_bits) - 1u);
+    const float normal = float_of(((uint32_t)((int)field - c->bias + 127) << 23) | (mantissa << (23 - c->mantissa_bits)));
+    const float v = field ? normal : (float)(int32_t)mantissa * (1.0f / c->subnormal_units);
+    return (code & c->sign_bit) ? -v : v;
+}
+
+#define NUMSCOPE_BLOCK_PACK(NAME, NF, KIND)                                                               \
     static void NAME(const float *restrict x, uint8_t *restrict codes, uint8_t *restrict scale_codes,      \
                      int64_t rows, int64_t cols, int block_size, const numscope_format *format,            \
-                     const numscope_blocks *params, const numscope_codes *layout, uint32_t *restrict top,  \
-                     float *restrict factor) {                                                             \
+                     const numscope_blocks *params, const numscope_codes *layout,                          \
+                     const numscope_codes *scale_layout, uint32_t *restrict top, float *restrict factor) { \
         const numscope_format local = *format, *f = &local;                                               \
         const numscope_blocks block_local = *params, *p = &block_local;                                   \
         const numscope_codes code_local = *layout, *c = &code_local;                                      \
@@ -477,54 +497,86 @@ void numscope_decode8(const uint8_t *restrict codes, float *restrict out, int64_
                     top[j] = magnitude > top[j] ? magnitude : top[j];                                     \
                 }                                                                                         \
             for (int64_t j = 0; j < cols; ++j) {                                                          \
-                int shared = mx_shared_exponent(float_of(top[j]), p->rule, p->emax, p->element_max, p->half); \
-                shared = shared < -127 ? -127 : (shared > 127 ? 127 : shared);                            \
                 const int finite = top[j] < 0x7F800000u;                                                  \
-                factor[j] = finite ? exact_pow2(-shared) : 0.0f;                                          \
-                scale_codes[b * cols + j] = (uint8_t)(finite ? shared + 127 : 255);                       \
+                uint32_t scale_code;                                                                      \
+                if (KIND == 0) {                                                                          \
+                    int shared = mx_shared_exponent(float_of(top[j]), p->rule, p->emax, p->element_max, p->half); \
+                    shared = shared < -127 ? -127 : (shared > 127 ? 127 : shared);                        \
+                    factor[j] = exact_pow2(-shared);                                                      \
+                    scale_code = (uint32_t)(shared + 127);                                                \
+                } else {                                                                                  \
+                    const float stored = nvfp4_stored(float_of(top[j]), p, KIND);                         \
+                    float decode;                                                                         \
+                    nvfp4_factors(stored, p, KIND, factor + j, &decode);                                  \
+                    scale_code = encode_small(stored, scale_layout);                                      \
+                }                                                                                         \
+                factor[j] = finite ? factor[j] : 1.0f;                                                    \
+                scale_codes[b * cols + j] = (uint8_t)(finite ? scale_code : scale_layout->nan_code);      \
             }                                                                                             \
             for (int64_t r = start; r < start + height; ++r)                                              \
-                for (int64_t j = 0; j < cols; ++j)                                                        \
-                    codes[r * cols + j] = (uint8_t)encode_small(cast_small(x[r * cols + j] * factor[j], f, 0, NF, 0), c); \
+                for (int64_t j = 0; j < cols; ++j) {                                                      \
+                    const float v = x[r * cols + j], k = factor[j];                                        \
+                    codes[r * cols + j] = (uint8_t)encode_small(cast_small(KIND == 2 ? v / k : v * k, f, 0, NF, 0), c); \
+                }                                                                                         \
         }                                                                                                 \
     }
-NUMSCOPE_MX_PACK(mx_pack_0, 0) NUMSCOPE_MX_PACK(mx_pack_1, 1) NUMSCOPE_MX_PACK(mx_pack_2, 2)
+NUMSCOPE_BLOCK_PACK(mx_pack_0, 0, 0) NUMSCOPE_BLOCK_PACK(mx_pack_1, 1, 0) NUMSCOPE_BLOCK_PACK(mx_pack_2, 2, 0)
+NUMSCOPE_BLOCK_PACK(nv_pack_multiply, 2, 1) NUMSCOPE_BLOCK_PACK(nv_pack_divide, 2, 2)
 
-/* Returns 0, -1 where scratch memory could not be allocated, -2 for an element format not built here. */
-int numscope_mx_pack_columns(const float *restrict x, uint8_t *restrict codes, uint8_t *restrict scale_codes,
-                             int64_t rows, int64_t cols, int32_t block_size, numscope_format format,
-                             numscope_blocks params, numscope_codes layout) {
-    if (format.kind != 0 || format.flush || params.kind != 0) return -2;
+/* scale_layout: MX, an E8M0 layout whose nan_code is 255; NVFP4, E4M3's. Returns 0, -1 where scratch memory
+ * could not be allocated, -2 for an element format not built here. */
+int numscope_block_pack_columns(const float *restrict x, uint8_t *restrict codes, uint8_t *restrict scale_codes,
+                                int64_t rows, int64_t cols, int32_t block_size, numscope_format format,
+                                numscope_blocks params, numscope_codes layout, numscope_codes scale_layout) {
+    if (format.kind != 0 || format.flush || (params.kind != 0 && format.nonfinite != 2)) return -2;
     void *scratch = malloc((size_t)cols * 8 + 64);
     if (!scratch) return -1;
     uint32_t *top = (uint32_t *)scratch;
     float *factor = (float *)(top + cols);
-    if (format.nonfinite == 0) mx_pack_0(x, codes, scale_codes, rows, cols, block_size, &format, &params, &layout, top, factor);
-    else if (format.nonfinite == 1) mx_pack_1(x, codes, scale_codes, rows, cols, block_size, &format, &params, &layout, top, factor);
-    else mx_pack_2(x, codes, scale_codes, rows, cols, block_size, &format, &params, &layout, top, factor);
+    const numscope_format *f = &format;
+    const numscope_blocks *p = &params;
+    const numscope_codes *c = &layout, *sc = &scale_layout;
+    if (params.kind == 1) nv_pack_multiply(x, codes, scale_codes, rows, cols, block_size, f, p, c, sc, top, factor);
+    else if (params.kind == 2) nv_pack_divide(x, codes, scale_codes, rows, cols, block_size, f, p, c, sc, top, factor);
+    else if (format.nonfinite == 0) mx_pack_0(x, codes, scale_codes, rows, cols, block_size, f, p, c, sc, top, factor);
+    else if (format.nonfinite == 1) mx_pack_1(x, codes, scale_codes, rows, cols, block_size, f, p, c, sc, top, factor);
+    else mx_pack_2(x, codes, scale_codes, rows, cols, block_size, f, p, c, sc, top, factor);
     free(scratch);
     return 0;
 }
 
-void numscope_mx_unpack_columns(const uint8_t *restrict codes, const uint8_t *restrict scale_codes,
-                                float *restrict out, int64_t rows, int64_t cols, int32_t block_size,
-                                numscope_codes layout) {
-    const numscope_codes local = layout, *c = &local;
-    const uint32_t mask = (1u << c->mantissa_bits) - 1u;
-    const float subnormal_unit = 1.0f / c->subnormal_units;
-    for (int64_t r = 0; r < rows; ++r) {
-        const uint8_t *scales = scale_codes + (r / block_size) * cols;
-        for (int64_t j = 0; j < cols; ++j) {
-            const uint32_t code = codes[r * cols + j], magnitude = code & (c->sign_bit - 1u);
-            const uint32_t field = magnitude >> c->mantissa_bits, mantissa = magnitude & mask;
-            const float normal = float_of(((uint32_t)((int)field - c->bias + 127) << 23) |
-                                          (mantissa << (23 - c->mantissa_bits)));
-            float v = field ? normal : (float)(int32_t)mantissa * subnormal_unit;
-            v = (code & c->sign_bit) ? -v : v;
-            const int s = scales[j];
-            out[r * cols + j] = s == 255 ? quiet_nan() : v * exact_pow2(s - 127);
+/* Returns 0, or -1 where scratch memory could not be allocated. */
+int numscope_block_unpack_columns(const uint8_t *restrict codes, const uint8_t *restrict scale_codes,
+                                  float *restrict out, int64_t rows, int64_t cols, int32_t block_size,
+                                  numscope_codes layout, numscope_codes scale_layout, numscope_blocks params) {
+    const numscope_codes *c = &layout, *sc = &scale_layout;
+    const numscope_blocks *p = &params;
+    float *scratch = (float *)malloc((size_t)cols * 8 + 64);
+    if (!scratch) return -1;
+    float *mask = scratch, *decode = scratch + cols;
+    for (int64_t start = 0; start < rows; start += block_size) {
+        const int64_t height = rows - start < block_size ? rows - start : block_size;
+        const uint8_t *scales = scale_codes + (start / block_size) * cols;
+        for (int64_t j = 0; j < cols; ++j) { /* each block's mask and decode scale, once */
+            const uint32_t s = scales[j];
+            float m = 1.0f, d, factor;
+            if (p->kind == 0) {
+                d = exact_pow2((int)s - 127);
+            } else {
+                const float stored = decode_finite(s, sc);
+                m = stored > 0.0f ? 1.0f : 0.0f;
+                if (p->kind == 1) nvfp4_factors(stored, p, 1, &factor, &d);
+                else nvfp4_factors(stored, p, 2, &factor, &d);
+            }
+            mask[j] = s == sc->nan_code ? quiet_nan() : m;
+            decode[j] = d;
         }
+        for (int64_t r = start; r < start + height; ++r)
+            for (int64_t j = 0; j < cols; ++j)
+                out[r * cols + j] = decode_finite(codes[r * cols + j], c) * mask[j] * decode[j];
     }
+    free(scratch);
+    return 0;
 }
 
 /* max |x| as torch's x.abs().amax(...) gives it for finite x (NaN where any element is NaN, inf where the

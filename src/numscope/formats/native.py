@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -245,7 +246,7 @@ def _library() -> ctypes.CDLL | None:
     library.numscope_element_codes.restype = ctypes.c_int
     library.numscope_decode8.argtypes = [pointer, pointer, i64, _Codes, pointer]
     library.numscope_decode8.restype = None
-    library.numscope_mx_pack_columns.argtypes = [
+    library.numscope_block_pack_columns.argtypes = [
         pointer,
         pointer,
         pointer,
@@ -255,10 +256,21 @@ def _library() -> ctypes.CDLL | None:
         _Format,
         _Blocks,
         _Codes,
+        _Codes,
     ]
-    library.numscope_mx_pack_columns.restype = ctypes.c_int
-    library.numscope_mx_unpack_columns.argtypes = [pointer, pointer, pointer, i64, i64, i32, _Codes]
-    library.numscope_mx_unpack_columns.restype = None
+    library.numscope_block_pack_columns.restype = ctypes.c_int
+    library.numscope_block_unpack_columns.argtypes = [
+        pointer,
+        pointer,
+        pointer,
+        i64,
+        i64,
+        i32,
+        _Codes,
+        _Codes,
+        _Blocks,
+    ]
+    library.numscope_block_unpack_columns.restype = ctypes.c_int
     library.numscope_abs_amax.argtypes = [pointer, pointer, i64, i64, i32]
     library.numscope_abs_amax.restype = None
     return library
@@ -390,23 +402,40 @@ _LAYOUTS = {
 }
 
 
-def mx_pack_columns(x: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A 2-D float32 tensor's MX quantization with blocks down its columns, kept as element codes (uint8, the
-    shape of ``x``) and E8M0 scale codes (uint8, one row per block of rows; 255 marks a block with a
-    non-finite element): 1 + 1/32 bytes per element. :func:`mx_unpack_columns` gives back exactly what
-    :func:`block` along the columns gives. None where not covered (NVFP4, integer elements)."""
-    if fmt.tensor_scale or not (available() and _ready(x)) or not isinstance(fmt.element, FloatFormat):
-        return None
-    arguments = _blocks(fmt, False, None, x)
-    layout = _layout(fmt.element, None)
-    if arguments is None or layout is None:
+def packs_columns(fmt: BlockFormat) -> bool:
+    """Whether :func:`block_pack_columns` covers ``fmt`` (MX and NVFP4 with float elements, 1-D blocks)."""
+    return (
+        isinstance(fmt, BlockFormat)
+        and isinstance(fmt.element, FloatFormat)
+        and fmt.block_rows == 1
+        and not fmt.row_scale
+        and not fmt.four_over_six
+    )
+
+
+def block_pack_columns(
+    x: torch.Tensor, fmt: BlockFormat, tensor_amax: torch.Tensor | None = None
+) -> tuple[tuple[torch.Tensor, torch.Tensor], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] | None:
+    """A 2-D float32 tensor quantized to ``fmt`` with blocks down its columns and kept compactly: element
+    codes (uint8, the shape of ``x``) and scale codes (uint8, one row per block of rows: MX's E8M0 codes,
+    255 marking a block with a non-finite element; NVFP4's E4M3 codes of its stored block scales, its NaN
+    code marking such a block), 1 + 1/32 (MX) or 1 + 1/16 (NVFP4) bytes per element; with the function
+    that unpacks them to exactly what :func:`block` along the columns gives. ``tensor_amax``: NVFP4's amax
+    where it was reduced across ranks. None where not covered (integer elements, 2-D tiles, per-row
+    scales, Four Over Six)."""
+    if not (available() and _ready(x)) or not isinstance(fmt.element, FloatFormat):
         return None
     x = x.contiguous()
+    arguments = _blocks(fmt, False, tensor_amax, x)
+    layout = _layout(fmt.element, None)
+    scale_layout = _Codes(nan_code=255) if not fmt.tensor_scale else _layout(fmt.scale_format, None)
+    if arguments is None or layout is None or scale_layout is None:
+        return None
     rows, cols = x.shape
     codes = torch.empty((rows, cols), dtype=torch.uint8)
     scale_codes = torch.empty((-(-rows // fmt.block_size), cols), dtype=torch.uint8)
     if x.numel():
-        done = _library().numscope_mx_pack_columns(  # type: ignore[union-attr]
+        done = _library().numscope_block_pack_columns(  # type: ignore[union-attr]
             x.data_ptr(),
             codes.data_ptr(),
             scale_codes.data_ptr(),
@@ -415,29 +444,47 @@ def mx_pack_columns(x: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, to
             fmt.block_size,
             *arguments,
             layout,
+            scale_layout,
         )
         if done == -1:
             raise MemoryError(f"numscope native quantizer: no memory for {cols} column scales")
         if done != 0:
             return None
-    return codes, scale_codes
+    unpack = functools.partial(
+        _block_unpack_columns,
+        block_size=fmt.block_size,
+        layout=layout,
+        scale_layout=scale_layout,
+        params=arguments[1],
+    )
+    return (codes, scale_codes), unpack
 
 
-def mx_unpack_columns(codes: torch.Tensor, scale_codes: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """The float32 values of :func:`mx_pack_columns`' codes, bit for bit those of the quantization."""
-    layout = _layout(fmt.element, None)  # type: ignore[arg-type]
+def _block_unpack_columns(
+    codes: torch.Tensor,
+    scale_codes: torch.Tensor,
+    *,
+    block_size: int,
+    layout: _Codes,
+    scale_layout: _Codes,
+    params: _Blocks,
+) -> torch.Tensor:
     rows, cols = codes.shape
     out = torch.empty((rows, cols), dtype=torch.float32)
     if codes.numel():
-        _library().numscope_mx_unpack_columns(  # type: ignore[union-attr]
+        done = _library().numscope_block_unpack_columns(  # type: ignore[union-attr]
             codes.contiguous().data_ptr(),
             scale_codes.contiguous().data_ptr(),
             out.data_ptr(),
             rows,
             cols,
-            fmt.block_size,
+            block_size,
             layout,
+            scale_layout,
+            params,
         )
+        if done != 0:
+            raise MemoryError(f"numscope native quantizer: no memory for {cols} column scales")
     return out
 
 
