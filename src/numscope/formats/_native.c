@@ -156,6 +156,21 @@ static inline __attribute__((always_inline)) float exact_pow2(int e) {
     return e >= -126 ? normal : float_of(1u << shift);
 }
 
+/* max |x| of each column over rows [start, start + height), on the bit patterns (their order is the
+ * magnitudes': inf above the finite, NaN above inf), into top[0..cols): a loop along the rows, which
+ * vectorizes, for blocks down the columns and for column amaxes */
+static inline __attribute__((always_inline)) void column_tops(const float *restrict x, int64_t start, int64_t height,
+                                                              int64_t cols, uint32_t *restrict top) {
+    for (int64_t c = 0; c < cols; ++c) top[c] = 0;
+    for (int64_t r = start; r < start + height; ++r) {
+        const float *xr = x + r * cols;
+        for (int64_t c = 0; c < cols; ++c) {
+            const uint32_t magnitude = bits_of(xr[c]) & 0x7FFFFFFFu;
+            top[c] = magnitude > top[c] ? magnitude : top[c];
+        }
+    }
+}
+
 /* blocks.py _mx_shared_exponent; rule 0 floor, 1 ceil, 2 even (half = 2^(22 - element mantissa bits)),
  * 3 rceil */
 static inline __attribute__((always_inline)) int mx_shared_exponent(float amax, int rule, int emax, float element_max, uint32_t half) {
@@ -239,7 +254,6 @@ static inline __attribute__((always_inline)) void block_factors(uint32_t top, co
 #define NUMSCOPE_SCALED(CAST, NF, FL, DIV, X, FACTOR, MASK, OUT) \
     (CAST((DIV) ? (X) / (FACTOR) : (X) * (FACTOR), f, 0, NF, FL) * (MASK) * (OUT))
 
-/* blocks of B consecutive elements (B a constant in the common cases, so that both loops vectorize) */
 /* blocks of B consecutive elements (B a constant in the common cases), in chunks of up to 64 blocks: their
  * amaxes, then their scales (a loop over blocks, which vectorizes), then their elements */
 #define NUMSCOPE_ROW_BLOCKS(B, CAST, NF, FL, DIV, KIND)                                                   \
@@ -273,14 +287,7 @@ static inline __attribute__((always_inline)) void block_factors(uint32_t top, co
 #define NUMSCOPE_COLUMN_BLOCKS(CAST, NF, FL, DIV, KIND)                                                         \
     for (int64_t start = 0; start < rows; start += block_size) {                                          \
         const int64_t height = rows - start < block_size ? rows - start : block_size;                     \
-        for (int64_t c = 0; c < cols; ++c) top[c] = 0;                                                    \
-        for (int64_t r = start; r < start + height; ++r) {                                                \
-            const float *xr = x + r * cols;                                                               \
-            for (int64_t c = 0; c < cols; ++c) {                                                          \
-                const uint32_t magnitude = bits_of(xr[c]) & 0x7FFFFFFFu;                                  \
-                top[c] = magnitude > top[c] ? magnitude : top[c];                                         \
-            }                                                                                             \
-        }                                                                                                 \
+        column_tops(x, start, height, cols, top);                                                         \
         for (int64_t c = 0; c < cols; ++c) block_factors(top[c], p, KIND, factor + c, mask + c, scale + c); \
         for (int64_t r = start; r < start + height; ++r) {                                                \
             const float *xr = x + r * cols;                                                               \
@@ -490,12 +497,7 @@ static inline __attribute__((always_inline)) float decode_finite(uint32_t code, 
         const numscope_codes code_local = *layout, *c = &code_local;                                      \
         for (int64_t start = 0, b = 0; start < rows; start += block_size, ++b) {                          \
             const int64_t height = rows - start < block_size ? rows - start : block_size;                 \
-            for (int64_t j = 0; j < cols; ++j) top[j] = 0;                                                \
-            for (int64_t r = start; r < start + height; ++r)                                              \
-                for (int64_t j = 0; j < cols; ++j) {                                                      \
-                    const uint32_t magnitude = bits_of(x[r * cols + j]) & 0x7FFFFFFFu;                    \
-                    top[j] = magnitude > top[j] ? magnitude : top[j];                                     \
-                }                                                                                         \
+            column_tops(x, start, height, cols, top);                                                     \
             for (int64_t j = 0; j < cols; ++j) {                                                          \
                 const int finite = top[j] < 0x7F800000u;                                                  \
                 uint32_t scale_code;                                                                      \
@@ -584,15 +586,7 @@ int numscope_block_unpack_columns(const uint8_t *restrict codes, const uint8_t *
  * per row (2, out[r]) or per column (3, out[c]), taken on the bit patterns (vectorizes, NaN included). */
 void numscope_abs_amax(const float *restrict x, float *restrict out, int64_t rows, int64_t cols, int32_t mode) {
     if (mode == 3) {
-        uint32_t *top = (uint32_t *)out;
-        for (int64_t c = 0; c < cols; ++c) top[c] = 0;
-        for (int64_t r = 0; r < rows; ++r) {
-            const float *xr = x + r * cols;
-            for (int64_t c = 0; c < cols; ++c) {
-                const uint32_t magnitude = bits_of(xr[c]) & 0x7FFFFFFFu;
-                top[c] = magnitude > top[c] ? magnitude : top[c];
-            }
-        }
+        column_tops(x, 0, rows, cols, (uint32_t *)out);
         return;
     }
     const int64_t n = mode == 1 ? rows * cols : cols;

@@ -34,7 +34,7 @@ Overflow = Literal["saturate", "propagate"]
 ROUNDINGS: tuple[str, ...] = ("nearest", "nearest_away", "stochastic", "zero")
 OVERFLOWS: tuple[str, ...] = ("saturate", "propagate")
 
-_NATIVE: dict[str, torch.dtype] = {
+NATIVE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
@@ -47,7 +47,7 @@ _NATIVE: dict[str, torch.dtype] = {
 
 def native_dtype(fmt: FloatFormat) -> torch.dtype | None:
     """The torch dtype that stores ``fmt`` exactly, if torch has one."""
-    return _NATIVE.get(fmt.name)
+    return NATIVE_DTYPES.get(fmt.name)
 
 
 def _uniform_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

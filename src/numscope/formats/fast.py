@@ -306,8 +306,7 @@ def _native_element(
         amax = native.abs_amax(x, mode)
         if amax is None:
             return None
-    s = scale_from_amax(amax, fmt.max, scaling.margin, scaling.power_of_two, scaling.amax_epsilon)  # type: ignore[union-attr]
-    return native.element(x, fmt, overflow, flush, s, mode)
+    return native.element(x, fmt, overflow, flush, scaling.scale(amax, fmt.max), mode)  # type: ignore[union-attr]
 
 
 def block_columns(

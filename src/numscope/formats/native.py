@@ -46,8 +46,9 @@ from pathlib import Path
 import torch
 
 from numscope.formats.blocks import element_mantissa_bits
+from numscope.formats.cast import NATIVE_DTYPES
 from numscope.formats.scaling import scale_from_amax
-from numscope.formats.spec import BlockFormat, FloatFormat, IntFormat
+from numscope.formats.spec import BlockFormat, FloatFormat, IntFormat, get_format
 
 _SOURCE = Path(__file__).with_name("_native.c")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-std=c11"]
@@ -281,8 +282,10 @@ def available() -> bool:
     return _enabled and _library() is not None
 
 
+@functools.lru_cache(maxsize=512)
 def _format(fmt: FloatFormat | IntFormat, overflow: str, flush: bool) -> _Format | None:
-    """The C description of an element format, or None where the native code does not cover it."""
+    """The C description of an element format, or None where the native code does not cover it (built
+    once per format and options: every call passes it by value, so the cached structure is never changed)."""
     if isinstance(fmt, IntFormat):
         if not 0 <= fmt.fraction_bits < 100:
             return None
@@ -318,10 +321,14 @@ def covers(fmt: FloatFormat | IntFormat, overflow: str, flush: bool, x: torch.Te
     return available() and _cpu_float(x) and _format(fmt, overflow, flush) is not None
 
 
+def _block_layout_covered(fmt: BlockFormat) -> bool:
+    """Blocks of one row with one scale each (not 2-D NVFP4 tiles, NVFP4 per-row scales, Four Over Six)."""
+    return fmt.block_rows == 1 and not fmt.row_scale and not fmt.four_over_six
+
+
 def covers_block(fmt: BlockFormat, x: torch.Tensor) -> bool:
     """Whether the native quantizers are on and cover the block format ``fmt`` for ``x`` (CPU float32)."""
-    blocks_covered = fmt.block_rows == 1 and not fmt.row_scale and not fmt.four_over_six
-    return blocks_covered and available() and _cpu_float(x)
+    return _block_layout_covered(fmt) and available() and _cpu_float(x)
 
 
 def _cpu_float(x: torch.Tensor) -> bool:
@@ -332,6 +339,7 @@ def _ready(x: torch.Tensor) -> bool:
     return _cpu_float(x) and x.dim() == 2
 
 
+@functools.lru_cache(maxsize=64)
 def _layout(fmt: FloatFormat, dtype: torch.dtype | None) -> _Codes | None:
     """How ``dtype`` (torch's storage of ``fmt``; None: the format's own bits, in a byte) lays out ``fmt``'s
     values, or None for another dtype."""
@@ -394,22 +402,14 @@ def element_codes(
     return values, codes
 
 
-_LAYOUTS = {
-    torch.float8_e4m3fn: "fp8_e4m3",
-    torch.float8_e5m2: "fp8_e5m2",
-    torch.float8_e4m3fnuz: "fp8_e4m3fnuz",
-    torch.float8_e5m2fnuz: "fp8_e5m2fnuz",
-}
+#: the one-byte torch dtypes and their formats (from the casts' own table), whose codes :func:`decode` reads
+_FP8_FORMATS = {dtype: name for name, dtype in NATIVE_DTYPES.items() if dtype.itemsize == 1}
 
 
 def packs_columns(fmt: BlockFormat) -> bool:
     """Whether :func:`block_pack_columns` covers ``fmt`` (MX and NVFP4 with float elements, 1-D blocks)."""
     return (
-        isinstance(fmt, BlockFormat)
-        and isinstance(fmt.element, FloatFormat)
-        and fmt.block_rows == 1
-        and not fmt.row_scale
-        and not fmt.four_over_six
+        isinstance(fmt, BlockFormat) and isinstance(fmt.element, FloatFormat) and _block_layout_covered(fmt)
     )
 
 
@@ -423,7 +423,7 @@ def block_pack_columns(
     that unpacks them to exactly what :func:`block` along the columns gives. ``tensor_amax``: NVFP4's amax
     where it was reduced across ranks. None where not covered (integer elements, 2-D tiles, per-row
     scales, Four Over Six)."""
-    if not (available() and _ready(x)) or not isinstance(fmt.element, FloatFormat):
+    if not (packs_columns(fmt) and available() and _ready(x)):
         return None
     x = x.contiguous()
     arguments = _blocks(fmt, False, tensor_amax, x)
@@ -491,11 +491,9 @@ def _block_unpack_columns(
 def decode(codes: torch.Tensor, descale: torch.Tensor | None = None) -> torch.Tensor | None:
     """float32 ``codes.float() · descale`` (``descale`` one float32 value, or None) of torch fp8 codes, bit
     for bit (torch converts fp8 to float32 one element at a time); None where not covered."""
-    name = _LAYOUTS.get(codes.dtype)
+    name = _FP8_FORMATS.get(codes.dtype)
     if name is None or not available() or codes.device.type != "cpu":
         return None
-    from numscope.formats.spec import get_format
-
     layout = _layout(get_format(name), codes.dtype)  # type: ignore[arg-type]
     if layout is None or (descale is not None and descale.numel() != 1):
         return None
@@ -559,7 +557,7 @@ def _blocks(
 ) -> tuple[_Format, _Blocks] | None:
     """The element format and block parameters of ``fmt`` for numscope_blocks_quantize, or None where the
     native code does not cover it (2-D NVFP4 tiles, NVFP4 per-row scales, Four Over Six)."""
-    if fmt.block_rows != 1 or fmt.row_scale or fmt.four_over_six:
+    if not _block_layout_covered(fmt):
         return None
     element_fmt = fmt.element
     spec = _format(element_fmt, "saturate", flush)
