@@ -54,6 +54,9 @@ def rejected(capsys, module: ModuleType, argv: list[str]) -> str:
         ("bench_quantize", ["--shape", "64x"], "--shape: expected ROWSxCOLS, e.g. 64x128, got '64x'"),
         ("bench_quantize", ["--shape", "2x3x4"], "--shape: expected ROWSxCOLS, e.g. 64x128, got '2x3x4'"),
         ("bench_quantize", ["--shape", "0x128"], "--shape: both sizes must be at least 1, got '0x128'"),
+        ("demo_size", ["--mask-probability", "1.5"], "--mask-probability: must be in (0, 1], got 1.5"),
+        ("demo_size", ["--lr", "0"], "--lr: must be > 0, got 0.0"),
+        ("demo_size", ["--steps", "0"], "--steps: must be at least 1, got 0"),
     ],
 )
 def test_a_bad_argument_is_one_error_line(capsys, bench: str, argv: list[str], expected: str) -> None:
@@ -85,3 +88,16 @@ def test_bench_observer_measures_the_issues_8_candidates_unless_told() -> None:
     assert len(bench.parse_args([]).candidates) == 8
     assert bench.parse_args(["--candidates", "default"]).candidates == list(DEFAULT_CANDIDATES)
     assert bench.parse_args(["--candidates", "fp8_e4m3", "e3m4"]).candidates == ["fp8_e4m3", "e3m4"]
+
+
+def test_demo_size_changes_only_the_settings_it_is_given() -> None:
+    from numscope.demo.main import DemoConfig
+
+    bench = load("demo_size")
+    default = DemoConfig()
+    assert bench.config_from(bench.parse_args([])) == default
+    changed = bench.config_from(
+        bench.parse_args(["--steps", "20", "--heads", "2", "--mask-probability", "0.2"])
+    )
+    assert (changed.train.steps, changed.train.eval_every, changed.heads) == (20, 20, 2)
+    assert changed.train.mask_probability == 0.2 and changed.vocab_size == default.vocab_size

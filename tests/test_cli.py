@@ -715,6 +715,25 @@ ERRORS = {
         ],
         "no mlm head for model type 'gpt2'",
     ),
+    "mask probability for a causal LM": (
+        lambda ws: [
+            "train",
+            *flags(ws, "tiny-gpt2"),
+            "--objective",
+            "clm",
+            "--mask-probability",
+            "0.3",
+            "--plan",
+            "fp8",
+            "--out",
+            ws / "e",
+        ],
+        "--mask-probability: mask_probability 0.3 applies to the masked LM only",
+    ),
+    "mask probability above 1": (
+        lambda ws: ["train", *flags(ws), "--mask-probability", "1.5", "--plan", "fp8", "--out", ws / "e"],
+        "--mask-probability must be in (0, 1]; got 1.5",
+    ),
     "sequence too long": (
         lambda ws: ["train", *flags(ws, seq_len=128), "--plan", "fp8", "--out", ws / "e"],
         "max_position_embeddings=64 is shorter than --seq-len 128",
@@ -948,7 +967,7 @@ def test_demo_on_too_little_text_is_one_clear_line(tmp_path: Path, monkeypatch: 
     one.write_text("A single paragraph of text,\nwrapped over two lines.\n")
     assert "holds 1 document(s)" in _demo_error(tmp_path / "d1", "--text", one)
     few = write_text(tmp_path / "few.txt", paragraphs=3)
-    assert "fewer than one batch of 16: give more text" in _demo_error(tmp_path / "d2", "--text", few)
+    assert "fewer than one batch of 64: give more text" in _demo_error(tmp_path / "d2", "--text", few)
 
 
 def test_demo_with_a_corrupt_settings_file_is_one_clear_line(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     summary = json.loads((out / "summary.json").read_text())
     runs = {run["name"]: run for run in summary["runs"]}
     assert list(runs) == names
-    vocab = 4000  # DemoConfig.quick(): an untrained model's loss is about ln(vocab)
+    vocab = 2000  # DemoConfig.quick(): an untrained model's loss is about ln(vocab)
     for name in names:  # every run keeps its final model, a BertForMaskedLM state dict, and no checkpoint
         folder = out / "runs" / name
         assert runs[name]["model"] == str(folder / "model.pt") and not (folder / "checkpoint.pt").exists()

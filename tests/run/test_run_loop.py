@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -78,3 +80,39 @@ def test_an_unusable_result_or_log_is_one_clear_error(data: RunData, tmp_path: P
     with pytest.raises(ValueError, match=r"batch size 512 exceeds the \d+ training blocks"):
         train_run(spec, tiny_gpt2(data.tokenizer.vocab_size), TrainConfig(steps=1, batch_size=512), data,
                   tmp_path / "big", objective="clm")  # fmt: skip
+
+
+def test_the_training_mask_probability_masks_that_share_and_evaluation_stays_at_15_percent(
+    data: RunData, tmp_path: Path
+) -> None:
+    from numscope.run.objectives import MaskedLM, get_objective
+
+    masked = {}
+    for probability in (0.15, 0.4):
+        objective = get_objective("mlm").for_training(probability)
+        labels = torch.cat(
+            [b["labels"] for b in objective.batches(data.train_blocks, 8, data.tokenizer, 0, 0)]
+        )
+        masked[probability] = (labels != -100).float().mean().item()
+    assert abs(masked[0.15] - 0.15) < 0.03 and abs(masked[0.4] - 0.4) < 0.04
+    assert get_objective("mlm").for_training(0.15) is get_objective("mlm")
+    with pytest.raises(ValueError, match=r"mask probability must be in \(0, 1\]; got 0"):
+        MaskedLM(0)
+    with pytest.raises(ValueError, match="applies to the masked LM only; the clm objective masks nothing"):
+        get_objective("clm").for_training(0.3)
+    # the setting reaches the training loop: the same run at 40% trains differently
+    from numscope.run.model import ModelConfig, bert_mlm_from_config
+
+    model = ModelConfig(
+        vocab_size=data.tokenizer.vocab_size, hidden=16, heads=2, intermediate=32, max_position=SEQ_LEN
+    )
+    config = TrainConfig(steps=2, batch_size=8, eval_every=2, checkpoint_every=2)
+    runs = [
+        train_run(RunSpec("m", "fp32"), model, replace(config, mask_probability=p), data, tmp_path / str(p))
+        for p in (0.15, 0.4)
+    ]
+    assert runs[0].val_loss != runs[1].val_loss
+    # evaluation scores the same 15% of the validation tokens whatever the training share
+    bert = bert_mlm_from_config(model)
+    scores = [MaskedLM(p).evaluate(bert, data.val_blocks, data.tokenizer, 0) for p in (0.15, 0.4)]
+    assert scores[0] == scores[1] and scores[0].masked_tokens > 0

@@ -62,6 +62,12 @@ class TrainConfig:
         50, "write checkpoint.pt (atomically) every this many steps; a rerun resumes from it", minimum=1
     )
     seed: int = setting(0, "seed of initialisation, data order and masks")
+    mask_probability: float = setting(
+        0.15,
+        "masked LM: share of each training block's tokens masked (80/10/10); evaluation masks 15% always, so "
+        "validation losses compare across settings",
+        positive=True,
+    )
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up then cosine decay to 10% of ``lr``."""

@@ -103,7 +103,7 @@ def train_run(
     observer merges each sampled step across the ranks at ``step()`` (its default ``reduce_ranks``), so rank
     0's analysis is that of the whole batch.
     """
-    objective = get_objective(objective)
+    objective = get_objective(objective).for_training(cfg.mask_probability)
     world, rank = distributed.world_size(), distributed.rank()
     writer = rank == 0
     if cfg.batch_size % world:

@@ -7,7 +7,15 @@ from collections.abc import Iterator
 
 import torch
 
-from numscope.run.data import IGNORE_INDEX, MLMEvaluation, batches, derive_seed, evaluate_mlm, num_batches
+from numscope.run.data import (
+    DEFAULT_MASK_PROBABILITY,
+    IGNORE_INDEX,
+    MLMEvaluation,
+    batches,
+    derive_seed,
+    evaluate_mlm,
+    num_batches,
+)
 from numscope.run.tokenizer import TokenizerInfo
 
 
@@ -23,6 +31,15 @@ class Objective:
         """One epoch of ``input_ids``, ``attention_mask``, ``labels`` batches, a function of (seed, epoch)."""
         raise NotImplementedError
 
+    def for_training(self, mask_probability: float) -> Objective:
+        """This objective with a run's training mask probability (``TrainConfig.mask_probability``)."""
+        if mask_probability != DEFAULT_MASK_PROBABILITY:
+            raise ValueError(
+                f"mask_probability {mask_probability:g} applies to the masked LM only; the {self.name} "
+                f"objective masks nothing (leave it at {DEFAULT_MASK_PROBABILITY:g})"
+            )
+        return self
+
     def label_count(self, batch: dict[str, torch.Tensor]) -> int:
         """How many tokens of ``batch`` the model's mean loss averages over."""
         raise NotImplementedError
@@ -35,15 +52,26 @@ class Objective:
 
 
 class MaskedLM(Objective):
-    """BERT's masked LM: 15% of tokens selected (80% [MASK], 10% random, 10% kept) and predicted."""
+    """BERT's masked LM: ``mask_probability`` of the tokens (15% by default) selected (80% [MASK], 10%
+    random, 10% kept) and predicted in training; evaluation always scores 15%, BERT's rate."""
 
     name = "mlm"
     description = "masked language modelling (BERT: predict 15% masked tokens)"
 
+    def __init__(self, mask_probability: float = DEFAULT_MASK_PROBABILITY) -> None:
+        if not 0.0 < mask_probability <= 1.0:
+            raise ValueError(f"mask probability must be in (0, 1]; got {mask_probability!r}")
+        self.mask_probability = mask_probability
+
+    def for_training(self, mask_probability: float) -> Objective:
+        return self if mask_probability == self.mask_probability else MaskedLM(mask_probability)
+
     def batches(
         self, blocks: torch.Tensor, batch_size: int, tokenizer: TokenizerInfo, seed: int, epoch: int
     ) -> Iterator[dict[str, torch.Tensor]]:
-        return batches(blocks, batch_size, tokenizer, seed=seed, epoch=epoch, drop_last=True)
+        return batches(
+            blocks, batch_size, tokenizer, seed, epoch, self.mask_probability, shuffle=True, drop_last=True
+        )
 
     def label_count(self, batch: dict[str, torch.Tensor]) -> int:
         return int((batch["labels"] != IGNORE_INDEX).sum())

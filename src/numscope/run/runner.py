@@ -65,8 +65,12 @@ def _prepare_run(
     prepared = prepare_data(data)
     check_train_config(config, prepared)
     factory, resolved = source.build(prepared.tokenizer, data.seq_len)
+    try:
+        objective_for_training = get_objective(resolved).for_training(config.mask_probability)
+    except ValueError as error:
+        raise WorkflowError(f"--mask-probability: {error}") from None
     example = next(
-        get_objective(resolved).batches(prepared.train_blocks[:2], 2, prepared.tokenizer, config.seed, 0)
+        objective_for_training.batches(prepared.train_blocks[:2], 2, prepared.tokenizer, config.seed, 0)
     )
     with fork_rng():
         probe = factory()

@@ -383,6 +383,8 @@ def check_train_config(config: TrainConfig, data: RunData) -> None:
             raise WorkflowError(f"{flag} must be a positive number; got {value}")
     if not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
         raise WorkflowError(f"--weight-decay must be ≥ 0; got {config.weight_decay}")
+    if not (math.isfinite(config.mask_probability) and 0 < config.mask_probability <= 1):
+        raise WorkflowError(f"--mask-probability must be in (0, 1]; got {config.mask_probability}")
     world = distributed.world_size()
     if config.batch_size % world:
         raise WorkflowError(
