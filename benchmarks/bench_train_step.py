@@ -96,7 +96,10 @@ def step_fn(
 
 def recipe_step() -> Callable[[], None]:
     model = make_model()
-    recipe = numscope.Recipe(model)
+    # glibc's allocator stays as it is: the Recipe's default fixes its mmap threshold for the whole process,
+    # which would change every other row's timing too (its own cost: MALLOC_MMAP_THRESHOLD_=131072 in the
+    # environment times every row with the threshold fixed)
+    recipe = numscope.Recipe(model, return_freed_memory=False)
     optimizer = torch.optim.AdamW(recipe.parameters(), lr=1e-4)
     inputs = batch()
 

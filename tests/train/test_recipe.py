@@ -15,7 +15,15 @@ from transformers import BertForMaskedLM
 
 import numscope
 from numscope.convert import _quantizer, converted_plan
-from numscope.train import LossScaler, Recipe, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from numscope.train import (
+    LossScaler,
+    Recipe,
+    allocator,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from tiny_models import tiny_bert
 
 IDS = torch.randint(5, 100, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -292,6 +300,7 @@ def _untouched(model: nn.Module, reference: nn.Module) -> bool:
         (dict(plan="fp8", keep_fp32=["no.such.module"]), r"keep_fp32 pattern 'no.such.module' matches no"),
         (dict(plan=numscope.Plan(rules=(numscope.Rule("*.no_such_site", FP8),)), example_inputs=IDS),
          r"no_such_site"),
+        (dict(return_freed_memory="yes"), r"return_freed_memory must be True, False or None; got 'yes'"),
     ],
 )  # fmt: skip
 def test_bad_arguments_leave_the_model_untouched(arguments: dict, error: str) -> None:
@@ -328,3 +337,13 @@ def test_fp8_plan_in_an_fp16_model_keeps_codes_and_the_same_gradients_compiled_o
     for name, grad in eager_grads.items():
         assert torch.equal(grad, compiled_grads[name]), name
     assert eager_kept < 0.8 * compiled_kept
+
+
+@pytest.mark.skipif(allocator._mallopt() is None, reason="needs glibc (Linux)")
+def test_a_recipe_that_stores_in_low_precision_returns_freed_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert Recipe(bert(), dtype=torch.float16).returns_freed_memory
+    assert Recipe(bert(), **OFF, return_freed_memory=True).returns_freed_memory
+    assert not Recipe(bert(), **OFF).returns_freed_memory  # plain fp32 leaves the allocator alone
+    assert not Recipe(bert(), dtype=torch.bfloat16, return_freed_memory=False).returns_freed_memory
+    assert allocator.fixed_threshold() == allocator.DEFAULT_THRESHOLD

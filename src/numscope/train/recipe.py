@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from numscope.convert import convert, load_numerics_state_dict, numerics_state_dict, unconvert
 from numscope.plan import Plan
+from numscope.train import allocator
 from numscope.train.activations import STORAGE_DTYPES, ActivationStore, store_activations
 from numscope.train.fp32_ops import keep_fp32_ops, resolve_ops
 from numscope.train.loss_scaler import LossScaler
@@ -58,6 +59,12 @@ class Recipe:
       ``dtype``; ``torch.float32``/``"fp32"`` keeps them as they are, as ``None`` does [``None``].
     * ``loss_scale`` — ``"dynamic"`` (GradScaler's defaults), a number (static scale), or a
       :class:`numscope.LossScaler` of your own [``None``].
+    * ``return_freed_memory`` — fix glibc's mmap threshold at 128 KiB for this process, so that a freed
+      tensor leaves the process at once and the peak memory follows what the step keeps
+      (:mod:`numscope.train.allocator`; process-wide, changes no value; nothing off glibc or when
+      ``MALLOC_MMAP_THRESHOLD_`` is set). ``None`` does it when the recipe stores anything in fp16/bf16
+      (``dtype`` or ``activations``): under glibc's moving threshold the freed float32 temporaries of the
+      casts and fp32 ops stay in the heap, and the recipe peaked above fp32 (``bench_memory.py``) [``False``].
 
     With every part off the model trains bit for bit as without the recipe. The model is converted in
     place, for good (build a fresh model to compare settings). ``generator`` is the random source of the
@@ -79,10 +86,13 @@ class Recipe:
         example_inputs: Any = None,
         keep_fp32: Sequence[type[nn.Module] | str] = DEFAULT_FP32_MODULES,
         compiled: bool | str = "auto",
+        return_freed_memory: bool | None = None,
     ) -> None:
         # every argument is checked before the model is touched: a bad one leaves it as it was
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be torch.float16, torch.bfloat16 or torch.float32, got {dtype!r}")
+        if return_freed_memory not in (None, True, False):
+            raise ValueError(f"return_freed_memory must be True, False or None; got {return_freed_memory!r}")
         self.model = model
         self.dtype = dtype
         self.scaler = _loss_scaler(loss_scale)
@@ -112,6 +122,11 @@ class Recipe:
             handle, self.activations = store_activations(model, storage)
             self._handles.append(handle)
         self.scaler.track(self.master.named_master_params())
+        if return_freed_memory is None:
+            return_freed_memory = dtype != torch.float32 or storage is not None
+        #: whether this recipe fixed glibc's mmap threshold (False where it was not asked to, off glibc, or
+        #: with ``MALLOC_MMAP_THRESHOLD_`` set: then glibc fixed it at start)
+        self.returns_freed_memory = bool(return_freed_memory) and allocator.return_freed_memory()
 
     # ------------------------------------------------------------------ the training loop
     def parameters(self) -> list[Tensor]:
