@@ -70,9 +70,19 @@ def short_value(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+#: settings added after folders began to record theirs, with the value every earlier run had: a folder that
+#: does not record one was made with that value (so that it still resumes)
+ADDED_SETTINGS: dict[str, Any] = {"mask_probability": 0.15}
+
+
 def setting_changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
-    """``key: old → new`` for every setting that differs between two (nested) settings, keys sorted."""
+    """``key: old → new`` for every setting that differs between two (nested) settings, keys sorted; a
+    setting of :data:`ADDED_SETTINGS` that ``before`` lacks counts as its earlier value."""
     old, new = flat_settings(before), flat_settings(after)
+    for key in set(new) - set(old):
+        name = key.rsplit(".", 1)[-1]
+        if name in ADDED_SETTINGS:
+            old[key] = ADDED_SETTINGS[name]
     return [
         f"{key}: {short_value(old.get(key))} → {short_value(new.get(key))}"
         for key in sorted(set(old) | set(new))
