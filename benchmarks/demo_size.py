@@ -48,6 +48,7 @@ def probability(text: str) -> float:
     return value
 
 
+LOSS_SCALING = ("none", "static", "dynamic")  # numscope.run.config.LOSS_SCALING (tested equal)
 SIZES = ("steps", "batch_size", "hidden", "layers", "heads", "intermediate", "seq_len", "vocab_size")
 
 
@@ -62,6 +63,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--val-blocks", type=positive_int, help="validation blocks (the demo's if absent)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds to train from (default 0)")
     parser.add_argument("--plan", default="fp32", help="the plan to train (default fp32)")
+    parser.add_argument(
+        "--loss-scaling", choices=LOSS_SCALING, default="none", help="loss scaling (default none)"
+    )
     parser.add_argument("--jobs", type=positive_int, default=1, help="runs at once, one thread each")
     return parser.parse_args(argv)
 
@@ -97,7 +101,8 @@ def main() -> None:
         f"{config.layers} layers, hidden {config.hidden}, {config.heads} heads, FFN {config.intermediate}; "
         f"vocabulary {data.tokenizer.vocab_size}, blocks of {config.seq_len} tokens, {config.train.steps} "
         f"steps of {config.train.batch_size}, lr {config.train.lr:g}, {config.train.mask_probability:.0%} "
-        f"masked in training; {data.val_blocks.shape[0]} validation blocks; plan {args.plan}"
+        f"masked in training; {data.val_blocks.shape[0]} validation blocks; plan {args.plan}, loss scaling "
+        f"{args.loss_scaling}"
     )
     below = []
     with tempfile.TemporaryDirectory() as folder, RunPool(data, args.jobs, 1) as pool:
@@ -105,7 +110,7 @@ def main() -> None:
         for seed in args.seeds:
             train = replace(config.train, seed=seed)
             model = replace(model_config(config, data), seed=seed)
-            spec = RunSpec(f"seed{seed}", args.plan)
+            spec = RunSpec(f"seed{seed}", args.plan, args.loss_scaling)
             pool.add(spec.name, spec=spec, model_config=model, cfg=train, out_dir=Path(folder) / spec.name)
         results = dict(pool.next_finished() for _ in args.seeds)
         wall = time.perf_counter() - started

@@ -101,3 +101,7 @@ def test_demo_size_changes_only_the_settings_it_is_given() -> None:
     )
     assert (changed.train.steps, changed.train.eval_every, changed.heads) == (20, 20, 2)
     assert changed.train.mask_probability == 0.2 and changed.vocab_size == default.vocab_size
+    from numscope.run.config import LOSS_SCALING
+
+    assert bench.LOSS_SCALING == LOSS_SCALING
+    assert bench.parse_args(["--loss-scaling", "dynamic"]).loss_scaling == "dynamic"

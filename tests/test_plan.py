@@ -586,6 +586,11 @@ def test_example_plans_load_and_match_a_tiny_bert():
     late = nvfp4.for_site("bert.encoder.layer.1.output.dense")
     assert late.operand("dgrad", "grad_output").rounding == "stochastic"
     assert nvfp4.for_site("bert.encoder.layer.0.output.dense") == SiteSpec.uniform("mxfp8_e4m3")
+    unscaled = Plan.load(EXAMPLES / "e5m2_gradients_unscaled.yaml").default
+    for gemm in ("dgrad", "wgrad"):
+        gradient = unscaled.operand(gemm, "grad_output")
+        assert gradient.format == "fp8_e5m2" and gradient.effective_scaling() is None  # no per-tensor scale
+    assert all(unscaled.operand(g, o).is_high for g, o in (("fprop", "input"), ("fprop", "weight")))
 
 
 def test_plans_survive_pickle_and_deepcopy():
