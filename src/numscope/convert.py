@@ -34,9 +34,9 @@ from torch import nn
 from numscope._callable import make_callable as _make_callable
 from numscope.formats import native
 from numscope.formats.cast import native_dtype
-from numscope.formats.fast import fast_enabled
+from numscope.formats.fast import fast_enabled, reduced_tensor_amax
 from numscope.formats.quantize import Encoded, encode, quantize
-from numscope.formats.scaling import DelayedScaler, Scaling, element_scale, reduce_amax_, reduces_across_ranks
+from numscope.formats.scaling import DelayedScaler, Scaling, element_scale
 from numscope.formats.spec import BlockFormat, FloatFormat
 from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec
 from numscope.sites import Handle, Site, attach, is_discovered, on_discovered, operand_sizes, sites
@@ -115,10 +115,7 @@ class _Quantizer:
         if tensor.dim() == 2 and not spec.flush_subnormals and native.packs_columns(fmt):  # type: ignore[arg-type]
             # element and scale codes, 1 + 1/32 (MX) or 1 + 1/16 (NVFP4) bytes per element
             x = tensor.detach().float()
-            tensor_amax = None
-            if fmt.tensor_scale and reduces_across_ranks(reduce) and x.numel():  # type: ignore[union-attr]
-                local = native.abs_amax(x, "tensor")
-                tensor_amax = None if local is None else reduce_amax_(local.reshape(1))[0]
+            tensor_amax = reduced_tensor_amax(x, fmt, reduce)  # type: ignore[arg-type]
             packed = native.block_pack_columns(x, fmt, tensor_amax)  # type: ignore[arg-type]
             if packed is not None:
                 return packed

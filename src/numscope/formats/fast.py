@@ -309,6 +309,16 @@ def _native_element(
     return native.element(x, fmt, overflow, flush, scaling.scale(amax, fmt.max), mode)  # type: ignore[union-attr]
 
 
+def reduced_tensor_amax(x: torch.Tensor, fmt: BlockFormat, reduce_amax: bool = True) -> torch.Tensor | None:
+    """The per-tensor amax of a 2-D float32 tensor under a block format with a tensor scale (NVFP4),
+    reduced across the ranks where they split the tensor (an empty share takes part with 0, the maximum's
+    identity); None where there is nothing to reduce (the quantizer then takes its own, local amax)."""
+    if not (fmt.tensor_scale and not fmt.row_scale and reduces_across_ranks(reduce_amax)):
+        return None
+    local = abs_amax(x, "tensor") if x.numel() else torch.zeros((), device=x.device)
+    return reduce_amax_(local.reshape(1))[0]
+
+
 def block_columns(
     x: torch.Tensor, fmt: BlockFormat, reduce_amax: bool = True, flush: bool = False
 ) -> torch.Tensor | None:
@@ -317,9 +327,7 @@ def block_columns(
     moves the axis last and calls :func:`block`)."""
     if not native.covers_block(fmt, x):
         return None  # before the amax is reduced across ranks: the caller's path reduces its own
-    tensor_amax = None
-    if fmt.tensor_scale and not fmt.row_scale and reduces_across_ranks(reduce_amax) and x.numel():
-        tensor_amax = reduce_amax_(abs_amax(x, "tensor").reshape(1))[0]
+    tensor_amax = reduced_tensor_amax(x, fmt, reduce_amax)
     return native.block(x, fmt, flush, along_columns=True, tensor_amax=tensor_amax)
 
 
@@ -340,9 +348,7 @@ def block(
     padded = F.pad(x, (0, pad)) if pad else x
     if not (compile or native.covers_block(fmt, padded)):
         return None  # before the amax is reduced across ranks: the caller's path reduces its own
-    tensor_amax = None
-    if fmt.tensor_scale and not fmt.row_scale and reduces_across_ranks(reduce_amax):
-        tensor_amax = reduce_amax_(abs_amax(padded, "tensor").reshape(1))[0]
+    tensor_amax = reduced_tensor_amax(padded, fmt, reduce_amax)
     out = native.block(padded, fmt, flush, tensor_amax=tensor_amax) if native.available() else None
     if out is None:
         if not compile:

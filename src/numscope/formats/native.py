@@ -346,7 +346,7 @@ def _layout(fmt: FloatFormat, dtype: torch.dtype | None) -> _Codes | None:
     width = 1 + fmt.exponent_bits + fmt.mantissa_bits
     if dtype == torch.bfloat16 and fmt.exponent_bits == 8 and fmt.mantissa_bits == 7:
         return _Codes(e8=1, nan_code=0x7FC0)
-    if dtype is not None and width != torch.empty((), dtype=dtype).element_size() * 8:
+    if dtype is not None and width != dtype.itemsize * 8:
         return None
     if fmt.exponent_bits >= 8 or width > 8 + 8 * (dtype is not None) or fmt.mantissa_bits == 0:
         return None
