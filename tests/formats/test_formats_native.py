@@ -309,3 +309,57 @@ def test_block_codes_down_the_columns_unpack_to_the_quantized_values(name: str) 
         set_native(True)
         assert_bits_equal(unpack(codes, scale_codes), expected)
     assert native.block_pack_columns(x, numscope.get_format("mxint8")) is None  # integer elements: not here
+
+
+def _vm_flags(address: int) -> set[str]:
+    """The VmFlags of the mapping holding ``address`` in this process (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"), reason="no transparent huge pages here"
+)
+def test_large_outputs_are_advised_into_huge_pages_and_hold_the_same_bits(monkeypatch) -> None:
+    monkeypatch.setattr(native, "LARGE_OUTPUT", 4 * 2**20)  # 1 Mi float32 elements, not 32 MiB's 8 Mi
+    x = torch.from_numpy(spread((1024, 1024), seed=4))
+    advised = []
+    empty = native._empty
+
+    def recording(shape, dtype=torch.float32):
+        out = empty(shape, dtype)
+        advised.append((out, "hg" in _vm_flags(out.data_ptr() + out.numel() * out.element_size() // 2)))
+        return out
+
+    monkeypatch.setattr(native, "_empty", recording)
+    for name, kwargs in (("fp8_e5m2", {"scaling": "tensor"}), ("mxfp8_e4m3", {})):
+        fast, eager = native_and_eager(x, name, **kwargs)
+        assert_bits_equal(fast, eager)
+    large = [flag for out, flag in advised if out.numel() * out.element_size() >= native.LARGE_OUTPUT]
+    assert large and all(large), "a large output was not advised into huge pages"
+
+
+def test_only_the_whole_huge_pages_inside_a_large_output_are_advised(monkeypatch) -> None:
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(native, "_madvise", lambda: lambda *args: calls.append(args) or 0)
+    monkeypatch.setattr(native, "_huge_pages", True)
+    small = native._empty((native.LARGE_OUTPUT // 4 - 1,))
+    assert not calls
+    out = native._empty((native.LARGE_OUTPUT // 4 + 3,))
+    ((start, length, advice),) = calls
+    begin, end = out.data_ptr(), out.data_ptr() + out.numel() * 4
+    assert advice == 14 and start % native.HUGE_PAGE == 0 and length % native.HUGE_PAGE == 0
+    assert begin <= start < start + length <= end and start - begin < native.HUGE_PAGE
+    assert end - (start + length) < native.HUGE_PAGE
+    calls.clear()
+    monkeypatch.setattr(native, "_huge_pages", False)  # NUMSCOPE_HUGE_PAGES=0
+    native._empty((native.LARGE_OUTPUT // 4 + 3,))
+    assert not calls and small.numel()
