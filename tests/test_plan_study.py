@@ -180,6 +180,35 @@ def test_config_refuses_budgets_outside_the_two_formats():
         PlanStudyConfig(seeds=(1, 1)).check()
 
 
+def test_the_studys_model_does_not_follow_the_demos_defaults():
+    """The study's default runs keep the settings its README tables were made with (256 validation blocks,
+    15% masked) whatever the demo's defaults become; --demo-model trains exactly as the demo does."""
+    from dataclasses import replace
+
+    from numscope.demo.main import DemoConfig
+    from numscope.run.folders import setting_changes
+
+    study = PlanStudyConfig().demo_config(0)
+    assert study.val_blocks == 256 and study.train.mask_probability == 0.15
+    assert study.train.steps == 300 and study.seq_len == 128 and study.vocab_size == 1000
+    demo, learning = DemoConfig(), PlanStudyConfig.demo_model().demo_config(0)
+    shape = ("hidden", "layers", "heads", "intermediate", "seq_len", "vocab_size", "val_blocks", "dropout")
+    for name in shape:
+        assert getattr(learning, name) == getattr(demo, name), name
+    assert replace(learning.train, checkpoint_every=0) == replace(demo.train, checkpoint_every=0)
+    # a study folder recorded before these settings existed resumes (it was made with 256 and 15%)
+    old = {k: v for k, v in PlanStudyConfig().__dict__.items() if k not in ("val_blocks", "mask_probability")}
+    assert setting_changes({"config": old}, {"config": dict(PlanStudyConfig().__dict__)}) == []
+    assert setting_changes({"config": old}, {"config": dict(PlanStudyConfig.demo_model().__dict__)})
+
+
+def test_demo_model_and_quick_are_one_choice(capsys):
+    from numscope.cli import main
+
+    assert main(["study", "plans", "--quick", "--demo-model", "--out", "unused"]) == 2
+    assert "choose one" in capsys.readouterr().err
+
+
 def test_a_study_run_is_seeded(tmp_path):
     """The same (plan, seed) trains to the same loss in two folders; another seed differs."""
     from numscope.study.plan_study import _run_all

@@ -302,6 +302,7 @@ def plan_study(
     out: str | os.PathLike[str],
     *,
     quick: bool = False,
+    demo_model: bool = False,
     budgets: Sequence[float] | None = None,
     seeds: Sequence[int] | None = None,
     random_plans: int | None = None,
@@ -310,12 +311,16 @@ def plan_study(
     text: Sequence[str] | None = None,
 ) -> Any:
     """The plan study (:func:`numscope.study.run_plan_study`) into ``out``; ``quick`` starts from
-    :meth:`PlanStudyConfig.quick`, the other arguments override the configuration."""
+    :meth:`PlanStudyConfig.quick`, ``demo_model`` from :meth:`PlanStudyConfig.demo_model`, the other
+    arguments override the configuration."""
     from dataclasses import replace
 
     from numscope.study import PlanStudyConfig, StudyError, run_plan_study
 
-    config = PlanStudyConfig.quick() if quick else PlanStudyConfig()
+    if quick and demo_model:
+        raise WorkflowError("--quick and --demo-model: choose one (a small model, or the demo's)")
+    start = PlanStudyConfig.quick if quick else PlanStudyConfig.demo_model if demo_model else PlanStudyConfig
+    config = start()
     changes = {
         "budgets": tuple(budgets) if budgets else None,
         "seeds": tuple(seeds) if seeds else None,

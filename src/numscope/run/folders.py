@@ -72,7 +72,7 @@ def short_value(value: Any) -> str:
 
 #: settings added after folders began to record theirs, with the value every earlier run had: a folder that
 #: does not record one was made with that value (so that it still resumes)
-ADDED_SETTINGS: dict[str, Any] = {"mask_probability": 0.15}
+ADDED_SETTINGS: dict[str, Any] = {"mask_probability": 0.15, "val_blocks": 256}
 
 
 def setting_changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:

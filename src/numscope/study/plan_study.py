@@ -71,7 +71,7 @@ _DATA: dict[Any, Any] = {}
 def _data(config: PlanStudyConfig, text_paths: tuple[str, ...] | None) -> Any:
     from numscope.demo.main import prepare_data
 
-    key = (config.vocab_size, config.seq_len, text_paths)
+    key = (config.vocab_size, config.seq_len, config.val_blocks, text_paths)
     if key not in _DATA:
         _DATA[key] = prepare_data(
             config.demo_config(0), [Path(p) for p in text_paths] if text_paths else None
