@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 import numscope
@@ -69,6 +70,11 @@ PRESET_FORMATS = {
     "mxfp4": uniform_formats("mxfp4_e2m1"),
     "nvfp4": uniform_formats("nvfp4"),
     "int8": uniform_formats("int8"),
+    "e5m2_grads": {
+        **uniform_formats("high"),
+        "dgrad/grad_output": "fp8_e5m2",
+        "wgrad/grad_output": "fp8_e5m2",
+    },
 }
 # the kind of scaling each preset's operands get (None = plain element cast / unquantized)
 PRESET_SCALING = {
@@ -82,6 +88,7 @@ PRESET_SCALING = {
     "mxfp4": "block",
     "nvfp4": "block",
     "int8": "tensor",
+    "e5m2_grads": None,
 }
 
 
@@ -97,6 +104,14 @@ def test_preset_formats_and_scaling(name):
         scaling = op.effective_scaling()
         assert (scaling.kind if scaling else None) == PRESET_SCALING[name], (gemm, operand)
         assert op.rounding == "nearest"
+
+
+def test_the_loss_scaling_preset_overflows_to_inf_so_the_scaler_backs_off():
+    spec = Plan.uniform("e5m2_grads").default
+    assert {spec.operand(gemm, "grad_output").overflow for gemm in ("dgrad", "wgrad")} == {"propagate"}
+    values = torch.tensor([1.0, 62000.0, 2.0**-17, 2.0**-16])  # E5M2: max 57344 (61440 rounds up), 2^-16
+    quantized = numscope.quantize(values, "fp8_e5m2", overflow="propagate")
+    assert quantized.tolist() == [1.0, float("inf"), 0.0, 2.0**-16]
 
 
 def test_presets_are_listed_in_the_docstring_table():
@@ -586,11 +601,6 @@ def test_example_plans_load_and_match_a_tiny_bert():
     late = nvfp4.for_site("bert.encoder.layer.1.output.dense")
     assert late.operand("dgrad", "grad_output").rounding == "stochastic"
     assert nvfp4.for_site("bert.encoder.layer.0.output.dense") == SiteSpec.uniform("mxfp8_e4m3")
-    unscaled = Plan.load(EXAMPLES / "e5m2_gradients_unscaled.yaml").default
-    for gemm in ("dgrad", "wgrad"):
-        gradient = unscaled.operand(gemm, "grad_output")
-        assert gradient.format == "fp8_e5m2" and gradient.effective_scaling() is None  # no per-tensor scale
-    assert all(unscaled.operand(g, o).is_high for g, o in (("fprop", "input"), ("fprop", "weight")))
 
 
 def test_plans_survive_pickle_and_deepcopy():

@@ -226,12 +226,12 @@ def test_a_diverged_run_shows_nan_and_no_gap(tmp_path: Path) -> None:
 def test_the_demos_runs_each_get_a_colour_a_row_and_a_legend_entry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """numscope demo's nine runs (fp32, recommended and every uniform baseline, mxfp8 and int8 included)."""
+    """numscope demo's ten runs (fp32, recommended, every baseline: the E5M2 pair, mxfp8, int8...)."""
     from numscope.demo.main import BASELINES, RECOMMENDED, REFERENCE
     from numscope.report import plots
 
     names = [REFERENCE.name, RECOMMENDED, *(spec.name for spec in BASELINES)]
-    assert {"mxfp8", "int8"} <= set(names) and len(names) == 9
+    assert {"mxfp8", "int8"} <= set(names) and len(names) == 10
     assert len(set(plots.run_colours(names).values())) == len(names)
     template = synthetic_runs()[1]
     runs = [
@@ -251,7 +251,8 @@ def test_the_demos_runs_each_get_a_colour_a_row_and_a_legend_entry(
     _parse(text)
     for name in names:
         assert f"<b>{name}</b>" in text
-    assert re.search(r'<tr class="good">.*?<b>int8</b>.*?\+0\.35%', text)  # 2.007 vs 2.0
+    gap = f"+{100 * names.index('int8') / 1000 / 2.0:.2f}%"  # its loss 2.0 + index / 1000 against 2.0
+    assert re.search(rf'<tr class="good">.*?<b>int8</b>.*?{re.escape(gap)}', text)
     assert legends and set(names) <= set(legends[0])
 
 

@@ -46,10 +46,10 @@ def test_an_interrupted_demo_resumes_bit_exactly_and_keeps_finished_runs(
     monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path / "cache"))
     real_train_run = run_loop.train_run
 
-    def interrupted(spec, *args, on_step, **kwargs):  # Ctrl-C in the fp16 run, one step after its checkpoint
+    def interrupted(spec, *args, on_step, **kwargs):  # Ctrl-C in a run, one step after its checkpoint
         def stop(step: int, loss: float) -> None:
             on_step(step, loss)
-            if spec.name == "fp16" and step == 3:
+            if spec.name == "fp16+scaling" and step == 3:
                 raise KeyboardInterrupt
 
         return real_train_run(spec, *args, on_step=stop, **kwargs)
@@ -60,25 +60,25 @@ def test_an_interrupted_demo_resumes_bit_exactly_and_keeps_finished_runs(
         run_demo(folder, TINY, [text_file], log=lambda _: None, progress=False)
     finished = {p: p.stat().st_mtime_ns for p in folder.glob("runs/*/result.json")}
     assert {p.parent.name for p in finished} == {"fp32", "recommended", "bf16"}
-    assert (folder / "runs" / "fp16" / "checkpoint.pt").is_file()
-    assert not (folder / "runs" / "fp16" / "result.json").exists()
+    assert (folder / "runs" / "fp16+scaling" / "checkpoint.pt").is_file()
+    assert not (folder / "runs" / "fp16+scaling" / "result.json").exists()
 
     monkeypatch.setattr(run_loop, "train_run", real_train_run)
     summary = run_demo(folder, TINY, [text_file], log=lambda _: None, progress=False)
     assert all(path.stat().st_mtime_ns == mtime for path, mtime in finished.items()), "finished runs rerun"
     assert [r["name"] for r in summary["runs"]] == RUN_NAMES
-    assert (folder / "report.html").is_file() and len(summary["claims"]) == 5
+    assert (folder / "report.html").is_file() and len(summary["claims"]) == 6
     _assert_final_models(folder, summary, RUN_NAMES)
 
-    # the resumed fp16 run equals one trained without interruption: every evaluation and every logged loss
+    # the resumed run equals one trained without interruption: every evaluation and every logged loss
     data = demo_main.prepare_data(TINY, [text_file])
-    spec = next(spec for spec in demo_main.BASELINES if spec.name == "fp16")
+    spec = next(spec for spec in demo_main.BASELINES if spec.name == "fp16+scaling")
     whole = real_train_run(spec, demo_main.model_config(TINY, data), TINY.train, data, tmp_path / "whole")
-    resumed = json.loads((folder / "runs" / "fp16" / "result.json").read_text())
+    resumed = json.loads((folder / "runs" / "fp16+scaling" / "result.json").read_text())
     assert resumed["curve"] == whole.curve
     losses = [
         [row.split(",")[2] for row in (path / "log.csv").read_text().splitlines()[1:]]
-        for path in (folder / "runs" / "fp16", tmp_path / "whole")
+        for path in (folder / "runs" / "fp16+scaling", tmp_path / "whole")
     ]
     assert losses[0] == losses[1] and len(losses[0]) == TINY.train.steps
 
@@ -87,8 +87,9 @@ RUN_NAMES = [
     "fp32",
     "recommended",
     "bf16",
-    "fp16",
     "fp16+scaling",
+    "e5m2-grads",
+    "e5m2-grads+scaling",
     "fp8",
     "mxfp8",
     "int8",
@@ -149,7 +150,7 @@ def test_a_demo_folder_of_an_earlier_demo_keeps_its_runs_and_adds_the_new_ones(
     )
     run_demo(folder, replace(TINY, noise_seeds=()), [text_file], log=lambda _: None, progress=False)
     finished = {p: p.stat().st_mtime_ns for p in folder.glob("runs/*/result.json")}
-    assert len(finished) == 7 and not list(folder.glob("runs/*/model.pt"))
+    assert len(finished) == 8 and not list(folder.glob("runs/*/model.pt"))
 
     monkeypatch.undo()
     monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path / "cache"))
@@ -222,32 +223,40 @@ def test_claims_are_stated_as_held_or_not_with_their_numbers() -> None:
         _row("fp32", 6.00, 32),
         _row("recommended", 6.03, 7.1),
         _row("bf16", 6.00, 16),
-        _row("fp16", 6.20, 16),
         _row("fp16+scaling", 6.01, 16, skipped=3, scale=2.0**15),
+        _row("e5m2-grads", 13.4, 24.0),
+        _row("e5m2-grads+scaling", 6.02, 24.0, skipped=5, scale=2.0**14),
         _row("fp8", 6.02, 8),
         _row("mxfp8", 6.04, 8.25),
         _row("int8", 6.3, 8),
         _row("mxfp4", 6.6, 4.25),
     ]
     underflow = [{"site": "a", "before%": 3.0, "after%": 0.0}, {"site": "b", "before%": 1.0, "after%": 0.5}]
-    claims = demo_main._claims(rows, underflow, unigram=6.6)
-    assert len(claims) == 5 and all(isinstance(verdict, bool) for _, verdict in claims)
+    e5m2 = [{"site": "a", "before%": 40.0, "after%": 1.0}, {"site": "b", "before%": 20.0, "after%": 0.0}]
+    claims = demo_main._claims(rows, underflow, unigram=6.6, e5m2_underflow=e5m2)
+    assert len(claims) == 6 and all(isinstance(verdict, bool) for _, verdict in claims)
     for start in (
         "FP32 learned from context",
         "Recommended plan",
         "Uniform MXFP4",
         "FP16 with dynamic loss",
         "FP16 without loss scaling flushes to zero 2.00% of the gradient values",
+        "Loss scaling where gradients underflow",
     ):
         assert _verdict(claims, start) is True, start
     text = " ".join(text for text, _ in claims)
     assert "+0.50%" in text and "7.10 average bits" in text and "8.00 bits" in text and "2^15" in text
     plan = next(text for text, _ in claims if text.startswith("Recommended plan"))
     assert "the other uniform 8-bit runs: MXFP8 +0.67% at 8.25 bits, INT8 +5.00% at 8.00 bits" in plan
+    scaling = next(text for text, _ in claims if text.startswith("Loss scaling where"))
+    assert "without loss scaling gap to FP32 +123.33%" in scaling and "(5 skipped steps)" in scaling
+    assert "flushes to zero 30.00% of the gradient values" in scaling and "2^14 0.50%" in scaling
     rows[1] = _row("recommended", 6.09, 7.1)  # 1.5% behind: the plan claim fails, and says so
-    rows[8] = _row("mxfp4", 6.05, 4.25)
+    rows[9] = _row("mxfp4", 6.05, 4.25)
+    rows[4] = _row("e5m2-grads", 6.03, 24.0)  # unscaled within 1% of FP32: no evidence loss scaling matters
     claims = demo_main._claims(rows, underflow, unigram=6.6)
     assert _verdict(claims, "Recommended plan") is False and _verdict(claims, "Uniform MXFP4") is False
+    assert _verdict(claims, "Loss scaling where") is False
     assert "does NOT hold" in next(text for text, _ in claims if text.startswith("Recommended plan"))
 
 
@@ -256,8 +265,9 @@ def test_claims_measure_differences_against_the_fp32_seed_noise() -> None:
         _row("fp32", 6.00, 32),
         _row("recommended", 6.03, 7.1),
         _row("bf16", 6.00, 16),
-        _row("fp16", 6.20, 16),
         _row("fp16+scaling", 6.01, 16, scale=2.0**15),
+        _row("e5m2-grads", 6.20, 24.0),
+        _row("e5m2-grads+scaling", 6.05, 24.0, scale=2.0**15),
         _row("fp8", 6.02, 8),
         _row("mxfp4", 6.12, 4.25),
         _row("fp32-seed1", 6.02, 32),
@@ -271,12 +281,20 @@ def test_claims_measure_differences_against_the_fp32_seed_noise() -> None:
     assert "recommended − fp32 +0.0300 nats = 1.5 sd, within the seed noise" in plan
     # mxfp4 is 0.09 nats (4.5 sd) behind the plan: beyond 2 sd, the claim holds
     assert _verdict(claims, "Uniform MXFP4") is True
-    rows[6] = _row("mxfp4", 6.06, 4.25)  # 1% behind FP32 and behind the plan, but only 1.5 sd: a tie
+    # unscaled E5M2 gradients 10 sd behind, scaled 2.5 sd behind: loss scaling did not recover FP32
+    scaling = next(text for text, _ in claims if text.startswith("Loss scaling where"))
+    assert "e5m2-grads − fp32 +0.2000 nats = 10.0 sd, beyond the seed noise" in scaling
+    assert "e5m2-grads+scaling − fp32 +0.0500 nats = 2.5 sd, beyond" in scaling
+    assert _verdict(claims, "Loss scaling where") is False
+    rows[7] = _row("mxfp4", 6.06, 4.25)  # 1% behind FP32 and behind the plan, but only 1.5 sd: a tie
+    rows[5] = _row("e5m2-grads+scaling", 6.03, 24.0, scale=2.0**15)  # 1.5 sd: within the noise
     claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)
     mxfp4 = next(text for text, _ in claims if text.startswith("Uniform MXFP4"))
     assert _verdict(claims, "Uniform MXFP4") is False and "1.5 sd, within the seed noise" in mxfp4
+    assert _verdict(claims, "Loss scaling where") is True
     scaled = next(text for text, _ in claims if text.startswith("FP16 with dynamic"))
-    assert "fp16 − fp32 +0.2000 nats = 10.0 sd, beyond the seed noise" in scaled
+    assert "fp16+scaling − fp32 +0.0100 nats = 0.5 sd, within the seed noise" in scaled
+    assert _verdict(claims, "FP16 with dynamic") is True
     assert demo_main.fp32_seed_noise(rows[:1]) is None
 
 
@@ -284,7 +302,6 @@ def test_the_plan_claim_pairs_the_recommended_runs_with_fp32_seed_by_seed() -> N
     rows = [
         _row("fp32", 6.00, 32),
         _row("recommended", 6.01, 7.1),
-        _row("fp16", 6.00, 16),
         _row("fp16+scaling", 6.00, 16, scale=2.0**15),
         _row("fp8", 6.02, 8),
         _row("mxfp4", 6.12, 4.25),
@@ -305,13 +322,13 @@ def test_the_plan_claim_pairs_the_recommended_runs_with_fp32_seed_by_seed() -> N
     # 0.010 ± 0.005 nats: 2 sd of the paired differences is 0.010, the mean is not beyond it
     assert "recommended − fp32 = +0.0100 ± 0.0050 nats (main +0.0100, seed1 +0.0150, seed2 +0.0050)" in plan
     assert _verdict(claims, "Recommended plan") is True
-    rows[8] = _row("recommended-seed1", 6.20, 7.1)  # 0.01, 0.10, 0.005: one seed 0.10 behind, within
+    rows[7] = _row("recommended-seed1", 6.20, 7.1)  # 0.01, 0.10, 0.005: one seed 0.10 behind, within
     claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)  # both bars (2 x 0.053; 2 x 0.1): a tie
     assert _verdict(claims, "Recommended plan") is True
-    rows[8] = _row("recommended-seed1", 6.40, 7.1)  # 0.30 nats behind on one seed (stuck): beyond 2 x 0.1
+    rows[7] = _row("recommended-seed1", 6.40, 7.1)  # 0.30 nats behind on one seed (stuck): beyond 2 x 0.1
     claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)
     assert _verdict(claims, "Recommended plan") is False
-    rows[8], rows[9] = _row("recommended-seed1", 6.13, 7.1), _row("recommended-seed2", 5.95, 7.1)
+    rows[7], rows[8] = _row("recommended-seed1", 6.13, 7.1), _row("recommended-seed2", 5.95, 7.1)
     claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)  # 0.01, 0.03, 0.05: 0.03 <= 2 x 0.02
     assert _verdict(claims, "Recommended plan") is True
     rows[1] = _row("recommended", 6.03, 7.1)  # 0.03, 0.03, 0.05: 0.037 > 2 x 0.012, consistently behind
@@ -323,7 +340,6 @@ def test_claims_state_their_thresholds_and_the_scale_they_saw() -> None:
     rows = [
         _row("fp32", 6.00, 32),
         _row("recommended", 6.03, 7.1),
-        _row("fp16", 6.20, 16),
         _row("fp16+scaling", 6.01, 16, scale=3000.0),  # a static scale need not be a power of two
         _row("fp8", 6.02, 8),
         _row("mxfp4", 6.6, 4.25),

@@ -6,8 +6,9 @@ Stages (each skipped when its output exists, so an interrupted demo resumes):
 2. ``fp32`` — the reference run, observed every few steps: the *analysis* of every GEMM operand;
 3. ``recommended`` — :func:`numscope.advisor.advise` on that analysis (asked as :class:`AdvisorRequest`
    says) writes ``plan.yaml``, then a run under it;
-4. the baselines — ``bf16``, ``fp16`` without loss scaling, ``fp16`` with dynamic loss scaling, ``fp8``
-   (hybrid E4M3/E5M2, per-tensor scaling), ``mxfp8`` (E4M3 in blocks of 32), ``int8`` (per-tensor scaling),
+4. the baselines — ``bf16``, ``fp16`` with dynamic loss scaling, the loss-scaling pair (every GEMM's
+   gradient in FP8 E5M2 with no scale of its own, without and with dynamic loss scaling), ``fp8`` (hybrid
+   E4M3/E5M2, per-tensor scaling), ``mxfp8`` (E4M3 in blocks of 32), ``int8`` (per-tensor scaling),
    ``mxfp4``; then ``fp32`` and the recommended plan again from other seeds (``fp32-seedN``,
    ``recommended-seedN``): the seed noise, and the plan's comparison with FP32 seed by seed;
 5. ``report.html``, ``summary.json`` and the final table, with each claim checked against the numbers.
@@ -251,8 +252,18 @@ class DemoConfig:
 
 BASELINES: tuple[RunSpec, ...] = (
     RunSpec("bf16", "bf16", description="every GEMM operand in bf16"),
-    RunSpec("fp16", "fp16", description="every GEMM operand in fp16, no loss scaling"),
     RunSpec("fp16+scaling", "fp16", "dynamic", description="fp16 with dynamic loss scaling (init 2^16)"),
+    RunSpec(
+        "e5m2-grads",
+        "e5m2_grads",
+        description="every GEMM's gradient in FP8 E5M2, no scale of its own, the rest FP32; no loss scaling",
+    ),
+    RunSpec(
+        "e5m2-grads+scaling",
+        "e5m2_grads",
+        "dynamic",
+        description="the same with dynamic loss scaling (init 2^16)",
+    ),
     RunSpec("fp8", "fp8", description="TE hybrid: E4M3 forward, E5M2 gradients, per-tensor scaling"),
     RunSpec(
         "mxfp8", "mxfp8", description="every GEMM operand in MXFP8: 32 × E4M3, E8M0 scale, gradients too"
@@ -263,6 +274,8 @@ BASELINES: tuple[RunSpec, ...] = (
 REFERENCE = RunSpec("fp32", "fp32", description="the reference: every GEMM in fp32")
 RECOMMENDED = "recommended"
 RECOMMENDED_DESCRIPTION = "numscope's plan from the fp32 analysis (plan.yaml)"
+E5M2_UNSCALED, E5M2_SCALED = "e5m2-grads", "e5m2-grads+scaling"
+"""The loss-scaling pair: gradients in FP8 E5M2 with no scale of their own, without and with loss scaling."""
 UNIFORM_8BIT = ("fp8", "mxfp8", "int8")
 """The uniform 8-bit baselines the recommended plan is compared with (FP8 is the claim's bar)."""
 MODEL_FILE = "model.pt"
@@ -489,7 +502,9 @@ def _run_demo(
         "read from the FP32 run's log2 histograms of those tensors, all sampled steps together"
     )
     noise = fp32_seed_noise(rows)
-    claims = _claims(rows, underflow, unigram, default_bits, noise)
+    e5m2 = next(r for r in rows if r["name"] == E5M2_SCALED)
+    e5m2_underflow = fp16_underflow_by_site(analysis, e5m2["final_scale"], "fp8_e5m2")
+    claims = _claims(rows, underflow, unigram, default_bits, noise, e5m2_underflow)
 
     from numscope.report import write_report
 
@@ -611,22 +626,22 @@ def _operand_sizes(analysis: Any) -> dict[str, dict[tuple[str, str], int]]:
     return sizes
 
 
-def _fp16_flush_binade() -> int:
-    """log2 of half fp16's smallest subnormal: nearest rounding sends smaller magnitudes (and ties) to 0."""
+def _fp16_flush_binade(fmt: str = "fp16") -> int:
+    """log2 of half ``fmt``'s smallest subnormal: nearest rounding sends smaller magnitudes and ties to 0."""
     from numscope.formats.spec import get_format
 
-    return round(math.log2(get_format("fp16").min_subnormal / 2))
+    return round(math.log2(get_format(fmt).min_subnormal / 2))
 
 
-def fp16_underflow_by_site(analysis: Any, loss_scale: float) -> list[dict[str, Any]]:
+def fp16_underflow_by_site(analysis: Any, loss_scale: float, fmt: str = "fp16") -> list[dict[str, Any]]:
     """Per site, the share (%) of nonzero ``grad_output`` values (the gradient flowing into the site's
-    output) that fp16 flushes to zero: without loss scaling (``before%``) and multiplied by ``loss_scale``
-    first (``after%``), both from the FP32 run's log2 histograms (all sampled steps together). A value
-    flushes when it lies below half fp16's smallest subnormal (2^-25), i.e. in a lower binade (2^-25
-    itself, a tie, also rounds to 0 and is counted as kept: the estimate is low by at most that one
-    binade's lowest value)."""
+    output) that fp16 (or ``fmt``, unscaled) flushes to zero: without loss scaling (``before%``) and
+    multiplied by ``loss_scale`` first (``after%``), both from the FP32 run's log2 histograms (all sampled
+    steps together). A value flushes when it lies below half the format's smallest subnormal (fp16: 2^-25),
+    i.e. in a lower binade (that power of two itself, a tie, also rounds to 0 and is counted as kept: the
+    estimate is low by at most that one binade's lowest value)."""
     shift = math.log2(loss_scale) if loss_scale > 0 else 0.0
-    flush = _fp16_flush_binade()
+    flush = _fp16_flush_binade(fmt)
     rows = []
     for site in analysis.sites():
         key = (site, "wgrad", "grad_output")
@@ -694,8 +709,12 @@ def _claims(
     unigram: float | None = None,
     default_bits: float | None = None,
     noise: float | None = None,
+    e5m2_underflow: list[dict[str, Any]] | None = None,
 ) -> list[tuple[str, bool]]:
     """The demo's claims, each checked against what this run measured and stated either way.
+
+    underflow, e5m2_underflow: per site, the share of gradient values fp16 (FP8 E5M2) flushes, without and
+    with the loss scale of the scaled fp16 (E5M2) run (:func:`fp16_underflow_by_site`).
 
     noise: FP32's seed-to-seed standard deviation of the validation loss (nats). With it, every
     comparison says where it stands against the noise, and "A falls behind B" needs the difference to
@@ -802,20 +821,52 @@ def _claims(
                 loses,
             )
         )
-    recovered = gap("fp16+scaling") <= WITHIN_PERCENT
-    unscaled_close = gap("fp16") <= WITHIN_PERCENT
+    within = f"within {NOISE_SIGMAS:g} sd of FP32's seed noise" if noise is not None else None
+    if noise is not None:
+        recovered = not beyond("fp16+scaling", "fp32")
+    else:
+        recovered = gap("fp16+scaling") <= WITHIN_PERCENT
     claims.append(
         (
-            f"FP16 with dynamic loss scaling: gap to FP32 {gap('fp16+scaling'):+.2f}% "
-            f"({by['fp16+scaling']['skipped_steps']} skipped steps), without loss scaling "
-            f"{gap('fp16'):+.2f}% — "
-            f"the claim that loss scaling recovers FP32's validation loss (within {WITHIN_PERCENT:g}%) "
-            f"{verdict(recovered)}"
-            + ("; at this scale fp16 without loss scaling stays that close too" if unscaled_close else "")
-            + (f" ({against_noise('fp16', 'fp32')})." if noise is not None else "."),
+            f"FP16 with dynamic loss scaling (the 2018 paper's recipe for the GEMMs): gap to FP32 "
+            f"{gap('fp16+scaling'):+.2f}% ({by['fp16+scaling']['skipped_steps']} skipped steps"
+            + (f"; {against_noise('fp16+scaling', 'fp32')}" if noise is not None else "")
+            + f") — the claim that it trains like FP32 ({within or f'within {WITHIN_PERCENT:g}%'}) "
+            f"{verdict(recovered)}.",
             recovered,
         )
     )
+    if E5M2_UNSCALED in by and E5M2_SCALED in by:
+        if noise is not None:
+            fails, trains = beyond(E5M2_UNSCALED, "fp32"), not beyond(E5M2_SCALED, "fp32")
+        else:
+            fails, trains = gap(E5M2_UNSCALED) > WITHIN_PERCENT, gap(E5M2_SCALED) <= WITHIN_PERCENT
+        flushed = ""
+        if e5m2_underflow:
+            before = sum(r["before%"] for r in e5m2_underflow) / len(e5m2_underflow)
+            after = sum(r["after%"] for r in e5m2_underflow) / len(e5m2_underflow)
+            flushed = (
+                f"; unscaled, E5M2 flushes to zero {before:.2f}% of the gradient values entering a GEMM "
+                f"(averaged over the {len(e5m2_underflow)} sites), at the run's final loss scale "
+                f"{_scale_text(by[E5M2_SCALED]['final_scale'])} {after:.2f}%"
+            )
+        scaled_row = by[E5M2_SCALED]
+        margin_text = f"{WITHIN_PERCENT:g}%" if noise is None else f"{NOISE_SIGMAS:g} sd of FP32's seed noise"
+        claims.append(
+            (
+                "Loss scaling where gradients underflow: every GEMM's gradient in FP8 E5M2 with no scale of "
+                "its own (fp16's exponent range, smallest subnormal 2^-16), the rest FP32: without loss "
+                f"scaling gap to FP32 {gap(E5M2_UNSCALED):+.2f}%"
+                + (f" ({against_noise(E5M2_UNSCALED, 'fp32')})" if noise is not None else "")
+                + f", with dynamic loss scaling {gap(E5M2_SCALED):+.2f}% ({scaled_row['skipped_steps']} "
+                "skipped steps"
+                + (f"; {against_noise(E5M2_SCALED, 'fp32')}" if noise is not None else "")
+                + f"){flushed} — the claim that loss scaling is what lets these gradients train (unscaled "
+                f"behind FP32 by more than {margin_text}, scaled not) "
+                f"{verdict(fails and trains)}.",
+                fails and trains,
+            )
+        )
     behind = gap("mxfp4") > max(WITHIN_PERCENT, gap(RECOMMENDED)) and beyond("mxfp4", RECOMMENDED)
     margin = f" by more than {NOISE_SIGMAS:g} sd of seed noise" if noise is not None else ""
     claims.append(

@@ -263,6 +263,8 @@ class Plan:
         mxfp4        every operand ``mxfp4_e2m1`` (32 × E2M1, E8M0 scale)
         nvfp4        every operand ``nvfp4`` (16 × E2M1, E4M3 block scale, fp32 tensor scale), nearest
         int8         every operand ``int8``, per-tensor current scaling
+        e5m2_grads   grad_output (dgrad and wgrad) in ``fp8_e5m2`` with no scaling, overflowing to inf; the
+                     other operands ``high``: the 2018 paper's loss-scaling experiment one step below fp16
         ===========  =========================================================================================
 
         Block formats' blocks run along each GEMM's contraction axis (set by the runtime).

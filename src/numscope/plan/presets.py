@@ -48,4 +48,15 @@ _PRESETS: dict[str, Any] = {
     # layers high; examples/plans/nvfp4_stochastic_grads.yaml shows the rounding part as a plan.
     "nvfp4": lambda: SiteSpec.uniform("nvfp4"),
     "int8": lambda: SiteSpec.uniform("int8"),
+    # The 2018 mixed-precision paper's loss-scaling experiment one step down from fp16: every gradient
+    # entering a GEMM (dgrad's and wgrad's grad_output) in FP8 E5M2 with no scale of its own, everything else
+    # FP32. E5M2 has fp16's exponent range but its smallest subnormal is 2^-16 (fp16's 2^-24), so small
+    # gradients flush to zero unless the loss is scaled; it overflows to inf, as fp16 does, so that a loss
+    # scale too large shows up and the loss scaler backs off.
+    "e5m2_grads": lambda: SiteSpec(
+        {
+            (gemm, "grad_output"): OperandSpec("fp8_e5m2", scaling="none", overflow="propagate")
+            for gemm in ("dgrad", "wgrad")
+        }
+    ),
 }
