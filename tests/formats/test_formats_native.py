@@ -114,6 +114,32 @@ def test_block_formats_equal_the_eager_reference(name: str, axis: int, flush: bo
     assert_bits_equal(*native_and_eager(edges.T.contiguous() if axis == 0 else edges, name, scaling=scaling))
 
 
+MIDDLE_AXES = [((3, 64, 5), 1), ((2, 3, 32, 7), -2), ((3, 40, 5), 1), ((4, 2, 96), 0)]
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp4_e2m1@even", "nvfp4", "nvfp4@divide"])
+@pytest.mark.parametrize(("shape", "axis"), MIDDLE_AXES)
+def test_blocks_along_a_middle_axis_equal_the_eager_reference(name: str, shape: tuple, axis: int) -> None:
+    """Blocks along an axis that is neither first nor last: down the columns of a 2-D view where the axis is
+    a whole number of blocks long (no transposed copy), else through a moved copy; the same bits."""
+    x = torch.from_numpy(spread((int(np.prod(shape[:-1])), shape[-1]), seed=7)).reshape(shape).contiguous()
+    down_columns = []
+    block = native.block
+
+    def recording(matrix, *args, along_columns=False, **kwargs):
+        down_columns.append(along_columns and matrix.numel() == x.numel())
+        return block(matrix, *args, along_columns=along_columns, **kwargs)
+
+    native.block = recording
+    try:
+        assert_bits_equal(*native_and_eager(x, name, scaling=numscope.Scaling("block", axis=axis)))
+    finally:
+        native.block = block
+    # the first axis always, a middle one when it holds whole blocks (the first call is the native one)
+    first, whole = axis % len(shape) == 0, shape[axis] % numscope.get_format(name).block_size == 0
+    assert down_columns[0] == (first or whole)
+
+
 def test_delayed_scaling_records_the_same_history() -> None:
     x = torch.from_numpy(spread((16, 64), seed=6))
     scalers = [numscope.DelayedScaler(numscope.Scaling("delayed", history_len=4)) for _ in range(2)]

@@ -22,12 +22,19 @@ from numscope.formats.scaling import tensor_amax as whole_tensor_amax  # block_p
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
 
 
+def checked_axis(x: torch.Tensor, axis: int) -> int:
+    """``axis`` as an index in ``0 .. x.dim() - 1`` (a scalar counts as one axis); ValueError if outside."""
+    dim = max(x.dim(), 1)
+    if not isinstance(axis, int) or isinstance(axis, bool) or not -dim <= axis < dim:
+        raise ValueError(f"block axis {axis!r} is out of range for a tensor of shape {tuple(x.shape)}")
+    return axis % dim
+
+
 def axis_last_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Size]:
     """``x`` with ``axis`` moved last and the other axes flattened: (rows, length), plus the moved shape."""
+    axis = checked_axis(x, axis)
     if x.dim() == 0:
         x = x.reshape(1)
-    if not isinstance(axis, int) or not -x.dim() <= axis < x.dim():
-        raise ValueError(f"block axis {axis!r} is out of range for a tensor of shape {tuple(x.shape)}")
     moved = x.movedim(axis, -1)
     return moved.reshape(math.prod(moved.shape[:-1]), moved.shape[-1]), moved.shape
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from numscope.formats import fast, native
-from numscope.formats.blocks import axis_last_2d, block_parts, tile_shape, to_tiles, unblock
+from numscope.formats.blocks import axis_last_2d, block_parts, checked_axis, tile_shape, to_tiles, unblock
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS, cast, scale_then_cast
 from numscope.formats.scaling import (
     DelayedScaler,
@@ -213,6 +213,14 @@ def _block_axis(spec: BlockFormat, parsed: Scaling | None) -> int:
     return parsed.axis if parsed is not None else -1
 
 
+def _down_columns(shape: torch.Size, axis: int, block_size: int) -> bool:
+    """Whether blocks along ``axis`` (not the last) of a contiguous tensor of ``shape`` are the column
+    blocks of its 2-D view (the axes up to ``axis`` folded into rows, the later ones into columns): along
+    the first axis always (a short last block is the reference's zero-padded one either way), along a later
+    one when its length is a whole number of blocks, so that no block runs from one slice into the next."""
+    return axis < len(shape) - 1 and (axis == 0 or shape[axis] % block_size == 0)
+
+
 def _quantize_fast(
     xf: torch.Tensor,
     spec: Format,
@@ -226,9 +234,12 @@ def _quantize_fast(
     they cover the call, else its compiled kernels, or (``compile=False``) None, which leaves the call to
     the eager path. A delayed scaler records this tensor's amax only where a result comes back."""
     if isinstance(spec, BlockFormat):
-        axis = _block_axis(spec, parsed)
-        if xf.dim() >= 2 and axis in (0, -xf.dim()) and xf.is_contiguous():  # blocks down the first axis
-            out = fast.block_columns(xf.reshape(xf.shape[0], -1), spec, _reduces(parsed), flush_subnormals)
+        axis = checked_axis(xf, _block_axis(spec, parsed))
+        if xf.dim() >= 2 and xf.is_contiguous() and _down_columns(xf.shape, axis, spec.block_size):
+            # blocks down the columns of a 2-D view: (the axes up to ``axis``, the axes after it)
+            split = axis + 1
+            columns = xf.reshape(math.prod(xf.shape[:split]), -1)
+            out = fast.block_columns(columns, spec, _reduces(parsed), flush_subnormals)
             if out is not None:
                 return out.reshape(xf.shape)
         x2d, moved = axis_last_2d(xf, axis)
