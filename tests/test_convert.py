@@ -527,3 +527,36 @@ def test_an_input_of_several_sites_is_prequantized_once(monkeypatch, library: bo
         if t.dtype == (torch.uint8 if library else torch.bfloat16)
     }
     assert len(kept) == (2 if library else 1)  # the element codes and the scale codes, or the bfloat16 copy
+
+
+@pytest.mark.parametrize("preset", ["mxfp8", "mxfp4"])
+def test_both_block_directions_of_a_gradient_in_one_pass_give_the_same_training(preset, monkeypatch) -> None:
+    """dgrad and wgrad take each gradient in an MX format along different axes; announced, the quantizer
+    makes both copies in one pass (native.block_both). Outputs and every gradient equal those of two
+    separate quantizations, bit for bit, and the one pass is taken at every Linear site."""
+    from numscope.formats import native
+    from numscope.sites.gemm import _Call
+
+    passes: list[bool] = []
+    block_both = native.block_both
+
+    def counted(x, fmt, tensor_amax=None):
+        result = block_both(x, fmt, tensor_amax)
+        passes.append(result is not None)
+        return result
+
+    monkeypatch.setattr(native, "block_both", counted)
+    model = bert(dropout=0.0)
+    convert(model, Plan.uniform(preset))
+    fused = run(model)
+    # every Linear whose gradient rows are whole blocks (the tiny vocabulary's decoder is not: 2 passes)
+    linear_sites = sum(isinstance(m, nn.Linear) and m.out_features % 32 == 0 for m in model.modules())
+    assert linear_sites >= 10 and len(passes) == linear_sites and all(passes)
+
+    monkeypatch.setattr(_Call, "announce_gradient", lambda self, tensor: None)
+    model = bert(dropout=0.0)
+    convert(model, Plan.uniform(preset))
+    separate = run(model)
+    assert len(passes) == linear_sites  # nothing announced: no single pass
+    assert torch.equal(fused[0], separate[0])
+    assert all(torch.equal(fused[1][n], separate[1][n]) for n in separate[1])

@@ -64,6 +64,10 @@ class _Quantizer:
         self._specs: dict[str, SiteSpec] = {}
         self._weights: dict[str, tuple[weakref.ref, tuple, torch.Tensor]] = {}
         self._grad: tuple[torch.Tensor, tuple, torch.Tensor] | None = None
+        # a gradient announced for both dgrad and wgrad (announce_gradient), then wgrad's block-format copy
+        # of it, made with dgrad's in one pass
+        self._announced: tuple[torch.Tensor, tuple] | None = None
+        self._grad_columns: tuple[torch.Tensor, tuple, torch.Tensor] | None = None
         # quantized fprop inputs that wgrad reuses: their codes and descale, for the site to keep instead
         self._codes: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor | None]] = {}
         # wgrad inputs quantized in forward, by the input they came from (see pack_wgrad_input)
@@ -185,11 +189,47 @@ class _Quantizer:
             scaler = self.scalers[key] = DelayedScaler(scaling)
         return scaler
 
+    def announce_gradient(self, site: Site, tensor: torch.Tensor) -> None:
+        """``numscope.sites.gemm`` says that dgrad (blocks along the rows) and then wgrad (down the columns)
+        will take this 2-D gradient: where both want the same MX format, dgrad's call makes both copies in
+        one pass over it (:func:`numscope.formats.native.block_both`) and wgrad's takes the second."""
+        self._announced = (tensor, _identity(tensor)) if self._both_directions(site, tensor) else None
+
+    def _both_directions(self, site: Site, tensor: torch.Tensor) -> bool:
+        spec = self.spec(site)
+        dgrad = spec.operand("dgrad", "grad_output")
+        if dgrad != spec.operand("wgrad", "grad_output") or dgrad.is_high or tensor.dim() != 2:
+            return False
+        fmt = dgrad.format_spec()
+        return (
+            isinstance(fmt, BlockFormat)
+            and not fmt.tensor_scale
+            and dgrad.rotation() is None
+            and dgrad.rounding == "nearest"
+            and not dgrad.flush_subnormals
+            and tensor.shape[1] % fmt.block_size == 0
+            and tensor.dtype == torch.float32
+            and native.covers_block(fmt, tensor.detach())
+        )
+
     def __call__(self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         spec = self.spec(site)
         operand_spec = spec.operand(gemm, operand)
         if operand_spec.is_high:
             return tensor
+        if operand == "grad_output":
+            announced, self._announced = self._announced, None
+            fresh = announced is not None and announced[0] is tensor and announced[1] == _identity(tensor)
+            if gemm == "dgrad" and fresh and axis in (-1, 1):
+                fmt = operand_spec.format_spec()
+                both = native.block_both(tensor.detach(), fmt)  # type: ignore[arg-type]
+                if both is not None:
+                    self._grad_columns = (tensor, _identity(tensor), both[1])
+                    return both[0]
+            if gemm == "wgrad" and self._grad_columns is not None:
+                cached, self._grad_columns = self._grad_columns, None
+                if axis == 0 and cached[0] is tensor and cached[1] == _identity(tensor):
+                    return cached[2]
         reusable = (
             operand == "weight"
             and isinstance(tensor, nn.Parameter)

@@ -389,3 +389,20 @@ def test_only_the_whole_huge_pages_inside_a_large_output_are_advised(monkeypatch
     monkeypatch.setattr(native, "_huge_pages", False)  # NUMSCOPE_HUGE_PAGES=0
     native._empty((native.LARGE_OUTPUT // 4 + 3,))
     assert not calls and small.numel()
+
+
+BOTH_CASES = ["mxfp8_e4m3", "mxfp8_e5m2@rceil", "mxfp6_e3m2", "mxfp4_e2m1@even", "mxint8"]
+
+
+@pytest.mark.parametrize("name", BOTH_CASES)
+def test_both_block_directions_in_one_pass_equal_each_direction_alone(name: str) -> None:
+    """native.block_both: blocks along the rows and down the columns from one read, each bit for bit what
+    native.block gives in that direction: across binades, with specials, and a short last column block."""
+    fmt = numscope.get_format(name)
+    for values in (spread((70, 64), seed=8), spread((64, 96), seed=9), specials(name, 64)):
+        x = torch.from_numpy(values).reshape(-1, values.shape[-1])
+        x = x if x.shape[1] % 32 == 0 else x.reshape(-1, 32)
+        rows, columns = native.block_both(x, fmt)
+        assert_bits_equal(rows, native.block(x, fmt, False))
+        assert_bits_equal(columns, native.block(x, fmt, False, along_columns=True))
+    assert native.block_both(torch.ones(4, 40), fmt) is None  # rows of a block and a part

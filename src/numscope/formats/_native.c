@@ -297,13 +297,45 @@ static inline __attribute__((always_inline)) void block_factors(uint32_t top, co
         }                                                                                                 \
     }
 
+/* blocks along the rows of one row (``total`` = cols elements from ``row``, results to ``row_out``): the
+ * row loops above, on a row that the column pass has just brought into cache */
+#define NUMSCOPE_ONE_ROW(B, CAST, NF, FL, DIV, KIND, ROW, ROW_OUT)                                        \
+    {                                                                                                     \
+        const float *x = (ROW);                                                                           \
+        float *out = (ROW_OUT), *block_scales = NULL;                                                     \
+        const int64_t total = cols;                                                                       \
+        NUMSCOPE_ROW_BLOCKS(B, CAST, NF, FL, DIV, KIND)                                                   \
+    }
+
+/* both directions in one pass over x: blocks down the columns into out, blocks along the rows (cols a
+ * multiple of block_size) into out_rows; each band of block_size rows is read from memory once */
+#define NUMSCOPE_BOTH_BLOCKS(CAST, NF, FL, DIV, KIND)                                                     \
+    for (int64_t start = 0; start < rows; start += block_size) {                                          \
+        const int64_t height = rows - start < block_size ? rows - start : block_size;                     \
+        column_tops(x, start, height, cols, top);                                                         \
+        for (int64_t c = 0; c < cols; ++c) block_factors(top[c], p, KIND, factor + c, mask + c, scale + c); \
+        for (int64_t r = start; r < start + height; ++r) {                                                \
+            const float *xr = x + r * cols;                                                               \
+            float *orow = out + r * cols, *rrow = out_rows + r * cols;                                    \
+            for (int64_t c = 0; c < cols; ++c)                                                            \
+                orow[c] = NUMSCOPE_SCALED(CAST, NF, FL, DIV, xr[c], factor[c], mask[c], scale[c]);         \
+            if (block_size == 32) NUMSCOPE_ONE_ROW(32, CAST, NF, FL, DIV, KIND, xr, rrow)                 \
+            else if (block_size == 16) NUMSCOPE_ONE_ROW(16, CAST, NF, FL, DIV, KIND, xr, rrow)            \
+            else NUMSCOPE_ONE_ROW(block_size, CAST, NF, FL, DIV, KIND, xr, rrow)                          \
+        }                                                                                                 \
+    }
+
 typedef void (*blocks_function)(const float *restrict, float *restrict, int64_t, int64_t, int64_t, int,
                                 const numscope_format *, const numscope_blocks *, uint32_t *restrict,
-                                float *restrict, float *restrict, float *restrict, float *restrict);
+                                float *restrict, float *restrict, float *restrict, float *restrict,
+                                float *restrict);
 
-/* the loops of one element cast and one kind of block scale: columns, or rows of 32, 16 or other blocks */
+/* the loops of one element cast and one kind of block scale: columns, both directions (columns 2), or rows
+ * of 32, 16 or other blocks */
 #define NUMSCOPE_BLOCK_LOOPS(CAST, NF, FL, DIV, KIND)                                                     \
-    if (columns) {                                                                                        \
+    if (columns == 2) {                                                                                   \
+        NUMSCOPE_BOTH_BLOCKS(CAST, NF, FL, DIV, KIND)                                                     \
+    } else if (columns) {                                                                                 \
         NUMSCOPE_COLUMN_BLOCKS(CAST, NF, FL, DIV, KIND)                                                   \
     } else if (block_size == 32) {                                                                        \
         NUMSCOPE_ROW_BLOCKS(32, CAST, NF, FL, DIV, KIND)                                                  \
@@ -319,7 +351,7 @@ typedef void (*blocks_function)(const float *restrict, float *restrict, int64_t,
     static void NAME(const float *restrict x, float *restrict out, int64_t rows, int64_t cols, int64_t columns, \
                      int block_size, const numscope_format *format, const numscope_blocks *params,          \
                      uint32_t *restrict top, float *restrict factor, float *restrict mask, float *restrict scale, \
-                     float *restrict block_scales) {                                                       \
+                     float *restrict block_scales, float *restrict out_rows) {                             \
         const numscope_format local = *format, *f = &local;                                               \
         const numscope_blocks block_local = *params, *p = &block_local;                                   \
         const int64_t total = rows * cols;                                                                \
@@ -334,13 +366,9 @@ NUMSCOPE_BLOCK_FUNCTION(mx_integer, cast_integer, 0, 0, 0)
 NUMSCOPE_BLOCK_FUNCTION(nv_multiply, cast_small, 2, 0, 1) NUMSCOPE_BLOCK_FUNCTION(nv_multiply_f, cast_small, 2, 1, 1)
 NUMSCOPE_BLOCK_FUNCTION(nv_divide, cast_small, 2, 0, 2) NUMSCOPE_BLOCK_FUNCTION(nv_divide_f, cast_small, 2, 1, 2)
 
-/* A block format over a (rows, cols) tensor, blocks along each row (columns 0; cols a multiple of
- * block_size) or down each column (1); block_scales (rows only, may be NULL) receives each block's decode
- * scale (what multiplies its elements), row by row. Returns 0, -1 where scratch memory could not be
- * allocated, -2 for a combination not built here. */
-int numscope_blocks_quantize(const float *restrict x, float *restrict out, int64_t rows, int64_t cols,
-                             int32_t columns, int32_t block_size, numscope_format format, numscope_blocks params,
-                             float *restrict block_scales) {
+static int blocks_run(const float *restrict x, float *restrict out, int64_t rows, int64_t cols, int32_t columns,
+                      int32_t block_size, numscope_format format, numscope_blocks params,
+                      float *restrict block_scales, float *restrict out_rows) {
     static const blocks_function mx[3][2] = {{mx_0, mx_0f}, {mx_1, mx_1f}, {mx_2, mx_2f}};
     static const blocks_function nv[2][2] = {{nv_multiply, nv_multiply_f}, {nv_divide, nv_divide_f}};
     const int nf = format.nonfinite, fl = format.flush != 0;
@@ -358,9 +386,29 @@ int numscope_blocks_quantize(const float *restrict x, float *restrict out, int64
     float *factor = columns ? (float *)(top + cols) : NULL;
     float *mask = columns ? factor + cols : NULL, *scale = columns ? mask + cols : NULL;
     if (columns) block_scales = NULL;
-    run(x, out, rows, cols, columns, block_size, &format, &params, top, factor, mask, scale, block_scales);
+    run(x, out, rows, cols, columns, block_size, &format, &params, top, factor, mask, scale, block_scales,
+        out_rows);
     free(scratch);
     return 0;
+}
+
+/* A block format over a (rows, cols) tensor, blocks along each row (columns 0; cols a multiple of
+ * block_size) or down each column (1); block_scales (rows only, may be NULL) receives each block's decode
+ * scale (what multiplies its elements), row by row. Returns 0, -1 where scratch memory could not be
+ * allocated, -2 for a combination not built here. */
+int numscope_blocks_quantize(const float *restrict x, float *restrict out, int64_t rows, int64_t cols,
+                             int32_t columns, int32_t block_size, numscope_format format, numscope_blocks params,
+                             float *restrict block_scales) {
+    return blocks_run(x, out, rows, cols, columns != 0, block_size, format, params, block_scales, NULL);
+}
+
+/* Both directions at once, from one read of x: blocks down the columns into out_columns and along the rows
+ * into out_rows (cols a multiple of block_size), each exactly what numscope_blocks_quantize gives. */
+int numscope_blocks_quantize_both(const float *restrict x, float *restrict out_rows, float *restrict out_columns,
+                                  int64_t rows, int64_t cols, int32_t block_size, numscope_format format,
+                                  numscope_blocks params) {
+    if (cols % block_size) return -2;
+    return blocks_run(x, out_columns, rows, cols, 2, block_size, format, params, NULL, out_rows);
 }
 
 /* Codes: the rounded value y (on the format's grid, or ±inf/NaN) in the format's own bit layout, as torch's

@@ -243,6 +243,9 @@ def _library() -> ctypes.CDLL | None:
         pointer,
     ]
     library.numscope_blocks_quantize.restype = ctypes.c_int
+    both = [pointer, pointer, pointer, i64, i64, i32, _Format, _Blocks]
+    library.numscope_blocks_quantize_both.argtypes = both
+    library.numscope_blocks_quantize_both.restype = ctypes.c_int
     library.numscope_element_codes.argtypes = [pointer, pointer, pointer, i64, i32, _Format, _Codes, pointer]
     library.numscope_element_codes.restype = ctypes.c_int
     library.numscope_decode8.argtypes = [pointer, pointer, i64, _Codes, pointer]
@@ -646,6 +649,33 @@ def block(
     where it was reduced across ranks (else taken here). None where the native code does not cover it."""
     done = _blocks_quantize(x, fmt, flush, along_columns, tensor_amax, False)
     return None if done is None else done[0]
+
+
+def block_both(
+    x: torch.Tensor, fmt: BlockFormat, tensor_amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`block` along the rows and down the columns of one 2-D float32 tensor, from one read of it (a
+    gradient that dgrad takes in blocks along its rows and wgrad down its columns): ``(rows, columns)``,
+    each bit for bit what :func:`block` gives in that direction. The rows must be a whole number of blocks
+    long. None where the native code does not cover it."""
+    if not (available() and _ready(x)) or x.shape[1] % fmt.block_size:
+        return None
+    x = x.contiguous()
+    arguments = _blocks(fmt, False, tensor_amax, x)
+    if arguments is None:
+        return None
+    along_rows, along_columns = _empty(x.shape), _empty(x.shape)
+    if x.numel():
+        rows, cols = x.shape
+        outputs = (along_rows.data_ptr(), along_columns.data_ptr())
+        done = _library().numscope_blocks_quantize_both(  # type: ignore[union-attr]
+            x.data_ptr(), *outputs, rows, cols, fmt.block_size, *arguments
+        )
+        if done == -1:
+            raise MemoryError(f"numscope native quantizer: no memory for {cols} column scales")
+        if done != 0:
+            return None
+    return along_rows, along_columns
 
 
 def block_with_scales(

@@ -184,6 +184,14 @@ class _Call:
         the chain would give wgrad in backward (a block format's input keeps its codes, not float32)."""
         return self.handlers[-1].pack_wgrad_input(self.site, tensor)  # type: ignore[attr-defined]
 
+    def announce_gradient(self, tensor: torch.Tensor) -> None:
+        """Tell the handlers that dgrad and then wgrad will take this gradient (``announce_gradient(site,
+        tensor)``, where a handler has it): a quantizer may then make both its copies in one pass."""
+        for handler in self.handlers:
+            announce = getattr(handler, "announce_gradient", None)
+            if announce is not None:
+                announce(self.site, tensor)
+
     def chain(self, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         dtype = self.compute_dtype(tensor.dtype)
         for handler in self.handlers:
@@ -315,6 +323,8 @@ class SiteGemm(torch.autograd.Function):
         _, dgrad_b_axis = call.weight_axes
         if layout in ("linear", "fold"):
             grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+            if need_a and need_b:
+                call.announce_gradient(grad_2d)
             if need_a:
                 dy = call.chain("dgrad", "grad_output", grad_2d, -1)
                 w = call.chain("dgrad", "weight", b, dgrad_b_axis)
@@ -342,6 +352,8 @@ class SiteGemm(torch.autograd.Function):
                 else:
                     grad_b = _mm_mat2_backward(dy, x, b_shape, b_stride)
         elif layout == "mm":
+            if need_a and need_b:
+                call.announce_gradient(grad_output)
             if need_a:
                 dy = call.chain("dgrad", "grad_output", grad_output, -1)
                 w = b_q if b_q is not None else call.chain("dgrad", "weight", b, dgrad_b_axis)
