@@ -282,21 +282,6 @@ static inline __attribute__((always_inline)) void block_factors(uint32_t top, co
         }                                                                                                 \
     }
 
-/* blocks down the columns: block b of column c is rows [b*B, b*B + B) of c; the last may be short (the
- * reference zero-pads it, which changes no amax). Loops run along the rows: no transposed copy. */
-#define NUMSCOPE_COLUMN_BLOCKS(CAST, NF, FL, DIV, KIND)                                                         \
-    for (int64_t start = 0; start < rows; start += block_size) {                                          \
-        const int64_t height = rows - start < block_size ? rows - start : block_size;                     \
-        column_tops(x, start, height, cols, top);                                                         \
-        for (int64_t c = 0; c < cols; ++c) block_factors(top[c], p, KIND, factor + c, mask + c, scale + c); \
-        for (int64_t r = start; r < start + height; ++r) {                                                \
-            const float *xr = x + r * cols;                                                               \
-            float *orow = out + r * cols;                                                                 \
-            for (int64_t c = 0; c < cols; ++c)                                                            \
-                orow[c] = NUMSCOPE_SCALED(CAST, NF, FL, DIV, xr[c], factor[c], mask[c], scale[c]);         \
-        }                                                                                                 \
-    }
-
 /* blocks along the rows of one row (``total`` = cols elements from ``row``, results to ``row_out``): the
  * row loops above, on a row that the column pass has just brought into cache */
 #define NUMSCOPE_ONE_ROW(B, CAST, NF, FL, DIV, KIND, ROW, ROW_OUT)                                        \
@@ -307,21 +292,26 @@ static inline __attribute__((always_inline)) void block_factors(uint32_t top, co
         NUMSCOPE_ROW_BLOCKS(B, CAST, NF, FL, DIV, KIND)                                                   \
     }
 
-/* both directions in one pass over x: blocks down the columns into out, blocks along the rows (cols a
- * multiple of block_size) into out_rows; each band of block_size rows is read from memory once */
-#define NUMSCOPE_BOTH_BLOCKS(CAST, NF, FL, DIV, KIND)                                                     \
+/* blocks down the columns: block b of column c is rows [b*B, b*B + B) of c; the last may be short (the
+ * reference zero-pads it, which changes no amax). Loops run along the rows: no transposed copy. ROWS_TOO
+ * (a constant): also blocks along each row into out_rows (cols a multiple of block_size), while the row is
+ * in cache: both directions from one read of x, each band of block_size rows read from memory once. */
+#define NUMSCOPE_COLUMN_BLOCKS(CAST, NF, FL, DIV, KIND, ROWS_TOO)                                         \
     for (int64_t start = 0; start < rows; start += block_size) {                                          \
         const int64_t height = rows - start < block_size ? rows - start : block_size;                     \
         column_tops(x, start, height, cols, top);                                                         \
         for (int64_t c = 0; c < cols; ++c) block_factors(top[c], p, KIND, factor + c, mask + c, scale + c); \
         for (int64_t r = start; r < start + height; ++r) {                                                \
             const float *xr = x + r * cols;                                                               \
-            float *orow = out + r * cols, *rrow = out_rows + r * cols;                                    \
+            float *orow = out + r * cols;                                                                 \
             for (int64_t c = 0; c < cols; ++c)                                                            \
                 orow[c] = NUMSCOPE_SCALED(CAST, NF, FL, DIV, xr[c], factor[c], mask[c], scale[c]);         \
-            if (block_size == 32) NUMSCOPE_ONE_ROW(32, CAST, NF, FL, DIV, KIND, xr, rrow)                 \
-            else if (block_size == 16) NUMSCOPE_ONE_ROW(16, CAST, NF, FL, DIV, KIND, xr, rrow)            \
-            else NUMSCOPE_ONE_ROW(block_size, CAST, NF, FL, DIV, KIND, xr, rrow)                          \
+            if (ROWS_TOO) {                                                                               \
+                float *rrow = out_rows + r * cols;                                                        \
+                if (block_size == 32) NUMSCOPE_ONE_ROW(32, CAST, NF, FL, DIV, KIND, xr, rrow)             \
+                else if (block_size == 16) NUMSCOPE_ONE_ROW(16, CAST, NF, FL, DIV, KIND, xr, rrow)        \
+                else NUMSCOPE_ONE_ROW(block_size, CAST, NF, FL, DIV, KIND, xr, rrow)                      \
+            }                                                                                             \
         }                                                                                                 \
     }
 
@@ -334,9 +324,9 @@ typedef void (*blocks_function)(const float *restrict, float *restrict, int64_t,
  * of 32, 16 or other blocks */
 #define NUMSCOPE_BLOCK_LOOPS(CAST, NF, FL, DIV, KIND)                                                     \
     if (columns == 2) {                                                                                   \
-        NUMSCOPE_BOTH_BLOCKS(CAST, NF, FL, DIV, KIND)                                                     \
+        NUMSCOPE_COLUMN_BLOCKS(CAST, NF, FL, DIV, KIND, 1)                                                \
     } else if (columns) {                                                                                 \
-        NUMSCOPE_COLUMN_BLOCKS(CAST, NF, FL, DIV, KIND)                                                   \
+        NUMSCOPE_COLUMN_BLOCKS(CAST, NF, FL, DIV, KIND, 0)                                                \
     } else if (block_size == 32) {                                                                        \
         NUMSCOPE_ROW_BLOCKS(32, CAST, NF, FL, DIV, KIND)                                                  \
     } else if (block_size == 16) {                                                                        \
