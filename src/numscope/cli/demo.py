@@ -75,8 +75,8 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     steps, quick_steps = DemoConfig().train.steps, DemoConfig.quick().train.steps
     p = sub.add_parser(
         "demo",
-        help="BERT masked LM end to end: fp32, bf16, fp16 (±loss scaling), fp8, mxfp8, int8, mxfp4, "
-        "and numscope's recommended plan, with report.html",
+        help="BERT masked LM end to end: fp32, bf16, fp16 with loss scaling, E5M2 gradients (±loss "
+        "scaling), fp8, mxfp8, int8, mxfp4, and numscope's recommended plan, with report.html",
     )
     p.add_argument(
         "--quick",
