@@ -134,8 +134,9 @@ def budget_plans(
     gap_model: GapModel | None = None,
     sensitivity: tuple[SensitivityModel, GapModel] | None = None,
 ) -> list[StudyPlan]:
-    """Every plan of every budget: numscope's (and its calibrated variant given ``gap_model``), the
-    heuristics, the random orders and the inverse, each filled to the budget."""
+    """Every plan of every budget: numscope's (its calibrated variant given ``gap_model``; given
+    ``sensitivity``, the sensitivity plan with and without the fitted role weights), the heuristics, the
+    random orders and the inverse, each filled to the budget."""
     from numscope.advisor import advise
 
     off = dict(max_be_ratio=None, max_underflow_pct=None, max_overflow_pct=None, min_sqnr_db=None)
@@ -149,6 +150,9 @@ def budget_plans(
             return fitted.coefficients[key[1]] * scores.score(key, label)
 
         variants["numscope sensitivity"] = {"objective": loss_impact}
+        # the same measured sensitivities without the fitted role weights: where a role's weight is fitted
+        # from a calibration run inside its noise, this shows what the weights cost or bought
+        variants["numscope sensitivity unweighted"] = {"objective": scores.score}
     plans = []
     for budget in config.budgets:
         tag = f"@{budget:g}"
