@@ -27,6 +27,25 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def positive_float(text: str) -> float:
+    """An argparse ``type`` for a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def probability(text: str) -> float:
+    """An argparse ``type`` for a share in (0, 1]."""
+    value = positive_float(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
 def shape_2d(text: str) -> tuple[int, int]:
     """An argparse ``type`` for ``ROWSxCOLS`` with both sizes at least 1, e.g. ``64x128``."""
     parts = text.lower().split("x")

@@ -28,25 +28,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cli import positive_int
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def probability(text: str) -> float:
-    value = positive_float(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
+from _cli import positive_float, positive_int, probability
 
 LOSS_SCALING = ("none", "static", "dynamic")  # numscope.run.config.LOSS_SCALING (tested equal)
 SIZES = ("steps", "batch_size", "hidden", "layers", "heads", "intermediate", "seq_len", "vocab_size")

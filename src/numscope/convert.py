@@ -208,8 +208,7 @@ class _Quantizer:
             and dgrad.rounding == "nearest"
             and not dgrad.flush_subnormals
             and tensor.shape[1] % fmt.block_size == 0
-            and tensor.dtype == torch.float32
-            and native.covers_block(fmt, tensor.detach())
+            and native.covers_block(fmt, tensor.detach())  # a float32 CPU tensor, the native code on
         )
 
     def __call__(self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:

@@ -235,16 +235,10 @@ class DemoConfig:
 
     @classmethod
     def quick(cls) -> DemoConfig:
+        # the defaults' training (batch, learning rate, masking) in fewer steps
+        train = replace(cls().train, steps=40, warmup_steps=4, eval_every=20, checkpoint_every=20)
         return cls(
-            train=TrainConfig(
-                steps=40,
-                batch_size=64,
-                lr=1.5e-3,
-                warmup_steps=4,
-                eval_every=20,
-                checkpoint_every=20,
-                mask_probability=0.3,
-            ),
+            train=train,
             observe_every=10,
             fast=False,
         )
@@ -497,7 +491,7 @@ def _run_demo(
     scaled["underflow_scale"] = scaled["final_scale"]
     scaled["underflow_source"] = (
         "per site, the share of nonzero grad_output values (the gradient flowing into the GEMM's output) "
-        f"that fp16 rounds to zero (below 2^{_fp16_flush_binade()}), unscaled and multiplied by the run's "
+        f"that fp16 rounds to zero (below 2^{_flush_binade()}), unscaled and multiplied by the run's "
         "final loss scale; "
         "read from the FP32 run's log2 histograms of those tensors, all sampled steps together"
     )
@@ -626,7 +620,7 @@ def _operand_sizes(analysis: Any) -> dict[str, dict[tuple[str, str], int]]:
     return sizes
 
 
-def _fp16_flush_binade(fmt: str = "fp16") -> int:
+def _flush_binade(fmt: str = "fp16") -> int:
     """log2 of half ``fmt``'s smallest subnormal: nearest rounding sends smaller magnitudes and ties to 0."""
     from numscope.formats.spec import get_format
 
@@ -641,7 +635,7 @@ def fp16_underflow_by_site(analysis: Any, loss_scale: float, fmt: str = "fp16") 
     i.e. in a lower binade (that power of two itself, a tie, also rounds to 0 and is counted as kept: the
     estimate is low by at most that one binade's lowest value)."""
     shift = math.log2(loss_scale) if loss_scale > 0 else 0.0
-    flush = _fp16_flush_binade(fmt)
+    flush = _flush_binade(fmt)
     rows = []
     for site in analysis.sites():
         key = (site, "wgrad", "grad_output")
@@ -821,7 +815,7 @@ def _claims(
                 loses,
             )
         )
-    within = f"within {NOISE_SIGMAS:g} sd of FP32's seed noise" if noise is not None else None
+    bar = f"{WITHIN_PERCENT:g}%" if noise is None else f"{NOISE_SIGMAS:g} sd of FP32's seed noise"
     if noise is not None:
         recovered = not beyond("fp16+scaling", "fp32")
     else:
@@ -831,7 +825,7 @@ def _claims(
             f"FP16 with dynamic loss scaling (the 2018 paper's recipe for the GEMMs): gap to FP32 "
             f"{gap('fp16+scaling'):+.2f}% ({by['fp16+scaling']['skipped_steps']} skipped steps"
             + (f"; {against_noise('fp16+scaling', 'fp32')}" if noise is not None else "")
-            + f") — the claim that it trains like FP32 ({within or f'within {WITHIN_PERCENT:g}%'}) "
+            + f") — the claim that it trains like FP32 (within {bar}) "
             f"{verdict(recovered)}.",
             recovered,
         )
@@ -851,7 +845,6 @@ def _claims(
                 f"{_scale_text(by[E5M2_SCALED]['final_scale'])} {after:.2f}%"
             )
         scaled_row = by[E5M2_SCALED]
-        margin_text = f"{WITHIN_PERCENT:g}%" if noise is None else f"{NOISE_SIGMAS:g} sd of FP32's seed noise"
         claims.append(
             (
                 "Loss scaling where gradients underflow: every GEMM's gradient in FP8 E5M2 with no scale of "
@@ -862,7 +855,7 @@ def _claims(
                 "skipped steps"
                 + (f"; {against_noise(E5M2_SCALED, 'fp32')}" if noise is not None else "")
                 + f"){flushed} — the claim that loss scaling is what lets these gradients train (unscaled "
-                f"behind FP32 by more than {margin_text}, scaled not) "
+                f"behind FP32 by more than {bar}, scaled not) "
                 f"{verdict(fails and trains)}.",
                 fails and trains,
             )

@@ -64,7 +64,7 @@ class Recipe:
       (:mod:`numscope.train.allocator`; process-wide, changes no value; nothing off glibc or when
       ``MALLOC_MMAP_THRESHOLD_`` is set). ``None`` does it when the recipe stores anything in fp16/bf16
       (``dtype`` or ``activations``): under glibc's moving threshold the freed float32 temporaries of the
-      casts and fp32 ops stay in the heap, and the recipe peaked above fp32 (``bench_memory.py``) [``False``].
+      casts and fp32 ops stay in the heap, and the recipe peaked above fp32 (``bench_memory.py``) [``None``].
 
     With every part off the model trains bit for bit as without the recipe. The model is converted in
     place, for good (build a fresh model to compare settings). ``generator`` is the random source of the
