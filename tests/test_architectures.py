@@ -231,3 +231,113 @@ def test_compiled_mx_quantizers_with_inputs_kept_in_bfloat16_match_the_eager_ref
     assert grads[True].keys() == grads[False].keys() and grads[True]
     for name, grad in grads[True].items():
         assert torch.equal(grad, grads[False][name]), name
+
+
+def _mixtral() -> nn.Module:
+    return mixtral("eager")
+
+
+def _t5() -> nn.Module:
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4, decoder_start_token_id=0
+    )
+    return T5ForConditionalGeneration(config)
+
+
+def _vit() -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    config = ViTConfig(
+        image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, num_labels=3,
+    )  # fmt: skip
+    return ViTForImageClassification(config)
+
+
+def _whisper() -> nn.Module:
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = WhisperConfig(
+        vocab_size=100, num_mel_bins=8, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_source_positions=16, max_target_positions=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=1,
+    )  # fmt: skip
+    return WhisperForConditionalGeneration(config)
+
+
+def _cnn() -> nn.Module:
+    from tests.test_conv import resnet
+
+    return resnet()
+
+
+def _loss(model: nn.Module) -> torch.Tensor:
+    """One loss of each architecture's own kind, from fixed inputs."""
+    noise = torch.Generator().manual_seed(3)
+    if isinstance(model, nn.Transformer):
+        source, target = torch.randn(6, 2, 32, generator=noise), torch.randn(5, 2, 32, generator=noise)
+        return (model(source, target) - target).square().mean()
+    if isinstance(model, LanguageModel):
+        return model(IDS % 50).square().mean()
+    if isinstance(model, nn.Sequential):  # the CNN
+        return model(torch.randn(2, 1, 8, 8, generator=noise)).square().mean()
+    name = type(model).__name__
+    if name.startswith("ViT"):
+        pixels = torch.randn(2, 3, 16, 16, generator=noise)
+        return model(pixel_values=pixels, labels=torch.tensor([0, 2])).loss
+    if name.startswith("Whisper"):
+        features = torch.randn(2, 8, 32, generator=noise)
+        return model(input_features=features, labels=torch.randint(3, 100, (2, 5), generator=noise)).loss
+    return model(input_ids=IDS, labels=IDS).loss
+
+
+ARCHITECTURES = [_llama, _mixtral, _t5, _vit, _whisper, _cnn, _lstm, _torch_transformer]
+ARCHITECTURE_IDS = ["gqa-llama", "moe", "t5", "vit", "whisper", "cnn", "lstm", "nn.Transformer"]
+
+
+@pytest.mark.parametrize("make", ARCHITECTURES, ids=ARCHITECTURE_IDS)
+def test_one_pass_mx_gradients_and_the_loss_scaling_preset_on_every_architecture(make, monkeypatch) -> None:
+    """This change's paths on the architectures people train: MXFP8 gradients quantized in both block
+    directions in one pass give the gradients of two separate passes, bit for bit (and the one pass is
+    taken wherever a Linear's gradient rows are whole blocks); the ``e5m2_grads`` preset trains (finite
+    loss and gradients) and leaves the forward pass exactly as FP32."""
+    from numscope.sites.gemm import _Call
+
+    def gradients(plan: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model = make()
+        numscope.convert(model, numscope.Plan.uniform(plan))
+        loss = _loss(model)
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    announced = []
+    announce = _Call.announce_gradient
+
+    def recording(call, tensor):
+        announced.append(tensor.shape)
+        announce(call, tensor)
+
+    monkeypatch.setattr(_Call, "announce_gradient", recording)
+    one_pass = gradients("mxfp8")
+    monkeypatch.setattr(_Call, "announce_gradient", lambda call, tensor: None)
+    separate = gradients("mxfp8")
+    assert one_pass[1].keys() == separate[1].keys() and one_pass[1]
+    assert torch.equal(one_pass[0], separate[0])
+    for name, grad in one_pass[1].items():
+        assert torch.equal(grad, separate[1][name]), name
+    if make is not _cnn:  # a CNN's only Linear has 10 outputs: no whole block of 32
+        assert any(shape[-1] % 32 == 0 for shape in announced)
+    monkeypatch.undo()
+
+    e5m2_loss, e5m2_grads = gradients("e5m2_grads")
+    fp32_loss, fp32_grads = gradients("fp32")
+    # forward operands stay high: the same loss (to 2 ulps: Whisper's cross-attention products, computed by
+    # their sites, differ from transformers' own matmul in the last bit, whatever the plan's gradients)
+    torch.testing.assert_close(e5m2_loss, fp32_loss, rtol=1e-6, atol=0)
+    assert e5m2_grads.keys() == fp32_grads.keys()
+    assert all(torch.isfinite(grad).all() for grad in e5m2_grads.values())
+    assert any(not torch.equal(e5m2_grads[n], fp32_grads[n]) for n in fp32_grads)  # gradients quantized
