@@ -65,6 +65,41 @@ def test_a_causal_lm_trains_under_a_plan_and_a_finished_run_is_not_repeated(
     assert again == result
 
 
+def test_a_run_of_another_plan_or_training_is_never_reused(data: RunData, tmp_path: Path) -> None:
+    config = TrainConfig(steps=2, batch_size=8, eval_every=2, checkpoint_every=2)
+    factory = tiny_gpt2(data.tokenizer.vocab_size)
+    folder = tmp_path / "run"
+    first = train_run(RunSpec("a", "bf16"), factory, config, data, folder, objective="clm", compiled=False)
+    with pytest.raises(RunError, match=r"holds a run trained with other settings \(plan: another plan"):
+        train_run(RunSpec("a", "fp8"), factory, config, data, folder, objective="clm", compiled=False)
+    with pytest.raises(RunError, match=r"lr: 0\.002 → 0\.003"):
+        train_run(RunSpec("a", "bf16"), factory, replace(config, lr=3e-3), data, folder, objective="clm")
+    with pytest.raises(RunError, match="loss_scaling: \"none\" → \"dynamic\""):
+        train_run(RunSpec("a", "bf16", "dynamic"), factory, config, data, folder, objective="clm")
+    assert train_run(RunSpec("a", "bf16"), factory, config, data, folder, objective="clm") == first
+    # replace_changed: the old run is kept beside, the new plan is trained
+    second = train_run(
+        RunSpec("a", "fp8"),
+        factory,
+        config,
+        data,
+        folder,
+        objective="clm",
+        compiled=False,
+        replace_changed=True,
+    )
+    assert second.avg_bits == 8.0 and first.avg_bits == 16.0
+    kept = tmp_path / "run.replaced-1"
+    assert json.loads((kept / "result.json").read_text())["val_loss"] == first.val_loss
+    assert json.loads((folder / "result.json").read_text())["val_loss"] == second.val_loss
+    # a folder from before train.json is checked by its plan only
+    (folder / "train.json").unlink()
+    assert (
+        train_run(RunSpec("a", "fp8"), factory, replace(config, lr=3e-3), data, folder, objective="clm")
+        == second
+    )
+
+
 def test_an_unusable_result_or_log_is_one_clear_error(data: RunData, tmp_path: Path) -> None:
     folder = tmp_path / "run"
     folder.mkdir()

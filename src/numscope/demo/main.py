@@ -429,6 +429,7 @@ def _run_demo(
             observer_factory=partial(training_observer, config=config) if observed else None,
             save_model=True,
             compiled=compiled,
+            replace_changed=True,  # e.g. the recommended plan of another numscope version: train it again
         )
 
     analysis, recommendation, default_bits = None, None, None

@@ -21,6 +21,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,48 @@ class _Batches:
         return self.batches[index]
 
 
+def _train_settings(spec: RunSpec, cfg: TrainConfig) -> dict[str, Any]:
+    """What a run computes besides its plan (``train.json``): the training settings and the loss scaling."""
+    settings = {**asdict(cfg), "loss_scaling": spec.loss_scaling, "init_scale": spec.init_scale}
+    return json.loads(json.dumps(settings))  # tuples as lists, as stored
+
+
+def _stored_changes(out_dir: Path, plan: Any, settings: dict[str, Any]) -> list[str]:
+    """How the run stored in ``out_dir`` (its ``plan.yaml`` and ``train.json``) differs from ``plan`` and
+    ``settings``; empty when nothing is stored or nothing differs (a setting the stored file lacks, from
+    an older numscope, is not compared)."""
+    from numscope.plan import Plan
+    from numscope.run.folders import setting_changes
+
+    changes = []
+    stored_plan = out_dir / "plan.yaml"
+    if stored_plan.is_file() and Plan.load(stored_plan).to_dict() != plan.to_dict():
+        changes.append("plan: another plan (plan.yaml)")
+    stored_cfg = out_dir / "train.json"
+    if stored_cfg.is_file():
+        before = json.loads(stored_cfg.read_text(encoding="utf-8"))
+        changes += [c for c in setting_changes(before, settings) if c.split(":")[0] in before]
+    return changes
+
+
+def _needs_sites(spec: RunSpec) -> bool:
+    """Whether the run's plan is a named recipe (its layer choice depends on the model's sites), not a
+    preset or a plan file."""
+    from numscope.plan import Plan
+
+    path = Path(spec.plan)
+    return not (path.suffix in (".yaml", ".yml") or path.exists() or spec.plan in Plan.presets())
+
+
+def _move_aside(folder: Path) -> Path:
+    """Rename ``folder`` to the first free ``<folder>.replaced-N``."""
+    k = 1
+    while (target := folder.with_name(f"{folder.name}.replaced-{k}")).exists():
+        k += 1
+    folder.rename(target)
+    return target
+
+
 LOG_FIELDS = ["step", "lr", "loss", "scale", "skipped", "val_loss", "val_accuracy", "seconds"]
 
 
@@ -85,6 +128,7 @@ def train_run(
     objective: str | Objective = "mlm",
     save_model: bool = False,
     compiled: bool | str = "auto",
+    replace_changed: bool = False,
 ) -> RunResult:
     """Train one run (or resume it, or return its finished result) and write its files to ``out_dir``.
 
@@ -97,6 +141,10 @@ def train_run(
     objective: ``mlm`` (masked LM), ``clm`` (causal LM) or an :class:`Objective`.
     save_model: also write the trained parameters to ``out_dir/model.pt`` (atomically).
     compiled: whether the plan's quantizers run compiled (:func:`numscope.convert`'s ``compiled``).
+    replace_changed: what to do with a folder holding a run (finished or not) of another plan or training
+        configuration (the ``plan.yaml`` and ``train.json`` it wrote): False raises :class:`RunError`;
+        True moves it aside (``<folder>.replaced-N``, nothing is deleted) and trains afresh. Such a run is
+        never reused or resumed. A folder from before ``train.json`` existed is checked by its plan only.
 
     Under ``torch.distributed`` with more than one rank the run is DDP over the default group (``batch_size``
     is the global batch and must divide evenly); every rank returns the result, only rank 0 writes. An
@@ -115,16 +163,34 @@ def train_run(
         out_dir / "checkpoint.pt",
         out_dir / "log.csv",
     )
-    if result_path.is_file():
-        return read_result(result_path)
-
     from numscope.run.model import ModelConfig, bert_mlm_from_config
 
-    torch.manual_seed(cfg.seed)
-    model = bert_mlm_from_config(model_config) if isinstance(model_config, ModelConfig) else model_config()
-    plan = spec.load_plan(site.name for site in sites(model))
+    def build() -> torch.nn.Module:
+        torch.manual_seed(cfg.seed)
+        return bert_mlm_from_config(model_config) if isinstance(model_config, ModelConfig) else model_config()
+
+    # a finished run builds its model only where the plan's layer choice needs the model's sites (a recipe)
+    model = None if result_path.is_file() and not _needs_sites(spec) else build()
+    plan = spec.load_plan(None if model is None else (site.name for site in sites(model)))
+    trained = result_path.is_file() or checkpoint_path.is_file()
+    if trained and (changes := _stored_changes(out_dir, plan, _train_settings(spec, cfg))):
+        if not replace_changed:
+            raise RunError(
+                f"{out_dir} holds a run trained with other settings ({'; '.join(changes[:3])}); it is not "
+                "reused: choose another folder, or move this one aside to train it again"
+            )
+        if writer:
+            kept = _move_aside(out_dir)
+            out_dir.mkdir(parents=True)
+            print(f"{out_dir}: trained with other settings ({'; '.join(changes[:3])}); kept as {kept.name}")
+        if world > 1:
+            dist.barrier()
+    if result_path.is_file():
+        return read_result(result_path)
+    model = build() if model is None else model
     if writer:
         plan.save(out_dir / "plan.yaml")
+        atomic_write_text(out_dir / "train.json", json.dumps(_train_settings(spec, cfg), indent=1))
     # the observer attaches first, so that it sees each operand before the plan quantizes it
     observer = observer_factory(model) if observer_factory is not None else None
     scaler = LossScaler(

@@ -81,7 +81,9 @@ def _data(config: PlanStudyConfig, text_paths: tuple[str, ...] | None) -> Any:
 
 def _run_all(tasks: list[dict[str, Any]], jobs: int, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """Train every (plan, seed) task in its folder, ``jobs`` at a time in processes of one thread
-    (:class:`numscope.run.pool.RunPool`); finished runs are read back (train_run's contract)."""
+    (:class:`numscope.run.pool.RunPool`); finished runs of the same plan are read back (train_run's
+    contract), a run of a plan that has changed since (e.g. a numscope whose advisor decides otherwise) is
+    moved aside and trained again."""
     from numscope.demo.main import model_config, training_observer
     from numscope.run.config import RunSpec
     from numscope.run.pool import RunPool
@@ -105,6 +107,7 @@ def _run_all(tasks: list[dict[str, Any]], jobs: int, log: Callable[[str], None])
                 observer_factory=partial(training_observer, config=demo) if task["observe"] else None,
                 compiled=bool(plan.uses_block_formats()) and not task["observe"],
                 save_model=bool(task.get("save_model", False)),
+                replace_changed=True,  # a plan the advisor now makes otherwise is trained again
             )
         while pool:
             key, result = pool.next_finished()
@@ -206,7 +209,7 @@ def run_plan_study(
     ]
     gap_model = GapModel.fit(
         [role_noise(analysis, formats_of(p)) for p in calibration],
-        [float(np.mean(gaps(p.name))) for p in calibration],
+        [gaps(p.name) for p in calibration],
     )
     log(
         "[model] gap ≈ "
@@ -216,7 +219,7 @@ def run_plan_study(
     scores = _sensitivity_scores(out_dir, config, text, task, log)
     sensitivity_model = GapModel.fit(
         [scores.features(operands, formats_of(p)) for p in calibration],
-        [float(np.mean(gaps(p.name))) for p in calibration],
+        [gaps(p.name) for p in calibration],
     )
     log(
         "[model] from sensitivities: gap ≈ "
