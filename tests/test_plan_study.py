@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from scipy.optimize import nnls
 
 import numscope
 from numscope._names import layer_index
@@ -29,6 +30,7 @@ from numscope.study.plans import (
     order_last_layers,
     order_wgrad_high,
 )
+from numscope.vocab import GEMMS
 from tiny_models import tiny_bert
 
 LOW, HIGH = "mxfp4_e2m1", "mxfp8_e4m3"
@@ -140,16 +142,66 @@ def test_gap_model_recovers_known_coefficients_and_predicts():
     truth = {"fprop": 0.02, "dgrad": 0.005, "wgrad": 0.0}
     features = [{g: float(rng.uniform(0, 1)) for g in truth} for _ in range(6)]
     gaps = [sum(truth[g] * f[g] for g in truth) for f in features]
-    model = GapModel.fit(features, gaps)
+    model = GapModel.fit(features, [[g, g, g] for g in gaps])  # exact points: the prior cannot move them
     for gemm, value in truth.items():
         assert model.coefficients[gemm] == pytest.approx(value, abs=1e-9)
     assert model.spread == pytest.approx(0.0, abs=1e-9)
     assert model.predict({"fprop": 1.0, "dgrad": 2.0, "wgrad": 5.0}) == pytest.approx(0.03)
-    assert model.noise_weights() == pytest.approx({"*/fprop/*": 1.0, "*/dgrad/*": 0.25, "*/wgrad/*": 0.0})
-    noisy = GapModel.fit(features, [g + 0.001 * (-1) ** i for i, g in enumerate(gaps)])
+    assert model.noise_weights() == pytest.approx(
+        {"*/fprop/*": 1.0, "*/dgrad/*": 0.25, "*/wgrad/*": 0.0}, abs=1e-9
+    )
+    noisy = GapModel.fit(features, [[g + 0.001 * (-1) ** i] for i, g in enumerate(gaps)])
     assert noisy.spread > 0.0
     with pytest.raises(StudyError, match="matched calibration points"):
-        GapModel.fit(features, gaps[:-1])
+        GapModel.fit(features, [[g] for g in gaps[:-1]])
+    with pytest.raises(StudyError, match="at least one finite gap"):
+        GapModel.fit(features, [[], *([g] for g in gaps[1:])])
+
+
+def _role_points(per_role: dict[str, list[float]], everywhere: list[float]) -> tuple[list, list]:
+    """Calibration points as the study makes them: the low format in one role at a time (feature 1 in
+    that role), then everywhere."""
+    features = [{g: float(g == role) for g in GEMMS} for role in per_role]
+    return [*features, dict.fromkeys(GEMMS, 1.0)], [*per_role.values(), everywhere]
+
+
+def test_gap_model_does_not_make_a_role_free_on_a_result_inside_its_noise():
+    # the demo model's calibration (docs/plan-study.md): forward noise alone came out −0.007 ± 0.026 nats
+    per_role = {
+        "fprop": [0.023, -0.025, -0.019],
+        "dgrad": [0.030, 0.027, 0.000],
+        "wgrad": [0.074, 0.032, -0.003],
+    }
+    features, gaps = _role_points(per_role, [0.102, 0.069, 0.037])
+    model = GapModel.fit(features, gaps)
+    plain, _ = nnls(np.array([[f[g] for g in GEMMS] for f in features]), np.array([np.mean(g) for g in gaps]))
+    assert plain[GEMMS.index("fprop")] == 0.0  # what the plain fit did: forward noise free
+    assert 0.0 < model.pooled < np.mean(gaps[-1])
+    assert model.coefficients["fprop"] > 0.25 * model.pooled
+    assert max(model.coefficients.values()) <= max(np.mean(v) for v in per_role.values())
+
+
+def test_gap_model_keeps_a_role_its_precise_results_pin(tmp_path):
+    # resolved points keep their coefficient; a role measured precisely at zero cost stays near zero
+    per_role = {
+        "fprop": [0.0149, 0.0150, 0.0151],
+        "dgrad": [0.0269, 0.0270, 0.0271],
+        "wgrad": [0.0001, -0.0001, 0.0],
+    }
+    features, gaps = _role_points(per_role, [0.0419, 0.0420, 0.0421])
+    model = GapModel.fit(features, gaps)
+    assert model.coefficients["fprop"] == pytest.approx(0.015, rel=0.02)
+    assert model.coefficients["dgrad"] == pytest.approx(0.027, rel=0.02)
+    assert model.coefficients["wgrad"] < 0.001
+    (tmp_path / "gap_model.json").write_text(json.dumps(model.to_dict()))
+    assert GapModel.load(tmp_path / "gap_model.json") == model
+
+
+def test_gap_model_without_any_cost_has_no_prior():
+    features, gaps = _role_points({g: [0.0, -0.001, 0.001] for g in GEMMS}, [-0.002, 0.0, -0.001])
+    model = GapModel.fit(features, gaps)
+    assert model.pooled == 0.0
+    assert model.coefficients == pytest.approx(dict.fromkeys(GEMMS, 0.0), abs=1e-6)
 
 
 def test_verdict_needs_three_seeds_and_two_standard_deviations():

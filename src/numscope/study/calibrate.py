@@ -121,7 +121,7 @@ def calibrate(
                 "gap_mean": float(np.mean(gaps)),
             }
         )
-    gaps = [r["gap_mean"] for r in rows]
+    gaps = [r["gaps"] for r in rows]
     gap_model = GapModel.fit([r["noise_by_role"] for r in rows], gaps)
     extra: dict[str, Any] = {}
     fitted = None

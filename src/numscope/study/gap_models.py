@@ -59,25 +59,68 @@ class GapModel:
     spread: float
     points: int
     features: str = "noise"
+    pooled: float | None = None
+    """The prior every role's coefficient is drawn towards (:meth:`fit`); None for a model stored before
+    the fit had one."""
 
     @classmethod
     def fit(
-        cls, features: Sequence[Mapping[str, float]], gaps: Sequence[float], kind: str = "noise"
+        cls,
+        features: Sequence[Mapping[str, float]],
+        gaps: Sequence[Sequence[float]],
+        kind: str = "noise",
     ) -> GapModel:
-        """Non-negative least squares through the origin (no noise, no gap) on calibration points."""
+        """Fit on calibration points: per point its features per role and its paired gaps to FP32, one per
+        seed.
+
+        Non-negative least squares through the origin (no noise, no gap), each point weighted by its seed
+        noise, with a prior that keeps a role's coefficient from being decided by a result inside its
+        noise. Minimised over c ≥ 0::
+
+            Σ_points (mean gap − Σ_role c_role · feature_role)² / sd²  +  Σ_role (c_role − c̄)² / c̄²
+
+        sd is the point's standard deviation of the gap over the seeds (the study's noise convention: a
+        difference is beyond the noise at 2 sd), floored at a millionth of the largest mean gap so that
+        exact points stay finite. c̄, the **pooled** coefficient, is the weighted least-squares fit of one
+        coefficient shared by every role (every role costing alike), and the prior says "a role costs what
+        the average role costs, give or take that much again". A role whose own calibration point is
+        resolved beyond its noise keeps about its own coefficient; one whose point is inside its noise (the
+        demo's model: forward noise alone, −0.007 ± 0.026 nats) is drawn towards c̄ instead of reading as
+        free, which the plain fit did (the plan then put every forward operand in the low format and lost
+        to "keep the last layers high", docs/plan-study.md). With c̄ = 0 (no point shows any cost) there
+        is no prior. A point with a single seed has no measured noise: it counts with the largest sd of
+        the other points (or as exact when every point has one seed).
+        """
         from scipy.optimize import nnls
 
         if len(features) != len(gaps) or not features:
             raise StudyError(
                 f"a gap model needs matched calibration points; got {len(features)}, {len(gaps)}"
             )
+        per_seed = [np.atleast_1d(np.asarray(g, dtype=float)) for g in gaps]
+        if any(g.size == 0 or not np.isfinite(g).all() for g in per_seed):
+            raise StudyError("every calibration point needs at least one finite gap (one per seed)")
         matrix = np.array([[f[g] for g in GEMMS] for f in features], dtype=float)
-        target = np.array(gaps, dtype=float)
-        coefficients, _ = nnls(matrix, target)
+        target = np.array([g.mean() for g in per_seed])
+        sds = [float(g.std(ddof=1)) if g.size > 1 else math.nan for g in per_seed]
+        floor = 1e-6 * max(float(np.abs(target).max()), 1e-12)
+        known = [sd for sd in sds if math.isfinite(sd)]
+        sd = np.array([max(s if math.isfinite(s) else max(known, default=0.0), floor) for s in sds])
+        totals = matrix.sum(axis=1)
+        weight = 1.0 / sd**2
+        shared = float((weight * totals * target).sum() / (weight * totals**2).sum()) if totals.any() else 0.0
+        pooled = max(0.0, shared)
+        rows, values = matrix / sd[:, None], target / sd
+        if pooled > 0:
+            rows = np.vstack([rows, np.eye(len(GEMMS)) / pooled])
+            values = np.concatenate([values, np.ones(len(GEMMS))])
+        coefficients, _ = nnls(rows, values)
         residual = target - matrix @ coefficients
-        dof = max(1, len(gaps) - int((coefficients > 0).sum()))
+        dof = max(1, len(per_seed) - int((coefficients > 0).sum()))
         spread = float(math.sqrt(float(residual @ residual) / dof))
-        return cls(dict(zip(GEMMS, map(float, coefficients), strict=True)), spread, len(gaps), kind)
+        return cls(
+            dict(zip(GEMMS, map(float, coefficients), strict=True)), spread, len(per_seed), kind, pooled
+        )
 
     def predict(self, features: Mapping[str, float]) -> float:
         return float(sum(self.coefficients[g] * features[g] for g in GEMMS))
@@ -111,6 +154,7 @@ class GapModel:
             "spread": self.spread,
             "points": self.points,
             "features": self.features,
+            "pooled": self.pooled,
         }
 
     @classmethod
@@ -136,7 +180,14 @@ class GapModel:
             data = data["sensitivity"]
         try:
             coefficients = {g: float(data["coefficients"][g]) for g in GEMMS}
-            return cls(coefficients, float(data["spread"]), int(data.get("points", 0)), features)
+            pooled = data.get("pooled")
+            return cls(
+                coefficients,
+                float(data["spread"]),
+                int(data.get("points", 0)),
+                features,
+                None if pooled is None else float(pooled),
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise StudyError(
                 f"{path}: not a gap model (the gap_model.json of 'numscope calibrate'): {error}"
