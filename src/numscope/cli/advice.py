@@ -172,7 +172,6 @@ def _register_recommend(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from numscope import workflow
-    from numscope.vocab import GEMMS
 
     if args.seed != 0:
         raise CLIError("--seed: calibrate trains every seed of --seeds; pass --seeds instead")
@@ -188,19 +187,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         sensitivity_batches=args.sensitivity,
     )
     model = result.gap_model
-    print(
-        "gap ≈ "
-        + " + ".join(f"{model.coefficients[g]:.4g}·noise({g})" for g in GEMMS)
-        + f" nats (residual sd {model.spread:.3g}; FP32 seed noise {result.noise:.4f} nats over "
-        f"{len(args.seeds)} seeds)"
-    )
+    print(f"gap ≈ {model.formula()}; FP32 seed noise {result.noise:.4f} nats over {len(args.seeds)} seeds")
     fitted = result.sensitivity_model
     if fitted is not None:
-        print(
-            "gap ≈ "
-            + " + ".join(f"{fitted.coefficients[g]:.4g}·S({g})" for g in GEMMS)
-            + f" nats (S: the operands' measured gradient error squared; residual sd {fitted.spread:.3g})"
-        )
+        print(f"gap ≈ {fitted.formula()}; S: the operands' measured gradient error squared")
     for row in result.rows:
         per_seed = ", ".join(f"{gap:+.4f}" for gap in row["gaps"])
         print(f"  {row['name']}: gap {row['gap_mean']:+.4f} nats (per seed: {per_seed})")

@@ -122,6 +122,14 @@ class GapModel:
             dict(zip(GEMMS, map(float, coefficients), strict=True)), spread, len(per_seed), kind, pooled
         )
 
+    def formula(self) -> str:
+        """The fitted model as text: ``c·noise(fprop) + … nats`` (``S(…)`` for sensitivity features), with
+        the pooled coefficient every role's was drawn towards."""
+        symbol = "S" if self.features == "sensitivity" else "noise"
+        terms = " + ".join(f"{self.coefficients[g]:.4g}·{symbol}({g})" for g in GEMMS)
+        prior = "" if self.pooled is None else f"; every role drawn towards {self.pooled:.4g}"
+        return f"{terms} nats (residual sd {self.spread:.3g}{prior})"
+
     def predict(self, features: Mapping[str, float]) -> float:
         return float(sum(self.coefficients[g] * features[g] for g in GEMMS))
 

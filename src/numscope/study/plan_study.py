@@ -30,7 +30,8 @@ comparisons.
 
 **Predicted gap.** :class:`GapModel` predicts a plan's gap before it is trained: gap ≈ Σ_role c_role ·
 Σ_{operands of that role} n(format), n the operand's relative noise power from the FP32 analysis, c ≥ 0 fitted
-(non-negative least squares) on the calibration runs. The study compares predicted and measured gaps of
+(non-negative least squares, each run weighted by its seed noise, with a prior towards the coefficient every
+role would share: :meth:`GapModel.fit`) on the calibration runs. The study compares predicted and measured gaps of
 every plan it trains (Spearman rank correlation).
 """
 
@@ -63,7 +64,6 @@ from numscope.study.plans import (
     uniform_formats,
 )
 from numscope.study.table import _rank, factor_two_share, plan_study_table, verdict
-from numscope.vocab import GEMMS
 
 _DATA: dict[Any, Any] = {}
 
@@ -211,21 +211,14 @@ def run_plan_study(
         [role_noise(analysis, formats_of(p)) for p in calibration],
         [gaps(p.name) for p in calibration],
     )
-    log(
-        "[model] gap ≈ "
-        + " + ".join(f"{gap_model.coefficients[g]:.4g}·noise({g})" for g in GEMMS)
-        + f" nats (residual {gap_model.spread:.3g})"
-    )
+    log(f"[model] gap ≈ {gap_model.formula()}")
     scores = _sensitivity_scores(out_dir, config, text, task, log)
     sensitivity_model = GapModel.fit(
         [scores.features(operands, formats_of(p)) for p in calibration],
         [gaps(p.name) for p in calibration],
+        "sensitivity",
     )
-    log(
-        "[model] from sensitivities: gap ≈ "
-        + " + ".join(f"{sensitivity_model.coefficients[g]:.4g}·S({g})" for g in GEMMS)
-        + f" nats (residual {sensitivity_model.spread:.3g})"
-    )
+    log(f"[model] from sensitivities: gap ≈ {sensitivity_model.formula()}")
     studied = budget_plans(analysis, operands, config, gap_model, (scores, sensitivity_model))
     phase2 = [task(p.name, save(p), s) for p in studied for s in config.seeds]
     log(f"[budgets] {len(phase2)} runs: {len(studied)} plans × {len(config.seeds)} seeds")
@@ -288,10 +281,9 @@ def run_plan_study(
         f"{within_two['predicted_gap_sensitivity']}."
     )
     table += (
-        "\nFrom sensitivities (each operand alone on the trained FP32 model): gap = "
-        + " + ".join(f"{sensitivity_model.coefficients[g]:.4g}·S({g})" for g in GEMMS)
-        + f" (residual sd {sensitivity_model.spread:.3g} nats); Spearman with the measured gap: "
-        f"{rho_sensitivity:.2f}.\n" + limits_text(derived)
+        f"\nFrom sensitivities (each operand alone on the trained FP32 model): gap = "
+        f"{sensitivity_model.formula()}; Spearman with the measured gap: {rho_sensitivity:.2f}.\n"
+        + limits_text(derived)
     )
     result = PlanStudyResult(rows, noise, gap_model, rho, table)
     payload = {

@@ -10,7 +10,6 @@ import numpy as np
 
 from numscope.study.config import WIN_SIGMAS, PlanStudyConfig
 from numscope.study.gap_models import GapModel
-from numscope.vocab import GEMMS
 
 
 def _rank(rows: list[dict[str, Any]]) -> None:
@@ -115,9 +114,7 @@ def plan_study_table(
     lines += ["", *budget_summary(rows)]
     lines += [
         "",
-        "Predicted gap = "
-        + " + ".join(f"{gap_model.coefficients[g]:.4g}·noise({g})" for g in GEMMS)
-        + f" (fitted on {gap_model.points} calibration runs, residual sd {gap_model.spread:.3g} nats); "
-        f"Spearman rank correlation with the measured gap over the uniform and budget plans: {rho:.2f}.",
+        f"Predicted gap = {gap_model.formula()}, fitted on {gap_model.points} calibration runs; Spearman "
+        f"rank correlation with the measured gap over the uniform and budget plans: {rho:.2f}.",
     ]
     return "\n".join(lines)
