@@ -74,7 +74,7 @@ def test_a_run_of_another_plan_or_training_is_never_reused(data: RunData, tmp_pa
         train_run(RunSpec("a", "fp8"), factory, config, data, folder, objective="clm", compiled=False)
     with pytest.raises(RunError, match=r"lr: 0\.002 → 0\.003"):
         train_run(RunSpec("a", "bf16"), factory, replace(config, lr=3e-3), data, folder, objective="clm")
-    with pytest.raises(RunError, match="loss_scaling: \"none\" → \"dynamic\""):
+    with pytest.raises(RunError, match='loss_scaling: "none" → "dynamic"'):
         train_run(RunSpec("a", "bf16", "dynamic"), factory, config, data, folder, objective="clm")
     assert train_run(RunSpec("a", "bf16"), factory, config, data, folder, objective="clm") == first
     # replace_changed: the old run is kept beside, the new plan is trained

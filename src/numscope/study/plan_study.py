@@ -30,9 +30,9 @@ comparisons.
 
 **Predicted gap.** :class:`GapModel` predicts a plan's gap before it is trained: gap ≈ Σ_role c_role ·
 Σ_{operands of that role} n(format), n the operand's relative noise power from the FP32 analysis, c ≥ 0 fitted
-(non-negative least squares, each run weighted by its seed noise, with a prior towards the coefficient every
-role would share: :meth:`GapModel.fit`) on the calibration runs. The study compares predicted and measured gaps of
-every plan it trains (Spearman rank correlation).
+(non-negative least squares, each run weighted by its seed noise, with a prior towards the coefficient
+every role would share: :meth:`GapModel.fit`) on the calibration runs. The study compares predicted and
+measured gaps of every plan it trains (Spearman rank correlation).
 """
 
 from __future__ import annotations
