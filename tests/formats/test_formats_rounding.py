@@ -71,3 +71,20 @@ def test_block_formats_round_toward_zero_and_stochastically_within_the_block_sca
     # about minus half a gap everywhere)
     bias = ((draws.double().mean(0) - x.double()) * x.sign()).mean().abs().item()
     assert bias < 0.05 * (toward_zero - x).abs().double().mean().item()
+
+
+@pytest.mark.parametrize(
+    ("name", "low", "high"),
+    [("fp4_e2m1", 0.0, 0.5), ("fp4_e2m1", 4.0, 6.0), ("fp16", 0.0, 2.0**-24), ("fp16", 1.0, 1.0 + 2.0**-10),
+     ("int8", 0.0, 1.0), ("int8", 2.0, 3.0)],
+)  # fmt: skip
+def test_ties_away_rounds_the_largest_float_below_a_midpoint_down(name: str, low: float, high: float) -> None:
+    """roundTiesToAway on the exact value: the midpoint goes away from zero, the float32 just below it
+    goes down (floor(|x| + 0.5) rounded that float32 sum up to the next integer), for both signs."""
+    import numpy as np
+
+    middle = np.float32((low + high) / 2)
+    below = np.nextafter(middle, np.float32(0))
+    values = torch.tensor([middle, below, -middle, -below], dtype=torch.float32)
+    out = numscope.quantize(values, name, rounding="nearest_away", scaling="none")
+    assert out.tolist() == [high, low, -high, -low]

@@ -59,7 +59,11 @@ def _round_scaled(t: torch.Tensor, rounding: str, generator: torch.Generator | N
     if rounding == "nearest":
         return torch.round(t)
     if rounding == "nearest_away":
-        return torch.copysign(torch.floor(t.abs() + 0.5), t)
+        # not floor(|t| + 0.5): that sum rounds up for the largest float32 below a midpoint (0.49999997 + 0.5
+        # is 1.0 in float32); |t| - trunc(|t|) is exact, so comparing it with 0.5 decides the tie exactly
+        magnitude = t.abs()
+        whole = torch.trunc(magnitude)
+        return torch.copysign(whole + (magnitude - whole >= 0.5).to(t.dtype), t)
     if rounding == "zero":
         return torch.trunc(t)
     return torch.floor(t + _uniform_like(t, generator))
