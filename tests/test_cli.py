@@ -535,6 +535,46 @@ def test_a_grouped_query_attention_llama_config_is_analyzed_and_trained(ws: Path
     assert math.isfinite(json.loads((ws / "runs" / "llama_fp8" / "result.json").read_text())["val_loss"])
 
 
+@pytest.mark.parametrize("model", ["bert", "llama_gqa"])
+def test_every_recommended_plan_exports_and_a_target_plan_exports_whole(ws: Path, model: str) -> None:
+    """analyze → recommend → export on the tool's own outputs: the default plan exports to every stack
+    (what a stack cannot run is listed, exit 0); a plan made with --target exports with nothing listed."""
+    from transformers import LlamaConfig
+
+    if model == "llama_gqa":
+        config = LlamaConfig(
+            vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64,
+        )  # fmt: skip
+        config.to_json_file(ws / "llama_gqa_targets.json")
+        spec = ws / "llama_gqa_targets.json"
+    else:
+        spec = ws / "bert.json"
+    out = ws / "runs" / f"targets_{model}"
+    formats = ["bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3@rceil", "nvfp4", "int8", "mxfp6_e3m2"]
+    result = cli("analyze", *flags(ws, spec), "--candidates", *formats, "--every", "2", "--out", out)
+    assert result.code == 0, result.err
+    plain = cli("recommend", out, "-o", ws / f"{model}_plain.yaml")
+    assert plain.code == 0, plain.err
+    assert "objective: noise" in plain.out  # no sensitivity measured: the noise objective, said so
+    no_limits = ["--min-sqnr-db", "none", "--max-underflow-pct", "none", "--max-overflow-pct", "none"]
+    no_limits += ["--max-be-ratio", "none"]
+    for target in ("torchao", "te", "megatron"):
+        exported = cli("export", ws / f"{model}_plain.yaml", "--to", target, "--model", spec, "--out",
+                       ws / f"{model}_plain_{target}")  # fmt: skip
+        assert exported.code == 0, exported.err
+        for extra in ([], [*no_limits, "--bit-budget", "31"]):
+            plan_path = ws / f"{model}_{target}_{len(extra)}.yaml"
+            made = cli("recommend", out, "-o", plan_path, "--target", target, *extra)
+            assert made.code == 0, made.err
+            exported = cli("export", plan_path, "--to", target, "--model", spec, "--out", ws / f"x_{target}")
+            assert exported.code == 0, exported.err
+            assert "cannot express" not in exported.out, exported.out
+            plan = Plan.load(plan_path)
+            scores = [name for name in Analysis.load(out / "analysis").sites() if name.endswith(".scores")]
+            assert scores and all(plan.for_site(name).is_high for name in scores)  # no stack converts them
+
+
 def test_train_under_a_named_recipe_gives_it_the_models_sites(ws: Path) -> None:
     out = ws / "runs" / "te_nvfp4"
     result = cli("train", *flags(ws), "--plan", "te_nvfp4", "--out", out)

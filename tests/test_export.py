@@ -241,12 +241,15 @@ def test_transformer_engine_export_follows_the_documented_api() -> None:
     }
     assert imported == {"DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Format",
                         "MXFP8BlockScaling", "NVFP4BlockScaling"}  # fmt: skip
-    assert "RECIPE = NVFP4BlockScaling()" in exported.files["numscope_te.py"]
+    assert (  # TE's defaults written out, as the recipe has them: RHT, stochastic rounding, 16x16 weights
+        "RECIPE = NVFP4BlockScaling(disable_rht=False, disable_stochastic_rounding=False, "
+        "disable_2d_quantization=False)" in exported.files["numscope_te.py"]
+    )
     debug = yaml.safe_load(exported.files["numscope_te_debug.yaml"])
     for section in debug.values():  # TE debug tools: enabled, layers, namespaced features
         assert set(section) == {"enabled", "layers", "transformer_engine"} and section["enabled"] is True
         assert set(section["layers"]) == {"layer_name_regex_pattern"}
-        feature = section["transformer_engine"]["DisableFP8GEMM"]
+        feature = section["transformer_engine"]["DisableQuantizationGEMM"]  # TE >= 2.13's name
         assert feature["enabled"] is True and set(feature["gemms"]) <= {"fprop", "dgrad", "wgrad"}
     kept = {section["layers"]["layer_name_regex_pattern"] for section in debug.values()}
     assert r"^cls\.predictions\.decoder$" in kept  # the BF16 tail of the NVFP4 recipe

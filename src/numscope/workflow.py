@@ -126,26 +126,18 @@ def _save_plan(plan: Plan, path: Path) -> None:
 def export_plan(
     plan: str, target: str, model: str, out: str | os.PathLike[str], objective: str = "auto"
 ) -> tuple[list[Path], list[str]]:
-    """Write ``plan`` (a YAML path, preset or recipe) for ``target`` (torchao, te, megatron) for the Linear
-    sites of ``model`` (as ``--model`` takes it; built once, untrained, to list its sites) into ``out``.
-    Returns the files written and what the target cannot express (:mod:`numscope.plan.export`)."""
+    """Write ``plan`` (a YAML path, preset or recipe) for ``target`` (torchao, te, megatron) for the sites
+    of ``model`` (as ``--model`` takes it) into ``out``. The model is built once, untrained, and run forward
+    on an example batch, as ``analyze`` runs it, so that every site a plan can name is found: the Linear
+    layers and the products in forward code (attention's scores and context). Returns the files written
+    and what the target cannot express (:mod:`numscope.plan.export`)."""
     from numscope.plan.export import TARGETS, ExportError, export
-    from numscope.run.tokenizer import TokenizerInfo
-    from numscope.sites import sites
 
     if target not in TARGETS:
         raise WorkflowError(f"--to {target}: unknown target; allowed: {', '.join(TARGETS)}")
     folder = check_output_folder(out)
     loaded, source = plan_and_source(plan)
-    resolved = resolve_model(model, objective)
-    vocab = int(getattr(resolved.config, "vocab_size", 0) or 1000)
-    tokenizer = TokenizerInfo(vocab_size=vocab, pad_id=0, unk_id=1, cls_id=2, sep_id=3, mask_id=4)
-    positions = getattr(resolved.config, "max_position_embeddings", None) or getattr(
-        resolved.config, "n_positions", None
-    )
-    factory, _ = resolved.build(tokenizer, min(int(positions or 8), 8))
-    with fork_rng():
-        found = [(site.name, site.kind) for site in sites(factory())]
+    found = model_sites(model, objective)
     names = [name for name, _ in found]
     if plan in Plan.recipes():  # a recipe's layer choice (NVFP4's BF16 layers) needs the model's sites
         loaded = Plan.recipe(plan, names)
@@ -155,6 +147,32 @@ def export_plan(
     except ExportError as error:
         raise WorkflowError(str(error)) from error
     return result.save(folder), result.unexpressed
+
+
+def model_sites(model: str, objective: str = "auto", seq_len: int = 8) -> list[tuple[str, str]]:
+    """``(site name, kind)`` of every site of ``model`` (as ``--model`` takes it) in call order: the model
+    is built untrained and run forward once, without gradients, on a batch of ``seq_len`` random tokens
+    (what its objective feeds it: input ids, attention mask)."""
+    import torch
+
+    from numscope.run.objectives import get_objective
+    from numscope.run.tokenizer import TokenizerInfo
+    from numscope.sites import sites
+
+    resolved = resolve_model(model, objective)
+    vocab = int(getattr(resolved.config, "vocab_size", 0) or 1000)
+    tokenizer = TokenizerInfo(vocab_size=vocab, pad_id=0, unk_id=1, cls_id=2, sep_id=3, mask_id=4)
+    positions = getattr(resolved.config, "max_position_embeddings", None) or getattr(
+        resolved.config, "n_positions", None
+    )
+    length = min(int(positions or seq_len), seq_len)
+    factory, kind = resolved.build(tokenizer, length)
+    with fork_rng():
+        torch.manual_seed(0)
+        blocks = torch.randint(5, max(vocab, 6), (2, length))
+        example = next(get_objective(kind).batches(blocks, 2, tokenizer, 0, 0))
+        inputs = {key: value for key, value in example.items() if key != "labels"}
+        return [(site.name, site.kind) for site in sites(factory(), inputs)]
 
 
 def analysis_average_bits(plan: Plan, analysis: Analysis) -> float:
@@ -238,6 +256,20 @@ def load_gap_model(path: str | os.PathLike[str], features: str = "noise") -> Any
         return GapModel.load(path, features)
     except StudyError as error:
         raise WorkflowError(f"--gap-model: {error}") from error
+
+
+OBJECTIVE_WHY = {
+    "sensitivity": "the analysis measured every operand's sensitivity and a bit budget is given",
+    "noise": "the analysis holds no operand sensitivity, or no bit budget is given; 'numscope analyze "
+    "--sensitivity N --sensitivity-granularity operand' measures it",
+}
+
+
+def default_objective(analysis: Analysis, bit_budget: float | None) -> str:
+    """``sensitivity`` where the analysis measured every operand's sensitivity and a bit budget is given
+    (the objective that tied the best heuristics in the plan study), else ``noise``."""
+    measured = analysis.sensitivity is not None and analysis.sensitivity.granularity == "operand"
+    return "sensitivity" if measured and bit_budget is not None else "noise"
 
 
 def sensitivity_objective(analysis: Analysis, gap_model: Any = None) -> Callable[[Any, str], float]:

@@ -74,18 +74,28 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         criteria["per_operand"] = per_operand
     for item in args.criterion or ():
         criteria.update(_key_values(item, "--criterion", CRITERIA))
+    if args.target:
+        criteria["target"] = args.target
     analysis = Analysis.load(workflow.find_analysis(args.analysis))
-    gap_model = workflow.load_gap_model(args.gap_model, args.objective) if args.gap_model else None
-    if args.objective == "sensitivity":
+    objective = args.objective
+    why = "asked for"
+    if objective == "auto":
+        objective = workflow.default_objective(analysis, args.bit_budget)
+        why = workflow.OBJECTIVE_WHY[objective]
+    gap_model = workflow.load_gap_model(args.gap_model, objective) if args.gap_model else None
+    if objective == "sensitivity":
         if args.bit_budget is None:
             raise CLIError("--objective sensitivity chooses within a --bit-budget; give one")
         criteria["objective"] = workflow.sensitivity_objective(analysis, gap_model)
+        for name, _ in _CRITERIA:  # the noise objective's guards: off unless asked for
+            criteria.setdefault(name, None)
     elif gap_model is not None and gap_model.noise_weights():
         criteria["noise_weights"] = gap_model.noise_weights()
     plan, rows = workflow.recommend_plan(analysis, args.output, **criteria)
     print(render_table(rows))
+    print(f"\nobjective: {objective} ({why})")
     print(
-        f"\naverage bits per GEMM operand element (weighted by operand size): "
+        f"average bits per GEMM operand element (weighted by operand size): "
         f"{workflow.analysis_average_bits(plan, analysis):.2f}"
     )
     if gap_model is not None:
@@ -96,11 +106,14 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
             "calibration runs; it holds for the model and training it was fitted on)"
         )
     print(f"plan: {args.output}  (next: numscope train --plan {args.output} ...)")
+    if args.target and args.target != "emulation":
+        print(f"export: numscope export {args.output} --to {args.target} --model M --out DIR")
     return 0
 
 
 def _register_recommend(sub: argparse._SubParsersAction) -> None:
     from numscope.advisor import CRITERIA, Limits, recommend
+    from numscope.plan.targets import TARGETS
 
     defaults = Limits()
     p = sub.add_parser(
@@ -140,12 +153,21 @@ def _register_recommend(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--objective",
-        choices=("noise", "sensitivity"),
-        default="noise",
-        help="what --bit-budget minimises: noise, the operands' relative noise power in the FP32 analysis; "
-        "sensitivity, their measured gradient error when quantized alone (needs 'numscope analyze "
-        "--sensitivity N --sensitivity-granularity operand'; in the plan study it ranked plans as their "
-        "trained loss did, the noise objective did no better than random plans) (default: %(default)s)",
+        choices=("auto", "noise", "sensitivity"),
+        default="auto",
+        help="what --bit-budget minimises: sensitivity, the operands' measured gradient error when quantized "
+        "alone (needs 'numscope analyze --sensitivity N --sensitivity-granularity operand'; in the plan "
+        "study it tied the best heuristics and beat random plans; the four limits are off under it unless "
+        "given); noise, their relative noise power in the FP32 analysis under the limits (in the plan study "
+        "no better than random plans); auto: sensitivity where the analysis measured it and a "
+        "--bit-budget is given, else noise (default: %(default)s)",
+    )
+    p.add_argument(
+        "--target",
+        choices=tuple(TARGETS),
+        metavar="STACK",
+        help="choose only what this training stack runs, so that 'numscope export --to STACK' carries the "
+        f"plan whole: {', '.join(TARGETS)} (emulation: every measured format, per operand; the default)",
     )
     p.add_argument(
         "--reference",

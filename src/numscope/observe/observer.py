@@ -102,6 +102,7 @@ class Observer:
         self._replicated: set[OperandKey] = set()  # the same on every rank: counted once when merged
         self._elements: dict[OperandKey, int] = {}
         self._plan_formats: dict[OperandKey, str] = {}
+        self._site_kinds: dict[str, str] = {}  # site name -> kind, in the order the sites first ran
         self._errors = BackwardErrors(self._formats, self._row_candidates, config.pairs, self.generator)
         self._ranks = 1  # how many ranks the sampled steps were merged over
 
@@ -206,6 +207,7 @@ class Observer:
                 "be_rows": self.config.be_rows,
                 "pairs": [list(pair) for pair in self.config.pairs],
                 "steps_seen": self._step,
+                "site_kinds": [[name, kind] for name, kind in self._site_kinds.items()],
                 **({"ranks": self._ranks} if self._ranks > 1 else {}),
             },
         )
@@ -241,6 +243,7 @@ class Observer:
         }
         self._elements = dict(analysis.elements)
         self._plan_formats = dict(analysis.plan_formats)
+        self._site_kinds = {str(name): str(kind) for name, kind in analysis.meta.get("site_kinds", [])}
         self._replicated = {tuple(key) for key in state["replicated"]}  # type: ignore[misc]
         self._step, self._ranks = int(state["step"]), int(state["ranks"])
         self.generator.set_state(state["generator"])
@@ -253,6 +256,7 @@ class Observer:
     def _observe(self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         if gemm == "fprop" and not (self.config.no_grad_forwards or forward_has_grad(self.model)):
             return tensor
+        self._site_kinds.setdefault(site.name, site.kind)
         if self.sampling and tensor.is_floating_point() and tensor.numel() > 0:
             if is_parameter_operand(site, operand):
                 self._replicated.add((site.name, gemm, operand))

@@ -322,15 +322,28 @@ def to_torchao(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a nu
 # -- Transformer Engine -----------------------------------------------------------------------------------
 
 
-def _te_recipe(spec: OperandSpec, operand: str) -> str | None:
-    """The TE recipe an operand's spec is an instance of (``None``: none is)."""
+#: the placeholder an NVFP4 operand votes for; its switches are decided over the whole plan
+_NVFP4 = "NVFP4BlockScaling"
+
+
+def _te_recipe(spec: OperandSpec, gemm: str, operand: str) -> str | None:
+    """The TE recipe an operand's spec is an instance of (``None``: none is); NVFP4 operands give
+    :data:`_NVFP4`, whose switches :func:`_nvfp4_recipe` sets from every NVFP4 operand of the plan."""
     fmt, scaling = spec.format_spec(), spec.effective_scaling()
-    if spec.rounding != "nearest" and not (fmt is not None and fmt.name.startswith("nvfp4")):
+    if fmt is not None and fmt.name in ("nvfp4", "nvfp4@2d"):
+        transform_ok = spec.transform is None or (spec.transform == "rht16" and gemm == "wgrad")
+        rounding_ok = spec.rounding == "nearest" or (
+            spec.rounding == "stochastic" and operand == "grad_output"
+        )
+        two_d_ok = fmt.name == "nvfp4" or operand == "weight"
+        plain = spec.scaling is None and not spec.flush_subnormals
+        return _NVFP4 if transform_ok and rounding_ok and two_d_ok and plain else None
+    if spec.rounding != "nearest" or spec.transform is not None:
         return None
     if isinstance(fmt, BlockFormat):
-        if fmt.name == "mxfp8_e4m3@rceil":
+        if fmt.name == "mxfp8_e4m3@rceil" and spec.scaling is None and not spec.flush_subnormals:
             return "MXFP8BlockScaling(fp8_format=Format.E4M3)"
-        return "NVFP4BlockScaling()" if fmt.name in ("nvfp4", "nvfp4@2d") else None
+        return None
     if spec.format not in _FP8_DTYPES or scaling is None:
         return None
     if scaling.kind == "block" and spec.format == "fp8_e4m3" and scaling.power_of_two:
@@ -350,6 +363,33 @@ def _te_recipe(spec: OperandSpec, operand: str) -> str | None:
     return None
 
 
+#: NVFP4BlockScaling's switches and, for each, the operands whose spec decides it and how
+_NVFP4_SWITCHES = (
+    ("disable_rht", "the random Hadamard transform (rht16) on wgrad's operands",
+     lambda g, o, spec: spec.transform != "rht16" if g == "wgrad" else None),
+    ("disable_stochastic_rounding", "stochastic rounding of grad_output",
+     lambda g, o, spec: spec.rounding != "stochastic" if o == "grad_output" else None),
+    ("disable_2d_quantization", "16x16 weight scales (nvfp4@2d)",
+     lambda g, o, spec: spec.format_spec().name != "nvfp4@2d" if o == "weight" else None),
+)  # fmt: skip
+
+
+def _nvfp4_recipe(operands: Sequence[tuple[str, str, OperandSpec]]) -> tuple[str, list[str]]:
+    """TE's NVFP4BlockScaling with every switch written out, from the plan's NVFP4 operands
+    ``(gemm, operand, spec)``; and a line for each switch the operands disagree on (TE sets it once)."""
+    settings, problems = [], []
+    for name, what, decides in _NVFP4_SWITCHES:
+        votes = [decides(g, o, spec) for g, o, spec in operands]
+        values = [v for v in votes if v is not None]
+        value = max(set(values), key=values.count) if values else True
+        if len(set(values)) > 1:
+            problems.append(
+                f"NVFP4 operands differ in {what}: TE's recipe switches it for every layer ({name}={value})"
+            )
+        settings.append(f"{name}={value}")
+    return f"NVFP4BlockScaling({', '.join(settings)})", problems
+
+
 def _one_recipe(recipes: dict[str, int]) -> str:
     """The recipe most operands follow; E4M3-only votes join HYBRID where gradients are E5M2 (TE's HYBRID
     is E4M3 forward and E5M2 for gradients)."""
@@ -366,10 +406,12 @@ def _one_recipe(recipes: dict[str, int]) -> str:
 def to_transformer_engine(
     plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a numscope plan"
 ) -> Export:
-    """TE's recipe (``numscope_te.py``) and debug-tools YAML (``numscope_te_debug.yaml``) for ``plan``."""
+    """TE's recipe (``numscope_te.py``) and debug-tools YAML (``numscope_te_debug.yaml``) for ``plan``:
+    Transformer Engine 2.13 or later (``te.autocast(recipe=...)``, ``DisableQuantizationGEMM``)."""
     linear, unexpressed = _linear_sites(plan, sites)
     recipes: dict[str, int] = {}
     planned: dict[tuple[str, str, str], str] = {}
+    nvfp4: list[tuple[str, str, OperandSpec]] = []
     high: dict[str, list[str]] = {}
     for name, spec in linear.items():
         for gemm in GEMMS:
@@ -378,15 +420,22 @@ def to_transformer_engine(
                 high.setdefault(name, []).append(gemm)
                 continue
             for operand, operand_spec in zip(OPERANDS[gemm], specs, strict=True):
-                recipe = None if _high(operand_spec) else _te_recipe(operand_spec, operand)
-                if recipe is None:
+                recipe = None if _high(operand_spec) else _te_recipe(operand_spec, gemm, operand)
+                if _high(operand_spec):
                     unexpressed.append(
-                        f"{name} {gemm}/{operand} {_describe(operand_spec)}: no TE recipe runs it next to a "
-                        "quantized operand (TE quantizes both operands of a GEMM); the GEMM runs quantized"
+                        f"{name} {gemm}/{operand} high beside a quantized operand: TE quantizes both "
+                        "operands of a GEMM or neither; the GEMM runs quantized"
+                    )
+                elif recipe is None:
+                    unexpressed.append(
+                        f"{name} {gemm}/{operand} {_describe(operand_spec)}: no TE recipe has these numerics "
+                        "for this operand"
                     )
                 else:
                     recipes[recipe] = recipes.get(recipe, 0) + 1
                     planned[(name, gemm, operand)] = recipe
+                    if recipe == _NVFP4:
+                        nvfp4.append((gemm, operand, operand_spec))
     chosen = _one_recipe(recipes)
     others = sorted({recipe for recipe in planned.values() if recipe != chosen})
     for recipe in others:
@@ -394,18 +443,21 @@ def to_transformer_engine(
             unexpressed.append(
                 f"operands planned as {recipe}: TE runs one recipe per autocast region ({chosen})"
             )
+    if chosen == _NVFP4:
+        chosen, problems = _nvfp4_recipe(nvfp4)
+        unexpressed += problems
     sections = {}
     for index, (name, gemms) in enumerate(sorted(high.items())):
         sections[f"numscope_high_{index}"] = {
             "enabled": True,
             "layers": {"layer_name_regex_pattern": f"^{re.escape(name)}$"},
-            "transformer_engine": {"DisableFP8GEMM": {"enabled": True, "gemms": list(gemms)}},
+            "transformer_engine": {"DisableQuantizationGEMM": {"enabled": True, "gemms": list(gemms)}},
         }
     recipe_file = "\n".join(
         [
-            f'"""Transformer Engine recipe for {source}, exported by numscope.',
+            f'"""Transformer Engine recipe for {source}, exported by numscope (TE 2.13 or later).',
             "",
-            "    with te.fp8_autocast(enabled=True, fp8_recipe=RECIPE):  # TE 2.x: te.autocast(recipe=...)",
+            "    with te.autocast(enabled=True, recipe=RECIPE):",
             "        loss = model(batch)",
             "",
             "The GEMMs the plan keeps in high precision are in numscope_te_debug.yaml (TE's debug tools:",
@@ -455,13 +507,14 @@ def to_megatron(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a n
         for layer in layers
         if any(not _high(s.operand(g, o)) for s in by_layer[layer] for g, o in OPERAND_KEYS)
     ]
-    recipes = {
-        _te_recipe(s.operand(g, o), o)
+    quantized_operands = [
+        (g, o, s.operand(g, o))
         for layer in quantized
         for s in by_layer[layer]
         for g, o in OPERAND_KEYS
         if not _high(s.operand(g, o))
-    }
+    ]
+    recipes = {_te_recipe(spec, g, o) for g, o, spec in quantized_operands}
     wgrad_high = all(
         _high(s.operand("wgrad", o))
         for layer in quantized
@@ -472,6 +525,20 @@ def to_megatron(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a n
     if quantized:
         first = [layer for layer in layers if layer < quantized[0]]
         last = [layer for layer in layers if layer > quantized[-1]]
+        partly = sorted(
+            {
+                f"{g}/{o}"
+                for layer in quantized
+                for s in by_layer[layer]
+                for g, o in OPERAND_KEYS
+                if _high(s.operand(g, o)) and not (wgrad_high and g == "wgrad")
+            }
+        )
+        if partly:
+            unexpressed.append(
+                f"{', '.join(partly)} high inside quantized layers: Megatron quantizes every GEMM of a "
+                "quantized layer (only wgrad can stay high, with --no-fp8-wgrad)"
+            )
         for layer in layers:
             if quantized[0] < layer < quantized[-1] and layer not in quantized:
                 unexpressed.append(
@@ -479,8 +546,23 @@ def to_megatron(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a n
                 )
         named = sorted(recipe for recipe in recipes if recipe is not None)
         recipe = _one_recipe({name: 1 for name in named})
-        if None in recipes or len({r.replace("Format.E4M3", "Format.HYBRID") for r in named}) > 1:
-            unexpressed.append(f"the quantized layers mix numerics; the flags use {recipe}")
+        if None in recipes:
+            unexpressed.append(
+                f"some quantized operands have numerics no TE recipe has; the flags use {recipe}"
+            )
+        if len({r.replace("Format.E4M3", "Format.HYBRID") for r in named}) > 1:
+            unexpressed.append(f"the quantized layers mix recipes {', '.join(named)}; the flags use {recipe}")
+        if recipe == _NVFP4:
+            nvfp4 = [(g, o, spec) for g, o, spec in quantized_operands if _te_recipe(spec, g, o) == _NVFP4]
+            recipe, problems = _nvfp4_recipe(nvfp4)
+            unexpressed += problems
+        if recipe.startswith("DelayedScaling") and (first or last):
+            raise ExportError(
+                "delayed scaling with leading or trailing layers high: Megatron-LM's TransformerConfig "
+                "rejects it ('Delayed scaling does not support first / last layer in BF16', "
+                "megatron/core/transformer/transformer_config.py); keep every layer quantized or use "
+                "current scaling"
+            )
         flags += _megatron_flags(recipe)
         if wgrad_high:
             flags.append("--no-fp8-wgrad")
@@ -515,7 +597,18 @@ def _megatron_flags(recipe: str) -> list[str]:
     if recipe.startswith("Float8BlockScaling"):
         return ["--fp8-format e4m3", "--fp8-recipe blockwise"]
     if recipe.startswith("NVFP4"):
-        return ["--fp4-format e2m1", "--fp4-recipe nvfp4"]
+        switches = dict(re.findall(r"(\w+)=(True|False)", recipe))
+        environment = [
+            f"#   export NVTE_NVFP4_{name.upper()}={1 if value == 'True' else 0}"
+            for name, value in switches.items()
+        ]
+        return [
+            "--fp4-format e2m1",
+            "--fp4-recipe nvfp4",
+            "# Megatron-LM builds TE's NVFP4BlockScaling() with its defaults, which TE reads from the",
+            "# environment when it is imported; set before launching:",
+            *environment,
+        ]
     return [f"--fp8-format {fmt}", "--fp8-recipe tensorwise"]
 
 

@@ -125,9 +125,11 @@ def analysis_tables(analysis: Any) -> AnalysisView:
 
 
 def _site_order(analysis: Any) -> tuple[str, ...]:
-    """Sites in model order when the analysis records it (``meta["sites"]``), else in natural name order."""
+    """Sites in model order when the analysis records it (``meta["site_kinds"]``, the observer's, or
+    ``meta["sites"]``), else in natural name order."""
     found = set(analysis.sites())
-    recorded = [site for site in analysis.meta.get("sites", ()) if site in found]
+    names = [name for name, _ in analysis.meta.get("site_kinds", ())] or analysis.meta.get("sites", ())
+    recorded = [site for site in dict.fromkeys(names) if site in found]
     rest = sorted(found - set(recorded), key=natural_key)
     return (*recorded, *rest)
 

@@ -21,9 +21,13 @@ class Operands:
 
     @classmethod
     def from_analysis(cls, analysis: Analysis, site_order: Sequence[str] | None = None) -> Operands:
-        """Every operand the analysis measured, ordered by ``site_order`` (the model's call order; sites it
-        does not list follow in natural order), then GEMM and operand."""
-        order = {site: i for i, site in enumerate(site_order or ())}
+        """Every operand the analysis measured, ordered by ``site_order`` (the model's call order; default:
+        the order the observer saw the sites run, ``analysis.meta["site_kinds"]``; sites neither lists follow
+        in natural order), then GEMM and operand. So "the last layers" of a Llama end at its ``lm_head``,
+        whatever its name sorts as."""
+        if site_order is None:
+            site_order = [name for name, _ in analysis.meta.get("site_kinds", ())]
+        order = {site: i for i, site in enumerate(site_order)}
         measured = analysis.keys()
         keys = [k for k in measured if analysis.elements.get(k, 0) > 0]
         if not keys:

@@ -1,0 +1,159 @@
+"""What each training stack can run: the numerics and the granularity a plan made for it may use.
+
+``numscope recommend --target T`` (:func:`numscope.advisor.advise` with ``target=``) chooses only among
+what the target expresses, so that ``numscope export --to T`` carries the plan whole. Each target is data:
+
+* **recipes** — the numerics a quantized GEMM can run, each a format per operand role (``input``,
+  ``weight``, ``grad_output``) that numscope's observer measures under that very name, with that format's
+  default scaling (per-tensor current amax for FP8, the block scale for MX and NVFP4): so the plan the
+  advisor writes is exactly what the stack runs, not a stand-in.
+* **granularity** — what can stay in high precision: ``gemm`` (any of fprop, dgrad, wgrad of any Linear
+  module) or ``layer_ends`` (leading and trailing transformer layers, every GEMM of the layer).
+* **one_recipe** — whether the whole model runs one recipe (Transformer Engine's autocast region,
+  Megatron-LM's flags) or each module may take its own (torchao's per-module configs).
+
+Only Linear sites (``nn.Linear``, transformers' ``Conv1D``) are converted by any stack; attention's
+products, convolutions and other matmul sites stay high. Where each fact comes from is in ``source``.
+The ``emulation`` target is every format numscope has, per operand: plans for studying, not for a kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from numscope.plan.spec import PlanError, _unknown
+
+EMULATION = "emulation"
+#: site kinds every stack converts (numscope.sites: nn.Linear and transformers' Conv1D)
+LINEAR_KINDS = ("linear", "conv1d")
+
+
+@dataclass(frozen=True)
+class StackRecipe:
+    """One numerics a stack runs a quantized GEMM in: a measured format name per operand role.
+
+    name: short name (used in reasons and tables); label: the stack's own name for it.
+    """
+
+    name: str
+    label: str
+    formats: Mapping[str, str]
+
+    def format_for(self, operand: str) -> str:
+        return self.formats[operand]
+
+    @property
+    def measured(self) -> tuple[str, ...]:
+        """The format names the observer must have measured for this recipe."""
+        return tuple(dict.fromkeys(self.formats.values()))
+
+
+@dataclass(frozen=True)
+class Target:
+    """A training stack as the advisor sees it (see the module docstring)."""
+
+    name: str
+    description: str
+    source: str
+    recipes: tuple[StackRecipe, ...] = ()
+    granularity: str = "gemm"
+    one_recipe: bool = True
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def is_emulation(self) -> bool:
+        return self.name == EMULATION
+
+
+_HYBRID = StackRecipe(
+    "fp8",
+    "FP8 E4M3 input/weight, E5M2 grad_output, per-tensor current scaling",
+    {"input": "fp8_e4m3", "weight": "fp8_e4m3", "grad_output": "fp8_e5m2"},
+)
+_TE_HYBRID = StackRecipe("fp8", "Float8CurrentScaling(fp8_format=Format.HYBRID)", _HYBRID.formats)
+_TE_MXFP8 = StackRecipe(
+    "mxfp8",
+    "MXFP8BlockScaling(fp8_format=Format.E4M3)",
+    {"input": "mxfp8_e4m3@rceil", "weight": "mxfp8_e4m3@rceil", "grad_output": "mxfp8_e4m3@rceil"},
+)
+_TE_NVFP4 = StackRecipe(
+    "nvfp4",
+    "NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True, disable_2d_quantization=True)",
+    {"input": "nvfp4", "weight": "nvfp4", "grad_output": "nvfp4"},
+)
+_TE_SOURCE = (
+    "Transformer Engine >= 2.13: transformer_engine/common/recipe/__init__.py (Float8CurrentScaling, "
+    "MXFP8BlockScaling, NVFP4BlockScaling and its disable_rht / disable_stochastic_rounding / "
+    "disable_2d_quantization switches); transformer_engine/debug/features/disable_quantization_gemm.py "
+    "(DisableQuantizationGEMM: any of fprop, dgrad, wgrad of a named layer in high precision, any format)"
+)
+
+TARGETS: dict[str, Target] = {
+    target.name: target
+    for target in (
+        Target(
+            EMULATION,
+            "every format numscope measured, chosen per operand (numscope's own emulation; no stack runs "
+            "every such plan)",
+            "numscope",
+            granularity="operand",
+            one_recipe=False,
+        ),
+        Target(
+            "te",
+            "Transformer Engine: one recipe for the model (FP8 current scaling, MXFP8 or plain NVFP4), and "
+            "any GEMM of any Linear layer kept in high precision",
+            _TE_SOURCE,
+            (_TE_HYBRID, _TE_MXFP8, _TE_NVFP4),
+            "gemm",
+            True,
+            (
+                "TE runs one recipe per autocast region: the advisor tries each and keeps the best",
+                "NVFP4 is TE's recipe with its random Hadamard transform, stochastic rounding and 16x16 "
+                "weight scales switched off: those are not measured by the observer",
+                "attention products (TE's fused attention) and non-Linear sites stay high",
+            ),
+        ),
+        Target(
+            "torchao",
+            "torchao float8 training: per Linear module, each GEMM in FP8 (E4M3 input/weight, E5M2 "
+            "grad_output, tensorwise scaling) or in high precision",
+            "torchao 0.18: torchao/float8/config.py (Float8LinearConfig, CastConfig per operand and GEMM, "
+            "ScalingType.DISABLED), convert_to_float8_training(module_filter_fn=...)",
+            (StackRecipe("fp8", "Float8LinearConfig (tensorwise, E4M3/E5M2)", _HYBRID.formats),),
+            "gemm",
+            False,
+            (
+                "torchao quantizes both operands of a GEMM or neither, and casts an operand to one dtype",
+                "torchao's MXFP8 training is not offered: torchao 0.18 drops a Linear's bias under it and "
+                "needs every dimension a multiple of 32",
+            ),
+        ),
+        Target(
+            "megatron",
+            "Megatron-LM: one recipe for the transformer layers (--fp8-recipe tensorwise or mxfp8, "
+            "--fp4-recipe nvfp4), the first and last layers optionally in BF16; the output layer and "
+            "everything outside the layers stay high",
+            "Megatron-LM core_v0.15+: megatron/core/transformer/transformer_config.py "
+            "(first_last_layers_bf16, num_layers_at_start/end_in_bf16; not with delayed scaling), "
+            "megatron/core/fp8_utils.py, megatron/core/fp4_utils.py (NVFP4BlockScaling from TE, whose "
+            "switches are TE's NVTE_NVFP4_DISABLE_* environment variables)",
+            (_TE_HYBRID, _TE_MXFP8, _TE_NVFP4),
+            "layer_ends",
+            True,
+            (
+                "every GEMM of a quantized layer is quantized; only whole leading and trailing layers stay "
+                "high",
+            ),
+        ),
+    )
+}
+
+
+def get_target(name: str) -> Target:
+    """The :class:`Target` called ``name``; a :class:`PlanError` listing the known ones otherwise."""
+    found = TARGETS.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise PlanError(_unknown("target", str(name), TARGETS))
+    return found
