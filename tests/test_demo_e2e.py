@@ -28,10 +28,20 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
         env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    names = ["fp32", "recommended", "bf16", "fp16+scaling", "e5m2-grads", "e5m2-grads+scaling", "fp8"]
+    names = [
+        "fp32",
+        "recommended",
+        "last-layers",
+        "bf16",
+        "fp16+scaling",
+        "e5m2-grads",
+        "e5m2-grads+scaling",
+        "fp8",
+    ]
     names += ["mxfp8", "int8", "mxfp4"]
     names += ["fp32-seed1", "fp32-seed2"]  # FP32 again from other seeds: the claims' seed noise
     names += ["recommended-seed1", "recommended-seed2"]  # the plan from those seeds: paired with them
+    names += ["last-layers-seed1", "last-layers-seed2"]  # the heuristic at the plan's budget, paired too
     table = [line.split("|")[1].strip() for line in result.stdout.splitlines() if line.startswith("| ")]
     assert table[1:] == names  # the header, then one row per run in this order
     report = (out / "report.html").read_text()
@@ -54,7 +64,7 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     # the table's bits are the [plan] line's: both weigh the fp32 analysis's operand sizes
     stated = re.search(r"\[plan\] ([\d.]+) average bits", result.stderr + result.stdout)
     assert stated is not None and f"{runs['recommended']['avg_bits']:.2f}" == stated.group(1)
-    assert len(summary["claims"]) == 6 and all(isinstance(c["held"], bool) for c in summary["claims"])
+    assert len(summary["claims"]) == 7 and all(isinstance(c["held"], bool) for c in summary["claims"])
     assert summary["unigram_loss"] < math.log(vocab)
     fp32_losses = [runs[name]["val_loss"] for name in ("fp32", "fp32-seed1", "fp32-seed2")]
     assert summary["fp32_seed_sd"] == pytest.approx(statistics.stdev(fp32_losses))

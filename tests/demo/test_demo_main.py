@@ -67,7 +67,7 @@ def test_an_interrupted_demo_resumes_bit_exactly_and_keeps_finished_runs(
     summary = run_demo(folder, TINY, [text_file], log=lambda _: None, progress=False)
     assert all(path.stat().st_mtime_ns == mtime for path, mtime in finished.items()), "finished runs rerun"
     assert [r["name"] for r in summary["runs"]] == RUN_NAMES
-    assert (folder / "report.html").is_file() and len(summary["claims"]) == 6
+    assert (folder / "report.html").is_file() and len(summary["claims"]) == 7
     _assert_final_models(folder, summary, RUN_NAMES)
 
     # the resumed run equals one trained without interruption: every evaluation and every logged loss
@@ -86,6 +86,7 @@ def test_an_interrupted_demo_resumes_bit_exactly_and_keeps_finished_runs(
 RUN_NAMES = [
     "fp32",
     "recommended",
+    "last-layers",  # the plan study's best heuristic at the plan's budget, for the same target
     "bf16",
     "fp16+scaling",
     "e5m2-grads",
@@ -98,6 +99,8 @@ RUN_NAMES = [
     "fp32-seed2",
     "recommended-seed1",
     "recommended-seed2",
+    "last-layers-seed1",
+    "last-layers-seed2",
 ]
 
 
@@ -119,7 +122,7 @@ def test_the_baselines_include_the_issues_uniform_formats_with_per_tensor_int8()
     from numscope.formats.spec import get_format
 
     specs = {spec.name: spec for spec in demo_main.BASELINES}
-    assert [spec.name for spec in demo_main.BASELINES] == RUN_NAMES[2:-4]
+    assert [spec.name for spec in demo_main.BASELINES] == RUN_NAMES[3:-6]
     assert all(spec.description for spec in (*demo_main.BASELINES, demo_main.REFERENCE))
     for name, fmt, scaling in (("mxfp8", "mxfp8_e4m3", "block"), ("int8", "int8", "tensor")):
         plan = specs[name].load_plan()
@@ -141,6 +144,10 @@ def test_a_demo_folder_of_an_earlier_demo_keeps_its_runs_and_adds_the_new_ones(
     monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path / "cache"))
     real_train_run = run_loop.train_run
     folder = tmp_path / "demo"
+    # the demo of that time: the noise objective's plan, no heuristic beside it (its fp32 run kept no model
+    # to measure a sensitivity on)
+    config = replace(TINY, advisor=demo_main.AdvisorRequest(target=None, objective="noise"))
+    names = [name for name in RUN_NAMES if not name.startswith("last-layers")]
     earlier = tuple(spec for spec in demo_main.BASELINES if spec.name not in ("mxfp8", "int8"))
     monkeypatch.setattr(demo_main, "BASELINES", earlier)
     monkeypatch.setattr(
@@ -148,19 +155,19 @@ def test_a_demo_folder_of_an_earlier_demo_keeps_its_runs_and_adds_the_new_ones(
         "train_run",
         lambda *args, **kwargs: real_train_run(*args, **{**kwargs, "save_model": False}),
     )
-    run_demo(folder, replace(TINY, noise_seeds=()), [text_file], log=lambda _: None, progress=False)
+    run_demo(folder, replace(config, noise_seeds=()), [text_file], log=lambda _: None, progress=False)
     finished = {p: p.stat().st_mtime_ns for p in folder.glob("runs/*/result.json")}
     assert len(finished) == 8 and not list(folder.glob("runs/*/model.pt"))
 
     monkeypatch.undo()
     monkeypatch.setenv("NUMSCOPE_CACHE", str(tmp_path / "cache"))
     lines: list[str] = []
-    summary = run_demo(folder, TINY, [text_file], log=lines.append, progress=False)
+    summary = run_demo(folder, config, [text_file], log=lines.append, progress=False)
     assert all(path.stat().st_mtime_ns == mtime for path, mtime in finished.items()), "finished runs rerun"
-    assert [r["name"] for r in summary["runs"]] == RUN_NAMES
+    assert [r["name"] for r in summary["runs"]] == names
     new = ["mxfp8", "int8", "fp32-seed1", "fp32-seed2", "recommended-seed1", "recommended-seed2"]
     _assert_final_models(folder, summary, new)
-    old = [name for name in RUN_NAMES if name not in new]
+    old = [name for name in names if name not in new]
     assert all(row["model"] is None for row in summary["runs"] if row["name"] in old)
     assert sum("finished without model.pt" in line for line in lines) == len(old)
     report = (folder / "report.html").read_text(encoding="utf-8")
@@ -383,7 +390,7 @@ def test_the_plan_rationale_cites_a_measured_flush_that_the_backward_error_rejec
     from numscope.advisor import advise
     from numscope.demo.main import AdvisorRequest, _flush_example
 
-    request = AdvisorRequest()
+    request = AdvisorRequest(target=None, objective="noise")  # the limits' request
     analysis = _flush_analysis((("a", 99.0, 3.0), ("b", 90.0, 500.0)))
     recommendation = advise(analysis, **request.kwargs())
     example = _flush_example(recommendation, analysis)
@@ -405,6 +412,8 @@ def test_the_plan_rationale_follows_the_request() -> None:
     from numscope.demo.main import AdvisorRequest
 
     request = AdvisorRequest(
+        target=None,
+        objective="noise",
         bit_budget=9.0,
         criteria=(("max_be_ratio", 40.0), ("max_underflow_pct", 5.0), ("max_overflow_pct", None)),
     )
@@ -530,3 +539,36 @@ def test_a_worker_that_dies_raises_instead_of_leaving_the_pool_waiting(
         )
         with pytest.raises(BrokenProcessPool):
             pool.next_finished()
+
+
+def test_the_heuristic_claim_calls_a_tie_a_tie_and_a_loss_a_loss() -> None:
+    from numscope.demo.main import HEURISTIC, RECOMMENDED, _heuristic_claim
+
+    def rows(differences: list[float]) -> list[dict]:
+        out = []
+        for index, difference in enumerate(differences):
+            suffix = "" if index == 0 else f"-seed{index}"
+            out.append({"name": RECOMMENDED + suffix, "val_loss": 5.0 + difference, "avg_bits": 12.5})
+            out.append({"name": HEURISTIC + suffix, "val_loss": 5.0, "avg_bits": 12.52})
+        return out
+
+    text, held = _heuristic_claim(rows([0.01, -0.01, 0.005]))
+    assert held and "ties it (within the noise)" in text and "12.50 and 12.52 bits" in text
+    text, held = _heuristic_claim(rows([-0.03, -0.031, -0.029]))
+    assert held and "beats it beyond the noise" in text
+    text, held = _heuristic_claim(rows([0.03, 0.031, 0.029]))
+    assert not held and "is behind it beyond the noise" in text and "does NOT hold" in text
+    text, held = _heuristic_claim(rows([0.0]))
+    assert not held and "not tested" in text
+
+
+def test_the_requests_budget_sits_midway_between_the_targets_cheapest_recipe_and_its_fp8() -> None:
+    from numscope.demo.main import AdvisorRequest
+
+    with pytest.raises(ValueError, match="allowed: sensitivity, noise"):
+        AdvisorRequest(objective="loss")
+    with pytest.raises(ValueError, match="within a bit budget"):
+        AdvisorRequest(target=None)
+    request = AdvisorRequest()
+    assert request.target == "te" and request.measured
+    assert AdvisorRequest(bit_budget=9.0).budget(None) == 9.0  # given: used as is

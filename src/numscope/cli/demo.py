@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from numscope.cli.common import CLIError, _int_at_least, render_table
+from numscope.cli.common import CLIError, _int_at_least, _positive_float, render_table
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -24,6 +24,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         config = replace(config, threads=args.threads)
     if args.jobs is not None:
         config = replace(config, jobs=args.jobs)
+    if args.target is not None or args.bit_budget is not None:
+        target = args.target or config.advisor.target
+        if target == "emulation" and args.bit_budget is None:
+            raise CLIError("--target emulation has no FP8 recipe to set the budget from; give --bit-budget")
+        advisor = replace(config.advisor, target=target, bit_budget=args.bit_budget)
+        config = replace(config, advisor=advisor)
     sizes = {name: getattr(args, name) for name in _DEMO_SIZES if getattr(args, name) is not None}
     config = replace(config, **{k: v for k, v in sizes.items() if k != "batch_size"})
     if args.batch_size is not None:
@@ -111,6 +117,22 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--text", nargs="+", metavar="PATH", help="your own text files instead of the Wikipedia corpus"
+    )
+    from numscope.plan.targets import TARGETS
+
+    p.add_argument(
+        "--target",
+        choices=tuple(TARGETS),
+        metavar="STACK",
+        help=f"the stack the recommended plan is made for: {', '.join(TARGETS)} (default "
+        f"{DemoConfig().advisor.target}; emulation needs --bit-budget)",
+    )
+    p.add_argument(
+        "--bit-budget",
+        type=_positive_float,
+        metavar="BITS",
+        help="the recommended plan's average-bit budget (default: midway between the target's cheapest "
+        "recipe and its FP8 recipe on this model)",
     )
     defaults = DemoConfig()
     size = p.add_argument_group(

@@ -62,25 +62,83 @@ nonzero gradient values entering the GEMM."""
 class AdvisorRequest:
     """How the demo asks the advisor for its plan (see :mod:`numscope.advisor` for the criteria).
 
-    By default the demo uses the advisor's own limits, which were calibrated on training outcomes (the
-    plan study: the loosest limits that accept every format that trained at FP32 parity); ``criteria``
-    overrides some of them. With no bit cap the advisor gives each operand the cheapest format that meets
-    every limit.
+    By default the plan is for a training stack (``target``, Transformer Engine: :mod:`numscope.plan.targets`)
+    and chosen by the objective that tied the best heuristics in the plan study (``objective="sensitivity"``:
+    each operand quantized alone on the trained FP32 model, on ``sensitivity_batches`` validation batches,
+    its gradient error squared summed over the plan, GEMM roles weighed alike: the demo fits no gap model),
+    within a bit budget. ``bit_budget`` None takes the budget **midway between the target's cheapest recipe
+    and its uniform FP8** on this model (both with what the stack does not convert kept high): a rule fixed
+    before any outcome was seen, so that the plan costs fewer bits than the stack's own 8-bit recipe by
+    construction and its loss is what is tested. ``objective="noise"`` (with ``target=None``) is the
+    earlier request: the advisor's limits and, with a budget, the least total noise.
     """
 
     bit_budget: float | None = None
     criteria: tuple[tuple[str, float | None], ...] = ()
+    target: str | None = "te"
+    objective: str = "sensitivity"
+    sensitivity_batches: int = 2
 
-    def kwargs(self) -> dict[str, Any]:
-        return {"bit_budget": self.bit_budget, **dict(self.criteria)}
+    def __post_init__(self) -> None:
+        if self.objective not in ("sensitivity", "noise"):
+            raise ValueError(f"AdvisorRequest.objective {self.objective!r}: allowed: sensitivity, noise")
+        if self.objective == "sensitivity" and self.target is None and self.bit_budget is None:
+            raise ValueError("the sensitivity objective chooses within a bit budget: give one or a target")
 
-    def rationale(self, example: str | None = None, default_bits: float | None = None) -> str:
+    @property
+    def measured(self) -> bool:
+        """Whether the request needs the FP32 model's sensitivity (measured after the fp32 run)."""
+        return self.objective == "sensitivity"
+
+    def budget(self, analysis: Any = None) -> float | None:
+        """The bit budget: the request's own, or midway between the target's cheapest recipe and its FP8
+        recipe over the analysis's operands (see the class docstring)."""
+        if self.bit_budget is not None or self.target is None or self.objective == "noise":
+            return self.bit_budget
+        low, fp8 = self.recipe_range(analysis)
+        return round((low + fp8) / 2, 2)
+
+    def recipe_range(self, analysis: Any) -> tuple[float, float]:
+        """(the target's cheapest recipe everywhere, its FP8 recipe everywhere) in average bits."""
+        from numscope.advisor.target import recipe_bits
+        from numscope.plan.targets import get_target
+
+        bits = recipe_bits(analysis, get_target(str(self.target)), analysis.candidates)
+        if "fp8" not in bits:
+            raise DemoError(f"target {self.target}: its FP8 recipe was not measured (candidates)")
+        return min(bits.values()), bits["fp8"]
+
+    def kwargs(self, analysis: Any = None, objective: Any = None) -> dict[str, Any]:
+        """The advisor's keyword arguments; ``objective`` replaces the measured one (a heuristic's order)."""
+        extra: dict[str, Any] = {"target": self.target} if self.target is not None else {}
+        if self.objective == "noise":
+            return {"bit_budget": self.bit_budget, **extra, **dict(self.criteria)}
+        from numscope.advisor import sensitivity_objective
+
+        if objective is None:
+            if analysis is None or analysis.sensitivity is None:
+                raise DemoError("the sensitivity objective needs the analysis's measured sensitivity")
+            objective = sensitivity_objective(analysis.sensitivity)
+        limits: dict[str, Any] = dict.fromkeys(_BASIC_LIMITS, None)  # the noise objective's guards: off
+        limits.update(dict(self.criteria))
+        return {"bit_budget": self.budget(analysis), "objective": objective, **extra, **limits}
+
+    def rationale(
+        self, example: str | None = None, default_bits: float | None = None, analysis: Any = None
+    ) -> str:
         """How the plan was asked for and why, as a paragraph for the report (plain text), built from this
         request's own criteria. ``example``: a measured case of a format whose flushed values the backward
         error judges (shown where the underflow share is off and the backward-error limit on);
         ``default_bits``: the average bits under the advisor's default limits."""
         from numscope.advisor import Limits
 
+        if self.measured:
+            return (
+                f"The advisor made a plan for {self.target} ({self.describe(analysis)}): each GEMM of each "
+                "Linear layer runs in one of the stack's recipes or stays high, and the budget keeps high "
+                "the GEMMs whose quantization costs the gradient most. The heuristic beside it (last-layers) "
+                "is the same solver at the same budget, keeping the last layers high instead."
+            )
         defaults, effective = Limits(), self.limits()
         limits = {name: getattr(effective, name) for name in self._shown()}
         if self.bit_budget is None:
@@ -160,11 +218,29 @@ class AdvisorRequest:
         basic = ["max_be_ratio", "max_underflow_pct", "max_overflow_pct", "min_sqnr_db"]
         return basic + [name for name, _ in self.criteria if name not in basic]
 
-    def describe(self) -> str:
+    def describe(self, analysis: Any = None) -> str:
+        if self.measured:
+            budget = self.budget(analysis) if analysis is not None else self.bit_budget
+            rule = (
+                f"at most {budget:g} bits per element"
+                if budget is not None
+                else "a budget midway between the target's cheapest recipe and its FP8"
+            )
+            if self.bit_budget is None and analysis is not None:
+                low, fp8 = self.recipe_range(analysis)
+                rule += f" (midway between {low:.2f}, its cheapest recipe everywhere, and {fp8:.2f}, its FP8)"
+            return (
+                f"target {self.target}; objective: measured sensitivity (each operand's gradient error when "
+                f"quantized alone, {self.sensitivity_batches} validation batches, GEMM roles weighed alike); "
+                f"{rule}; limits off"
+            )
         effective = self.limits()
         limits = ", ".join(f"{name} {_limit_text(getattr(effective, name))}" for name in self._shown())
         budget = "no bit cap" if self.bit_budget is None else f"at most {self.bit_budget:g} bits per element"
-        return f"{limits}; {budget}"
+        return f"{limits}; {budget}" + (f"; target {self.target}" if self.target else "")
+
+
+_BASIC_LIMITS = ("max_be_ratio", "max_underflow_pct", "max_overflow_pct", "min_sqnr_db")
 
 
 def _limit_text(value: float | None) -> str:
@@ -450,28 +526,42 @@ def _run_demo(
                     )
                 if name != REFERENCE.name:
                     continue
-                analysis = Analysis.load(out_dir / "runs" / REFERENCE.name / "analysis")
+                analysis_dir = out_dir / "runs" / REFERENCE.name / "analysis"
+                analysis = Analysis.load(analysis_dir)
+                if config.advisor.measured and analysis.sensitivity is None:
+                    analysis.sensitivity = measure_sensitivity(out_dir, config, data, mcfg, analysis, log)
+                    analysis.save(analysis_dir)
                 # deterministic: what plan.yaml holds
-                recommendation = advise(analysis, **config.advisor.kwargs())
+                recommendation = advise(analysis, **config.advisor.kwargs(analysis))
                 if not plan_path.exists():
                     recommendation.plan.save(plan_path)
                     log(
                         f"[plan] {recommendation.average_bits:.2f} average bits per operand element "
-                        f"({config.advisor.describe()})"
+                        f"({config.advisor.describe(analysis)})"
                     )
                 # the default limits' bits, said only where the demo's request departs from them
                 departs = bool(config.advisor.criteria) or config.advisor.bit_budget is not None
-                default_bits = _default_limits_bits(analysis) if departs else None
+                if not config.advisor.measured:
+                    default_bits = _default_limits_bits(analysis) if departs else None
                 recommended = RunSpec(RECOMMENDED, str(plan_path), description=RECOMMENDED_DESCRIPTION)
                 queue(pool, recommended)
                 for seed in config.noise_seeds:  # paired with fp32-seedN: the plan's own seed-to-seed test
                     queue(pool, recommended_seed_spec(seed, str(plan_path)), seed=seed)
+                if config.advisor.measured:  # the best heuristic of the plan study, at the same budget
+                    heuristic_path = out_dir / HEURISTIC_PLAN
+                    if not heuristic_path.exists():
+                        heuristic_plan(analysis, config.advisor).plan.save(heuristic_path)
+                    queue(pool, heuristic_spec(None, str(heuristic_path)))
+                    for seed in config.noise_seeds:
+                        queue(pool, heuristic_spec(seed, str(heuristic_path)), seed=seed)
         finally:
             for name in list(bars):
                 end(name)
-    order = [REFERENCE.name, RECOMMENDED, *(spec.name for spec in BASELINES)]
+    heuristic = [HEURISTIC] if config.advisor.measured else []
+    order = [REFERENCE.name, RECOMMENDED, *heuristic, *(spec.name for spec in BASELINES)]
     order += [noise_spec(seed).name for seed in config.noise_seeds]
     order += [recommended_seed_spec(seed).name for seed in config.noise_seeds]
+    order += [heuristic_spec(seed).name for seed in config.noise_seeds if heuristic]
     results = {name: results[name] for name in order}  # the table's order, whichever finished first
     assert analysis is not None  # loaded when the fp32 run finished
 
@@ -499,7 +589,10 @@ def _run_demo(
     noise = fp32_seed_noise(rows)
     e5m2 = next(r for r in rows if r["name"] == E5M2_SCALED)
     e5m2_underflow = fp16_underflow_by_site(analysis, e5m2["final_scale"], "fp8_e5m2")
-    claims = _claims(rows, underflow, unigram, default_bits, noise, e5m2_underflow)
+    target_fp8 = None
+    if config.advisor.measured and config.advisor.target is not None:
+        target_fp8 = (config.advisor.target, config.advisor.recipe_range(analysis)[1])
+    claims = _claims(rows, underflow, unigram, default_bits, noise, e5m2_underflow, target_fp8)
 
     from numscope.report import write_report
 
@@ -514,7 +607,7 @@ def _run_demo(
         context_free_loss=unigram,
         setup=_setup(config, data),
         plan_intro=html.escape(
-            config.advisor.rationale(_flush_example(recommendation, analysis), default_bits)
+            config.advisor.rationale(_flush_example(recommendation, analysis), default_bits, analysis)
         ),
         progress=progress,
     )
@@ -546,6 +639,79 @@ def recommended_pairs(rows: Sequence[dict[str, Any]]) -> list[tuple[str, float]]
             if fp32 is not None:
                 pairs.append((f"seed{seeded[1]}", row["val_loss"] - fp32["val_loss"]))
     return pairs
+
+
+HEURISTIC = "last-layers"
+HEURISTIC_PLAN = "last_layers.yaml"
+
+
+def heuristic_plan(analysis: Any, request: AdvisorRequest) -> Any:
+    """The plan study's best heuristic, "keep the last layers high" (the NVFP4 recipe's rule), for the
+    request's target and budget: the same solver as the recommended plan, its objective the layers' call
+    order instead of the measured sensitivity (:func:`numscope.study.plans.order_objective`)."""
+    from numscope.advisor import advise
+    from numscope.study.operands import Operands
+    from numscope.study.plans import order_last_layers, order_objective
+
+    objective = order_objective(order_last_layers(Operands.from_analysis(analysis)))
+    kwargs = request.kwargs(analysis, objective=objective)
+    return advise(analysis, **kwargs, objective_name="last-layers order (2^-position)")
+
+
+def heuristic_spec(seed: int | None, plan: str = HEURISTIC_PLAN) -> RunSpec:
+    """The heuristic's run (``last-layers``), or its run from another seed, paired with ``fp32-seedN``."""
+    if seed is None:
+        return RunSpec(HEURISTIC, plan, description="keep the last layers high, at the plan's budget")
+    return RunSpec(seed_run_name(HEURISTIC, seed), plan, description=f"the last-layers plan from seed {seed}")
+
+
+def measure_sensitivity(
+    out_dir: Path, config: DemoConfig, data: RunData, mcfg: ModelConfig, analysis: Any, log: Callable
+) -> Any:
+    """The trained FP32 model's operand sensitivity: every operand of every site the request's target
+    converts, quantized alone in each of the target's measured formats, on the first validation batches."""
+    import time
+
+    from numscope._names import exact_pattern
+    from numscope.advisor.target import site_kinds
+    from numscope.plan.targets import LINEAR_KINDS, get_target
+    from numscope.run.model import bert_mlm_from_config
+    from numscope.run.objectives import get_objective
+    from numscope.sensitivity import sensitivity
+    from numscope.train.checkpoint import load_checkpoint
+
+    request = config.advisor
+    kinds = site_kinds(analysis)
+    formats = list(analysis.candidates)
+    sites = list(kinds)
+    if request.target is not None:
+        target = get_target(request.target)
+        if not target.is_emulation:
+            wanted = {f for recipe in target.recipes for f in recipe.measured}
+            formats = [f for f in analysis.candidates if f in wanted]
+            sites = [name for name, kind in kinds.items() if kind in LINEAR_KINDS]
+    stream = get_objective("mlm").batches(
+        data.val_blocks, config.train.batch_size, data.tokenizer, config.train.seed, 0
+    )
+    batches = [next(stream) for _ in range(request.sensitivity_batches)]
+    saved = out_dir / "runs" / REFERENCE.name / MODEL_FILE
+    if not saved.is_file():
+        raise DemoError(
+            f"{saved} is missing (the fp32 run of an earlier demo kept no model), so its sensitivity cannot "
+            f"be measured: delete {saved.parent} to train it again, or choose another --out"
+        )
+    model = bert_mlm_from_config(mcfg)
+    model.load_state_dict(load_checkpoint(saved)["model"])
+    passes = len(batches) * (1 + 6 * len(sites) * len(formats))
+    log(
+        f"[sensitivity] {len(sites)} sites × 6 operands × {len(formats)} formats ({', '.join(formats)}) on "
+        f"{len(batches)} validation batches: {passes} forward and backward passes"
+    )
+    start = time.perf_counter()
+    patterns = [exact_pattern(name) for name in sites]
+    result = sensitivity(model, batches, candidates=formats, sites=patterns, granularity="operand")
+    log(f"[sensitivity] done in {time.perf_counter() - start:.0f}s")
+    return result
 
 
 def noise_spec(seed: int) -> RunSpec:
@@ -672,12 +838,15 @@ def _scale_text(scale: float) -> str:
 
 
 def _setup(config: DemoConfig, data: RunData) -> dict[str, Any]:
+    heuristic = config.advisor.measured
     specs = (
         REFERENCE,
         RunSpec(RECOMMENDED, "plan.yaml", description=RECOMMENDED_DESCRIPTION),
+        *((heuristic_spec(None),) if heuristic else ()),
         *BASELINES,
         *(noise_spec(seed) for seed in config.noise_seeds),
         *(recommended_seed_spec(seed) for seed in config.noise_seeds),
+        *(heuristic_spec(seed) for seed in config.noise_seeds if heuristic),
     )
     return {
         "model": f"BertForMaskedLM, {config.layers} layers, hidden {config.hidden}, {config.heads} heads, "
@@ -705,6 +874,7 @@ def _claims(
     default_bits: float | None = None,
     noise: float | None = None,
     e5m2_underflow: list[dict[str, Any]] | None = None,
+    target_fp8: tuple[str, float] | None = None,
 ) -> list[tuple[str, bool]]:
     """The demo's claims, each checked against what this run measured and stated either way.
 
@@ -713,7 +883,10 @@ def _claims(
 
     noise: FP32's seed-to-seed standard deviation of the validation loss (nats). With it, every
     comparison says where it stands against the noise, and "A falls behind B" needs the difference to
-    exceed :data:`NOISE_SIGMAS` times it."""
+    exceed :data:`NOISE_SIGMAS` times it.
+
+    target_fp8: (the plan's target, the average bits of that stack's uniform FP8 recipe on this model): the
+    bar the plan's bits are held to; without it, the uniform fp8 run's."""
     by = {r["name"]: r for r in rows}
     fp32 = by["fp32"]["val_loss"]
 
@@ -766,7 +939,13 @@ def _claims(
     else:
         held = gap(RECOMMENDED) <= WITHIN_PERCENT
         bar = f"within {WITHIN_PERCENT:g}% of FP32"
-    fewer = "fewer" if rec["avg_bits"] < fp8["avg_bits"] else "no fewer"
+    bar_name, bar_bits = "uniform FP8", fp8["avg_bits"]
+    if target_fp8 is not None:
+        bar_name, bar_bits = (
+            f"{target_fp8[0]}'s uniform FP8 recipe (what it does not convert high)",
+            target_fp8[1],
+        )
+    fewer = "fewer" if rec["avg_bits"] < bar_bits else "no fewer"
     default = ""
     if default_bits is not None:
         default = f" (under the advisor's default limits the plan would need {default_bits:.2f} bits)"
@@ -792,13 +971,15 @@ def _claims(
     claims.append(
         (
             f"Recommended plan: gap to FP32 {gap(RECOMMENDED):+.2f}% at {rec['avg_bits']:.2f} average bits "
-            f"per GEMM operand element, against uniform FP8's {fp8['avg_bits']:.2f} bits "
-            f"(gap {gap('fp8'):+.2f}%{also})"
-            f"{default}{noise_text} — the claim, the plan trains {bar}, {verdict(held)}; it uses {fewer} "
-            "bits than uniform FP8.",
-            held,
+            f"per GEMM operand element, against {bar_name}'s {bar_bits:.2f} bits (the uniform fp8 run: "
+            f"{fp8['avg_bits']:.2f} bits, gap {gap('fp8'):+.2f}%{also})"
+            f"{default}{noise_text} — the claim, the plan trains {bar} with fewer bits, "
+            f"{verdict(held and fewer == 'fewer')}; it uses {fewer} bits than {bar_name}.",
+            held and fewer == "fewer",
         )
     )
+    if HEURISTIC in by:
+        claims.append(_heuristic_claim(rows))
     if underflow:
         worst = max(underflow, key=lambda r: r["before%"])
         mean_before = sum(r["before%"] for r in underflow) / len(underflow)
@@ -874,6 +1055,44 @@ def _claims(
         )
     )
     return claims
+
+
+def _heuristic_claim(rows: Sequence[dict[str, Any]]) -> tuple[str, bool]:
+    """numscope's plan against the last-layers heuristic at the same budget, paired seed by seed: it holds
+    unless the plan is behind beyond 2 sd of the paired differences (a tie holds, and is called a tie)."""
+    by = {r["name"]: r for r in rows}
+    pairs = [("main", by[RECOMMENDED]["val_loss"] - by[HEURISTIC]["val_loss"])]
+    for name, row in by.items():
+        seeded = parse_seed_run(name)
+        if seeded is not None and seeded[0] == RECOMMENDED:
+            other = by.get(seed_run_name(HEURISTIC, seeded[1]))
+            if other is not None:
+                pairs.append((f"seed{seeded[1]}", row["val_loss"] - other["val_loss"]))
+    diffs = [d for _, d in pairs]
+    per_seed = ", ".join(f"{seed} {d:+.4f}" for seed, d in pairs)
+    bits = f"{by[RECOMMENDED]['avg_bits']:.2f} and {by[HEURISTIC]['avg_bits']:.2f} bits"
+    if len(diffs) < 3:
+        return (
+            f"Against the last-layers heuristic at the same budget ({bits}): recommended − last-layers "
+            f"{per_seed} nats — fewer than 3 seeds, so the claim that the plan ties or beats it is not "
+            "tested (NOT held).",
+            False,
+        )
+    mean, sd = statistics.mean(diffs), statistics.stdev(diffs)
+    if mean < -NOISE_SIGMAS * sd:
+        standing = "beats it beyond the noise"
+    elif mean > NOISE_SIGMAS * sd:
+        standing = "is behind it beyond the noise"
+    else:
+        standing = "ties it (within the noise)"
+    held = mean <= NOISE_SIGMAS * sd
+    return (
+        f"Against the plan study's best heuristic at the same budget, keep the last layers high ({bits}): "
+        f"paired on {len(diffs)} seeds, recommended − last-layers = {mean:+.4f} ± {sd:.4f} nats "
+        f"({per_seed}); the plan {standing} — the claim that the measured plan ties or beats the guess "
+        f"{'holds' if held else 'does NOT hold'}.",
+        held,
+    )
 
 
 def summary_table(summary: dict[str, Any]) -> list[dict[str, str]]:

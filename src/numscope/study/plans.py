@@ -4,6 +4,7 @@ every plan of every budget."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,6 +54,19 @@ def order_gradients_high(operands: Operands) -> list[OperandKey]:
     """Per GEMM role, as Transformer Engine's hybrid gives gradients the wide format: every
     ``grad_output`` operand first, then the rest, in site order."""
     return sorted(operands.keys, key=lambda k: (k[2] != "grad_output", operands.keys.index(k)))
+
+
+def order_objective(order: Sequence[OperandKey]) -> Callable[[OperandKey, str], float]:
+    """An advisor objective that makes a heuristic's order the advisor's choice: quantizing the k-th
+    operand of ``order`` (kept high first) costs 2^(n − k), more than all later ones together, so that the
+    bit budget keeps the heuristic's first operands high whatever the granularity (a target's units)."""
+    rank = {key: index for index, key in enumerate(order)}
+    count = len(order)
+
+    def objective(key: OperandKey, label: str) -> float:
+        return 0.0 if label == HIGH else math.ldexp(1.0, count - rank.get(key, count))
+
+    return objective
 
 
 HEURISTIC_ORDERS: dict[str, Callable[[Operands], list[OperandKey]]] = {
