@@ -277,3 +277,29 @@ def test_a_forward_interrupted_by_ctrl_c_leaves_no_interception_behind() -> None
     assert seen == []
     model(input_ids=IDS)  # the next forward is intercepted as usual and cleans up the stale mode
     assert seen and _get_current_function_mode_stack() == []
+
+
+class _KeywordProducts(nn.Module):
+    """Bloom's attention calls ``baddbmm(input, batch1=..., batch2=...)``; addmm by keyword too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 8, 8) / 4)
+        self.weight2 = nn.Parameter(torch.randn(8, 8) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.baddbmm(torch.zeros(3, 4, 8), batch1=x, batch2=self.weight)
+        return torch.addmm(torch.zeros(4, 8), mat1=scores.sum(0), mat2=self.weight2)
+
+
+def test_gemms_called_with_keyword_operands_are_sites_parsed_as_torch_parses_them() -> None:
+    torch.manual_seed(0)
+    model, x = _KeywordProducts(), torch.randn(3, 4, 8)
+    reference = model(x)
+    assert [site.kind for site in sites(model, x)] == ["matmul", "matmul"]
+    numscope.convert(model, numscope.Plan.uniform("fp32"))
+    assert torch.equal(model(x), reference)  # identical in fp32: the keyword operands are the product's
+    numscope.unconvert(model)
+    numscope.convert(model, numscope.Plan.uniform("fp8_e4m3"))
+    quantized = model(x)
+    assert not torch.equal(quantized, reference) and torch.allclose(quantized, reference, rtol=0.2, atol=0.1)

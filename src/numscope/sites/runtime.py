@@ -98,8 +98,13 @@ def _parse(func, args: tuple, kwargs: dict) -> tuple[str, Any, Any, Any] | None:
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         return ("linear", args[0], weight, bias) if weight.dim() == 2 else None
     if func in _ADDMM_FUNCS or func in _BADDBMM_FUNCS:
+        # as torch parses them: addmm(input, mat1, mat2, *, beta, alpha), baddbmm(input, batch1, batch2, ...)
+        names = ("input", "mat1", "mat2") if func in _ADDMM_FUNCS else ("input", "batch1", "batch2")
+        given = dict(zip(names, args[:3], strict=False)) | kwargs
         extra = dict(zip(("beta", "alpha"), args[3:], strict=False)) | kwargs
-        bias, a, b = args[0], args[1], args[2]
+        bias, a, b = (given.get(name) for name in names)
+        if not all(isinstance(t, torch.Tensor) for t in (bias, a, b)):
+            return None
         rank = 2 if func in _ADDMM_FUNCS else 3
         if extra.get("beta", 1) != 1 or extra.get("alpha", 1) != 1 or a.dim() != rank or b.dim() != rank:
             return None
