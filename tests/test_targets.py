@@ -230,3 +230,15 @@ def test_heuristic_plans_follow_the_order_the_sites_ran_not_their_names() -> Non
     sites = Operands.from_analysis(observer.analysis()).sites()
     assert sites[-1] == "lm_head" and sites[0].startswith("model.layers.0.")
     assert sorted(sites)[0] == "lm_head"  # by name it would have come first
+
+
+@pytest.mark.parametrize(
+    ("criterion", "value", "allowed"),
+    [("max_be_ratio", -5.0, "a ratio > 0"), ("max_underflow_pct", -1.0, "a share from 0 to 100"),
+     ("max_overflow_pct", 200.0, "a share from 0 to 100"), ("min_sqnr_db", 1e9, "dB from -200 to 200"),
+     ("min_grad_cosine", 2.0, "a cosine from -1 to 1")],
+)  # fmt: skip
+def test_a_limit_outside_its_meaning_is_refused(observed, criterion: str, value: float, allowed: str) -> None:
+    analysis, _ = observed
+    with pytest.raises(AdvisorError, match=f"criterion {criterion} is {value!r}; allowed: {allowed}"):
+        advise(analysis, **{criterion: value})

@@ -113,6 +113,8 @@ class Limits:
             ):
                 raise AdvisorError(f"criterion {name}{where} must be a number or None, got {value!r}")
             values[name] = None if value is None else float(value)
+            if value is not None and not _RANGES[name][0](float(value)):
+                raise AdvisorError(f"criterion {name}{where} is {value!r}; allowed: {_RANGES[name][1]}")
         return Limits(**values)
 
 
@@ -125,6 +127,16 @@ CRITERIA: tuple[str, ...] = (
     "min_grad_cosine",
 )
 SENSITIVITY_CRITERIA = {"max_loss_increase_pct": "loss_change%", "min_grad_cosine": "grad_cosine_min"}
+#: each criterion's meaningful values: a share is 0-100%; an SQNR above 200 dB no format reaches (fp32's own
+#: rounding is about 150 dB), so such a limit can only mean a typo
+_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "max_be_ratio": (lambda v: v > 0, "a ratio > 0 (the reference format's backward error is 1)"),
+    "max_underflow_pct": (lambda v: 0 <= v <= 100, "a share from 0 to 100 (%)"),
+    "max_overflow_pct": (lambda v: 0 <= v <= 100, "a share from 0 to 100 (%)"),
+    "min_sqnr_db": (lambda v: -200 <= v <= 200, "dB from -200 to 200 (fp32 itself reaches about 150)"),
+    "max_loss_increase_pct": (lambda v: math.isfinite(v), "a finite percentage"),
+    "min_grad_cosine": (lambda v: -1 <= v <= 1, "a cosine from -1 to 1"),
+}
 OVERRIDE_KEYS: tuple[str, ...] = (*CRITERIA, "candidates")
 
 
