@@ -72,7 +72,11 @@ def test_a_target_plan_is_what_its_stack_runs_and_exports_whole(observed, target
     assert cheapest < result.average_bits  # the budget left room, and the solver spent some of it
     stack = get_target(target)
     formats = _quantized_formats(plan, sites)
-    assert formats and any(formats <= set(r.formats.values()) for r in stack.recipes)  # one recipe
+    recipes = [set(r.formats.values()) for r in stack.recipes]
+    if stack.one_recipe:
+        assert formats and any(formats <= recipe for recipe in recipes)  # one recipe for the model
+    for name, _ in sites:  # one recipe per module (TE: its autocast region)
+        assert any(_quantized_formats(plan, [(name, "")]) <= recipe for recipe in recipes), name
     layers_quantized = {}
     for name, kind in sites:
         spec = plan.for_site(name)
@@ -119,6 +123,31 @@ def test_the_budget_keeps_high_the_gemm_whose_quantization_costs_most(observed) 
     assert {k for k in high if k[0] in linear} == set(keys)
     assert {c.format for c in result.choices if c.format != HIGH} == {"nvfp4"}
     assert "would add 2e+03 to the objective" in next(c.reason for c in result.choices if c.key == keys[0])
+
+
+def test_te_runs_a_module_in_another_recipe_where_that_costs_less_and_the_export_says_how(observed) -> None:
+    """NVFP4 hurts one module a lot and FP8 hardly: within a budget that cannot keep it high, TE's plan
+    runs that module under FP8 (its own autocast region) and the rest in NVFP4."""
+    analysis, sites = observed
+    target = "bert.encoder.layer.1.output.dense"
+
+    def objective(key, label):
+        return 1000.0 if key[0] == target and label == "nvfp4" else 1.0
+
+    cheapest = advise(analysis, target="te", objective=objective, **NO_LIMITS).average_bits
+    keys = [k for k in analysis.operands if k[0] == target]
+    room = sum(analysis.elements[k] * (8.0 - 4.5) for k in keys) / sum(analysis.elements.values())
+    result = advise(
+        analysis, target="te", objective=objective, bit_budget=cheapest + room * 1.01, **NO_LIMITS
+    )
+    assert _quantized_formats(result.plan, [(target, "")]) == {"fp8_e4m3", "fp8_e5m2"}
+    others = [(name, kind) for name, kind in sites if name != target]
+    assert _quantized_formats(result.plan, others) == {"nvfp4"}
+    exported = export(result.plan, "te", sites)
+    assert exported.unexpressed == []
+    text = exported.files["numscope_te.py"]
+    assert f"    {target!r}: Float8CurrentScaling(fp8_format=Format.HYBRID)," in text
+    assert "RECIPE = NVFP4BlockScaling(" in text and "def apply(model):" in text
 
 
 def test_megatron_keeps_the_layer_that_costs_most_high_at_an_end(observed) -> None:

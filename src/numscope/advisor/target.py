@@ -15,6 +15,7 @@ matmuls) stay high and count in the average bits like any operand.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,14 +26,6 @@ from numscope.plan import HIGH
 from numscope.plan.targets import LINEAR_KINDS, StackRecipe, Target
 
 Objective = Callable[[OperandKey, str], float]
-
-
-@dataclass
-class _Unit:
-    """Operands decided together, and the option each recipe gives them (None: a limit failed)."""
-
-    keys: tuple[OperandKey, ...]
-    elements: int
 
 
 def site_kinds(analysis: Analysis) -> dict[str, str]:
@@ -51,12 +44,23 @@ def site_kinds(analysis: Analysis) -> dict[str, str]:
 
 @dataclass
 class _Solution:
-    recipe: StackRecipe
-    quantized: set[OperandKey]
+    """A plan for the target: the quantized operands' formats, each quantized site's recipe."""
+
+    formats: dict[OperandKey, str]
+    recipes: dict[str, StackRecipe]
     objective: float
     bits: float
     optimal: bool
     high_reasons: dict[OperandKey, str]
+
+
+@dataclass
+class _UnitOption:
+    """One way to run a unit: its quantized operands' formats (none: all high) and their recipe."""
+
+    formats: dict[OperandKey, str]
+    recipe: StackRecipe | None
+    objective: float
 
 
 def advise_for_target(
@@ -89,7 +93,7 @@ def advise_for_target(
     if bit_budget is not None and total == 0:
         raise AdvisorError("a bit budget needs element counts; the analysis records none")
     convertible = [k for k in keys if kinds.get(k[0]) in LINEAR_KINDS]
-    fixed_high = [k for k in keys if k not in set(convertible)]
+    fixed_high = set(keys) - set(convertible)
     cache: dict[tuple[OperandKey, str], tuple[bool, str, float]] = {}
 
     def judged(key: OperandKey, label: str) -> tuple[bool, str, float]:
@@ -104,14 +108,21 @@ def advise_for_target(
             )
         return cache[(key, label)]
 
-    solutions = []
-    for recipe in usable:
-        solve = _solve_layer_ends if target.granularity == "layer_ends" else _solve_gemms
-        solution = solve(recipe, convertible, elements, total, bit_budget, judged)
-        if solution is not None:
-            solutions.append(solution)
+    solutions = [
+        solution
+        for recipes in _recipe_sets(target, usable)
+        if (solution := _solve(target, recipes, convertible, elements, total, bit_budget, judged)) is not None
+    ]
     if not solutions:
-        cheapest = _cheapest_bits(usable, convertible, elements, total, target, judged)
+        cheapest = min(
+            (
+                solution.bits
+                for recipes in _recipe_sets(target, usable)
+                if (solution := _solve(target, recipes, convertible, elements, total, None, judged))
+                is not None
+            ),
+            default=math.inf,
+        )
         raise AdvisorError(
             f"bit budget {bit_budget:g} bits/element is impossible for target {target.name!r}: its cheapest "
             f"plan within the limits needs {cheapest:.4g} bits/element (what it cannot convert stays at 32); "
@@ -127,12 +138,12 @@ def advise_for_target(
     for key in keys:
         site, gemm, operand = key
         n = elements[key]
-        if key in best.quantized:
-            fmt = best.recipe.format_for(operand)
+        if key in best.formats:
+            fmt = best.formats[key]
             _, _, value = judged(key, fmt)
             bits = _bits(fmt)
             reason = (
-                f"{fmt} ({bits:g} bits): {target.name} recipe {best.recipe.name}; {objective_name} "
+                f"{fmt} ({bits:g} bits): {target.name} recipe {best.recipes[site].name}; {objective_name} "
                 f"{_number(value)}{budget_text}"
             )
             choices.append(Choice(site, gemm, operand, fmt, bits, n, objective_name, value, reason))
@@ -142,7 +153,7 @@ def advise_for_target(
                 value = math.nan
             else:
                 reason = best.high_reasons.get(key, "high")
-                _, _, value = judged(key, best.recipe.format_for(operand))
+                _, _, value = judged(key, usable[0].format_for(operand))
             choices.append(Choice(site, gemm, operand, HIGH, 32.0, n, objective_name, value, reason))
     from numscope.advisor import Limits
 
@@ -162,81 +173,146 @@ def _number(value: float) -> str:
     return f"{value:.3g}"
 
 
-def _gemm_units(keys: Sequence[OperandKey], elements: dict[OperandKey, int]) -> list[_Unit]:
-    grouped: dict[tuple[str, str], list[OperandKey]] = {}
-    for key in keys:
-        grouped.setdefault((key[0], key[1]), []).append(key)
-    return [_Unit(tuple(members), sum(elements[k] for k in members)) for members in grouped.values()]
+def _recipe_sets(target: Target, usable: Sequence[StackRecipe]) -> list[tuple[StackRecipe, ...]]:
+    """The recipe sets to solve with: each recipe alone where the model runs one, else all together."""
+    if target.one_recipe or target.granularity == "layer_ends":
+        return [(recipe,) for recipe in usable]
+    return [tuple(usable)]
 
 
-def _solve_gemms(
-    recipe: StackRecipe,
+def _solve(
+    target: Target,
+    recipes: tuple[StackRecipe, ...],
     convertible: Sequence[OperandKey],
     elements: dict[OperandKey, int],
     total: int,
     budget: float | None,
     judged: Callable[[OperandKey, str], tuple[bool, str, float]],
 ) -> _Solution | None:
-    """Each GEMM of each Linear site in ``recipe`` or high: the knapsack (or cheapest within limits)."""
+    if target.granularity == "layer_ends":
+        return _solve_layer_ends(recipes[0], convertible, elements, total, budget, judged)
+    return _solve_gemms(recipes, target.one_recipe, convertible, elements, total, budget, judged)
+
+
+def _solve_gemms(
+    recipes: tuple[StackRecipe, ...],
+    one_recipe: bool,
+    convertible: Sequence[OperandKey],
+    elements: dict[OperandKey, int],
+    total: int,
+    budget: float | None,
+    judged: Callable[[OperandKey, str], tuple[bool, str, float]],
+) -> _Solution | None:
+    """Each GEMM of each Linear site in a recipe or high: the knapsack (or the cheapest within the limits).
+
+    ``one_recipe``: the units are single GEMMs and ``recipes`` holds the one recipe of the model. Otherwise
+    each site takes one of ``recipes`` for its quantized GEMMs (TE's autocast per module): the unit is the
+    site, its options every recipe with every non-empty set of its GEMMs that meet the limits."""
     from numscope.advisor import HIGH_BITS, _Option, _solve_budget
 
-    units = _gemm_units(convertible, elements)
-    fixed = total - sum(u.elements for u in units)
-    options: list[list[_Option]] = []
+    grouped: dict[tuple[str, str], list[OperandKey]] = {}
+    for key in convertible:
+        grouped.setdefault((key[0], key[1]), []).append(key)
+    if one_recipe:
+        units = [[gemm_key] for gemm_key in grouped]
+    else:
+        by_site: dict[str, list[tuple[str, str]]] = {}
+        for gemm_key in grouped:
+            by_site.setdefault(gemm_key[0], []).append(gemm_key)
+        units = list(by_site.values())
     high_reasons: dict[OperandKey, str] = {}
-    for unit in units:
-        high = _Option(HIGH, HIGH_BITS, 0.0, math.inf, [])
-        results = [judged(key, recipe.format_for(key[2])) for key in unit.keys]
-        failed = next((text for ok, text, _ in results if not ok), None)
-        if failed is not None or unit.elements == 0:
-            for key in unit.keys:
-                high_reasons[key] = f"high: {recipe.name} fails a limit here ({failed})"
-            options.append([high])
-            continue
-        bits = sum(_bits(recipe.format_for(k[2])) * elements[k] for k in unit.keys) / unit.elements
-        objective = sum(value for _, _, value in results)
-        options.append([_Option(recipe.name, bits, objective, math.inf, []), high])
+    unit_options: list[list[_UnitOption]] = []
+    sizes: list[int] = []
+    for gemm_keys in units:
+        keys = [key for gemm_key in gemm_keys for key in grouped[gemm_key]]
+        sizes.append(sum(elements[k] for k in keys))
+        passing: dict[int, list[tuple[str, str]]] = {}  # recipe index -> its GEMMs within the limits
+        for number, recipe in enumerate(recipes):
+            for gemm_key in gemm_keys:
+                results = [judged(key, recipe.format_for(key[2])) for key in grouped[gemm_key]]
+                failed = next((text for ok, text, _ in results if not ok), None)
+                if failed is None:
+                    passing.setdefault(number, []).append(gemm_key)
+                else:
+                    for key in grouped[gemm_key]:
+                        high_reasons.setdefault(key, f"high: {recipe.name} fails a limit here ({failed})")
+        options = [_UnitOption({}, None, 0.0)]
+        for number, allowed in passing.items():
+            recipe = recipes[number]
+            for count in range(1, len(allowed) + 1):
+                for subset in itertools.combinations(allowed, count):
+                    formats = {key: recipe.format_for(key[2]) for g in subset for key in grouped[g]}
+                    objective = sum(judged(key, fmt)[2] for key, fmt in formats.items())
+                    options.append(_UnitOption(formats, recipe, objective))
+        unit_options.append(options)
+    costed = [
+        [
+            _Option(
+                str(index),
+                _unit_bits(option.formats, _keys_of(units[u], grouped), elements, HIGH_BITS),
+                option.objective,
+                math.inf,
+                [],
+            )
+            for index, option in enumerate(options)
+        ]
+        for u, options in enumerate(unit_options)
+    ]
     if budget is None:
-        picked = [0 for _ in options]
+        picked = [min(range(len(opts)), key=lambda i, o=opts: (o[i].bits, o[i].noise)) for opts in costed]
         optimal = True
     else:
-        sizes = [u.elements for u in units]
+        fixed = total - sum(sizes)
+        problem, problem_sizes = list(costed), list(sizes)
         if fixed:
-            options.append([_Option(HIGH, HIGH_BITS, 0.0, math.inf, [])])
-            sizes.append(fixed)
-        cheapest = sum(min(o.bits for o in opts) * n for opts, n in zip(options, sizes, strict=True))
+            problem.append([_Option(HIGH, HIGH_BITS, 0.0, math.inf, [])])
+            problem_sizes.append(fixed)
+        cheapest = sum(min(o.bits for o in opts) * n for opts, n in zip(problem, problem_sizes, strict=True))
         if cheapest > budget * total + 1e-6 * total:
             return None
-        picked, optimal = _solve_budget(options, sizes, budget)
+        picked, optimal = _solve_budget(problem, problem_sizes, budget)
         picked = picked[: len(units)]
-    quantized: set[OperandKey] = set()
+    formats: dict[OperandKey, str] = {}
+    site_recipes: dict[str, StackRecipe] = {}
     objective_total = 0.0
-    for unit, opts, index in zip(units, options, picked, strict=False):
-        option = opts[index]
-        if option.label == HIGH:
-            if len(opts) > 1:
-                saved = opts[0]
-                for key in unit.keys:
-                    high_reasons[key] = (
-                        f"high: within the bit budget, quantizing other GEMMs costs less; this GEMM in "
-                        f"{recipe.name} would add {_number(saved.noise)} to the objective"
-                    )
-            continue
-        quantized.update(unit.keys)
-        objective_total += option.noise
-    bits = _average_bits(recipe, quantized, elements, total)
-    return _Solution(recipe, quantized, objective_total, bits, optimal, high_reasons)
+    for gemm_keys, options, index in zip(units, unit_options, picked, strict=True):
+        option = options[index]
+        formats.update(option.formats)
+        objective_total += option.objective
+        if option.recipe is not None:
+            site_recipes[gemm_keys[0][0]] = option.recipe
+        for gemm_key in gemm_keys:
+            keys = grouped[gemm_key]
+            if keys[0] in option.formats or any(k in high_reasons for k in keys):
+                continue
+            recipe = option.recipe or recipes[0]
+            added = sum(judged(key, recipe.format_for(key[2]))[2] for key in keys)
+            for key in keys:
+                high_reasons[key] = (
+                    f"high: within the bit budget, quantizing other GEMMs costs less; this GEMM in "
+                    f"{recipe.name} would add {_number(added)} to the objective"
+                )
+    bits = _average_bits(formats, elements, total)
+    return _Solution(formats, site_recipes, objective_total, bits, optimal, high_reasons)
 
 
-def _average_bits(
-    recipe: StackRecipe, quantized: set[OperandKey], elements: dict[OperandKey, int], total: int
+def _keys_of(gemm_keys: Sequence[tuple[str, str]], grouped: dict[tuple[str, str], list[OperandKey]]) -> list:
+    return [key for gemm_key in gemm_keys for key in grouped[gemm_key]]
+
+
+def _unit_bits(
+    formats: dict[OperandKey, str], keys: Sequence[OperandKey], elements: dict[OperandKey, int], high: float
 ) -> float:
+    size = sum(elements[k] for k in keys)
+    if size == 0:
+        return high
+    return sum((_bits(formats[k]) if k in formats else high) * elements[k] for k in keys) / size
+
+
+def _average_bits(formats: dict[OperandKey, str], elements: dict[OperandKey, int], total: int) -> float:
     if total == 0:
         return math.nan
-    spent = sum(
-        (_bits(recipe.format_for(key[2])) if key in quantized else 32.0) * n for key, n in elements.items()
-    )
-    return spent / total
+    return sum((_bits(formats[key]) if key in formats else 32.0) * n for key, n in elements.items()) / total
 
 
 def _solve_layer_ends(
@@ -256,7 +332,7 @@ def _solve_layer_ends(
             by_layer.setdefault(layer, []).append(key)
     layers = sorted(by_layer)
     outside = [k for k in convertible if layer_index(k[0]) is None]
-    best: tuple[tuple[float, float], int, int, set[OperandKey], float] | None = None
+    best: tuple[tuple[float, float], int, int, dict[OperandKey, str], float] | None = None
     count = len(layers)
     for first in range(count + 1):
         for last in range(count - first + 1):
@@ -265,8 +341,8 @@ def _solve_layer_ends(
             results = [judged(k, recipe.format_for(k[2])) for k in keys]
             if not all(ok for ok, _, _ in results):
                 continue
-            quantized = set(keys)
-            bits = _average_bits(recipe, quantized, elements, total)
+            quantized = {k: recipe.format_for(k[2]) for k in keys}
+            bits = _average_bits(quantized, elements, total)
             if budget is not None and bits > budget + 1e-9:
                 continue
             objective = sum(value for _, _, value in results)
@@ -289,26 +365,9 @@ def _solve_layer_ends(
                         f"high: layer {layer} is among the {where} {amount} layer(s) kept in BF16 "
                         "(--first-last-layers-bf16), the least objective the budget allows"
                     )
-    bits = _average_bits(recipe, quantized, elements, total)
-    return _Solution(recipe, quantized, objective, bits, True, reasons)
-
-
-def _cheapest_bits(
-    recipes: Sequence[StackRecipe],
-    convertible: Sequence[OperandKey],
-    elements: dict[OperandKey, int],
-    total: int,
-    target: Target,
-    judged: Callable[[OperandKey, str], tuple[bool, str, float]],
-) -> float:
-    """The fewest average bits any recipe reaches within the limits (for the error message)."""
-    best = math.inf
-    for recipe in recipes:
-        solve = _solve_layer_ends if target.granularity == "layer_ends" else _solve_gemms
-        solution = solve(recipe, convertible, elements, total, None, judged)
-        if solution is not None:
-            best = min(best, solution.bits)
-    return best
+    bits = _average_bits(quantized, elements, total)
+    sites = {key[0]: recipe for key in quantized}
+    return _Solution(quantized, sites, objective, bits, True, reasons)
 
 
 def recipe_bits(analysis: Analysis, target: Target, candidates: Sequence[str]) -> dict[str, float]:
@@ -322,7 +381,7 @@ def recipe_bits(analysis: Analysis, target: Target, candidates: Sequence[str]) -
     if target.granularity == "layer_ends":
         convertible = {k for k in convertible if layer_index(k[0]) is not None}
     return {
-        recipe.name: _average_bits(recipe, convertible, elements, total)
+        recipe.name: _average_bits({k: recipe.format_for(k[2]) for k in convertible}, elements, total)
         for recipe in target.recipes
         if all(f in candidates for f in recipe.measured)
     }

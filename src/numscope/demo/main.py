@@ -646,15 +646,22 @@ HEURISTIC_PLAN = "last_layers.yaml"
 
 
 def heuristic_plan(analysis: Any, request: AdvisorRequest) -> Any:
-    """The plan study's best heuristic, "keep the last layers high" (the NVFP4 recipe's rule), for the
-    request's target and budget: the same solver as the recommended plan, its objective the layers' call
-    order instead of the measured sensitivity (:func:`numscope.study.plans.order_objective`)."""
+    """The plan study's best heuristic, "keep the last layers high" (the NVFP4 recipe's rule: its format
+    everywhere else, so the target's cheapest recipe), for the request's target and budget: the same solver
+    as the recommended plan, its objective the layers' call order instead of the measured sensitivity
+    (:func:`numscope.study.plans.order_objective`)."""
     from numscope.advisor import advise
+    from numscope.advisor.target import recipe_bits
+    from numscope.plan.targets import get_target
     from numscope.study.operands import Operands
     from numscope.study.plans import order_last_layers, order_objective
 
     objective = order_objective(order_last_layers(Operands.from_analysis(analysis)))
     kwargs = request.kwargs(analysis, objective=objective)
+    if request.target is not None and request.target != "emulation":  # the recipe's rule: its own format
+        bits = recipe_bits(analysis, get_target(request.target), analysis.candidates)
+        cheapest = next(r for r in get_target(request.target).recipes if r.name == min(bits, key=bits.get))
+        kwargs["candidates"] = list(cheapest.measured)
     return advise(analysis, **kwargs, objective_name="last-layers order (2^-position)")
 
 

@@ -390,6 +390,14 @@ def _nvfp4_recipe(operands: Sequence[tuple[str, str, OperandSpec]]) -> tuple[str
     return f"NVFP4BlockScaling({', '.join(settings)})", problems
 
 
+def _merge_hybrid(recipes: set[str]) -> set[str]:
+    """One module's recipes with E4M3-only FP8 votes joined to HYBRID where a gradient votes HYBRID (TE's
+    HYBRID is E4M3 for input and weight, E5M2 for gradients)."""
+    if not any("Format.HYBRID" in recipe for recipe in recipes):
+        return set(recipes)
+    return {r if "Block" in r else r.replace("Format.E4M3", "Format.HYBRID") for r in recipes}
+
+
 def _one_recipe(recipes: dict[str, int]) -> str:
     """The recipe most operands follow; E4M3-only votes join HYBRID where gradients are E5M2 (TE's HYBRID
     is E4M3 forward and E5M2 for gradients)."""
@@ -437,15 +445,26 @@ def to_transformer_engine(
                     if recipe == _NVFP4:
                         nvfp4.append((gemm, operand, operand_spec))
     chosen = _one_recipe(recipes)
-    others = sorted({recipe for recipe in planned.values() if recipe != chosen})
-    for recipe in others:
-        if recipe.replace("Format.E4M3", "Format.HYBRID") != chosen:
+    per_module: dict[str, set[str]] = {}
+    for (name, _, _), recipe in planned.items():
+        per_module.setdefault(name, set()).add(recipe)
+    module_recipes: dict[str, str] = {}
+    for name, raw in per_module.items():
+        found = _merge_hybrid(raw)
+        if found == {chosen.replace("Format.HYBRID", "Format.E4M3")} and "Block" not in chosen:
+            found = {chosen}  # E4M3-only FP8 runs as the model's HYBRID for input and weight
+        if len(found) > 1:
             unexpressed.append(
-                f"operands planned as {recipe}: TE runs one recipe per autocast region ({chosen})"
+                f"{name}: operands planned as {' and '.join(sorted(found))}: TE runs one recipe per module "
+                "(its autocast region)"
             )
-    if chosen == _NVFP4:
-        chosen, problems = _nvfp4_recipe(nvfp4)
+        elif found != {chosen}:
+            module_recipes[name] = found.pop()
+    if _NVFP4 in (chosen, *module_recipes.values()):
+        spelled, problems = _nvfp4_recipe(nvfp4)
         unexpressed += problems
+        chosen = spelled if chosen == _NVFP4 else chosen
+        module_recipes = {n: spelled if r == _NVFP4 else r for n, r in module_recipes.items()}
     sections = {}
     for index, (name, gemms) in enumerate(sorted(high.items())):
         sections[f"numscope_high_{index}"] = {
@@ -475,10 +494,31 @@ def to_transformer_engine(
             ")",
             "",
             f"RECIPE = {chosen}",
+            "#: modules that run another recipe than RECIPE (apply(model) gives each its autocast region)",
+            "MODULE_RECIPES = {",
+            *(f"    {name!r}: {recipe}," for name, recipe in sorted(module_recipes.items())),
+            "}",
             "#: what TE cannot express of the plan",
             "UNEXPRESSED = [",
             *(f"    {line!r}," for line in unexpressed),
             "]",
+            "",
+            "",
+            "def apply(model):",
+            '    """Run each module of MODULE_RECIPES in its own te.autocast region (the innermost',
+            '    region decides a module\'s recipe); the rest runs under te.autocast(recipe=RECIPE)."""',
+            "    import transformer_engine.pytorch as te",
+            "",
+            "    for name, module in model.named_modules():",
+            "        if name in MODULE_RECIPES:",
+            "            recipe = MODULE_RECIPES[name]",
+            "",
+            "            def forward(*args, _forward=module.forward, _recipe=recipe, **kwargs):",
+            "                with te.autocast(enabled=True, recipe=_recipe):",
+            "                    return _forward(*args, **kwargs)",
+            "",
+            "            module.forward = forward",
+            "    return model",
             "",
         ]
     )

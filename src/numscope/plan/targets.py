@@ -9,8 +9,9 @@ what the target expresses, so that ``numscope export --to T`` carries the plan w
   advisor writes is exactly what the stack runs, not a stand-in.
 * **granularity** — what can stay in high precision: ``gemm`` (any of fprop, dgrad, wgrad of any Linear
   module) or ``layer_ends`` (leading and trailing transformer layers, every GEMM of the layer).
-* **one_recipe** — whether the whole model runs one recipe (Transformer Engine's autocast region,
-  Megatron-LM's flags) or each module may take its own (torchao's per-module configs).
+* **one_recipe** — whether the whole model runs one recipe (Megatron-LM's flags) or each module may take
+  its own (Transformer Engine's ``te.autocast`` regions, sequential or nested, one per module; torchao's
+  per-module configs).
 
 Only Linear sites (``nn.Linear``, transformers' ``Conv1D``) are converted by any stack; attention's
 products, convolutions and other matmul sites stay high. Where each fact comes from is in ``source``.
@@ -86,7 +87,8 @@ _TE_SOURCE = (
     "Transformer Engine >= 2.13: transformer_engine/common/recipe/__init__.py (Float8CurrentScaling, "
     "MXFP8BlockScaling, NVFP4BlockScaling and its disable_rht / disable_stochastic_rounding / "
     "disable_2d_quantization switches); transformer_engine/debug/features/disable_quantization_gemm.py "
-    "(DisableQuantizationGEMM: any of fprop, dgrad, wgrad of a named layer in high precision, any format)"
+    "(DisableQuantizationGEMM: any of fprop, dgrad, wgrad of a named layer in high precision, any format); "
+    "docs/features/low_precision_training/introduction/introduction.rst (several recipes in one model)"
 )
 
 TARGETS: dict[str, Target] = {
@@ -102,14 +104,16 @@ TARGETS: dict[str, Target] = {
         ),
         Target(
             "te",
-            "Transformer Engine: one recipe for the model (FP8 current scaling, MXFP8 or plain NVFP4), and "
-            "any GEMM of any Linear layer kept in high precision",
+            "Transformer Engine: per Linear module a recipe (FP8 current scaling, MXFP8 or plain NVFP4: "
+            "its own te.autocast region), and any GEMM of any Linear layer kept in high precision",
             _TE_SOURCE,
             (_TE_HYBRID, _TE_MXFP8, _TE_NVFP4),
             "gemm",
-            True,
+            False,
             (
-                "TE runs one recipe per autocast region: the advisor tries each and keeps the best",
+                "TE runs the recipe of the innermost autocast region a module's forward runs in "
+                "(docs/features/low_precision_training/introduction: sequential and nested contexts); "
+                "the export wraps each module whose recipe is not the model's in its own region",
                 "NVFP4 is TE's recipe with its random Hadamard transform, stochastic rounding and 16x16 "
                 "weight scales switched off: those are not measured by the observer",
                 "attention products (TE's fused attention) and non-Linear sites stay high",
