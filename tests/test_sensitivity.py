@@ -191,3 +191,17 @@ def test_the_callers_random_streams_are_left_as_they_were():
     if torch.cuda.is_available():
         after = torch.cuda.get_rng_state_all()
         assert len(after) == len(cuda) and all(torch.equal(a, b) for a, b in zip(after, cuda, strict=True))
+
+
+def test_progress_is_reported_once_per_measurement_up_to_the_total() -> None:
+    model, data = tiny_bert(), batches(1)
+    calls: list[tuple[int, int]] = []
+    result = sensitivity(
+        model,
+        data,
+        candidates=("bf16", "fp8_e4m3"),
+        sites=["*.query"],
+        on_progress=lambda *a: calls.append(a),
+    )
+    total = len(result.results) * 2
+    assert calls == [(done, total) for done in range(1, total + 1)] and total > 0

@@ -94,6 +94,7 @@ def sensitivity(
     granularity: str = "site",
     train_mode: bool = False,
     seed: int = 0,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> Sensitivity:
     """Quantize one target at a time and measure the loss change and gradient similarity against FP32.
 
@@ -105,6 +106,8 @@ def sensitivity(
     granularity: ``"site"`` (all six operands of a site together) or ``"operand"`` (each operand alone).
     train_mode: run in training mode (dropout on, the same random state for every pass of a batch).
     seed: the random state of each batch's passes in train mode (``seed + batch index``).
+    on_progress: called as ``on_progress(done, total)`` after each (target, candidate) measured, for a
+        progress bar (a measurement of every operand in several formats takes minutes).
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"unknown granularity {granularity!r}; allowed: {', '.join(GRANULARITIES)}")
@@ -134,6 +137,7 @@ def sensitivity(
         reference = run()
         targets = _targets(model, sites, granularity)
         results: dict[OperandKey, dict[str, dict[str, float]]] = {}
+        done, total = 0, len(targets) * (len(labels) + (plan is not None))
         for target in targets:
             specs = {label: _spec(target, OperandSpec(label)) for label in labels}
             if plan is not None:
@@ -146,6 +150,9 @@ def sensitivity(
                     results.setdefault(target, {})[label] = _compare(run(), reference)
                 finally:
                     unconvert(model)
+                done += 1
+                if on_progress is not None:
+                    on_progress(done, total)
     finally:
         handle.remove()
         for name, module in model.named_modules():

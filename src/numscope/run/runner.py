@@ -212,6 +212,7 @@ def analyze(
                 names,
                 sensitivity_batches,
                 sensitivity_granularity,
+                progress and writer,
             )
         if writer:
             _write_tensorboard(out_dir, tensorboard)
@@ -227,19 +228,35 @@ def _measure_sensitivity(
     candidates: Sequence[str],
     count: int,
     granularity: str = "site",
+    progress: bool = False,
 ) -> None:
-    """The trained model's sensitivity on ``count`` validation batches, stored in ``out_dir/analysis``;
-    skipped when the analysis already holds it (a finished run asked again)."""
+    """The trained model's sensitivity on ``count`` validation batches, stored in ``out_dir/analysis``
+    (a progress bar of the (target, format) measurements with ``progress``); skipped when the analysis
+    already holds it (a finished run asked again)."""
     from numscope.sensitivity import sensitivity
     from numscope.train.checkpoint import load_checkpoint
 
     analysis = Analysis.load(out_dir / "analysis")
     if analysis.sensitivity is not None:
         return
+    from tqdm.auto import tqdm
+
     batches = _sensitivity_batches(prepared, config, objective, count)
     model = factory()
     model.load_state_dict(load_checkpoint(out_dir / "model.pt")["model"])
-    analysis.sensitivity = sensitivity(model, batches, candidates=list(candidates), granularity=granularity)
+    bar = tqdm(desc=f"sensitivity (per {granularity}, {count} batches)", disable=not progress, leave=True)
+
+    def advance(done: int, total: int) -> None:
+        bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    try:
+        analysis.sensitivity = sensitivity(
+            model, batches, candidates=list(candidates), granularity=granularity, on_progress=advance
+        )
+    finally:
+        bar.close()
     analysis.save(out_dir / "analysis")
 
 
