@@ -1,16 +1,17 @@
 """The advisor for a training stack: choose among what the target runs (:mod:`numscope.plan.targets`).
 
 Where the plain advisor chooses a format per operand, a stack couples operands: Transformer Engine and
-torchao quantize both operands of a GEMM or neither, in the recipe's format for each role; Megatron-LM
-quantizes whole transformer layers and keeps only leading and trailing ones high. So the decision is made
-per **unit** — a GEMM of a Linear site (``gemm`` granularity), or a choice of how many leading and trailing
-layers stay high (``layer_ends``) — among the options the target has, each scored by the same per-operand
-objective as the plain advisor (the measured sensitivity or the noise power, summed over the unit's
-operands) and costed in bits × elements. With a bit budget the multiple-choice knapsack of the plain
-advisor picks the least total objective within it; without one, every unit takes its cheapest option
-that meets the limits. A target that runs one recipe for the whole model is solved once per recipe and
-the best solution is kept. Sites the target does not convert (attention products, convolutions, other
-matmuls) stay high and count in the average bits like any operand.
+torchao quantize both operands of a GEMM or neither, in the recipe's format for each role, and TE runs one
+recipe per module; Megatron-LM quantizes whole transformer layers and keeps only leading and trailing ones
+high. So the decision is made per **unit** — a module with a recipe for any set of its GEMMs (TE), a GEMM
+of a Linear site (torchao, one recipe), or a choice of how many leading and trailing layers stay high
+(``layer_ends``) — among the options the target has, each scored by the same per-operand objective as the
+plain advisor (the measured sensitivity or the noise power, summed over the unit's operands) and costed in
+bits × elements. With a bit budget the multiple-choice knapsack of the plain advisor picks the least total
+objective within it; without one, every unit takes its cheapest option that meets the limits. A target
+that runs one recipe for the whole model is solved once per recipe and the best solution is kept. Sites
+the target does not convert (attention products, convolutions, other matmuls) stay high and count in the
+average bits like any operand.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def site_kinds(analysis: Analysis) -> dict[str, str]:
         from numscope.advisor import AdvisorError
 
         raise AdvisorError(
-            "this analysis does not record its sites' kinds (made before numscope 0.1 recorded them, or "
-            "by hand): a target needs them to know which sites its stack converts; analyze again"
+            "this analysis does not record its sites' kinds (made by an earlier numscope, or by hand): a "
+            "target needs them to know which sites its stack converts; analyze again"
         )
     return {str(name): str(kind) for name, kind in recorded}
 
