@@ -90,6 +90,12 @@ class AdvisorRequest:
         """Whether the request needs the FP32 model's sensitivity (measured after the fp32 run)."""
         return self.objective == "sensitivity"
 
+    @property
+    def heuristic(self) -> bool:
+        """Whether the demo trains the last-layers heuristic beside the plan: for a stack's target, whose
+        recipe gives "high" and "low" a meaning (emulation's per-operand formats have no such rule)."""
+        return self.measured and self.target not in (None, "emulation")
+
     def budget(self, analysis: Any = None) -> float | None:
         """The bit budget: the request's own, or midway between the target's cheapest recipe and its FP8
         recipe over the analysis's operands (see the class docstring)."""
@@ -134,10 +140,10 @@ class AdvisorRequest:
 
         if self.measured:
             return (
-                f"The advisor made a plan for {self.target} ({self.describe(analysis)}): each GEMM of each "
-                "Linear layer runs in one of the stack's recipes or stays high, and the budget keeps high "
-                "the GEMMs whose quantization costs the gradient most. The heuristic beside it (last-layers) "
-                "is the same solver at the same budget, keeping the last layers high instead."
+                f"The advisor made a plan for {self.target} ({self.describe(analysis)}): each Linear module "
+                "runs one of the stack's recipes, any of its GEMMs may stay high, and the budget goes where "
+                "the measured gradient error is largest. The heuristic beside it (last-layers) is the same "
+                "solver at the same budget, keeping the last layers high instead."
             )
         defaults, effective = Limits(), self.limits()
         limits = {name: getattr(effective, name) for name in self._shown()}
@@ -549,7 +555,7 @@ def _run_demo(
                 queue(pool, recommended)
                 for seed in config.noise_seeds:  # paired with fp32-seedN: the plan's own seed-to-seed test
                     queue(pool, recommended_seed_spec(seed, str(plan_path)), seed=seed)
-                if config.advisor.measured:  # the best heuristic of the plan study, at the same budget
+                if config.advisor.heuristic:  # the best heuristic of the plan study, at the same budget
                     heuristic_path = out_dir / HEURISTIC_PLAN
                     if not heuristic_path.exists():
                         heuristic_plan(analysis, config.advisor).plan.save(heuristic_path)
@@ -559,7 +565,7 @@ def _run_demo(
         finally:
             for name in list(bars):
                 end(name)
-    heuristic = [HEURISTIC] if config.advisor.measured else []
+    heuristic = [HEURISTIC] if config.advisor.heuristic else []
     order = [REFERENCE.name, RECOMMENDED, *heuristic, *(spec.name for spec in BASELINES)]
     order += [noise_spec(seed).name for seed in config.noise_seeds]
     order += [recommended_seed_spec(seed).name for seed in config.noise_seeds]
@@ -591,8 +597,8 @@ def _run_demo(
     noise = fp32_seed_noise(rows)
     e5m2 = next(r for r in rows if r["name"] == E5M2_SCALED)
     e5m2_underflow = fp16_underflow_by_site(analysis, e5m2["final_scale"], "fp8_e5m2")
-    target_fp8 = None
-    if config.advisor.measured and config.advisor.target is not None:
+    target_fp8 = None  # the bar for the plan's bits: the stack's own uniform FP8 (emulation has none)
+    if config.advisor.measured and config.advisor.target not in (None, "emulation"):
         target_fp8 = (config.advisor.target, config.advisor.recipe_range(analysis)[1])
     claims = _claims(rows, underflow, unigram, default_bits, noise, e5m2_underflow, target_fp8)
 
@@ -847,7 +853,7 @@ def _scale_text(scale: float) -> str:
 
 
 def _setup(config: DemoConfig, data: RunData) -> dict[str, Any]:
-    heuristic = config.advisor.measured
+    heuristic = config.advisor.heuristic
     specs = (
         REFERENCE,
         RunSpec(RECOMMENDED, "plan.yaml", description=RECOMMENDED_DESCRIPTION),
