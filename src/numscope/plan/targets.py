@@ -139,7 +139,8 @@ TARGETS: dict[str, Target] = {
             "Megatron-LM: one recipe for the transformer layers (--fp8-recipe tensorwise or mxfp8, "
             "--fp4-recipe nvfp4), the first and last layers optionally in BF16; the output layer and "
             "everything outside the layers stay high",
-            "Megatron-LM core_v0.15+: megatron/core/transformer/transformer_config.py "
+            "Megatron-LM (main of 2026-08, after core_v0.19.0): "
+            "megatron/core/transformer/transformer_config.py "
             "(first_last_layers_bf16, num_layers_at_start/end_in_bf16; not with delayed scaling), "
             "megatron/core/fp8_utils.py, megatron/core/fp4_utils.py (NVFP4BlockScaling from TE, whose "
             "switches are TE's NVTE_NVFP4_DISABLE_* environment variables)",
