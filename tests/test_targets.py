@@ -98,7 +98,8 @@ def test_a_target_plan_is_what_its_stack_runs_and_exports_whole(observed, target
         pattern = [layers_quantized[layer] == {False} for layer in sorted(layers_quantized)]
         assert all(len(states) == 1 for states in layers_quantized.values())
         inner = [i for i, quantized in enumerate(pattern) if quantized]
-        assert inner == list(range(inner[0], inner[-1] + 1)) if inner else True  # ends high, never a middle
+        assert inner, "the budget left room for quantized layers"
+        assert inner == list(range(inner[0], inner[-1] + 1))  # ends high, never a middle layer
     assert export(plan, target, sites).unexpressed == []
     rows = {choice.reason for choice in result.choices if choice.format != HIGH}
     assert all(f"{target} recipe" in row and "noise" in row for row in rows)  # the objective and its value
