@@ -538,7 +538,6 @@ def _run_demo(
                 analysis = Analysis.load(analysis_dir)
                 if config.advisor.measured and analysis.sensitivity is None:
                     analysis.sensitivity = measure_sensitivity(out_dir, config, data, mcfg, analysis, log)
-                    analysis.save(analysis_dir)
                 # deterministic: what plan.yaml holds
                 recommendation = advise(analysis, **config.advisor.kwargs(analysis))
                 if not plan_path.exists():
@@ -683,17 +682,16 @@ def heuristic_spec(seed: int | None, plan: str = HEURISTIC_PLAN) -> RunSpec:
 def measure_sensitivity(
     out_dir: Path, config: DemoConfig, data: RunData, mcfg: ModelConfig, analysis: Any, log: Callable
 ) -> Any:
-    """The trained FP32 model's operand sensitivity: every operand of every site the request's target
-    converts, quantized alone in each of the target's measured formats, on the first validation batches."""
+    """The trained FP32 model's operand sensitivity (:func:`numscope.run.runner.measure_sensitivity`):
+    every operand of every site the request's target converts, quantized alone in each of the target's
+    measured formats, on the first validation batches; stored in the fp32 run's analysis."""
     import time
 
     from numscope._names import exact_pattern
     from numscope.advisor.target import site_kinds
     from numscope.plan.targets import LINEAR_KINDS, get_target
     from numscope.run.model import bert_mlm_from_config
-    from numscope.run.objectives import get_objective
-    from numscope.sensitivity import sensitivity
-    from numscope.train.checkpoint import load_checkpoint
+    from numscope.run.runner import measure_sensitivity as measure
 
     request = config.advisor
     kinds = site_kinds(analysis)
@@ -705,28 +703,32 @@ def measure_sensitivity(
             wanted = {f for recipe in target.recipes for f in recipe.measured}
             formats = [f for f in analysis.candidates if f in wanted]
             sites = [name for name, kind in kinds.items() if kind in LINEAR_KINDS]
-    stream = get_objective("mlm").batches(
-        data.val_blocks, config.train.batch_size, data.tokenizer, config.train.seed, 0
-    )
-    batches = [next(stream) for _ in range(request.sensitivity_batches)]
-    saved = out_dir / "runs" / REFERENCE.name / MODEL_FILE
-    if not saved.is_file():
+    run_dir = out_dir / "runs" / REFERENCE.name
+    if not (run_dir / MODEL_FILE).is_file():
         raise DemoError(
-            f"{saved} is missing (the fp32 run of an earlier demo kept no model), so its sensitivity cannot "
-            f"be measured: delete {saved.parent} to train it again, or choose another --out"
+            f"{run_dir / MODEL_FILE} is missing (the fp32 run of an earlier demo kept no model), so its "
+            f"sensitivity cannot be measured: delete {run_dir} to train it again, or choose another --out"
         )
-    model = bert_mlm_from_config(mcfg)
-    model.load_state_dict(load_checkpoint(saved)["model"])
-    passes = len(batches) * (1 + 6 * len(sites) * len(formats))
+    count = request.sensitivity_batches
     log(
         f"[sensitivity] {len(sites)} sites × 6 operands × {len(formats)} formats ({', '.join(formats)}) on "
-        f"{len(batches)} validation batches: {passes} forward and backward passes"
+        f"{count} validation batches: {count * (1 + 6 * len(sites) * len(formats))} forward and backward "
+        "passes"
     )
     start = time.perf_counter()
-    patterns = [exact_pattern(name) for name in sites]
-    result = sensitivity(model, batches, candidates=formats, sites=patterns, granularity="operand")
+    measured = measure(
+        run_dir,
+        partial(bert_mlm_from_config, mcfg),
+        data,
+        config.train,
+        "mlm",
+        formats,
+        count,
+        granularity="operand",
+        sites=[exact_pattern(name) for name in sites],
+    )
     log(f"[sensitivity] done in {time.perf_counter() - start:.0f}s")
-    return result
+    return measured.sensitivity
 
 
 def noise_spec(seed: int) -> RunSpec:

@@ -203,7 +203,7 @@ def analyze(
             finally:
                 close()
         if sensitivity_batches:
-            _measure_sensitivity(
+            measure_sensitivity(
                 out_dir,
                 factory,
                 prepared,
@@ -219,7 +219,7 @@ def analyze(
         return result
 
 
-def _measure_sensitivity(
+def measure_sensitivity(
     out_dir: Path,
     factory: Callable[[], nn.Module],
     prepared: RunData,
@@ -229,16 +229,18 @@ def _measure_sensitivity(
     count: int,
     granularity: str = "site",
     progress: bool = False,
-) -> None:
-    """The trained model's sensitivity on ``count`` validation batches, stored in ``out_dir/analysis``
-    (a progress bar of the (target, format) measurements with ``progress``); skipped when the analysis
+    sites: Sequence[str] | None = None,
+) -> Analysis:
+    """The trained model's (``out_dir/model.pt``) sensitivity on ``count`` validation batches, stored in
+    ``out_dir/analysis`` and returned with it (a progress bar of the (target, format) measurements with
+    ``progress``; ``sites``: glob patterns of the sites measured, default all); skipped when the analysis
     already holds it (a finished run asked again)."""
     from numscope.sensitivity import sensitivity
     from numscope.train.checkpoint import load_checkpoint
 
     analysis = Analysis.load(out_dir / "analysis")
     if analysis.sensitivity is not None:
-        return
+        return analysis
     from tqdm.auto import tqdm
 
     batches = _sensitivity_batches(prepared, config, objective, count)
@@ -253,11 +255,17 @@ def _measure_sensitivity(
 
     try:
         analysis.sensitivity = sensitivity(
-            model, batches, candidates=list(candidates), granularity=granularity, on_progress=advance
+            model,
+            batches,
+            candidates=list(candidates),
+            granularity=granularity,
+            sites=sites,
+            on_progress=advance,
         )
     finally:
         bar.close()
     analysis.save(out_dir / "analysis")
+    return analysis
 
 
 def _sensitivity_batches(prepared: RunData, config: TrainConfig, objective: str, count: int) -> list[Any]:
