@@ -537,7 +537,9 @@ def _run_demo(
                 analysis_dir = out_dir / "runs" / REFERENCE.name / "analysis"
                 analysis = Analysis.load(analysis_dir)
                 if config.advisor.measured and analysis.sensitivity is None:
-                    analysis.sensitivity = measure_sensitivity(out_dir, config, data, mcfg, analysis, log)
+                    analysis.sensitivity = measure_sensitivity(
+                        out_dir, config, data, mcfg, analysis, log, progress
+                    )
                 # deterministic: what plan.yaml holds
                 recommendation = advise(analysis, **config.advisor.kwargs(analysis))
                 if not plan_path.exists():
@@ -680,7 +682,13 @@ def heuristic_spec(seed: int | None, plan: str = HEURISTIC_PLAN) -> RunSpec:
 
 
 def measure_sensitivity(
-    out_dir: Path, config: DemoConfig, data: RunData, mcfg: ModelConfig, analysis: Any, log: Callable
+    out_dir: Path,
+    config: DemoConfig,
+    data: RunData,
+    mcfg: ModelConfig,
+    analysis: Any,
+    log: Callable,
+    progress: bool = False,
 ) -> Any:
     """The trained FP32 model's operand sensitivity (:func:`numscope.run.runner.measure_sensitivity`):
     every operand of every site the request's target converts, quantized alone in each of the target's
@@ -725,6 +733,7 @@ def measure_sensitivity(
         formats,
         count,
         granularity="operand",
+        progress=progress,
         sites=[exact_pattern(name) for name in sites],
     )
     log(f"[sensitivity] done in {time.perf_counter() - start:.0f}s")
