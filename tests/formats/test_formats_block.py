@@ -58,7 +58,9 @@ def mx_block(block: np.ndarray, fmt) -> np.ndarray:
     shared = min(max(shared, -127), 127)
     scale = 2.0**shared
     elements = saturating_cast((block.astype(np.float64) / scale).astype(np.float32), element)
-    return (elements.astype(np.float64) * scale).astype(np.float32)
+    # the exact product, then float32, saturating: E4M3's 256 under 2^120 is 2^128, past float32's range
+    big = float(np.finfo(np.float32).max)
+    return np.clip(elements.astype(np.float64) * scale, -big, big).astype(np.float32)
 
 
 def nvfp4_reference(x: np.ndarray, divide: bool = False) -> np.ndarray:

@@ -14,6 +14,7 @@ import scipy.linalg
 import torch
 
 import numscope
+from numscope.formats import native
 from numscope.formats.transform import Rotation
 from numscope.sites import accumulate_matmul
 
@@ -402,3 +403,33 @@ def test_fp22_accumulation_and_promotion() -> None:
         for name in ("fp22", "fp22_promote128", "fp32")
     }
     assert error["fp32"] < error["fp22_promote128"] < error["fp22"]
+
+
+# -- MX blocks near float32's largest value: finite in, finite out ------------------------------------------
+
+NEAR_MAX_CASES = [
+    (name, rule, False)
+    for name in ("mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1", "mxfp6_e2m3", "mxint8")
+    for rule in ("floor", "ceil", "even", "rceil")
+] + [("mxfp8_e4m3", "rceil", True), ("mxfp4_e2m1", "ceil", True)]  # the compiled kernels: one compile each
+
+
+@pytest.mark.parametrize("name,rule,compiled", NEAR_MAX_CASES)
+def test_mx_blocks_near_float32_max_stay_finite(quantizer_path, name: str, rule: str, compiled: bool) -> None:
+    """A block holding 3.4e38 rounds up to the element 256 (E4M3) or 8 (E2M1) under the ceil rules: the
+    MX value 2^128 lies past float32 and decodes to ±FLT_MAX, never inf (the ceil rules gave +inf)."""
+    from test_formats_block import mx_reference  # the spec reference beside this file
+
+    rng = np.random.default_rng(7)
+    rows = rng.uniform(-1, 1, (6, 32)).astype(np.float32) * np.float32(3.0e38)
+    rows[0, 0], rows[1, 3], rows[2, 31] = FLT_MAX, -FLT_MAX, np.float32(3.4e38)
+    rows[3, :] = FLT_MAX
+    fmt = name if rule == "floor" else f"{name}@{rule}"
+    x = torch.from_numpy(rows)
+    got = numscope.quantize(x, fmt, compiled=compiled)
+    assert torch.isfinite(got).all()
+    assert np.array_equal(got.numpy(), mx_reference(rows, numscope.get_format(fmt)))
+    assert torch.equal(numscope.encode(x, fmt).decode(), got)
+    packed = native.block_pack_columns(x.T.contiguous(), numscope.get_format(fmt))  # kept for wgrad
+    if packed is not None:
+        assert torch.equal(packed[1](*packed[0]).T, got)

@@ -34,6 +34,11 @@ typedef struct {
 static inline __attribute__((always_inline)) uint32_t bits_of(float x) { uint32_t b; memcpy(&b, &x, 4); return b; }
 static inline __attribute__((always_inline)) float float_of(uint32_t b) { float x; memcpy(&x, &b, 4); return x; }
 static inline __attribute__((always_inline)) float quiet_nan(void) { return float_of(0x7FC00000u); }
+/* a block's element times its decode scale past float32's range (E4M3's 256 under 2^120) saturates to
+ * ±FLT_MAX (blocks.py block_values); NaN stays NaN */
+static inline __attribute__((always_inline)) float saturate_f32(float v) {
+    return v > FLT_MAX ? FLT_MAX : (v < -FLT_MAX ? -FLT_MAX : v);
+}
 
 /* cast.py cast_int */
 static inline __attribute__((always_inline)) float cast_int(float x, const numscope_format *f) {
@@ -254,6 +259,10 @@ static inline __attribute__((always_inline)) void block_factors(uint32_t top, co
 #define NUMSCOPE_SCALED(CAST, NF, FL, DIV, X, FACTOR, MASK, OUT) \
     (CAST((DIV) ? (X) / (FACTOR) : (X) * (FACTOR), f, 0, NF, FL) * (MASK) * (OUT))
 
+/* a decode scale below 2^100 keeps every element's product finite (the largest element of any block format
+ * is E5M2's 57344 < 2^16): only blocks at larger scales pay for saturate_f32 */
+#define NUMSCOPE_SMALL_SCALE(OUT) ((OUT) < 0x1p100f)
+
 /* blocks of B consecutive elements (B a constant in the common cases), in chunks of up to 64 blocks: their
  * amaxes, then their scales (a loop over blocks, which vectorizes), then their elements */
 #define NUMSCOPE_ROW_BLOCKS(B, CAST, NF, FL, DIV, KIND)                                                   \
@@ -278,7 +287,11 @@ static inline __attribute__((always_inline)) void block_factors(uint32_t top, co
             const float *xb = x + start + k * (B);                                                        \
             float *ob = out + start + k * (B);                                                            \
             const float fk = factor[k], mk = mask[k], sk = scale[k];                                      \
-            for (int i = 0; i < (B); ++i) ob[i] = NUMSCOPE_SCALED(CAST, NF, FL, DIV, xb[i], fk, mk, sk);   \
+            if (NUMSCOPE_SMALL_SCALE(sk))                                                                 \
+                for (int i = 0; i < (B); ++i) ob[i] = NUMSCOPE_SCALED(CAST, NF, FL, DIV, xb[i], fk, mk, sk); \
+            else                                                                                          \
+                for (int i = 0; i < (B); ++i)                                                             \
+                    ob[i] = saturate_f32(NUMSCOPE_SCALED(CAST, NF, FL, DIV, xb[i], fk, mk, sk));          \
         }                                                                                                 \
     }
 
@@ -300,12 +313,20 @@ static inline __attribute__((always_inline)) void block_factors(uint32_t top, co
     for (int64_t start = 0; start < rows; start += block_size) {                                          \
         const int64_t height = rows - start < block_size ? rows - start : block_size;                     \
         column_tops(x, start, height, cols, top);                                                         \
-        for (int64_t c = 0; c < cols; ++c) block_factors(top[c], p, KIND, factor + c, mask + c, scale + c); \
+        int small = 1;                                                                                    \
+        for (int64_t c = 0; c < cols; ++c) {                                                              \
+            block_factors(top[c], p, KIND, factor + c, mask + c, scale + c);                              \
+            small &= NUMSCOPE_SMALL_SCALE(scale[c]) || scale[c] != scale[c];                              \
+        }                                                                                                 \
         for (int64_t r = start; r < start + height; ++r) {                                                \
             const float *xr = x + r * cols;                                                               \
             float *orow = out + r * cols;                                                                 \
-            for (int64_t c = 0; c < cols; ++c)                                                            \
-                orow[c] = NUMSCOPE_SCALED(CAST, NF, FL, DIV, xr[c], factor[c], mask[c], scale[c]);         \
+            if (small)                                                                                    \
+                for (int64_t c = 0; c < cols; ++c)                                                        \
+                    orow[c] = NUMSCOPE_SCALED(CAST, NF, FL, DIV, xr[c], factor[c], mask[c], scale[c]);     \
+            else                                                                                          \
+                for (int64_t c = 0; c < cols; ++c)                                                        \
+                    orow[c] = saturate_f32(NUMSCOPE_SCALED(CAST, NF, FL, DIV, xr[c], factor[c], mask[c], scale[c])); \
             if (ROWS_TOO) {                                                                               \
                 float *rrow = out_rows + r * cols;                                                        \
                 if (block_size == 32) NUMSCOPE_ONE_ROW(32, CAST, NF, FL, DIV, KIND, xr, rrow)             \
@@ -613,7 +634,7 @@ int numscope_block_unpack_columns(const uint8_t *restrict codes, const uint8_t *
         }
         for (int64_t r = start; r < start + height; ++r)
             for (int64_t j = 0; j < cols; ++j)
-                out[r * cols + j] = decode_finite(codes[r * cols + j], c) * mask[j] * decode[j];
+                out[r * cols + j] = saturate_f32(decode_finite(codes[r * cols + j], c) * mask[j] * decode[j]);
     }
     free(scratch);
     return 0;

@@ -57,6 +57,15 @@ class BlockParts:
     length: int
 
 
+def block_values(elements: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A block format's float32 values: elements times their block's decode scale, a product past float32's
+    range saturated to ±FLT_MAX. An MX value can lie beyond float32: E4M3's 256 (a block amax of 3.4e38
+    rounds up to it) under the scale 2^120 is 2^128. Block formats saturate, so a finite input never
+    decodes to inf; the codes (:func:`numscope.encode`) stay the spec's. NaN (a block with a non-finite
+    element has a NaN scale) stays NaN."""
+    return (elements * scales).clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+
+
 def element_mantissa_bits(element: FloatFormat | IntFormat) -> int:
     """Significand bits below the leading one: a float's mantissa bits; an integer's bits less sign and
     leading bit (MXINT8's 1.xxxxxx·2^0 has 6)."""

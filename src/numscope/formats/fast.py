@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from numscope.formats import native
-from numscope.formats.blocks import block_parts_2d
+from numscope.formats.blocks import block_parts_2d, block_values
 from numscope.formats.cast import cast, scale_then_cast
 from numscope.formats.scaling import Scaling, reduce_amax_, reduces_across_ranks, scale_from_amax
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
@@ -216,7 +216,7 @@ def _block_kernel(
     if fmt.tensor_scale and not fmt.row_scale and tensor_amax is None:
         tensor_amax = x.abs().amax()
     parts = block_parts_2d(x, fmt, tensor_amax, "nearest", None, flush)
-    return (parts.elements * parts.scales).reshape(x.shape[0], -1)
+    return block_values(parts.elements, parts.scales).reshape(x.shape[0], -1)
 
 
 _KERNELS: dict[str, Callable[..., torch.Tensor]] = {

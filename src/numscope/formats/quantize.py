@@ -29,7 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from numscope.formats import fast, native
-from numscope.formats.blocks import axis_last_2d, block_parts, checked_axis, tile_shape, to_tiles, unblock
+from numscope.formats.blocks import (
+    axis_last_2d,
+    block_parts,
+    block_values,
+    checked_axis,
+    tile_shape,
+    to_tiles,
+    unblock,
+)
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS, cast, scale_then_cast
 from numscope.formats.scaling import (
     DelayedScaler,
@@ -162,7 +170,7 @@ def quantize(
     if out is None and isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
         parts = block_parts(xf, spec, axis, rounding, generator, _reduces(parsed), flush_subnormals)
-        out = unblock(parts.elements * parts.scales, xf.shape, axis, parts.length)
+        out = unblock(block_values(parts.elements, parts.scales), xf.shape, axis, parts.length)
     elif out is None:
         out = _quantize_element(xf, spec, parsed, delayed, rounding, overflow, flush_subnormals, generator)
     return out.to(x.dtype)
@@ -391,7 +399,7 @@ class Encoded:
             if self.tensor_scale is not None:  # NVFP4: in the order the format's scale_math says
                 divide = fmt.scale_math == "divide"
                 scales = scales / self.tensor_scale if divide else scales * (1.0 / self.tensor_scale)
-            return unblock(elements * scales, torch.Size(self.shape), self.axis, self.length)
+            return unblock(block_values(elements, scales), torch.Size(self.shape), self.axis, self.length)
         values = _element_values(self.codes, fmt)  # type: ignore[arg-type]
         if self.scales is None:
             return values.reshape(self.shape)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from numscope.formats import native
-from numscope.formats.blocks import block_parts_2d
+from numscope.formats.blocks import block_parts_2d, block_values
 from numscope.formats.cast import scale_then_cast
 from numscope.formats.quantize import ScalingArg, quantize
 from numscope.formats.scaling import DelayedScaler, Scaling, element_scale, tensor_amax
@@ -242,7 +242,7 @@ def _quantize_blocks(
         values, scales = fast
     else:
         parts = block_parts_2d(rows, spec, whole_amax, rounding, generator)
-        values, scales = parts.elements * parts.scales, parts.scales
+        values, scales = block_values(parts.elements, parts.scales), parts.scales
 
     def back(blocked: torch.Tensor) -> torch.Tensor:
         flat = blocked.reshape(rows.shape[0], -1)[:, :length]
