@@ -11,6 +11,14 @@ torch runs ``always_call`` forward hooks when the forward raises an ``Exception`
 remembers the Python frame it runs in; contexts ask :meth:`RootCall.is_live` and pass through when their
 call has ended, and the next forward of the model closes the contexts of every call whose frame is gone
 (a torch-function mode or saved-tensor hook pair is taken from wherever it sits on its stack).
+
+Activation checkpointing (``torch.utils.checkpoint`` in either mode, transformers'
+``gradient_checkpointing_enable``) runs a part of the model's forward again during backward, outside any
+forward of the root. A submodule whose forward starts while no forward of the root runs and autograd is
+running a backward is such a recomputation: it gets a :class:`RootCall` of its own (``recompute`` is that
+submodule), so that the registered contexts (the sites' interception, the fp32 ops) see the recomputed
+forward as they saw the first one. Contexts registered with ``recompute=False`` (saved-tensor hooks, which
+would take the saved tensors from the checkpoint's own hooks) are not opened for it.
 """
 
 from __future__ import annotations
@@ -39,12 +47,14 @@ MakeContext = Callable[["RootCall", tuple, dict], AbstractContextManager[Any]]
 class RootCall:
     """One running forward of a root model: where it runs, its grad mode, the contexts opened for it."""
 
-    __slots__ = ("caller", "grad_enabled", "opened")
+    __slots__ = ("caller", "grad_enabled", "opened", "recompute")
 
-    def __init__(self, caller: Any, grad_enabled: bool) -> None:
+    def __init__(self, caller: Any, grad_enabled: bool, recompute: nn.Module | None = None) -> None:
         self.caller = caller
         self.grad_enabled = grad_enabled
         self.opened: dict[int, AbstractContextManager[Any]] = {}  # registration id -> context, in order
+        #: the submodule whose forward activation checkpointing runs again in backward (None: a forward)
+        self.recompute = recompute
 
     def is_live(self) -> bool:
         """Whether this forward is still running (its frame is on the Python stack of the caller)."""
@@ -80,12 +90,16 @@ class RootCalls:
     def __init__(self, model: nn.Module) -> None:
         self.model = weakref.ref(model)
         self.calls: list[RootCall] = []
-        self._contexts: list[tuple[int, int, MakeContext]] = []  # (order, key, make), sorted
+        self._contexts: list[tuple[int, int, MakeContext, bool]] = []  # (order, key, make, recompute), sorted
         self._next_key = 0
         self._hooks = [
             model.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True),
             model.register_forward_hook(self._exit, always_call=True),
         ]
+        for module in model.modules():
+            if module is not model:
+                self._hooks.append(module.register_forward_pre_hook(self._enter_part, prepend=True))
+                self._hooks.append(module.register_forward_hook(self._exit_part, always_call=True))
 
     @staticmethod
     def of(model: nn.Module) -> RootCalls:
@@ -95,11 +109,12 @@ class RootCalls:
             calls = _REGISTRY[model] = RootCalls(model)
         return calls
 
-    def register(self, make: MakeContext, order: int) -> RootHandle:
-        """Open ``make(call, args, kwargs)`` around each forward, after contexts of lower ``order``."""
+    def register(self, make: MakeContext, order: int, recompute: bool = True) -> RootHandle:
+        """Open ``make(call, args, kwargs)`` around each forward, after contexts of lower ``order``;
+        ``recompute``: also around a checkpointed part's recomputation (see the module docstring)."""
         key = self._next_key
         self._next_key += 1
-        self._contexts.append((order, key, make))
+        self._contexts.append((order, key, make, recompute))
         self._contexts.sort(key=lambda entry: (entry[0], entry[1]))
         return RootHandle(self, key)
 
@@ -121,17 +136,32 @@ class RootCalls:
         return call if call.is_live() else None
 
     def _enter(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        call = RootCall(sys._getframe(1), torch.is_grad_enabled())
+        self._open(RootCall(sys._getframe(1), torch.is_grad_enabled()), args, kwargs)
+
+    def _open(self, call: RootCall, args: tuple, kwargs: dict) -> None:
         # pushed first: should anything below raise, the always_call exit hook pops this very call
         self.calls.append(call)
         self._drop_aborted(call.caller)
-        for _, key, make in list(self._contexts):
+        for _, key, make, recompute in list(self._contexts):
+            if call.recompute is not None and not recompute:
+                continue
             context = make(call, args, kwargs)
             context.__enter__()
             call.opened[key] = context
 
     def _exit(self, model: nn.Module, args: Any, output: Any) -> None:
         if self.calls:
+            _close(self.calls.pop())
+
+    def _enter_part(self, module: nn.Module, args: tuple) -> None:
+        """A submodule's forward: a recomputation of activation checkpointing where no forward of the root
+        runs and autograd runs a backward (both checkpoint modes recompute inside the backward)."""
+        if self.calls or torch._C._current_graph_task_id() == -1:
+            return
+        self._open(RootCall(sys._getframe(1), torch.is_grad_enabled(), recompute=module), args, {})
+
+    def _exit_part(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.calls and self.calls[-1].recompute is module:
             _close(self.calls.pop())
 
     def _drop_aborted(self, caller: Any) -> None:

@@ -72,6 +72,21 @@ class _Quantizer:
         self._codes: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor | None]] = {}
         # wgrad inputs quantized in forward, by the input they came from (see pack_wgrad_input)
         self._prequantized: dict[tuple, tuple[weakref.ref, Any]] = {}
+        # activation checkpointing: the forward's stateful quantizations (delayed scaling, stochastic
+        # rounding), replayed when the forward is recomputed in backward (see forward_begins)
+        self._records: dict[str, list[_Record]] = {}
+        self._recomputing = False
+        self._cursor: dict[str, int] = {}
+        self._override: DelayedScaler | None = None
+
+    def forward_begins(self, recompute: bool, grad_enabled: bool) -> None:
+        """``numscope.sites`` says a forward starts: a forward of the model, or (``recompute``) activation
+        checkpointing's recomputation of a part of it in backward. A forward with gradients forgets the
+        records of the previous one; a recomputation replays them (:meth:`_quantize_operand`)."""
+        self._recomputing = recompute
+        self._cursor = {}
+        if not recompute and grad_enabled:
+            self._records.clear()
 
     def prequantizes_wgrad_input(self, site: Site) -> bool:
         """Whether wgrad's input is quantized in forward and kept for backward in a compact form: block
@@ -189,6 +204,10 @@ class _Quantizer:
             scaler = self.scalers[key] = DelayedScaler(scaling)
         return scaler
 
+    def _delayed(self, key: str, scaling: Scaling) -> DelayedScaler:
+        """The delayed scaler of ``key``, or the one replaying a recorded scale (``_quantize_operand``)."""
+        return self._override if self._override is not None else self.scaler(key, scaling)
+
     def announce_gradient(self, site: Site, tensor: torch.Tensor) -> None:
         """``numscope.sites.gemm`` says that dgrad (blocks along the rows) and then wgrad (down the columns)
         will take this 2-D gradient: where both want the same MX format, dgrad's call makes both copies in
@@ -249,7 +268,7 @@ class _Quantizer:
             if cached is not None and cached[0] is tensor and cached[1] == _identity(tensor):
                 self._grad = None
                 return cached[2]
-        result = self.quantize(site.key(gemm, operand), operand_spec, tensor, axis)
+        result = self._quantize_operand(site.key(gemm, operand), gemm, operand_spec, tensor)(axis)
         kept_for_backward = gemm == "fprop" and (
             (operand == "input" and self.shares_input(site))
             or (operand == "weight" and not isinstance(tensor, nn.Parameter) and self.shares_weight(site))
@@ -264,6 +283,79 @@ class _Quantizer:
         if shared_grad and gemm == "dgrad":
             self._grad = (tensor, _identity(tensor), result)
         return result
+
+    def _quantize_operand(self, key: str, gemm: str, spec: OperandSpec, tensor: torch.Tensor):
+        """:meth:`quantize` of one operand (a function of its axis), exactly as the forward did it when
+        activation checkpointing recomputes the forward in backward.
+
+        Only a forward operand with state needs it: delayed scaling (the amax history has moved on since)
+        and stochastic rounding with the quantizer's own generator (the global generator is restored by the
+        checkpoint itself, which keeps its state by default). The forward records its scale and generator
+        state under the operand's key and its fingerprint (shape and amax); a recomputation takes the
+        latest unused record with that fingerprint (backward recomputes the last checkpointed part first),
+        then the following ones in order, and leaves the history and the generator as they were.
+        """
+        stochastic = spec.rounding == "stochastic" and self.generator is not None
+        scaling = spec.effective_scaling()
+        delayed = scaling is not None and scaling.kind == "delayed"
+        if gemm != "fprop" or not (stochastic or delayed):
+            return lambda axis: self.quantize(key, spec, tensor, axis)
+        amax = _amax(tensor.detach().float()).view(torch.int32).item() if tensor.numel() else 0
+        fingerprint = (tuple(tensor.shape), amax)
+        if not self._recomputing:
+            state = self.generator.get_state() if stochastic else None  # type: ignore[union-attr]
+            real = self.scaler(key, scaling) if delayed else None  # type: ignore[arg-type]
+            record = _Record(fingerprint, state, None)
+            self._records.setdefault(key, []).append(record)
+
+            def first(axis: int) -> torch.Tensor:
+                self._override = None if real is None else _ReplayScaler(real, None)
+                try:
+                    return self.quantize(key, spec, tensor, axis)
+                finally:
+                    if self._override is not None:
+                        record.scale = self._override.used  # type: ignore[attr-defined]
+                    self._override = None
+
+            return first
+        record = self._replay_record(key, fingerprint)
+
+        def again(axis: int) -> torch.Tensor:
+            kept = self.generator.get_state() if stochastic else None  # type: ignore[union-attr]
+            if stochastic:
+                self.generator.set_state(record.state)  # type: ignore[union-attr,arg-type]
+            self._override = _ReplayScaler(self.scaler(key, scaling), record.scale) if delayed else None  # type: ignore[arg-type]
+            try:
+                return self.quantize(key, spec, tensor, axis)
+            finally:
+                self._override = None
+                if stochastic:
+                    self.generator.set_state(kept)  # type: ignore[union-attr,arg-type]
+
+        return again
+
+    def _replay_record(self, key: str, fingerprint: tuple) -> _Record:
+        records = self._records.get(key, [])
+        following = self._cursor.get(key)
+        index = None
+        if following is not None and following + 1 < len(records):
+            candidate = records[following + 1]
+            if not candidate.used and candidate.fingerprint == fingerprint:
+                index = following + 1
+        if index is None:
+            unused = [i for i, record in enumerate(records) if not record.used]
+            index = next((i for i in reversed(unused) if records[i].fingerprint == fingerprint), None)
+        if index is None:
+            raise RuntimeError(
+                f"activation checkpointing recomputes operand {key!r} (delayed scaling or stochastic "
+                "rounding), but the forward did not quantize this tensor since the last forward with "
+                "gradients: numscope replays the forward's scale and random bits from that forward only; "
+                "run each backward before the next training forward, or use current scaling and nearest "
+                "rounding in forward"
+            )
+        records[index].used = True
+        self._cursor[key] = index
+        return records[index]
 
     def quantize(self, key: str, spec: OperandSpec, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         """``tensor`` in ``spec``, as float32 values (not rounded to an fp16/bf16 operand's dtype: a site
@@ -292,7 +384,7 @@ class _Quantizer:
                 amax = native.abs_amax(xf.reshape(1, -1), "tensor") if by_library else _amax(xf)
             scale = None
             if scaling is not None:
-                delayed = self.scaler(key, scaling) if scaling.kind == "delayed" else None
+                delayed = self._delayed(key, scaling) if scaling.kind == "delayed" else None
                 scale = element_scale(xf, fmt, scaling, delayed, local_amax=amax)  # type: ignore[arg-type]
             done = native.element_codes(xf, fmt, spec.overflow, dtype, scale) if by_library else None
             if done is None:
@@ -304,7 +396,7 @@ class _Quantizer:
             reduce = scaling is None or scaling.reduce_amax
             scaling_arg: Any = Scaling("block", axis=axis, reduce_amax=reduce)
         elif scaling is not None and scaling.kind == "delayed":
-            scaling_arg = self.scaler(key, scaling)
+            scaling_arg = self._delayed(key, scaling)
         else:
             scaling_arg = scaling
         return quantize(
@@ -317,6 +409,35 @@ class _Quantizer:
             generator=self.generator,
             compiled=compiled,
         )
+
+
+class _Record:
+    """One stateful forward quantization kept for activation checkpointing's recomputation."""
+
+    __slots__ = ("fingerprint", "scale", "state", "used")
+
+    def __init__(self, fingerprint: tuple, state: torch.Tensor | None, scale: torch.Tensor | None) -> None:
+        self.fingerprint = fingerprint
+        self.state = state
+        self.scale = scale
+        self.used = False
+
+
+class _ReplayScaler(DelayedScaler):
+    """A delayed scaler standing in for ``real``: with ``fixed`` None it asks ``real`` (which records the
+    amax) and keeps the scale it gave in ``used``; else it gives ``fixed`` and records nothing."""
+
+    def __init__(self, real: DelayedScaler, fixed: torch.Tensor | None) -> None:
+        super().__init__(real.scaling)
+        self.real = real
+        self.fixed = fixed
+        self.used: torch.Tensor | None = None
+
+    def scale_for(self, x: torch.Tensor, fmt_max: float, amax: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fixed is not None:
+            return self.fixed
+        self.used = self.real.scale_for(x, fmt_max, amax)
+        return self.used
 
 
 def _native_cast(spec: OperandSpec, fmt: Any, scaling: Scaling | None) -> torch.dtype | None:

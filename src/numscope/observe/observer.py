@@ -38,7 +38,7 @@ from numscope.observe.config import (
 )
 from numscope.observe.sampling import _Half, _identity, _scaling_amax, _Shared, _weak, draw
 from numscope.plan import OperandSpec, Plan
-from numscope.sites import Site, attach, attached, current_conv, forward_has_grad, refresh
+from numscope.sites import Site, attach, attached, current_conv, forward_has_grad, recomputing, refresh
 
 
 class _Handler:
@@ -254,8 +254,10 @@ class Observer:
 
     # -- the handler ------------------------------------------------------------------------------
     def _observe(self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        if gemm == "fprop" and not (self.config.no_grad_forwards or forward_has_grad(self.model)):
-            return tensor
+        if gemm == "fprop" and (
+            recomputing(self.model) or not (self.config.no_grad_forwards or forward_has_grad(self.model))
+        ):
+            return tensor  # a forward recomputed by activation checkpointing was measured the first time
         self._site_kinds.setdefault(site.name, site.kind)
         if self.sampling and tensor.is_floating_point() and tensor.numel() > 0:
             if is_parameter_operand(site, operand):

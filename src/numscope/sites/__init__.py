@@ -87,6 +87,7 @@ from numscope.sites.api import (
     is_discovered,
     on_discovered,
     operand_sizes,
+    recomputing,
     refresh,
     sites,
 )
@@ -124,6 +125,7 @@ __all__ = [
     "is_discovered",
     "on_discovered",
     "operand_sizes",
+    "recomputing",
     "refresh",
     "sdpa_reference",
     "sites",

@@ -150,6 +150,15 @@ def forward_has_grad(model: nn.Module) -> bool:
     return not calls or calls[-1].grad_enabled
 
 
+def recomputing(model: nn.Module) -> bool:
+    """Whether the forward of ``model`` now running is activation checkpointing's recomputation of a part
+    of it during backward (see :mod:`numscope._root_call`): its operands were handled once already, in the
+    forward (an observer does not count them again; a quantizer gives them the same bits)."""
+    runtime = _runtime(model)
+    calls = [] if runtime is None else runtime.root.calls
+    return bool(calls) and calls[-1].recompute is not None
+
+
 def refresh(model: nn.Module) -> None:
     """Ask the attached handlers' ``wants(site)`` again at the next site call (answers are cached per site;
     a handler whose answer changes, such as an observer between sampled and skipped steps, calls this)."""

@@ -133,6 +133,49 @@ def _upcast(*operands: torch.Tensor | None) -> torch.dtype | None:
     return None
 
 
+def _autocast_dtype(tensor: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes a GEMM on ``tensor``'s device in, where it is on there.
+
+    A site under autocast does what autocast does to a GEMM (its floating operands cast to that dtype,
+    float64 excepted; the product in that dtype, accumulated in float32) with the plan's quantizers on the
+    cast operands: it multiplies float32 copies of them with autocast off inside and returns that dtype.
+    """
+    device = tensor.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type autocast does not know
+        return None
+    return torch.get_autocast_dtype(device) if enabled else None
+
+
+def _autocast_cast(
+    dtype: torch.dtype | None, *tensors: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    """``tensors`` as autocast casts a GEMM's arguments to ``dtype`` (float32 and the other 16-bit
+    floating dtypes; float64 and integers stay)."""
+    if dtype is None:
+        return tensors
+    return tuple(
+        t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in tensors
+    )
+
+
+class _AutocastOff:
+    """``torch.autocast(device, enabled=False)`` where ``dtype`` (a site under autocast) says so."""
+
+    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype | None) -> None:
+        self.context = torch.autocast(tensor.device.type, enabled=False) if dtype is not None else None
+
+    def __enter__(self) -> None:
+        if self.context is not None:
+            self.context.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.context is not None:
+            self.context.__exit__(*exc)
+
+
 def _out_numel(layout: str, a: torch.Tensor, b: torch.Tensor) -> int:
     if layout == "linear":
         return a.numel() // max(a.shape[-1], 1) * b.shape[0]
@@ -314,6 +357,23 @@ class _Mode(TorchFunctionMode):
         return runtime.gemm_call(func, args, kwargs)
 
 
+_DYNAMO_DISABLED = False
+
+
+def _outside_dynamo() -> None:
+    """Keep ``torch.compile`` out of the interception: :class:`_Mode`'s ``__torch_function__`` runs as it
+    is (dynamo does not trace it). Traced, each site's quantizers were compiled once per site name until
+    the limit of recompilations (the first step of a one-layer Llama took 57 s, each later one 5× eager's);
+    so a converted model under ``torch.compile`` computes as in eager, the same bits, at about eager's speed.
+    Done when the first model is attached, not at import (``torch._dynamo`` takes a second to import)."""
+    global _DYNAMO_DISABLED
+    if not _DYNAMO_DISABLED:
+        import torch._dynamo
+
+        _Mode.__torch_function__ = torch._dynamo.disable(_Mode.__torch_function__)  # type: ignore[method-assign]
+        _DYNAMO_DISABLED = True
+
+
 class _Interception:
     """The sites' context of one root call (see :mod:`numscope._root_call`).
 
@@ -341,6 +401,10 @@ class _Interception:
             return
         runtime.mode.__enter__()
         self.on = True
+        for attachment in runtime.attachments:
+            begins = getattr(attachment.handler, "forward_begins", None)
+            if begins is not None:
+                begins(call.recompute is not None, call.grad_enabled)
 
     def __exit__(self, *exc: object) -> None:
         self.call = None
@@ -354,6 +418,7 @@ class _Runtime:
     """The interception state of one model: hooks, module stack, site table, attached handlers."""
 
     def __init__(self, model: nn.Module) -> None:
+        _outside_dynamo()
         self.model_ref = weakref.ref(model)
         self.attachments: list[_Attachment] = []
         self.stack: list[_Frame] = []
@@ -568,16 +633,19 @@ class _Runtime:
             return self.conv_call(frame, func, args, kwargs)
         site = self._site_for(frame, layout, b)
         self.sizes[site.name] = _sizes(a.numel(), b.numel(), _out_numel(layout, a, b))
-        call = self._call(site, layout, _upcast(a, b, bias))
+        autocast = _autocast_dtype(a)
+        call = self._call(site, layout, autocast or _upcast(a, b, bias))
         if call is None:
             return func(*args, **kwargs)
+        a, b, bias = _autocast_cast(autocast, a, b, bias)  # type: ignore[assignment]
         if layout in ("linear", "fold") and a.dim() != 2:
             call.meta["a_fold_strides"] = (
                 _fold_strides(a) if a.is_contiguous() or layout == "fold" else (a.shape[-1], 1)
             )
         elif layout == "batched":
             call.meta["batch"] = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-        return SiteGemm.apply(call, a, b, bias)
+        with _AutocastOff(a, autocast):
+            return SiteGemm.apply(call, a, b, bias)
 
     def _expert(self, frame: _Frame, weight: torch.Tensor, index: int | None = None) -> Site | None:
         """The site of one expert of a module that keeps its experts' weights stacked in one parameter
@@ -611,12 +679,15 @@ class _Runtime:
                 self.order.append(site.name)
             return F.linear(a, weight, bias)
         self.sizes[site.name] = _sizes(a.numel(), weight.numel(), _out_numel("linear", a, weight))
-        call = self._call(site, "linear", _upcast(a, weight, bias))
+        autocast = _autocast_dtype(a)
+        call = self._call(site, "linear", autocast or _upcast(a, weight, bias))
         if call is None:
             return F.linear(a, weight, bias)
+        a, weight, bias = _autocast_cast(autocast, a, weight, bias)  # type: ignore[assignment]
         if a.dim() != 2:
             call.meta["a_fold_strides"] = _fold_strides(a) if a.is_contiguous() else (a.shape[-1], 1)
-        return SiteGemm.apply(call, a, weight, bias)
+        with _AutocastOff(a, autocast):
+            return SiteGemm.apply(call, a, weight, bias)
 
     def recurrent_call(self, func, args: tuple, kwargs: dict):
         """An ``nn.LSTM``/``GRU``/``RNN`` unrolled into its ``ih``/``hh`` GEMMs (see numscope.sites.rnn)."""
@@ -695,9 +766,11 @@ class _Runtime:
         x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
         site = self._conv_site(frame, weight)
         self.sizes[site.name] = _sizes(x.numel(), weight.numel(), 0)
-        call = self._call(site, "conv", _upcast(x, weight, bias))
+        autocast = _autocast_dtype(x)
+        call = self._call(site, "conv", autocast or _upcast(x, weight, bias))
         if call is None:
             return func(*args, **kwargs)
+        x, weight, bias = _autocast_cast(autocast, x, weight, bias)  # type: ignore[assignment]
         if call.accumulate != "fp32":
             raise ValueError(
                 f"site {site.name!r}: accumulate {call.accumulate!r} is not emulated for convolutions; "
@@ -706,7 +779,8 @@ class _Runtime:
         unbatched = x.dim() == params.dims + 1  # F.conv* accepts an input without a batch axis
         if unbatched:
             x = x.unsqueeze(0)
-        out = SiteConv.apply(call, params, x, weight, bias)
+        with _AutocastOff(x, autocast):
+            out = SiteConv.apply(call, params, x, weight, bias)
         self.sizes[site.name] = _sizes(x.numel(), weight.numel(), out.numel())
         return out.squeeze(0) if unbatched else out
 
@@ -730,7 +804,11 @@ class _Runtime:
         calls = {"scores": self._call(scores_site, "batched"), "context": self._call(context_site, "batched")}
         if all(c is None for c in calls.values()):
             return func(*args, **kwargs)
-        upcast = _upcast(q, k, v)
+        autocast = _autocast_dtype(q)
+        if autocast is not None:  # as autocast would: the operands in its dtype (then float32 copies)
+            for name in ("query", "key", "value"):
+                bound[name] = _autocast_cast(autocast, bound[name])[0]
+        upcast = autocast or _upcast(q, k, v)
         if (
             upcast is not None
         ):  # as the fp32 mode below would: float32 copies, the result in the working dtype
@@ -745,7 +823,8 @@ class _Runtime:
             call.meta["batch"] = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
             return SiteGemm.apply(call, a, b, None)
 
-        out = sdpa_reference(**bound, matmul=matmul)
+        with _AutocastOff(q, autocast):
+            out = sdpa_reference(**bound, matmul=matmul)
         return out if upcast is None else out.to(upcast)
 
     # discovery

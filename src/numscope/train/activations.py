@@ -145,5 +145,8 @@ def store_activations(
             f"(or torch.float16, torch.bfloat16), got {dtype!r}"
         )
     store = ActivationStore(model, resolved, compact_dropout)
-    handle = RootCalls.of(model).register(lambda call, args, kwargs: store.forward(call), INSIDE_SITES)
+    # not around activation checkpointing's recomputation: there the checkpoint's own hooks keep the tensors
+    handle = RootCalls.of(model).register(
+        lambda call, args, kwargs: store.forward(call), INSIDE_SITES, recompute=False
+    )
     return handle, store
