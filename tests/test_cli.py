@@ -347,6 +347,29 @@ def test_recommend_with_a_gap_model_weights_roles_and_predicts_the_gap(
     assert bought and {gemm for gemm, _ in bought} == {"fprop"}
     bad = cli("recommend", ws / "runs" / "fp32", "-o", ws / "x.yaml", "--gap-model", ws / "plan.yaml")
     assert bad.code == 2 and "--gap-model" in bad.err and "not a gap model" in bad.err
+    # --max-gap: the cheapest plan predicted within the gap (here half of the all-MXFP4 plan's)
+    lowest = [*args[:-2], "--bit-budget", "4.3"]
+    low = cli("recommend", ws / "runs" / "fp32", "-o", ws / "low.yaml", *lowest)
+    assert low.code == 0, low.err
+    gap = model.predict_plan(analysis, Plan.load(ws / "low.yaml")) / 2
+    within = [*args[:-2], "--max-gap", f"{gap:.6g}", "--gap-model", ws / "gap_model.json"]
+    result = cli("recommend", ws / "runs" / "fp32", "-o", ws / "within.yaml", *within)
+    assert result.code == 0, result.err
+    plan = Plan.load(ws / "within.yaml")
+    assert model.predict_plan(analysis, plan) <= float(f"{gap:.6g}")
+    assert f"cheapest plan predicted within {float(f'{gap:.6g}'):g}" in result.out
+    cheaper = numscope.advisor.advise(
+        analysis, candidates=["mxfp4_e2m1", "bf16"], bit_budget=analysis_average_bits(plan, analysis) - 0.1,
+        noise_weights=model.noise_weights(), max_be_ratio=None, max_underflow_pct=None, max_overflow_pct=None,
+        min_sqnr_db=None,
+    )  # fmt: skip
+    assert model.predict_plan(analysis, cheaper.plan) > float(f"{gap:.6g}")  # no cheaper plan is within it
+    impossible = cli("recommend", ws / "runs" / "fp32", "-o", ws / "x.yaml", *within[:-3], "-1", *within[-2:])
+    assert impossible.code == 2 and "no plan is predicted within a gap of -1 nats" in impossible.err
+    unmodelled = cli("recommend", ws / "runs" / "fp32", "-o", ws / "x.yaml", *within[:-2])
+    assert unmodelled.code == 2 and "--max-gap needs --gap-model" in unmodelled.err
+    plain = cli("recommend", ws / "runs" / "fp32", "-o", ws / "x.yaml")
+    assert "predicted gap to FP32: none (no gap model" in plain.out
 
 
 def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str, Result]) -> None:

@@ -95,6 +95,9 @@ def find_analysis(path: str | os.PathLike[str]) -> Path:
 def recommend_plan(
     analysis: str | os.PathLike[str] | Analysis,
     output: str | os.PathLike[str] | None = None,
+    *,
+    max_gap: float | None = None,
+    gap_model: Any = None,
     **criteria: Any,
 ) -> tuple[Plan, list[dict[str, str]]]:
     """The plan :func:`numscope.recommend` makes from an analysis, its table of choices and reasons.
@@ -102,14 +105,32 @@ def recommend_plan(
     analysis: an :class:`~numscope.Analysis`, its folder, or a run folder of :func:`analyze`.
     criteria: passed by keyword to :func:`numscope.recommend` (``max_be_ratio``, ``max_underflow_pct``,
     ``max_overflow_pct``, ``min_sqnr_db``, ``bit_budget``, ``candidates``, ``reference``, ``per_operand``
-    and any it gains). The plan is saved to ``output`` when given.
+    and any it gains). max_gap: instead of a bit budget, the cheapest plan whose gap to FP32 ``gap_model``
+    (a :class:`numscope.study.GapModel`) predicts within ``max_gap`` nats
+    (:func:`numscope.advisor.advise_within_gap`). The plan is saved to ``output`` when given.
     """
-    from numscope.advisor import recommend, recommend_table
+    from numscope.advisor import advise_within_gap, recommend, recommend_table
 
     if output is not None:
         check_output_file(output, "--output")
     loaded = analysis if isinstance(analysis, Analysis) else Analysis.load(find_analysis(analysis))
-    plan = recommend(loaded, **criteria)
+    if max_gap is None:
+        plan = recommend(loaded, **criteria)
+    else:
+        if gap_model is None:
+            raise WorkflowError(
+                "--max-gap needs a gap model to predict the gap (--gap-model gap_model.json of 'numscope "
+                "calibrate')"
+            )
+        if criteria.get("bit_budget") is not None:
+            raise WorkflowError("--max-gap chooses the bit budget itself: give --max-gap or --bit-budget")
+        criteria.pop("bit_budget", None)
+        plan = advise_within_gap(
+            loaded,
+            predict=lambda candidate: predicted_gap(gap_model, loaded, candidate),
+            max_gap=max_gap,
+            **criteria,
+        )[0].plan
     if output is not None:
         _save_plan(plan, Path(output))
     return plan, recommend_table(plan)
@@ -265,11 +286,11 @@ OBJECTIVE_WHY = {
 }
 
 
-def default_objective(analysis: Analysis, bit_budget: float | None) -> str:
-    """``sensitivity`` where the analysis measured every operand's sensitivity and a bit budget is given
-    (the objective that tied the best heuristics in the plan study), else ``noise``."""
+def default_objective(analysis: Analysis, bit_budget: float | None, max_gap: float | None = None) -> str:
+    """``sensitivity`` where the analysis measured every operand's sensitivity and a bit budget (or a gap
+    target) is given (the objective that tied the best heuristics in the plan study), else ``noise``."""
     measured = analysis.sensitivity is not None and analysis.sensitivity.granularity == "operand"
-    return "sensitivity" if measured and bit_budget is not None else "noise"
+    return "sensitivity" if measured and (bit_budget is not None or max_gap is not None) else "noise"
 
 
 def sensitivity_objective(analysis: Analysis, gap_model: Any = None) -> Callable[[Any, str], float]:

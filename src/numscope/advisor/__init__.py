@@ -70,7 +70,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 from typing import Any
 
@@ -630,10 +630,58 @@ def advise(
         passing_per_key.append(passing)
     optimal = True
     if bit_budget is not None:
-        choices, optimal = _apply_budget(choices, passing_per_key, float(bit_budget))
+        name = objective_name or ("sensitivity" if objective is not None else "noise")
+        limited = bool(per_operand) or any(getattr(limits, f.name) is not None for f in fields(limits))
+        choices, optimal = _apply_budget(
+            choices, passing_per_key, float(bit_budget), name, "all limits met" if limited else "limits off"
+        )
     total = sum(c.elements for c in choices)
     average = sum(c.bits * c.elements for c in choices) / total if total else math.nan
     return Recommendation(_plan(choices), tuple(choices), average, bit_budget, optimal, limits, reference)
+
+
+def advise_within_gap(
+    analysis: Analysis,
+    *,
+    predict: Callable[[Plan], float],
+    max_gap: float,
+    resolution: float = 1 / 64,
+    **options: Any,
+) -> tuple[Recommendation, float]:
+    """The cheapest plan whose predicted gap to FP32 is at most ``max_gap``, and that gap.
+
+    predict: a plan's predicted gap (nats), e.g. a calibrated gap model's
+    (:meth:`numscope.study.GapModel.predict_plan`); the objective :func:`advise` minimises (``objective``,
+    ``noise_weights``) must be the sum that ``predict`` computes, so that the least objective within a
+    budget falls as the budget grows. Bisection on the bit budget, to ``resolution`` bits per element: each
+    step solves the budget exactly as :func:`advise` does and keeps the smaller budget whose plan is
+    predicted within ``max_gap``. options: as :func:`advise` takes them (not ``bit_budget``).
+    """
+    if "bit_budget" in options:
+        raise AdvisorError("a gap target chooses the bit budget itself: give max_gap or bit_budget, not both")
+    if isinstance(max_gap, bool) or not isinstance(max_gap, int | float) or not math.isfinite(max_gap):
+        raise AdvisorError(f"max_gap must be a finite number of nats, got {max_gap!r}")
+    top = advise(analysis, bit_budget=HIGH_BITS, **options)
+    top_gap = float(predict(top.plan))
+    if top_gap > max_gap:
+        raise AdvisorError(
+            f"no plan is predicted within a gap of {max_gap:g} nats: the least predicted gap among these "
+            f"candidates is {top_gap:.4g} nats; raise the gap"
+        )
+    low, high, best = 0.0, HIGH_BITS, (top, top_gap)
+    while high - low > resolution:
+        middle = (low + high) / 2
+        try:
+            found = advise(analysis, bit_budget=middle, **options)
+        except AdvisorError:  # below the cheapest plan the candidates allow
+            low = middle
+            continue
+        gap = float(predict(found.plan))
+        if gap <= max_gap:
+            high, best = middle, (found, gap)
+        else:
+            low = middle
+    return best
 
 
 def _target(name: str | None) -> Any:
@@ -723,7 +771,11 @@ def sensitivity_objective(
 
 
 def _apply_budget(
-    choices: list[Choice], passing: list[list[_Option]], budget: float
+    choices: list[Choice],
+    passing: list[list[_Option]],
+    budget: float,
+    objective_name: str = "noise",
+    limits_text: str = "all limits met",
 ) -> tuple[list[Choice], bool]:
     options = [
         sorted(opts, key=lambda o: o.bits) if opts else [_Option(HIGH, HIGH_BITS, 0.0, math.inf, [])]
@@ -751,8 +803,9 @@ def _apply_budget(
             )
             continue
         reason = (
-            f"{option.label} ({option.bits:g} bits): least total noise within bit budget {budget:g} "
-            f"({method}); sqnr_db {_number(option.mean_sqnr)} mean; all limits met"
+            f"{option.label} ({option.bits:g} bits): least total {objective_name} within bit budget "
+            f"{budget:g} ({method}); {objective_name} {_number(option.noise)}; sqnr_db "
+            f"{_number(option.mean_sqnr)} mean; {limits_text}"
         )
         out.append(
             replace(

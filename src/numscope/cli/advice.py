@@ -80,12 +80,22 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     objective = args.objective
     why = "asked for"
     if objective == "auto":
-        objective = workflow.default_objective(analysis, args.bit_budget)
+        objective = workflow.default_objective(analysis, args.bit_budget, args.max_gap)
         why = workflow.OBJECTIVE_WHY[objective]
     gap_model = workflow.load_gap_model(args.gap_model, objective) if args.gap_model else None
+    if args.max_gap is not None:
+        if gap_model is None:
+            raise CLIError(
+                "--max-gap needs --gap-model (gap_model.json of 'numscope calibrate') to predict gaps"
+            )
+        if args.bit_budget is not None:
+            raise CLIError(
+                "--max-gap chooses the bit budget itself: give --max-gap or --bit-budget, not both"
+            )
+        criteria["max_gap"], criteria["gap_model"] = args.max_gap, gap_model
     if objective == "sensitivity":
-        if args.bit_budget is None:
-            raise CLIError("--objective sensitivity chooses within a --bit-budget; give one")
+        if args.bit_budget is None and args.max_gap is None:
+            raise CLIError("--objective sensitivity chooses within a --bit-budget or a --max-gap; give one")
         criteria["objective"] = workflow.sensitivity_objective(analysis, gap_model)
         for name, _ in _CRITERIA:  # the noise objective's guards: off unless asked for
             criteria.setdefault(name, None)
@@ -100,10 +110,16 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     )
     if gap_model is not None:
         predicted = workflow.predicted_gap(gap_model, analysis, plan)
+        target = "" if args.max_gap is None else f"; the cheapest plan predicted within {args.max_gap:g}"
         print(
             f"predicted validation-loss gap to FP32: {predicted:+.4f} ± {gap_model.spread:.4f} nats "
             f"(gap model {args.gap_model}, {gap_model.features} features, fitted on {gap_model.points} "
-            "calibration runs; it holds for the model and training it was fitted on)"
+            f"calibration runs; it holds for the model and training it was fitted on{target})"
+        )
+    else:
+        print(
+            "predicted gap to FP32: none (no gap model; 'numscope calibrate' fits one on your model, then "
+            "--gap-model predicts each plan's gap and --max-gap chooses by it)"
         )
     print(f"plan: {args.output}  (next: numscope train --plan {args.output} ...)")
     if args.target and args.target != "emulation":
@@ -141,6 +157,13 @@ def _register_recommend(sub: argparse._SubParsersAction) -> None:
         type=_positive_float,
         metavar="BITS",
         help="cap on average bits per operand element (weighted by size), solved for the least total noise",
+    )
+    p.add_argument(
+        "--max-gap",
+        type=float,
+        metavar="NATS",
+        help="instead of --bit-budget: the cheapest plan whose validation-loss gap to FP32, as --gap-model "
+        "predicts it, is at most NATS (bisection on the bit budget)",
     )
     p.add_argument(
         "--candidates", nargs="+", metavar="FORMAT", help="choose only among these measured formats"
