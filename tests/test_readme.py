@@ -44,6 +44,7 @@ def test_the_two_set_up_commands_are_what_run_and_ci_do() -> None:
 
 
 def test_the_formats_table_is_what_numscope_formats_prints() -> None:
+    """The formats page (docs/formats.md, linked from the README) shows the table the command prints."""
     from numscope.cli import formats_table, render_table
 
-    assert render_table(formats_table()) in README
+    assert render_table(formats_table()) in (ROOT / "docs" / "formats.md").read_text(encoding="utf-8")
