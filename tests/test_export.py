@@ -253,6 +253,13 @@ def test_transformer_engine_export_follows_the_documented_api() -> None:
         assert feature["enabled"] is True and set(feature["gemms"]) <= {"fprop", "dgrad", "wgrad"}
     kept = {section["layers"]["layer_name_regex_pattern"] for section in debug.values()}
     assert r"^cls\.predictions\.decoder$" in kept  # the BF16 tail of the NVFP4 recipe
+    # numscope's own rht16 (seed 0) has other signs than TE's transform: not TE's RHT, listed, not swapped
+    seeded = Plan.from_dict(
+        {"numscope_plan": 1, "default": {"all": "nvfp4", "wgrad": {"format": "nvfp4", "transform": "rht16"}}}
+    )
+    listed = to_transformer_engine(seeded, sites)
+    wgrad = [line for line in listed.unexpressed if " wgrad/input nvfp4 " in line]
+    assert wgrad and all("rht16" in line and "no TE recipe has these numerics" in line for line in wgrad)
     hybrid = to_transformer_engine(Plan.recipe("te_delayed"), sites)
     assert (
         "RECIPE = DelayedScaling(fp8_format=Format.HYBRID, margin=0, amax_history_len=1024"

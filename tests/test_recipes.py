@@ -18,7 +18,7 @@ from transformers import BertForMaskedLM
 import numscope
 from numscope.cli import main as cli_main
 from numscope.plan import Plan, PlanError, SiteSpec
-from numscope.plan.recipes import ATTENTION_PATTERNS, NVFP4_BF16_TAIL, RECIPES
+from numscope.plan.recipes import ATTENTION_PATTERNS, NVFP4_BF16_TAIL, RECIPES, TE_RHT
 from numscope.sites import accumulate_matmul
 from tiny_models import tiny_bert
 
@@ -88,7 +88,7 @@ def test_nvfp4_keeps_the_last_15_percent_of_linear_layers_in_bf16() -> None:
     spec = plan.for_site(linear[0])
     assert spec.operand("fprop", "weight").format == "nvfp4@2d"
     assert spec.operand("wgrad", "grad_output").rounding == "stochastic"
-    assert spec.operand("wgrad", "input").transform == "rht16"
+    assert spec.operand("wgrad", "input").transform == TE_RHT
     assert spec.operand("fprop", "input").transform is None
     assert len(Plan.recipe("te_nvfp4").rules) == len(ATTENTION_PATTERNS)  # without sites: no BF16 layers
 
@@ -200,3 +200,18 @@ def test_every_recipe_trains_a_gqa_llama_and_a_cnn(name: str) -> None:
     for model, loss_of in models:
         losses = train(model, loss_of, steps=3)
         assert all(math.isfinite(value) for value in losses) and losses[-1] < losses[0], (name, losses)
+
+
+def test_te_nvfp4_uses_transformer_engines_fixed_hadamard_signs() -> None:
+    """TE's wgrad RHT: diag(signs) · H₁₆ / 4 with the sign vector hard-coded in TE's
+    transformer_engine/pytorch/tensor/nvfp4_tensor.py (get_wgrad_sign_vector, TE 2.20.0.dev0), H₁₆
+    Sylvester's; its reference applies it as x_blocks @ (D·H / 4)."""
+    from numscope.formats.transform import Rotation
+
+    signs = torch.tensor([1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1], dtype=torch.float32)
+    hadamard = torch.ones(1, 1)
+    while hadamard.shape[0] < 16:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
+    spec = Plan.recipe("te_nvfp4").for_site("any.linear").operand("wgrad", "grad_output")
+    assert torch.equal(Rotation.parse(spec.transform).matrix(), torch.diag(signs) @ hadamard / 4)
+    assert not torch.equal(Rotation.parse("rht16").matrix(), torch.diag(signs) @ hadamard / 4)

@@ -259,8 +259,8 @@ class DemoConfig:
 
     Sizes in tokens and elements; ``observe_every`` in optimizer steps.
     The defaults were chosen by FP32 runs measured on this corpus (one thread per run, two runs at once on 2
-    cores, validation on 2,048 blocks; docs/demo.md, "The demo's size"): 1,000 steps of 64 blocks of 32 tokens,
-    a 2,000-token vocabulary, 4 heads, FFN 256 and 30% of the training tokens masked take the FP32 run
+    cores, validation on 2,048 blocks; docs/demo.md, "The demo's size"): 1,000 steps of 64 blocks of 32
+    tokens, a 2,000-token vocabulary, 4 heads, FFN 256 and 30% of the training tokens masked take the FP32 run
     0.59 nats below the context-free loss (seed 1: 0.54), while the whole demo stays within ten minutes
     (the previous 500 steps of 16 × 64 tokens, vocabulary 4,000, 2 heads, FFN 512, 15% masked: 0.20).
     Measured one change at a time: shorter blocks, more of them, learned more per token (32 tokens: 0.45

@@ -33,6 +33,7 @@ from numscope._atomic import atomic_write_text
 from numscope._names import layer_index
 from numscope.formats.spec import BlockFormat
 from numscope.plan.plan import Plan
+from numscope.plan.recipes import TE_RHT
 from numscope.plan.spec import OperandSpec, SiteSpec
 from numscope.vocab import GEMMS, OPERAND_KEYS, OPERANDS
 
@@ -331,7 +332,7 @@ def _te_recipe(spec: OperandSpec, gemm: str, operand: str) -> str | None:
     :data:`_NVFP4`, whose switches :func:`_nvfp4_recipe` sets from every NVFP4 operand of the plan."""
     fmt, scaling = spec.format_spec(), spec.effective_scaling()
     if fmt is not None and fmt.name in ("nvfp4", "nvfp4@2d"):
-        transform_ok = spec.transform is None or (spec.transform == "rht16" and gemm == "wgrad")
+        transform_ok = spec.transform is None or (spec.transform == TE_RHT and gemm == "wgrad")
         rounding_ok = spec.rounding == "nearest" or (
             spec.rounding == "stochastic" and operand == "grad_output"
         )
@@ -365,8 +366,8 @@ def _te_recipe(spec: OperandSpec, gemm: str, operand: str) -> str | None:
 
 #: NVFP4BlockScaling's switches and, for each, the operands whose spec decides it and how
 _NVFP4_SWITCHES = (
-    ("disable_rht", "the random Hadamard transform (rht16) on wgrad's operands",
-     lambda g, o, spec: spec.transform != "rht16" if g == "wgrad" else None),
+    ("disable_rht", f"TE's random Hadamard transform ({TE_RHT}: its fixed signs) on wgrad's operands",
+     lambda g, o, spec: spec.transform != TE_RHT if g == "wgrad" else None),
     ("disable_stochastic_rounding", "stochastic rounding of grad_output",
      lambda g, o, spec: spec.rounding != "stochastic" if o == "grad_output" else None),
     ("disable_2d_quantization", "16x16 weight scales (nvfp4@2d)",

@@ -33,6 +33,11 @@ from numscope.vocab import OPERAND_KEYS
 ATTENTION_PATTERNS: tuple[str, ...] = ("*.scores", "*.scores[0-9]*", "*.context", "*.context[0-9]*")
 #: the share of linear layers the NVFP4 pretraining recipe keeps in BF16, counted from the last one
 NVFP4_BF16_TAIL = 0.15
+#: Transformer Engine's random Hadamard transform for NVFP4's wgrad operands: blocks of 16 with TE's fixed
+#: sign vector (``get_wgrad_sign_vector`` in transformer_engine/pytorch/tensor/nvfp4_tensor.py, TE 2.20.0.dev0
+#: at d0067d0; [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]), which numscope's seeded signs give
+#: with the seed 28389 (diag(signs) · H₁₆ / 4, rows signed, as TE's ``sign_mat @ h``; tested)
+TE_RHT = "rht16:28389"
 #: where the contraction axis of each operand lies: last (fprop, dgrad's grad_output) or first
 CONTRACTION_FIRST = {("dgrad", "weight"), ("wgrad", "grad_output"), ("wgrad", "input")}
 
@@ -110,7 +115,7 @@ def _nvfp4_spec() -> SiteSpec:
     for gemm, operand in OPERAND_KEYS:
         rounding = "stochastic" if operand == "grad_output" else "nearest"
         fmt = "nvfp4@2d" if operand == "weight" else "nvfp4"
-        transform = "rht16" if gemm == "wgrad" else None
+        transform = TE_RHT if gemm == "wgrad" else None
         operands[(gemm, operand)] = OperandSpec(fmt, rounding=rounding, transform=transform)
     return SiteSpec(operands)
 
@@ -202,7 +207,7 @@ RECIPES: dict[str, NamedRecipe] = {
             "NVFP4: 16x16 weight scales, random Hadamard transform (16) on wgrad, stochastic rounding of "
             "gradients, the last ~15% of linear layers in BF16",
             "the BF16 layers need the model's sites (Plan.recipe(name, sites) or numscope train, which "
-            "passes them); the RHT signs are seeded here, not TE's fixed vector",
+            "passes them); the RHT is TE's: its fixed sign vector (rht16:28389)",
             _te_nvfp4,
         ),
         NamedRecipe(
