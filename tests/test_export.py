@@ -60,7 +60,7 @@ def bert_sites() -> list[tuple[str, str]]:
 
 TORCHAO_RUN = textwrap.dedent(
     """
-    import importlib.util, json, sys, torch
+    import dataclasses, importlib.util, json, sys, torch
     sys.path.insert(0, sys.argv[1])
     import numscope
     from numscope.plan.export import from_torchao
@@ -77,8 +77,12 @@ TORCHAO_RUN = textwrap.dedent(
         results.append((out.detach(), model.fc1.weight.grad, model.fc2.weight.grad))
     differences = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*results)]  # relative
     config = exported.configs()[0]
+    want = plan.for_site("fc1")  # with torchao's amax floor (1e-12), which the export adds where it lacks
+    floored = numscope.SiteSpec({key: dataclasses.replace(spec, scaling=dataclasses.replace(
+        spec.effective_scaling(), amax_epsilon=1e-12)) for key, spec in want.operands.items()})
     print(json.dumps({"converted": type(theirs.fc1).__name__, "differences": differences,
-                      "round_trip": from_torchao(config).for_site("fc1") == plan.for_site("fc1")}))
+                      "round_trip": from_torchao(config).for_site("fc1") == floored,
+                      "floored": floored == want}))
     """
 )
 
@@ -96,7 +100,8 @@ TORCHAO_RUN = textwrap.dedent(
 def test_torchao_runs_the_export_as_numscope_emulates_it(plan: str, tolerance: float, tmp_path: Path) -> None:
     model = MLP()
     sites = [(site.name, site.kind) for site in numscope.sites(model, torch.randn(2, 64))]
-    written = export(Plan.named(plan), "torchao", sites, plan).save(tmp_path)
+    exported = export(Plan.named(plan), "torchao", sites, plan)
+    written = exported.save(tmp_path)
     script = tmp_path / "run.py"
     script.write_text(TORCHAO_RUN)
     env = {**os.environ, "PYTHONPATH": str(PEERS), "OMP_NUM_THREADS": "1"}
@@ -108,7 +113,10 @@ def test_torchao_runs_the_export_as_numscope_emulates_it(plan: str, tolerance: f
     # power-of-two scales: bit for bit; other per-tensor scales: torchao divides by the scale where numscope
     # multiplies by its reciprocal (Transformer Engine's order), which moves a value by an ulp or so
     assert max(result["differences"]) <= tolerance, result
-    assert result["round_trip"]  # the torchao config read back is the plan's spec
+    assert result["round_trip"]  # the torchao config read back is the plan's spec, with torchao's amax floor
+    # the torchao_* recipes carry that floor; the fp8 preset has none: the export says so, in one line
+    floor_lines = [line for line in exported.unexpressed if "floors every amax at 1e-12" in line]
+    assert result["floored"] == plan.startswith("torchao_") and len(floor_lines) == (plan == "fp8")
 
 
 class BiasFreeMLP(nn.Module):

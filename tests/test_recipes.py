@@ -150,7 +150,8 @@ def test_cli_lists_the_recipes_and_shows_one(capsys) -> None:
         assert name in listing and recipe.source in listing
     assert cli_main(["recipes", "deepseek_v3"]) == 0
     shown = capsys.readouterr().out
-    assert "fp22_promote128" in shown and "block(block_shape=[1, 128])" in shown and "emulated:" in shown
+    assert "fp22_promote128" in shown and "block(block_shape=[1, 128], amax_epsilon=0.0001)" in shown
+    assert "emulated:" in shown
     assert cli_main(["recipes", "te_fp8"]) == 2
     assert "unknown recipe 'te_fp8'; known: te_delayed" in capsys.readouterr().err
 
@@ -215,3 +216,48 @@ def test_te_nvfp4_uses_transformer_engines_fixed_hadamard_signs() -> None:
     spec = Plan.recipe("te_nvfp4").for_site("any.linear").operand("wgrad", "grad_output")
     assert torch.equal(Rotation.parse(spec.transform).matrix(), torch.diag(signs) @ hadamard / 4)
     assert not torch.equal(Rotation.parse("rht16").matrix(), torch.diag(signs) @ hadamard / 4)
+
+
+def test_torchao_recipes_floor_the_amax_as_torchao_does() -> None:
+    """torchao's amax_to_scale: scale = f32(max / clamp(amax, min=EPS)) in float64, EPS = 1e-12
+    (torchao/float8/float8_utils.py), rowwise rounded down to a power of two. A row whose amax is 1e-14 is
+    scaled by max / 1e-12, not max / 1e-14: its values land 100× lower on the E4M3 grid."""
+    import ml_dtypes
+    import numpy as np
+
+    spread = 2.0 ** -torch.arange(0, 16, 0.25)  # 64 values over 16 binades: the small ones near E4M3's floor
+    x = spread * torch.tensor([[1e-14], [1e-13], [1.0], [3e-12]])
+    e4m3 = ml_dtypes.float8_e4m3fn
+
+    def torchao(values: np.ndarray, power_of_two: bool) -> np.ndarray:
+        amax = np.abs(values).max(axis=-1, keepdims=True).astype(np.float64)
+        scale = (448.0 / np.maximum(amax, 1e-12)).astype(np.float32)
+        if power_of_two:
+            scale = np.exp2(np.floor(np.log2(scale))).astype(np.float32)
+        return (np.clip(values * scale, -448, 448).astype(e4m3).astype(np.float32) / scale).astype(np.float32)
+
+    rowwise = Plan.recipe("torchao_rowwise").for_site("fc").operand("fprop", "input")
+    got = numscope.quantize(x, rowwise.format, scaling=rowwise.effective_scaling()).numpy()
+    assert np.array_equal(got, torchao(x.numpy(), power_of_two=True))
+    unfloored = numscope.quantize(x, "fp8_e4m3", scaling=numscope.Scaling("row", power_of_two=True)).numpy()
+    assert not np.array_equal(unfloored[0], got[0]) and np.array_equal(unfloored[2:], got[2:])
+    tensorwise = Plan.recipe("torchao_tensorwise").for_site("fc").operand("fprop", "input")
+    assert tensorwise.effective_scaling().amax_epsilon == 1e-12
+
+
+def test_deepseek_v3_keeps_its_head_and_gates_high_and_floors_tile_amaxes() -> None:
+    """The report keeps the output head and the MoE gating in their original precision; DeepGEMM's casts
+    clamp each tile's amax at 1e-4 (per_token_cast_to_fp8: amax.clamp(1e-4))."""
+    names = [
+        "model.layers.0.mlp.gate",
+        "model.layers.0.mlp.experts.0",
+        "model.layers.0.self_attn.scores",
+        "lm_head",
+    ]
+    plan = Plan.recipe("deepseek_v3", names)
+    assert plan.for_site("lm_head").is_high and plan.for_site("model.layers.0.mlp.gate").is_high
+    expert = plan.for_site("model.layers.0.mlp.experts.0")
+    assert not expert.is_high and expert.accumulate == "fp22_promote128"
+    tile = expert.operand("fprop", "input").effective_scaling()
+    assert tile.block_shape == (1, 128) and tile.amax_epsilon == 1e-4
+    assert not Plan.recipe("deepseek_v3").for_site("lm_head").is_high  # the head is known from the sites only

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from numscope._names import layer_index
 from numscope.analysis import Analysis, OperandKey, Sensitivity
-from numscope.plan import HIGH
+from numscope.plan import HIGH, OperandSpec, Plan
 from numscope.plan.targets import LINEAR_KINDS, StackRecipe, Target
 
 Objective = Callable[[OperandKey, str], float]
@@ -77,7 +77,7 @@ def advise_for_target(
     objective_name: str,
 ) -> object:
     """A :class:`~numscope.advisor.Recommendation` for ``target`` (see the module docstring)."""
-    from numscope.advisor import AdvisorError, Choice, Recommendation, _option, _plan
+    from numscope.advisor import AdvisorError, Choice, Recommendation, _option
 
     kinds = site_kinds(analysis)
     usable = [r for r in target.recipes if all(f in candidates for f in r.measured)]
@@ -159,9 +159,14 @@ def advise_for_target(
     from numscope.advisor import Limits
 
     assert isinstance(limits, Limits)
-    return Recommendation(
-        _plan(choices), tuple(choices), best.bits, bit_budget, best.optimal, limits, reference
-    )
+    specs: dict[OperandKey, str | OperandSpec] = {
+        c.key: OperandSpec(best.formats[c.key], scaling=best.recipes[c.site].scaling)
+        if c.key in best.formats
+        else c.format
+        for c in choices
+    }
+    plan = Plan.per_operand(specs, {c.key: c.reason for c in choices})
+    return Recommendation(plan, tuple(choices), best.bits, bit_budget, best.optimal, limits, reference)
 
 
 def _bits(label: str) -> float:

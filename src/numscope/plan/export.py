@@ -33,7 +33,7 @@ from numscope._atomic import atomic_write_text
 from numscope._names import layer_index
 from numscope.formats.spec import BlockFormat
 from numscope.plan.plan import Plan
-from numscope.plan.recipes import TE_RHT
+from numscope.plan.recipes import TE_RHT, TORCHAO_EPS
 from numscope.plan.spec import OperandSpec, SiteSpec
 from numscope.vocab import GEMMS, OPERAND_KEYS, OPERANDS
 
@@ -119,8 +119,11 @@ def _torchao_cast(gemm: str, operand: str, spec: OperandSpec) -> tuple[str, bool
             "(here 'row' or 'column' scaling), rounds to nearest, and has no transform"
         )
     assert scaling is not None
-    if scaling.margin or scaling.amax_epsilon or spec.flush_subnormals:
-        return f"{_describe(spec)}: torchao has no margin, amax epsilon or subnormal flush"
+    if scaling.margin or scaling.amax_epsilon not in (0.0, TORCHAO_EPS) or spec.flush_subnormals:
+        return (
+            f"{_describe(spec)}: torchao has no margin or subnormal flush, and floors every amax at "
+            f"{TORCHAO_EPS:g} (EPS), not at {scaling.amax_epsilon:g}"
+        )
     granularity = "TENSORWISE" if kind == "tensor" else "AXISWISE"
     source = (
         f"CastConfig(scaling_granularity=ScalingGranularity.{granularity}, "
@@ -239,6 +242,7 @@ def to_torchao(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a nu
     """A torchao module reproducing ``plan`` on the model whose ``(site name, kind)`` pairs are ``sites``."""
     linear, unexpressed = _linear_sites(plan, sites)
     groups: dict[str, list[str]] = {}
+    unfloored: list[str] = []  # float8 modules whose operands have no amax floor
     for name, spec in linear.items():
         if all(_high(spec.operand(g, o)) for g, o in OPERAND_KEYS):
             continue
@@ -248,6 +252,17 @@ def to_torchao(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a nu
             unexpressed += [f"{name}: {reason}; the module stays in high precision" for reason in config]
             continue
         groups.setdefault(config, []).append(name)
+        scalings = [spec.operand(g, o).effective_scaling() for g, o in OPERAND_KEYS]
+        if not block and any(sc is not None and sc.amax_epsilon == 0 for sc in scalings):
+            unfloored.append(name)
+    if unfloored:
+        named = ", ".join(unfloored[:3]) + (", ..." if len(unfloored) > 3 else "")
+        unexpressed.append(
+            f"{len(unfloored)} float8 module(s) ({named}): torchao floors every amax at {TORCHAO_EPS:g} (EPS "
+            "in torchao/float8/float8_utils.py), the plan's operands have no floor; converted with torchao's "
+            f"(they differ only where an amax is below {TORCHAO_EPS:g}; the recipes torchao_* and "
+            "'recommend --target torchao' carry the floor)"
+        )
     mx = any(config.startswith("MXFP8") for config in groups)
     if mx:
         unexpressed.append(
@@ -710,7 +725,8 @@ def from_torchao(config: object) -> Plan:
             )
         granularity = _enum_name(cast.scaling_granularity)
         kind = "tensor" if granularity == "TENSORWISE" else ("column" if key in _CONTRACTION_FIRST else "row")
-        operands[key] = OperandSpec(names[dtype], scaling=Scaling(kind, power_of_two=power))  # type: ignore[arg-type]
+        scaling = Scaling(kind, power_of_two=power, amax_epsilon=TORCHAO_EPS)  # type: ignore[arg-type]
+        operands[key] = OperandSpec(names[dtype], scaling=scaling)
     return linear_only(SiteSpec(operands))
 
 

@@ -156,14 +156,16 @@ class Plan:
     @classmethod
     def per_operand(
         cls,
-        formats: Mapping[tuple[str, str, str], str],
+        formats: Mapping[tuple[str, str, str], str | OperandSpec],
         reasons: Mapping[tuple[str, str, str], str] | None = None,
     ) -> Plan:
-        """A plan giving each ``(site, gemm, operand)`` its format, one exact-name rule per site (glob
-        characters in names escaped); operands and sites not listed stay high. ``reasons`` go to the rules."""
+        """A plan giving each ``(site, gemm, operand)`` its format (a name, or an :class:`OperandSpec` with
+        its scaling and rounding), one exact-name rule per site (glob characters in names escaped); operands
+        and sites not listed stay high. ``reasons`` go to the rules."""
         per_site: dict[str, dict[tuple[str, str], OperandSpec]] = {}
         for (site, gemm, operand), label in formats.items():
-            per_site.setdefault(site, {})[(gemm, operand)] = OperandSpec(label)
+            spec = label if isinstance(label, OperandSpec) else OperandSpec(label)
+            per_site.setdefault(site, {})[(gemm, operand)] = spec
         reasons = reasons or {}
         rules = tuple(
             Rule(

@@ -53,16 +53,24 @@ class NamedRecipe:
     build: Callable[[list[str] | None], Plan]
 
 
+#: torchao's floor under every amax before its scale is computed (``EPS`` in torchao/float8/float8_utils.py,
+#: ``amax_to_scale``: max / clamp(amax, min=EPS))
+TORCHAO_EPS = 1e-12
+#: DeepGEMM's floor under each tile's amax in its FP8 casts (``per_token_cast_to_fp8`` and
+#: ``per_block_cast_to_fp8``: amax.clamp(1e-4)), the casts of DeepSeek-V3's recipe
+DEEPGEMM_EPS = 1e-4
+
+
 def _axiswise(gemm: str, operand: str, power_of_two: bool) -> Scaling:
     """torchao's axiswise scaling: one scale per slice along the contraction axis."""
     kind = "column" if (gemm, operand) in CONTRACTION_FIRST else "row"
-    return Scaling(kind, power_of_two=power_of_two)  # type: ignore[arg-type]
+    return Scaling(kind, power_of_two=power_of_two, amax_epsilon=TORCHAO_EPS)  # type: ignore[arg-type]
 
 
-def _tile(gemm: str, operand: str, power_of_two: bool) -> Scaling:
+def _tile(gemm: str, operand: str, power_of_two: bool, amax_epsilon: float = 0.0) -> Scaling:
     """A 1×128 tile along the contraction axis (activations and gradients)."""
     shape = (128, 1) if (gemm, operand) in CONTRACTION_FIRST else (1, 128)
-    return Scaling("block", block_shape=shape, power_of_two=power_of_two)
+    return Scaling("block", block_shape=shape, power_of_two=power_of_two, amax_epsilon=amax_epsilon)
 
 
 def linear_only(spec: SiteSpec) -> Plan:
@@ -91,13 +99,15 @@ def _te_current(sites: list[str] | None) -> Plan:
     return linear_only(_hybrid(Scaling("tensor")))
 
 
-def _fine_grained(accumulate: str, power_of_two: bool) -> SiteSpec:
+def _fine_grained(accumulate: str, power_of_two: bool, amax_epsilon: float = 0.0) -> SiteSpec:
     operands = {}
     for gemm, operand in OPERAND_KEYS:
         if operand == "weight":
-            scaling = Scaling("block", block_shape=(128, 128), power_of_two=power_of_two)
+            scaling = Scaling(
+                "block", block_shape=(128, 128), power_of_two=power_of_two, amax_epsilon=amax_epsilon
+            )
         else:
-            scaling = _tile(gemm, operand, power_of_two)
+            scaling = _tile(gemm, operand, power_of_two, amax_epsilon)
         operands[(gemm, operand)] = OperandSpec("fp8_e4m3", scaling=scaling)
     return SiteSpec(operands, accumulate)
 
@@ -134,11 +144,21 @@ def _te_nvfp4(sites: list[str] | None) -> Plan:
 
 
 def _deepseek_v3(sites: list[str] | None) -> Plan:
-    return linear_only(_fine_grained("fp22_promote128", power_of_two=False))
+    """FP8 fine-grained everywhere but the output head (the last linear site, known from ``sites``) and the
+    MoE gating (sites named ``*.gate``), which the report keeps in their original precision."""
+    plan = linear_only(_fine_grained("fp22_promote128", power_of_two=False, amax_epsilon=DEEPGEMM_EPS))
+    kept = {"fprop/input": "DeepSeek-V3 keeps the MoE gating in its original precision"}
+    plan = plan.with_rule("*.gate", SiteSpec(), kept, optional=True)
+    if sites:
+        linear = [name for name in sites if not any(fnmatch.fnmatchcase(name, p) for p in ATTENTION_PATTERNS)]
+        if linear:
+            head = {"fprop/input": "DeepSeek-V3 keeps the output head in its original precision"}
+            plan = plan.with_rule(glob.escape(linear[-1]), SiteSpec(), head)
+    return plan
 
 
 def _torchao_tensorwise(sites: list[str] | None) -> Plan:
-    return linear_only(_hybrid(Scaling("tensor")))
+    return linear_only(_hybrid(Scaling("tensor", amax_epsilon=TORCHAO_EPS)))
 
 
 def _torchao_rowwise(sites: list[str] | None) -> Plan:
@@ -153,7 +173,9 @@ def _torchao_rowwise_with_gw_hp(sites: list[str] | None) -> Plan:
         ("fprop", "input"): OperandSpec("fp8_e4m3", scaling=_axiswise("fprop", "input", True)),
         ("fprop", "weight"): OperandSpec("fp8_e4m3", scaling=_axiswise("fprop", "weight", True)),
         ("dgrad", "grad_output"): OperandSpec("fp8_e4m3", scaling=_axiswise("dgrad", "grad_output", True)),
-        ("dgrad", "weight"): OperandSpec("fp8_e4m3", scaling=Scaling("tensor", power_of_two=True)),
+        ("dgrad", "weight"): OperandSpec(
+            "fp8_e4m3", scaling=Scaling("tensor", power_of_two=True, amax_epsilon=TORCHAO_EPS)
+        ),
     }  # wgrad: both operands in high precision
     return linear_only(SiteSpec(operands))
 
@@ -215,21 +237,25 @@ RECIPES: dict[str, NamedRecipe] = {
             "DeepSeek-AI, 'DeepSeek-V3 Technical Report' (2024), section 3.3 (FP8 training)",
             "FP8 E4M3 everywhere, 1x128 activation/gradient tiles, 128x128 weight blocks, partial sums "
             "promoted to FP32 every 128 products",
-            "accumulation emulated as E8M13 (about the 14 bits the report measured) in runs of 128",
+            "accumulation emulated as E8M13 (about the 14 bits the report measured) in runs of 128; tile "
+            "amaxes floored at 1e-4 as DeepGEMM's casts; the output head (the last linear site, when the "
+            "model's sites are given) and MoE gates (*.gate) high",
             _deepseek_v3,
         ),
         NamedRecipe(
             "torchao_tensorwise",
             "torchao, Float8LinearConfig.from_recipe_name('tensorwise')",
             "FP8 with per-tensor scaling: E4M3 input/weight, E5M2 grad_output",
-            "scales not rounded to powers of two (torchao's default for this recipe)",
+            "scales not rounded to powers of two (torchao's default for this recipe); amax floored at "
+            "torchao's EPS 1e-12; the output GEMM's fast accumulation is not emulated (fp32)",
             _torchao_tensorwise,
         ),
         NamedRecipe(
             "torchao_rowwise",
             "torchao, Float8LinearConfig.from_recipe_name('rowwise')",
             "FP8 E4M3 for every operand, one power-of-two scale per row along the contraction axis",
-            "axiswise scaling is row or column scaling, whichever keeps the scale along the contraction",
+            "axiswise scaling is row or column scaling, whichever keeps the scale along the contraction; "
+            "amax floored at torchao's EPS 1e-12",
             _torchao_rowwise,
         ),
         NamedRecipe(

@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from numscope.formats.scaling import Scaling
+from numscope.plan.recipes import TORCHAO_EPS
 from numscope.plan.spec import PlanError, _unknown
 
 EMULATION = "emulation"
@@ -40,6 +42,9 @@ class StackRecipe:
     name: str
     label: str
     formats: Mapping[str, str]
+    #: the scaling the stack gives every operand of this recipe where it differs from the measured format's
+    #: default in a way the observer does not measure (torchao's amax floor); None: the format's own
+    scaling: Scaling | None = None
 
     def format_for(self, operand: str) -> str:
         return self.formats[operand]
@@ -125,11 +130,20 @@ TARGETS: dict[str, Target] = {
             "grad_output, tensorwise scaling) or in high precision",
             "torchao 0.18: torchao/float8/config.py (Float8LinearConfig, CastConfig per operand and GEMM, "
             "ScalingType.DISABLED), convert_to_float8_training(module_filter_fn=...)",
-            (StackRecipe("fp8", "Float8LinearConfig (tensorwise, E4M3/E5M2)", _HYBRID.formats),),
+            (
+                StackRecipe(
+                    "fp8",
+                    "Float8LinearConfig (tensorwise, E4M3/E5M2)",
+                    _HYBRID.formats,
+                    Scaling("tensor", amax_epsilon=TORCHAO_EPS),
+                ),
+            ),
             "gemm",
             False,
             (
                 "torchao quantizes both operands of a GEMM or neither, and casts an operand to one dtype",
+                "torchao floors every amax at 1e-12 (EPS, torchao/float8/float8_utils.py): its plans carry "
+                "that floor; the observer measures without it (the same unless an amax is below 1e-12)",
                 "torchao's MXFP8 training is not offered: torchao 0.18 drops a Linear's bias under it and "
                 "needs every dimension a multiple of 32",
             ),
