@@ -143,12 +143,39 @@ def test_convolutions_refuse_a_narrow_accumulator_and_say_what_they_skip() -> No
     numscope.convert(conv, numscope.Plan(numscope.SiteSpec.uniform("bf16", accumulate="bf16")))
     with pytest.raises(ValueError, match="accumulate 'bf16' is not emulated for convolutions"):
         conv(torch.randn(1, 3, 5, 5))
-    same = nn.Conv2d(3, 4, 3, padding="same")
-    numscope.convert(same, numscope.Plan.uniform("fp8"))
-    with pytest.warns(
-        UserWarning, match=r"runs a string padding \('same', 'valid'\) \(conv2d\), which numscope"
-    ):
-        same(torch.randn(1, 3, 5, 5))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.Conv2d(3, 4, 3, padding="same"),
+        lambda: nn.Conv2d(
+            3, 4, (4, 3), padding="same", dilation=(1, 2)
+        ),  # odd total: one more zero at the end
+        lambda: nn.Conv1d(3, 4, 4, padding="same"),
+        lambda: nn.Conv2d(3, 4, 3, padding="valid"),
+    ],
+    ids=["same", "same-asymmetric", "same-1d", "valid"],
+)
+def test_string_padding_is_a_site(make) -> None:
+    """Before, a 'same'/'valid' convolution was listed as a site but ran past the handlers with a warning."""
+    torch.manual_seed(0)
+    plain = make()
+    x = torch.randn(2, 3, 7, 6) if isinstance(plain, nn.Conv2d) else torch.randn(2, 3, 9)
+    seen = []
+    identity = make()
+    identity.load_state_dict(plain.state_dict())
+    numscope.sites.attach(identity, lambda site, g, o, t, a: (seen.append((site.name, g)), t)[1], name="id")
+    want, got = plain(x), identity(x)
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-6)
+    assert ("", "fprop") in seen  # the convolution's own site ran through the handler
+    quantized = make()
+    quantized.load_state_dict(plain.state_dict())
+    numscope.convert(quantized, numscope.Plan.uniform("fp8"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = quantized(x)
+    assert out.shape == want.shape and not torch.equal(out, want)
 
 
 def test_vit_and_whisper_front_ends_are_sites() -> None:

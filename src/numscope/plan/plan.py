@@ -83,8 +83,12 @@ class Plan:
         for index, rule in enumerate(self.rules):
             if rule.optional or any(rule.matches(name) for name in names):
                 continue
+            inside = [name for name in names if name.startswith(rule.pattern + ".")]
             close = difflib.get_close_matches(rule.pattern, names, n=2, cutoff=0.6)
-            hint = f" (closest: {_names(repr(c) for c in close)})" if close else ""
+            if inside:  # a module whose GEMMs run under names of their own (a matmul in its forward)
+                hint = f" (the module's GEMMs run as {_names(repr(c) for c in inside[:3])}: name those)"
+            else:
+                hint = f" (closest: {_names(repr(c) for c in close)})" if close else ""
             unmatched.append(f"rules[{index}].match {rule.pattern!r}{hint}")
         if not unmatched:
             return

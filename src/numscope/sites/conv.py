@@ -50,22 +50,42 @@ class _ConvParams:
     def of(
         cls, func: Callable[..., Any], args: tuple, kwargs: dict
     ) -> tuple[_ConvParams, dict[str, Any]] | None:
-        """The parameters of a ``F.conv*`` call, or ``None`` where its padding is a string ('same')."""
+        """The parameters of a ``F.conv*`` call and its bound arguments, or ``None`` where torch itself would
+        refuse them (a string padding other than 'same' and 'valid', 'same' with a stride).
+
+        A string padding becomes numbers as torch's ``_convolution_mode`` computes them: 'valid' is 0;
+        'same' pads each side by ``dilation · (kernel − 1) // 2`` and, where that total is odd, the input by
+        one more zero at the end of the axis (``bound["input"]`` is then that padded input), as torch does."""
         dims, transposed = _CONV_FUNCS[func]
         bound = dict(zip(_CONV_TRANSPOSE_ARGS if transposed else _CONV_ARGS, args, strict=False)) | kwargs
-        if isinstance(bound.get("padding", 0), str):
-            return None
 
         def tuple_of(value: Any, default: int) -> tuple[int, ...]:
             value = default if value is None else value
             return tuple(value) if isinstance(value, list | tuple) else (int(value),) * dims
 
+        stride, dilation = tuple_of(bound.get("stride"), 1), tuple_of(bound.get("dilation"), 1)
+        padding = bound.get("padding", 0)
+        if isinstance(padding, str):
+            if transposed or padding not in ("same", "valid"):
+                return None
+            if padding == "valid":
+                padding = 0
+            else:
+                if any(s != 1 for s in stride):
+                    return None  # torch refuses 'same' with a stride
+                kernel = tuple(bound["weight"].shape[2:])
+                totals = [d * (k - 1) for d, k in zip(dilation, kernel, strict=True)]
+                padding = tuple(total // 2 for total in totals)
+                extra = [total - 2 * left for total, left in zip(totals, padding, strict=True)]
+                if any(extra):  # F.pad's order: the last axis first, (start, end) each
+                    pad = [amount for e in reversed(extra) for amount in (0, e)]
+                    bound["input"] = torch.nn.functional.pad(bound["input"], pad)
         params = cls(
             dims,
             transposed,
-            tuple_of(bound.get("stride"), 1),
-            tuple_of(bound.get("padding"), 0),
-            tuple_of(bound.get("dilation"), 1),
+            stride,
+            tuple_of(padding, 0),
+            dilation,
             tuple_of(bound.get("output_padding"), 0),
             int(bound.get("groups", 1) or 1),
         )

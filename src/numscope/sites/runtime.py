@@ -28,7 +28,7 @@ _LINEAR_FUNCS = {F.linear}
 _MM_FUNCS = {torch.mm, torch.Tensor.mm}
 _ADDMM_FUNCS = {torch.addmm, torch.Tensor.addmm}
 _BADDBMM_FUNCS = {torch.baddbmm, torch.Tensor.baddbmm}
-_MATMUL_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.bmm, torch.Tensor.bmm}
+_MATMUL_FUNCS = {torch.matmul, torch.Tensor.matmul, torch.linalg.matmul, torch.bmm, torch.Tensor.bmm}
 _RMATMUL_FUNCS = {torch.Tensor.__rmatmul__}
 _SDPA_FUNCS = {F.scaled_dot_product_attention}
 _GEMM_FUNCS = (
@@ -50,6 +50,16 @@ _UNINTERCEPTED: dict[Callable[..., Any], str] = {
     torch.einsum: "an einsum that is not one matmul",
     torch.bilinear: "a bilinear product",
     F.bilinear: "a bilinear product",
+    torch.tensordot: "a tensordot",
+    torch.addbmm: "an addbmm (a sum of batched products)",
+    torch.Tensor.addbmm: "an addbmm (a sum of batched products)",
+    torch.linalg.multi_dot: "a multi_dot chain",
+    torch.chain_matmul: "a chain_matmul",
+    torch.mv: "a matrix-vector product",
+    torch.Tensor.mv: "a matrix-vector product",
+    torch.addmv: "a matrix-vector product",
+    torch.Tensor.addmv: "a matrix-vector product",
+    torch.inner: "an inner product",
 }
 #: grouped GEMMs (mixture-of-experts experts): a 2-D input whose rows are sorted by expert times a 3-D
 #: stack of expert weights, ``offs`` the cumulative row counts; each expert is a site of its own
@@ -63,6 +73,7 @@ _WEIGHT_AXES: dict[tuple[str, str], tuple[int, int]] = {
     ("matmul", "linear"): (-1, 0),
     ("conv1d", "mm"): (0, -1),
     ("linear", "mm"): (0, -1),
+    ("linear", "fold"): (-2, -1),  # x @ W.T with x of 3 or more axes (a Linear's weight, transposed)
     ("matmul", "mm"): (0, -1),
     ("matmul", "fold"): (-2, -1),
     ("matmul", "batched"): (-2, -1),
@@ -114,6 +125,31 @@ def _parse(func, args: tuple, kwargs: dict) -> tuple[str, Any, Any, Any] | None:
         return None
     layout = _matmul_layout(a, b)
     return None if layout is None else (layout, a, b, None)
+
+
+def _scaled_product(func, args: tuple, kwargs: dict) -> Callable[[], torch.Tensor] | None:
+    """``addmm``/``baddbmm`` with ``alpha`` or ``beta`` other than 1, as ``beta · input + alpha · (a @ b)``
+    with the product a site (``mm``/``bmm``, run under the mode); ``beta = 0`` ignores ``input``, as torch
+    does (a NaN there does not propagate). ``None`` where the call is a plain one (or writes into ``out=``).
+    The same value as torch's fused kernel up to float32 rounding (it scales and adds after the product)."""
+    names = ("input", "mat1", "mat2") if func in _ADDMM_FUNCS else ("input", "batch1", "batch2")
+    given = dict(zip(names, args[:3], strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+    extra = dict(zip(("beta", "alpha"), args[3:], strict=False)) | kwargs
+    beta, alpha = extra.get("beta", 1), extra.get("alpha", 1)
+    if "out" in kwargs or (beta == 1 and alpha == 1):
+        return None
+    bias, a, b = (given.get(name) for name in names)
+    if not all(isinstance(t, torch.Tensor) for t in (bias, a, b)):
+        return None
+    product = torch.mm if func in _ADDMM_FUNCS else torch.bmm
+
+    def scaled() -> torch.Tensor:
+        out = product(a, b)
+        if alpha != 1:
+            out = out * alpha
+        return out if beta == 0 else out + (bias if beta == 1 else bias * beta)
+
+    return scaled
 
 
 def _upcast(*operands: torch.Tensor | None) -> torch.dtype | None:
@@ -199,6 +235,18 @@ def _static_kind(module: nn.Module) -> str | None:
     conv1d = _conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
         return "conv1d"
+    return None
+
+
+def _parametrized(module: nn.Module) -> bool:
+    """Whether ``module.weight`` is computed by ``torch.nn.utils.parametrize`` (``weight_norm`` and kin)."""
+    return "weight" in getattr(module, "parametrizations", {})
+
+
+def _weight_shape(module: nn.Module, layout: str) -> tuple[int, ...] | None:
+    """The shape a parametrized Linear's computed weight has in ``F.linear`` (None: not a Linear)."""
+    if isinstance(module, nn.Linear) and layout == "linear":
+        return (module.out_features, module.in_features)
     return None
 
 
@@ -334,6 +382,11 @@ class _Mode(TorchFunctionMode):
         if unfused is not None and runtime.stack:
             with self:  # this mode stays on for the GEMMs inside
                 return unfused(*args, **kwargs)
+        if (func in _ADDMM_FUNCS or func in _BADDBMM_FUNCS) and runtime.stack:
+            scaled = _scaled_product(func, args, kwargs)
+            if scaled is not None:  # alpha or beta not 1: the product a site, the scalings around it
+                with self:
+                    return scaled()
         if func in CELLS and runtime.stack and (runtime.discovery is not None or runtime.in_forward()):
             return runtime.recurrent_call(func, args, kwargs)
         if func is torch.einsum and runtime.stack:
@@ -434,10 +487,17 @@ class _Runtime:
         self.skipped: set[tuple[str, str]] = set()  # (module, op) of GEMMs that ran past the handlers
         self._wanted: dict[str, tuple] = {}
         self.hooks: list[Any] = []
+        #: the weight Parameter of each Linear/Conv1D module → the module and its site: a GEMM
+        #: on that weight (or its transpose) runs as the module's site wherever it runs (a module that
+        #: multiplies with its own weight outside F.linear, or a parent that uses a child's weight)
+        self.weights: dict[int, tuple[nn.Module, Site]] = {}
         for qualname, module in model.named_modules():
             kind = _static_kind(module)
             if kind is not None:
                 self.static[id(module)] = Site(qualname, qualname, kind)
+                weight = module._parameters.get("weight")
+                if kind != "conv" and isinstance(weight, nn.Parameter):
+                    self.weights.setdefault(id(weight), (module, self.static[id(module)]))
             self.hooks.append(module.register_forward_pre_hook(self._pre_hook(qualname, kind)))
             self.hooks.append(module.register_forward_hook(self._post_hook, always_call=True))
         self.root = RootCalls.of(model)
@@ -525,7 +585,8 @@ class _Runtime:
                 found[site.name] = site
         static = {site.name: site for site in self.static.values()} | self.named
         names = [n for n in self.order if n in found or n in static]
-        names += [n for n in static if n not in names]
+        if not self.discovered:  # before a forward: every Linear/Conv1D/convolution module, as a guess
+            names += [n for n in static if n not in names]
         names += [n for n in found if n not in names]
         return [found.get(n) or static[n] for n in names]
 
@@ -546,19 +607,39 @@ class _Runtime:
         return entry
 
     def _site_for(self, frame: _Frame, layout: str, weight: torch.Tensor) -> Site:
-        static = self.static.get(id(frame.module))
-        if (
-            static is not None
-            and layout in ("linear", "mm")
-            and getattr(frame.module, "weight", None) is weight
-        ):
-            return static
-        named = (
+        named = self._module_site(frame, layout, weight) or (
             self._projection(frame, layout, weight)
             or self._own_weight(frame, layout, weight)
             or (self._expert(frame, weight) if layout in ("linear", "mm") else None)
         )
         return named if named is not None else self.anonymous(frame, "matmul")[0]
+
+    def _module_site(self, frame: _Frame, layout: str, weight: torch.Tensor) -> Site | None:
+        """The site of the Linear/Conv1D module whose weight this GEMM multiplies by, wherever it runs: the
+        module's own ``F.linear`` (or Conv1D's ``addmm``); its weight parameter, or that parameter
+        transposed (``x @ self.weight.T``, as transformers' FalconLinear), in any frame (a parent module
+        using a child's weight); a parametrized weight (``weight_norm``) in its module's own forward."""
+        static = self.static.get(id(frame.module))
+        if static is not None and layout in ("linear", "mm"):
+            own = frame.module._parameters.get("weight")
+            if own is weight or getattr(frame.module, "weight", None) is weight:
+                return static
+            if _parametrized(frame.module) and tuple(weight.shape) == _weight_shape(frame.module, layout):
+                return static
+        found = self.weights.get(id(weight))
+        if found is not None and layout in ("linear", "mm"):
+            return found[1] if (found[1].kind == "conv1d") == (layout == "mm") else None
+        base = weight._base
+        found = self.weights.get(id(base)) if base is not None else None
+        transposed = (
+            found is not None
+            and found[1].kind == "linear"
+            and layout in ("mm", "fold")
+            and weight.dim() == 2
+            and tuple(weight.shape) == tuple(base.shape)[::-1]  # type: ignore[union-attr]
+            and weight.stride() == base.stride()[::-1]  # type: ignore[union-attr]
+        )
+        return found[1] if transposed else None  # type: ignore[index]  # (in, out): mm's right operand
 
     def _projection(self, frame: _Frame, layout: str, weight: torch.Tensor) -> Site | None:
         """The named site of a ``MultiheadAttention`` projection: ``out_proj`` (its Linear's own site),
@@ -625,6 +706,8 @@ class _Runtime:
         frame = self.stack[-1]
         parsed = _parse(func, args, kwargs)
         if parsed is None:
+            if "out" in kwargs:
+                self.unintercepted(frame, func, "a GEMM writing into out=")
             return func(*args, **kwargs)
         layout, a, b, bias = parsed
         if layout == "sdpa":
@@ -759,8 +842,7 @@ class _Runtime:
 
     def conv_call(self, frame: _Frame, func, args: tuple, kwargs: dict):
         parsed = _ConvParams.of(func, args, kwargs)
-        if parsed is None:  # padding='same'/'valid': left to torch, and said
-            self.unintercepted(frame, func, "a string padding ('same', 'valid')")
+        if parsed is None:  # a string padding torch refuses: torch says so
             return func(*args, **kwargs)
         params, bound = parsed
         x, weight, bias = bound["input"], bound["weight"], bound.get("bias")
@@ -891,7 +973,7 @@ class _Runtime:
             ("linear", "mm", "conv") if static is not None and static.kind == "conv" else ("linear", "mm")
         )
         if static is None or layout not in allowed or getattr(frame.module, "weight", None) is not b:
-            static = (
+            static = self._module_site(frame, layout, b) or (
                 self._projection(frame, layout, b)
                 or self._own_weight(frame, layout, b)
                 or (self._expert(frame, b) if layout in ("linear", "mm") else None)
