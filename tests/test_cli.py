@@ -950,6 +950,18 @@ def test_a_read_only_out_folder_is_one_clear_line(ws: Path, tmp_path: Path) -> N
     assert result.code == 2 and f"--out {locked}/run: {locked} is not writable" in result.err
 
 
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs Linux's sysfs")
+@pytest.mark.parametrize("command", ["train", "demo"])
+def test_an_out_folder_nothing_can_be_written_to_is_one_clear_line(ws: Path, command: str) -> None:
+    """/sys takes no new folder even from root, whose permission checks pass: the folder is tried, not
+    its permissions read (before, a traceback from mkdir)."""
+    args = [*flags(ws), "--plan", "fp8"] if command == "train" else ["--quick"]
+    result = cli(command, *args, "--out", "/sys/numscope-run")
+    assert result.code == 2, result.err
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1 and "--out /sys/numscope-run: cannot write there" in lines[0]
+
+
 def test_compare_says_where_runs_differ_from_the_baseline(ws: Path, flow: dict[str, Result]) -> None:
     longer = ws / "runs" / "fp8-longer"
     assert cli("train", *flags(ws, steps=6), "--plan", "fp8", "--out", longer).code == 0

@@ -9,10 +9,18 @@ canonical order used for files and tables.
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import Enum
 
 
-class Gemm(StrEnum):
+class _StrEnum(str, Enum):
+    """``enum.StrEnum`` (Python 3.11) for Python 3.10 as well: members are their string values, printed and
+    formatted as them."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Gemm(_StrEnum):
     """The three GEMMs of a linear layer."""
 
     FPROP = "fprop"
@@ -20,7 +28,7 @@ class Gemm(StrEnum):
     WGRAD = "wgrad"
 
 
-class Operand(StrEnum):
+class Operand(_StrEnum):
     """The tensors that enter a GEMM."""
 
     INPUT = "input"
@@ -28,7 +36,7 @@ class Operand(StrEnum):
     GRAD_OUTPUT = "grad_output"
 
 
-class Metric(StrEnum):
+class Metric(_StrEnum):
     """Per-operand, per-candidate statistics as the observer records them (units in the name)."""
 
     SQNR = "sqnr_db"  # signal-to-quantization-noise ratio, dB

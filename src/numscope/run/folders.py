@@ -4,8 +4,10 @@ every refusal names the folder, the settings that differ and what to do."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,27 @@ def check_output_folder(path: str | os.PathLike[str], flag: str = "--out") -> Pa
         raise OutputPathError(f"{flag} {folder}: {existing} is a file, not a folder; choose another {flag}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputPathError(f"{flag} {folder}: {existing} is not writable; choose another {flag}")
+    _probe(folder, flag)
     return folder
+
+
+def _probe(folder: Path, flag: str) -> None:
+    """Make ``folder`` and a file in it, then remove what was made: permissions alone do not tell (root may
+    write anywhere by them, yet not into /sys or /proc, nor onto a read-only mount)."""
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        descriptor, name = tempfile.mkstemp(dir=folder, prefix=".numscope-write-check-")
+        os.close(descriptor)
+        os.unlink(name)
+    except OSError as error:
+        raise OutputPathError(
+            f"{flag} {folder}: cannot write there ({error.strerror or error}); choose another {flag}"
+        ) from error
+    finally:
+        for path in made:  # innermost first
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
