@@ -268,7 +268,7 @@ class _Quantizer:
             if cached is not None and cached[0] is tensor and cached[1] == _identity(tensor):
                 self._grad = None
                 return cached[2]
-        result = self._quantize_operand(site.key(gemm, operand), gemm, operand_spec, tensor)(axis)
+        result = self._quantize_operand(site.key(gemm, operand), gemm, operand_spec, tensor, axis)
         kept_for_backward = gemm == "fprop" and (
             (operand == "input" and self.shares_input(site))
             or (operand == "weight" and not isinstance(tensor, nn.Parameter) and self.shares_weight(site))
@@ -284,9 +284,11 @@ class _Quantizer:
             self._grad = (tensor, _identity(tensor), result)
         return result
 
-    def _quantize_operand(self, key: str, gemm: str, spec: OperandSpec, tensor: torch.Tensor):
-        """:meth:`quantize` of one operand (a function of its axis), exactly as the forward did it when
-        activation checkpointing recomputes the forward in backward.
+    def _quantize_operand(
+        self, key: str, gemm: str, spec: OperandSpec, tensor: torch.Tensor, axis: int
+    ) -> torch.Tensor:
+        """:meth:`quantize` of one operand, exactly as the forward did it when activation checkpointing
+        recomputes the forward in backward.
 
         Only a forward operand with state needs it: delayed scaling (the amax history has moved on since)
         and stochastic rounding with the quantizer's own generator (the global generator is restored by the
@@ -299,40 +301,30 @@ class _Quantizer:
         scaling = spec.effective_scaling()
         delayed = scaling is not None and scaling.kind == "delayed"
         if gemm != "fprop" or not (stochastic or delayed):
-            return lambda axis: self.quantize(key, spec, tensor, axis)
+            return self.quantize(key, spec, tensor, axis)
         amax = _amax(tensor.detach().float()).view(torch.int32).item() if tensor.numel() else 0
         fingerprint = (tuple(tensor.shape), amax)
         if not self._recomputing:
-            state = self.generator.get_state() if stochastic else None  # type: ignore[union-attr]
-            real = self.scaler(key, scaling) if delayed else None  # type: ignore[arg-type]
-            record = _Record(fingerprint, state, None)
+            record = _Record(fingerprint, self.generator.get_state() if stochastic else None, None)  # type: ignore[union-attr]
             self._records.setdefault(key, []).append(record)
-
-            def first(axis: int) -> torch.Tensor:
-                self._override = None if real is None else _ReplayScaler(real, None)
-                try:
-                    return self.quantize(key, spec, tensor, axis)
-                finally:
-                    if self._override is not None:
-                        record.scale = self._override.used  # type: ignore[attr-defined]
-                    self._override = None
-
-            return first
-        record = self._replay_record(key, fingerprint)
-
-        def again(axis: int) -> torch.Tensor:
-            kept = self.generator.get_state() if stochastic else None  # type: ignore[union-attr]
-            if stochastic:
-                self.generator.set_state(record.state)  # type: ignore[union-attr,arg-type]
-            self._override = _ReplayScaler(self.scaler(key, scaling), record.scale) if delayed else None  # type: ignore[arg-type]
+            self._override = _ReplayScaler(self.scaler(key, scaling), None) if delayed else None  # type: ignore[arg-type]
             try:
                 return self.quantize(key, spec, tensor, axis)
             finally:
+                if self._override is not None:
+                    record.scale = self._override.used  # type: ignore[attr-defined]
                 self._override = None
-                if stochastic:
-                    self.generator.set_state(kept)  # type: ignore[union-attr,arg-type]
-
-        return again
+        record = self._replay_record(key, fingerprint)
+        kept = self.generator.get_state() if stochastic else None  # type: ignore[union-attr]
+        if stochastic:
+            self.generator.set_state(record.state)  # type: ignore[union-attr,arg-type]
+        self._override = _ReplayScaler(self.scaler(key, scaling), record.scale) if delayed else None  # type: ignore[arg-type]
+        try:
+            return self.quantize(key, spec, tensor, axis)
+        finally:
+            self._override = None
+            if stochastic:
+                self.generator.set_state(kept)  # type: ignore[union-attr,arg-type]
 
     def _replay_record(self, key: str, fingerprint: tuple) -> _Record:
         records = self._records.get(key, [])

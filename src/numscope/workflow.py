@@ -119,11 +119,12 @@ def recommend_plan(
     else:
         if gap_model is None:
             raise WorkflowError(
-                "--max-gap needs a gap model to predict the gap (--gap-model gap_model.json of 'numscope "
-                "calibrate')"
+                "--max-gap needs --gap-model (gap_model.json of 'numscope calibrate') to predict gaps"
             )
         if criteria.get("bit_budget") is not None:
-            raise WorkflowError("--max-gap chooses the bit budget itself: give --max-gap or --bit-budget")
+            raise WorkflowError(
+                "--max-gap chooses the bit budget itself: give --max-gap or --bit-budget, not both"
+            )
         criteria.pop("bit_budget", None)
         plan = advise_within_gap(
             loaded,
@@ -280,8 +281,8 @@ def load_gap_model(path: str | os.PathLike[str], features: str = "noise") -> Any
 
 
 OBJECTIVE_WHY = {
-    "sensitivity": "the analysis measured every operand's sensitivity and a bit budget is given",
-    "noise": "the analysis holds no operand sensitivity, or no bit budget is given; 'numscope analyze "
+    "sensitivity": "the analysis measured every operand's sensitivity and a bit budget or gap is given",
+    "noise": "the analysis holds no operand sensitivity, or no bit budget or gap is given; 'numscope analyze "
     "--sensitivity N --sensitivity-granularity operand' measures it",
 }
 

@@ -83,15 +83,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         objective = workflow.default_objective(analysis, args.bit_budget, args.max_gap)
         why = workflow.OBJECTIVE_WHY[objective]
     gap_model = workflow.load_gap_model(args.gap_model, objective) if args.gap_model else None
-    if args.max_gap is not None:
-        if gap_model is None:
-            raise CLIError(
-                "--max-gap needs --gap-model (gap_model.json of 'numscope calibrate') to predict gaps"
-            )
-        if args.bit_budget is not None:
-            raise CLIError(
-                "--max-gap chooses the bit budget itself: give --max-gap or --bit-budget, not both"
-            )
+    if args.max_gap is not None:  # checked against --gap-model and --bit-budget by recommend_plan
         criteria["max_gap"], criteria["gap_model"] = args.max_gap, gap_model
     if objective == "sensitivity":
         if args.bit_budget is None and args.max_gap is None:

@@ -130,11 +130,16 @@ def _nvfp4_spec() -> SiteSpec:
     return SiteSpec(operands)
 
 
+def _linear_sites(sites: list[str]) -> list[str]:
+    """The sites of ``sites`` (in call order) that are not attention's products."""
+    return [name for name in sites if not any(fnmatch.fnmatchcase(name, p) for p in ATTENTION_PATTERNS)]
+
+
 def _te_nvfp4(sites: list[str] | None) -> Plan:
     plan = linear_only(_nvfp4_spec())
     if sites is None:
         return plan
-    linear = [name for name in sites if not any(fnmatch.fnmatchcase(name, p) for p in ATTENTION_PATTERNS)]
+    linear = _linear_sites(sites)
     kept = linear[len(linear) - math.ceil(NVFP4_BF16_TAIL * len(linear)) :] if linear else []
     bf16 = SiteSpec.uniform(OperandSpec("bf16", overflow="propagate"))
     for name in kept:
@@ -150,7 +155,7 @@ def _deepseek_v3(sites: list[str] | None) -> Plan:
     kept = {"fprop/input": "DeepSeek-V3 keeps the MoE gating in its original precision"}
     plan = plan.with_rule("*.gate", SiteSpec(), kept, optional=True)
     if sites:
-        linear = [name for name in sites if not any(fnmatch.fnmatchcase(name, p) for p in ATTENTION_PATTERNS)]
+        linear = _linear_sites(sites)
         if linear:
             head = {"fprop/input": "DeepSeek-V3 keeps the output head in its original precision"}
             plan = plan.with_rule(glob.escape(linear[-1]), SiteSpec(), head)
