@@ -418,6 +418,34 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
         assert row["sensitivity_by_role"] == pytest.approx(expected)
     assert data["sensitivity"]["features"] == "sensitivity" and data["sensitivity"]["points"] == 4
     assert "·S(fprop)" in result.out and "--objective sensitivity" in result.out
+    # a plan in a format no calibration run used: its prediction says it extrapolates, and which formats
+    mixed = ["--candidates", "mxfp4_e2m1", "fp8_e4m3", "--bit-budget", "6", "-o", ws / "mixed.yaml"]
+    guessed = cli("recommend", out / "fp32" / "seed0", "--gap-model", out / "gap_model.json", *mixed)
+    assert guessed.code == 0, guessed.err
+    rules = numscope.Plan.load(ws / "mixed.yaml").rules
+    assert "fp8_e4m3" in {spec.format for rule in rules for spec in rule.spec.operands.values()}
+    assert (
+        "an extrapolation: calibrated on mxfp4_e2m1 only, the plan also uses fp8_e4m3 "
+        "('numscope calibrate --also fp8_e4m3' calibrates them)" in guessed.out
+    )
+    # --also calibrates it: one more run per seed (the others reused), and no extrapolation left
+    also = ("--also", "fp8_e4m3")
+    more = cli(
+        "calibrate", *flags(ws), "--seeds", "0", "1", "--sensitivity", "1", *also, "--jobs", "2", "--out", out
+    )
+    assert more.code == 0, more.err
+    data = json.loads((out / "gap_model.json").read_text())
+    assert [r["name"] for r in data["runs"]][-1] == "fp8_e4m3 everywhere" and data["points"] == 5
+    assert data["formats"] == ["mxfp4_e2m1", "fp8_e4m3"] == data["sensitivity"]["formats"]
+    for seed, gap in zip((0, 1), data["runs"][-1]["gaps"], strict=True):
+        run = json.loads((out / "fp8_e4m3_everywhere" / f"seed{seed}" / "result.json").read_text())
+        fp32 = json.loads((out / "fp32" / f"seed{seed}" / "result.json").read_text())
+        assert gap == pytest.approx(run["val_loss"] - fp32["val_loss"])
+    calibrated = cli("recommend", out / "fp32" / "seed0", "--gap-model", out / "gap_model.json", *mixed)
+    assert calibrated.code == 0 and "predicted validation-loss gap" in calibrated.out
+    assert "extrapolation" not in calibrated.out
+    bad = cli("calibrate", *flags(ws), "--seeds", "0", "1", "--also", "fp7", "--out", out)
+    assert bad.code == 2 and "--also" in bad.err and "fp7" in bad.err
     off = [f"--{name}" for name in ("max-be-ratio", "max-underflow-pct", "max-overflow-pct", "min-sqnr-db")]
     budget = [
         "--bit-budget",

@@ -197,6 +197,19 @@ def test_gap_model_keeps_a_role_its_precise_results_pin(tmp_path):
     assert GapModel.load(tmp_path / "gap_model.json") == model
 
 
+def test_gap_model_keeps_the_formats_it_was_calibrated_on(tmp_path):
+    features, gaps = _role_points({g: [0.01, 0.011, 0.012] for g in GEMMS}, [0.03, 0.031, 0.032])
+    model = GapModel.fit(features, gaps, formats=("mxfp4_e2m1", "fp8_e4m3"))
+    (tmp_path / "gap_model.json").write_text(json.dumps(model.to_dict()))
+    assert GapModel.load(tmp_path / "gap_model.json").formats == ("mxfp4_e2m1", "fp8_e4m3")
+    # a gap_model.json written before the formats were stored: calibrate's "low" and "also" beside it
+    older = {k: v for k, v in model.to_dict().items() if k != "formats"}
+    (tmp_path / "old.json").write_text(json.dumps({**older, "low": "mxfp4_e2m1", "also": ["nvfp4"]}))
+    assert GapModel.load(tmp_path / "old.json").formats == ("mxfp4_e2m1", "nvfp4")
+    (tmp_path / "bare.json").write_text(json.dumps(older))
+    assert GapModel.load(tmp_path / "bare.json").formats == ()  # unknown: nothing is called extrapolated
+
+
 def test_gap_model_without_any_cost_has_no_prior():
     features, gaps = _role_points({g: [0.0, -0.001, 0.001] for g in GEMMS}, [-0.002, 0.0, -0.001])
     model = GapModel.fit(features, gaps)

@@ -318,6 +318,18 @@ def predicted_gap(gap_model: Any, analysis: Analysis, plan: Plan) -> float:
         raise WorkflowError(f"--gap-model: {error}") from error
 
 
+def extrapolation(gap_model: Any, analysis: Analysis, plan: Plan) -> str:
+    """'' where the gap model was calibrated on every format the plan uses, else one sentence naming the
+    formats its prediction extrapolates to and how to calibrate them."""
+    outside = gap_model.uncalibrated(analysis, plan)
+    if not outside:
+        return ""
+    return (
+        f"an extrapolation: calibrated on {', '.join(gap_model.formats)} only, the plan also uses "
+        f"{', '.join(outside)} ('numscope calibrate --also {' '.join(outside)}' calibrates them)"
+    )
+
+
 def calibrate(
     model: str,
     data: DataSettings,
@@ -326,8 +338,10 @@ def calibrate(
     *,
     seeds: Sequence[int] = (0, 1, 2),
     low: str = "mxfp4_e2m1",
+    also: Sequence[str] = (),
     objective: str = "auto",
     sensitivity_batches: int = 2,
+    jobs: int = 1,
 ) -> Any:
     """:func:`numscope.study.calibrate` into ``out``, with clear errors for bad settings."""
     from numscope.study import StudyError
@@ -338,6 +352,10 @@ def calibrate(
     except ValueError as error:
         raise WorkflowError(f"--low: {error}") from error
     try:
+        extra = [get_format(label).name for label in also]
+    except ValueError as error:
+        raise WorkflowError(f"--also: {error}") from error
+    try:
         return run(
             model,
             data,
@@ -345,8 +363,10 @@ def calibrate(
             config,
             seeds=seeds,
             low=name,
+            also=extra,
             objective=objective,
             sensitivity_batches=sensitivity_batches,
+            jobs=jobs,
         )
     except StudyError as error:
         raise WorkflowError(str(error)) from error

@@ -108,6 +108,8 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
             f"(gap model {args.gap_model}, {gap_model.features} features, fitted on {gap_model.points} "
             f"calibration runs; it holds for the model and training it was fitted on{target})"
         )
+        if outside := workflow.extrapolation(gap_model, analysis, plan):
+            print(f"  {outside}")
     else:
         print(
             "predicted gap to FP32: none (no gap model; 'numscope calibrate' fits one on your model, then "
@@ -220,7 +222,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         config,
         seeds=args.seeds,
         low=args.low,
+        also=args.also or (),
         objective=args.objective,
+        jobs=args.jobs,
         sensitivity_batches=args.sensitivity,
     )
     model = result.gap_model
@@ -244,7 +248,8 @@ def _register_calibrate(sub: argparse._SubParsersAction) -> None:
         "calibrate",
         help="fit a gap model on your model: what each GEMM role's quantization noise costs in loss",
         description="Trains your model in FP32 (observed) and with the low format on one GEMM role at a "
-        "time (fprop, dgrad, wgrad) and everywhere, on every seed (5 × seeds runs of --steps each), and fits "
+        "time (fprop, dgrad, wgrad) and everywhere, and each --also format everywhere, on every seed ((5 + "
+        "also) × seeds runs of --steps each), and fits "
         "the gap model (numscope.study.GapModel) that 'numscope recommend --gap-model' uses to weigh "
         "the roles in a bit budget and to predict a plan's validation-loss gap before training it.",
     )
@@ -252,6 +257,22 @@ def _register_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], metavar="SEED", help="(default: 0 1 2)")
     p.add_argument(
         "--low", default="mxfp4_e2m1", metavar="FORMAT", help="the format probed (default: %(default)s)"
+    )
+    p.add_argument(
+        "--also",
+        nargs="+",
+        metavar="FORMAT",
+        help="also train each of these formats everywhere on every seed (one run per seed each), so that "
+        "the gap model is calibrated on them too; recommend says when a plan's prediction extrapolates to "
+        "a format not calibrated (default: none)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=_int_at_least(1),
+        default=1,
+        metavar="N",
+        help="train the runs after the observed FP32 one N at a time, each in its own process with an equal "
+        "share of the cores; results do not depend on it (default: %(default)s)",
     )
     p.add_argument(
         "--sensitivity",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,11 @@ def calibrate(
     *,
     seeds: Sequence[int] = (0, 1, 2),
     low: str = "mxfp4_e2m1",
+    also: Sequence[str] = (),
     objective: str = "auto",
     every: int = 25,
     sensitivity_batches: int = 2,
+    jobs: int = 1,
     log: Callable[[str], None] = print,
 ) -> Calibration:
     """Fit a :class:`GapModel` on any model :func:`numscope.run.runner.train` can train.
@@ -49,7 +52,9 @@ def calibrate(
     quantized alone in every observed format on that many validation batches, and a second gap model is
     fitted on those measured sensitivities (``features="sensitivity"``, stored under ``sensitivity``), the
     one ``numscope recommend --objective sensitivity`` weighs roles with. Writes ``gap_model.json`` into
-    ``out_dir``; finished runs are reused on a rerun.
+    ``out_dir``; finished runs are reused on a rerun. ``jobs`` > 1 trains the runs after the observed one
+    that many at a time, each in its own process with an equal share of the cores (every run seeds
+    itself: the results do not depend on ``jobs``).
     """
     from dataclasses import replace as replace_config
 
@@ -59,7 +64,8 @@ def calibrate(
     seeds = tuple(seeds)
     if len(set(seeds)) != len(seeds) or len(seeds) < 2:
         raise StudyError(f"calibration needs at least two distinct seeds; got {list(seeds)}")
-    names = [low, *(c for c in UNIFORM_CANDIDATES if c != low)]
+    also = tuple(dict.fromkeys(f for f in also if f != low))
+    names = list(dict.fromkeys((low, *UNIFORM_CANDIDATES, *also)))  # an also beyond these re-observes
     first = out_dir / "fp32" / f"seed{seeds[0]}"
     results: dict[tuple[str, int], float] = {}
     cfg = replace_config(config, seed=seeds[0])
@@ -79,32 +85,27 @@ def calibrate(
     operands = Operands.from_analysis(analysis)
     preset = _preset_of(low)
     plans: list[StudyPlan] = calibration_plans(operands, PlanStudyConfig(low=low))
-    plans.append(StudyPlan(f"{low} everywhere", "calibration", None, {k: low for k in operands.keys}))
+    for label in (low, *also):
+        plans.append(StudyPlan(f"{label} everywhere", "calibration", None, {k: label for k in operands.keys}))
     (out_dir / "plans").mkdir(parents=True, exist_ok=True)
     paths = {}
     for plan in plans:
         paths[plan.name] = out_dir / "plans" / f"{_slug(plan.name)}.yaml"
         plan.plan().save(paths[plan.name])
+    tasks = []  # (plan name, seed, folder, plan); fp32 of the first seed is the observed run above
     for seed in seeds:
-        cfg = replace_config(config, seed=seed)
         if seed != seeds[0]:
-            log(f"[calibrate] fp32 (seed {seed})")
-            folder = out_dir / "fp32" / f"seed{seed}"
-            results[("fp32", seed)] = runner.train(
-                model, data, folder, plan="fp32", config=cfg, objective=objective, name="fp32"
-            ).val_loss
+            tasks.append(("fp32", seed, out_dir / "fp32" / f"seed{seed}", "fp32"))
         for plan in plans:
-            log(f"[calibrate] {plan.name} (seed {seed})")
-            folder = out_dir / _slug(plan.name) / f"seed{seed}"
-            results[(plan.name, seed)] = runner.train(
-                model,
-                data,
-                folder,
-                plan=str(paths[plan.name]),
-                config=cfg,
-                objective=objective,
-                name=plan.name,
-            ).val_loss
+            tasks.append((plan.name, seed, out_dir / _slug(plan.name) / f"seed{seed}", str(paths[plan.name])))
+
+    train = partial(_train_one, model, data, config, objective)  # picklable, for the workers
+    if jobs <= 1:
+        for task in tasks:
+            log(f"[calibrate] {task[0]} (seed {task[1]})")
+            results[task[:2]] = train(task)
+    else:
+        results.update(_train_side_by_side(tasks, train, jobs, log))
     rows = []
     for plan in plans:
         gaps = [results[(plan.name, s)] - results[("fp32", s)] for s in seeds]
@@ -122,11 +123,12 @@ def calibrate(
             }
         )
     gaps = [r["gaps"] for r in rows]
-    gap_model = GapModel.fit([r["noise_by_role"] for r in rows], gaps)
+    formats = (low, *also)
+    gap_model = GapModel.fit([r["noise_by_role"] for r in rows], gaps, formats=formats)
     extra: dict[str, Any] = {}
     fitted = None
     if analysis.sensitivity is not None:
-        fitted = GapModel.fit([r["sensitivity_by_role"] for r in rows], gaps, "sensitivity")
+        fitted = GapModel.fit([r["sensitivity_by_role"] for r in rows], gaps, "sensitivity", formats)
         extra["sensitivity"] = fitted.to_dict()
     fp32 = [results[("fp32", s)] for s in seeds]
     noise = float(np.std(fp32, ddof=1))
@@ -134,9 +136,51 @@ def calibrate(
     atomic_write_text(
         path,
         json.dumps(
-            {**gap_model.to_dict(), "fp32_seed_sd": noise, "seeds": list(seeds), "low": low, "runs": rows,
+            {**gap_model.to_dict(), "fp32_seed_sd": noise, "seeds": list(seeds), "low": low,
+             "also": list(also), "runs": rows,
              "uniform_preset": preset, "analysis": str(first / "analysis"), **extra},
             indent=1,
         ),
     )  # fmt: skip
     return Calibration(gap_model, rows, noise, str(first / "analysis"), {"gap model": str(path)}, fitted)
+
+
+def _train_one(model: str, data: Any, config: Any, objective: str, task: tuple[str, int, Path, str]) -> float:
+    """One calibration run (:func:`numscope.run.runner.train`) on its seed; its validation loss."""
+    from dataclasses import replace
+
+    from numscope.run import runner
+
+    name, seed, folder, plan = task
+    cfg = replace(config, seed=seed)
+    return runner.train(model, data, folder, plan=plan, config=cfg, objective=objective, name=name).val_loss
+
+
+def _train_side_by_side(
+    tasks: Sequence[tuple[str, int, Path, str]],
+    train: Callable[[tuple[str, int, Path, str]], float],
+    jobs: int,
+    log: Callable[[str], None],
+) -> dict[tuple[str, int], float]:
+    """``train`` every task, ``jobs`` at a time in spawned processes of ``cores // jobs`` threads."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from numscope.run.pool import available_cores
+
+    threads = max(1, available_cores() // jobs)
+    context = multiprocessing.get_context("spawn")
+    results = {}
+    with ProcessPoolExecutor(jobs, mp_context=context, initializer=_set_threads, initargs=(threads,)) as pool:
+        futures = {pool.submit(train, task): task for task in tasks}
+        for future in as_completed(futures):
+            name, seed = futures[future][:2]
+            results[(name, seed)] = future.result()
+            log(f"[calibrate] {name} (seed {seed}): {results[(name, seed)]:.4f}")
+    return results
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)

@@ -62,6 +62,8 @@ class GapModel:
     pooled: float | None = None
     """The prior every role's coefficient is drawn towards (:meth:`fit`); None for a model stored before
     the fit had one."""
+    formats: tuple[str, ...] = ()
+    """The formats the calibration runs used (empty: not recorded); a plan in others is extrapolated."""
 
     @classmethod
     def fit(
@@ -69,6 +71,7 @@ class GapModel:
         features: Sequence[Mapping[str, float]],
         gaps: Sequence[Sequence[float]],
         kind: str = "noise",
+        formats: Sequence[str] = (),
     ) -> GapModel:
         """Fit on calibration points: per point its features per role and its paired gaps to FP32, one per
         seed.
@@ -119,7 +122,12 @@ class GapModel:
         dof = max(1, len(per_seed) - int((coefficients > 0).sum()))
         spread = float(math.sqrt(float(residual @ residual) / dof))
         return cls(
-            dict(zip(GEMMS, map(float, coefficients), strict=True)), spread, len(per_seed), kind, pooled
+            dict(zip(GEMMS, map(float, coefficients), strict=True)),
+            spread,
+            len(per_seed),
+            kind,
+            pooled,
+            tuple(formats),
         )
 
     def formula(self) -> str:
@@ -136,6 +144,26 @@ class GapModel:
     def predict_plan(self, analysis: Analysis, plan: Plan) -> float:
         """The predicted gap (nats) of ``plan`` on the model ``analysis`` measured; every format the plan
         gives an operand must have been a candidate of the observer."""
+        formats = self._plan_formats(analysis, plan)
+        if self.features == "sensitivity":
+            if analysis.sensitivity is None:
+                raise StudyError(
+                    "the sensitivity gap model needs the analysis's operand sensitivity (numscope analyze "
+                    "--sensitivity N --sensitivity-granularity operand)"
+                )
+            return self.predict(role_sensitivity(analysis.sensitivity, formats))
+        return self.predict(role_noise(analysis, formats))
+
+    def uncalibrated(self, analysis: Analysis, plan: Plan) -> list[str]:
+        """The formats ``plan`` gives a measured operand that no calibration run used (high precision
+        aside): where its prediction extrapolates. Empty also when the model does not record its formats
+        (a gap_model.json from before they were stored)."""
+        if not self.formats:
+            return []
+        used = set(self._plan_formats(analysis, plan).values())
+        return sorted(used - set(self.formats) - {HIGH, "fp32"})
+
+    def _plan_formats(self, analysis: Analysis, plan: Plan) -> dict[OperandKey, str]:
         formats = {}
         measured = analysis.keys()
         for key in measured:
@@ -147,14 +175,7 @@ class GapModel:
                     f"{', '.join(analysis.candidates)}); observe with it among the candidates"
                 )
             formats[key] = label
-        if self.features == "sensitivity":
-            if analysis.sensitivity is None:
-                raise StudyError(
-                    "the sensitivity gap model needs the analysis's operand sensitivity (numscope analyze "
-                    "--sensitivity N --sensitivity-granularity operand)"
-                )
-            return self.predict(role_sensitivity(analysis.sensitivity, formats))
-        return self.predict(role_noise(analysis, formats))
+        return formats
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -163,6 +184,7 @@ class GapModel:
             "points": self.points,
             "features": self.features,
             "pooled": self.pooled,
+            "formats": list(self.formats),
         }
 
     @classmethod
@@ -174,7 +196,7 @@ class GapModel:
             raise StudyError(f"unknown gap-model features {features!r}; allowed: {', '.join(FEATURES)}")
         try:
             data = json.loads(Path(path).read_text())
-            data = data.get("gap_model", data)
+            data = top = data.get("gap_model", data)
         except (OSError, ValueError, AttributeError) as error:
             raise StudyError(
                 f"{path}: not a gap model (the gap_model.json of 'numscope calibrate'): {error}"
@@ -189,12 +211,17 @@ class GapModel:
         try:
             coefficients = {g: float(data["coefficients"][g]) for g in GEMMS}
             pooled = data.get("pooled")
+            # older files name only calibrate's "low" (and "also") beside the model
+            formats = data.get("formats") or [top[k] for k in ("low",) if isinstance(top.get(k), str)] + list(
+                top.get("also") or ()
+            )
             return cls(
                 coefficients,
                 float(data["spread"]),
                 int(data.get("points", 0)),
                 features,
                 None if pooled is None else float(pooled),
+                tuple(str(f) for f in formats),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise StudyError(
