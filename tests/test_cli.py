@@ -339,6 +339,8 @@ def test_recommend_with_a_gap_model_weights_roles_and_predicts_the_gap(
         "recommend", ws / "runs" / "fp32", "-o", ws / "gm.yaml", *args, "--gap-model", ws / "gap_model.json"
     )
     assert result.code == 0, result.err
+    # the analysis measured sensitivities (analyze's default), the gap model did not: noise weighs, said so
+    assert "objective: noise (the gap model was fitted without sensitivities" in result.out
     plan = Plan.load(ws / "gm.yaml")
     predicted = model.predict_plan(analysis, plan)
     assert f"predicted validation-loss gap to FP32: {predicted:+.4f} ± 0.0020 nats" in result.out
@@ -465,9 +467,11 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
     assert chosen.average_bits(analysis_sizes(analysis)) <= 6.0
     no_budget = cli("recommend", out / "fp32" / "seed0", "-o", ws / "x.yaml", "--objective", "sensitivity")
     assert no_budget.code == 2 and "--bit-budget" in no_budget.err
-    unmeasured = cli(
-        "recommend", ws / "runs" / "fp32", "-o", ws / "x.yaml", "--objective", "sensitivity", *budget
-    )
+    unmeasured_run = ws / "runs" / "no-sensitivity"
+    plain = ("--candidates", "mxfp4_e2m1", "mxfp8_e4m3", "--every", "4", "--sensitivity", "0")
+    assert cli("analyze", *flags(ws), *plain, "--out", unmeasured_run).code == 0
+    assert Analysis.load(unmeasured_run / "analysis").sensitivity is None  # --sensitivity 0 skips it
+    unmeasured = cli("recommend", unmeasured_run, "-o", ws / "x.yaml", "--objective", "sensitivity", *budget)
     assert unmeasured.code == 2 and "--sensitivity-granularity operand" in unmeasured.err
 
 
@@ -607,7 +611,7 @@ def test_every_recommended_plan_exports_and_a_target_plan_exports_whole(ws: Path
     assert result.code == 0, result.err
     plain = cli("recommend", out, "-o", ws / f"{model}_plain.yaml")
     assert plain.code == 0, plain.err
-    assert "objective: noise" in plain.out  # no sensitivity measured: the noise objective, said so
+    assert "objective: noise" in plain.out  # no bit budget: the noise objective under limits, said so
     no_limits = ["--min-sqnr-db", "none", "--max-underflow-pct", "none", "--max-overflow-pct", "none"]
     no_limits += ["--max-be-ratio", "none"]
     for target in ("torchao", "te", "megatron"):
@@ -1092,6 +1096,20 @@ def test_analyze_writes_the_analysis_to_tensorboard(
     events.Reload()
     flat = Analysis.load(copy / "analysis").flat()
     assert set(events.Tags()["scalars"]) == {name for row in flat.values() for name in row}
+
+
+def test_analyze_measures_operand_sensitivity_by_default(ws: Path, flow: dict[str, Result]) -> None:
+    # the flow's analyze gave no --sensitivity: each operand alone, on as many of 2 validation batches as the
+    # split holds (here 1), so that recommend's default objective within a budget is the measured one
+    analysis = Analysis.load(ws / "runs" / "fp32" / "analysis")
+    assert analysis.sensitivity is not None and analysis.sensitivity.granularity == "operand"
+    assert len(analysis.sensitivity.reference_loss) == 1
+    assert set(analysis.sensitivity.results) == set(analysis.keys())
+    run = json.loads((ws / "runs" / "fp32" / "run.json").read_text())
+    assert run["sensitivity_batches"] == "auto" and run["sensitivity_granularity"] == "operand"
+    budget = cli("recommend", ws / "runs" / "fp32", "-o", ws / "budget.yaml", "--bit-budget", "6")
+    assert budget.code == 0, budget.err
+    assert "objective: sensitivity (the analysis measured every operand's sensitivity" in budget.out
 
 
 def test_analyze_measures_sensitivity_for_recommend(ws: Path, tmp_path: Path) -> None:

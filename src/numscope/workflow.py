@@ -280,10 +280,24 @@ def load_gap_model(path: str | os.PathLike[str], features: str = "noise") -> Any
         raise WorkflowError(f"--gap-model: {error}") from error
 
 
+def has_sensitivity_model(path: str | os.PathLike[str]) -> bool:
+    """Whether the gap model file also holds the model fitted on sensitivities (a calibration that measured
+    them); False also for a file that is no gap model (loading it then says what is wrong)."""
+    from numscope.study import GapModel, StudyError
+
+    try:
+        GapModel.load(path, "sensitivity")
+    except StudyError:
+        return False
+    return True
+
+
 OBJECTIVE_WHY = {
     "sensitivity": "the analysis measured every operand's sensitivity and a bit budget or gap is given",
-    "noise": "the analysis holds no operand sensitivity, or no bit budget or gap is given; 'numscope analyze "
-    "--sensitivity N --sensitivity-granularity operand' measures it",
+    "noise gap model": "the gap model was fitted without sensitivities, so it weighs noise; a 'numscope "
+    "calibrate' that measures them (its default) fits both",
+    "noise": "the analysis holds no operand sensitivity, or no bit budget or gap is given; 'numscope "
+    "analyze' measures it by default (--sensitivity N --sensitivity-granularity operand)",
 }
 
 

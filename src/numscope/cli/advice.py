@@ -82,6 +82,9 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     if objective == "auto":
         objective = workflow.default_objective(analysis, args.bit_budget, args.max_gap)
         why = workflow.OBJECTIVE_WHY[objective]
+        noise_only = args.gap_model and not workflow.has_sensitivity_model(args.gap_model)
+        if objective == "sensitivity" and noise_only:
+            objective, why = "noise", workflow.OBJECTIVE_WHY["noise gap model"]
     gap_model = workflow.load_gap_model(args.gap_model, objective) if args.gap_model else None
     if args.max_gap is not None:  # checked against --gap-model and --bit-budget by recommend_plan
         criteria["max_gap"], criteria["gap_model"] = args.max_gap, gap_model

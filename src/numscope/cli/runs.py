@@ -47,6 +47,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def _register_analyze(sub: argparse._SubParsersAction) -> None:
+    from numscope.run.runner import AUTO_SENSITIVITY_BATCHES
     from numscope.workflow import DEFAULT_CANDIDATES
 
     p = sub.add_parser(
@@ -76,19 +77,20 @@ def _register_analyze(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sensitivity",
         type=_int_at_least(0),
-        default=0,
+        default=None,
         metavar="N",
-        help="after training, quantize one site at a time in each candidate and measure the loss and "
-        "gradient change of the trained model on N validation batches (costs N x (1 + sites x candidates) "
-        "forward and backward passes); stored with the analysis for recommend's --criterion "
-        "max_loss_increase_pct=... and min_grad_cosine=...; one process only (default: 0, not measured)",
+        help="after training, quantize one operand (or site) at a time in each candidate and measure the "
+        "loss and gradient change of the trained model on N validation batches (costs N x (1 + operands x "
+        "candidates) forward and backward passes); what recommend's default objective within a --bit-budget "
+        "or --max-gap (sensitivity) and its --criterion max_loss_increase_pct=... / min_grad_cosine=... use; "
+        f"one process only; 0 skips it (default: {AUTO_SENSITIVITY_BATCHES}, none under torchrun)",
     )
     p.add_argument(
         "--sensitivity-granularity",
         choices=("site", "operand"),
-        default="site",
-        help="--sensitivity quantizes a whole site or one operand at a time (six times the passes; what "
-        "'recommend --objective sensitivity' needs) (default: %(default)s)",
+        default="operand",
+        help="--sensitivity quantizes one operand or a whole site at a time (site: a sixth of the passes, "
+        "enough for --criterion, not for the sensitivity objective) (default: %(default)s)",
     )
     p.add_argument(
         "--tensorboard",

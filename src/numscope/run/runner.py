@@ -123,7 +123,7 @@ def analyze(
     objective: str = "auto",
     progress: bool = False,
     tensorboard: str | os.PathLike[str] | None = None,
-    sensitivity_batches: int = 0,
+    sensitivity_batches: int | None = 0,
     sensitivity_granularity: str = "site",
 ) -> RunResult:
     """Train ``model`` in FP32 on ``data`` and observe every GEMM operand every ``every`` steps.
@@ -136,7 +136,9 @@ def analyze(
     stored with the analysis for ``recommend``'s ``max_loss_increase_pct`` / ``min_grad_cosine``; the
     trained model is kept as ``out/model.pt``. One process only. ``sensitivity_granularity="operand"``
     quantizes one operand at a time instead (six times the passes), what ``recommend``'s sensitivity
-    objective and a sensitivity gap model need.
+    objective and a sensitivity gap model need. ``sensitivity_batches=None`` (the command line's default):
+    :data:`AUTO_SENSITIVITY_BATCHES` batches in one process, none under ``torchrun`` (the measurement runs in
+    one process).
     Under ``torchrun`` with ``WORLD_SIZE`` > 1 it trains with DDP over gloo, as :func:`train`; the observer
     merges each sampled step across the ranks (:mod:`numscope.distributed`), and rank 0 writes.
     """
@@ -152,6 +154,9 @@ def analyze(
             get_format(name)
         except ValueError as error:
             raise WorkflowError(f"--candidates: {error}") from error
+    auto = sensitivity_batches is None
+    if sensitivity_batches is None:
+        sensitivity_batches = AUTO_SENSITIVITY_BATCHES if _env_world_size() <= 1 else 0
     if (
         isinstance(sensitivity_batches, bool)
         or not isinstance(sensitivity_batches, int)
@@ -164,7 +169,9 @@ def analyze(
         raise WorkflowError(f"--sensitivity-granularity {sensitivity_granularity!r}: allowed: site, operand")
     out_dir = check_output_folder(out)
     with _process_group():
-        extra: dict[str, Any] = {"sensitivity_batches": sensitivity_batches} if sensitivity_batches else {}
+        extra: dict[str, Any] = (
+            {"sensitivity_batches": "auto" if auto else sensitivity_batches} if sensitivity_batches else {}
+        )
         if sensitivity_batches and sensitivity_granularity != "site":
             extra["sensitivity_granularity"] = sensitivity_granularity
         settings = _settings(
@@ -176,6 +183,9 @@ def analyze(
         # a finished run is not trained again, but an earlier call may have stopped before its sensitivity
         if result is None or sensitivity_batches:
             prepared, factory, resolved = _prepare_run(model, data, config, objective, Plan.uniform("fp32"))
+            if auto:  # as many of the default's batches as the validation split holds
+                available = len(_validation_split(prepared, config, resolved))
+                sensitivity_batches = min(sensitivity_batches, available)
         if result is None:
             settings["objective_resolved"] = resolved
             if sensitivity_batches:  # too few validation batches: say so before training, not after
@@ -217,6 +227,12 @@ def analyze(
         if writer:
             _write_tensorboard(out_dir, tensorboard)
         return result
+
+
+AUTO_SENSITIVITY_BATCHES = 2
+"""Validation batches ``numscope analyze`` measures each operand's sensitivity on by default: the plan
+study's setting (its sensitivity plans were made from 2 batches) and what ``numscope calibrate`` uses; on the
+demo's model and candidates it cost 145 s after a 247 s observed run (docs/status.md)."""
 
 
 def measure_sensitivity(
@@ -268,12 +284,14 @@ def measure_sensitivity(
     return analysis
 
 
+def _validation_split(prepared: RunData, config: TrainConfig, objective: str) -> list[Any]:
+    split = get_objective(objective).batches
+    return list(split(prepared.val_blocks, config.batch_size, prepared.tokenizer, config.seed, 0))
+
+
 def _sensitivity_batches(prepared: RunData, config: TrainConfig, objective: str, count: int) -> list[Any]:
     """The first ``count`` validation batches (of ``config.batch_size``), or a clear error if fewer exist."""
-    split = get_objective(objective).batches(
-        prepared.val_blocks, config.batch_size, prepared.tokenizer, config.seed, 0
-    )
-    batches = list(split)[:count]
+    batches = _validation_split(prepared, config, objective)[:count]
     if len(batches) < count:
         raise WorkflowError(
             f"--sensitivity {count}: the validation split holds {len(batches)} batch(es) of "
