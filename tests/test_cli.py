@@ -1317,3 +1317,31 @@ def test_run_flags_are_the_config_dataclasses_fields_with_their_defaults_and_bou
             ["train", "--model", "m", "--text", "t", "--out", "o", "--plan", "p", "--seq-len", "2"]
         )
     assert "--seq-len: expected an integer ≥ 3, got 2" in err.getvalue()
+
+
+def test_train_with_a_given_tokenizer_file(ws: Path, flow: dict[str, Result], tmp_path: Path) -> None:
+    # the tokenizer the flow's runs trained on, given as a file: the same ids, the same blocks, the same run
+    trained = sorted((ws / "cache" / "tokenizers").glob("*.json"))
+    assert len(trained) == 1
+    given = tmp_path / "tokenizer.json"
+    given.write_bytes(trained[0].read_bytes())
+    args = ["train", *flags(ws, vocab_size=8000), "--tokenizer", given, "--plan", "fp16", "--loss-scaling"]
+    result = cli(*args, "dynamic", "--out", tmp_path / "given")  # --vocab-size 8000 yields to the file's
+    assert result.code == 0, result.err
+    ours = json.loads((tmp_path / "given" / "result.json").read_text())
+    theirs = json.loads((ws / "runs" / "fp16-scaled" / "result.json").read_text())
+    assert ours["val_loss"] == theirs["val_loss"] and ours["curve"] == theirs["curve"]
+    run = json.loads((tmp_path / "given" / "run.json").read_text())
+    from tokenizers import Tokenizer, models
+
+    assert run["data"]["vocab_size"] == Tokenizer.from_file(str(given)).get_vocab_size() < 200
+    assert len(run["data"]["tokenizer_sha256"]) == 64
+    # bad files: one clear line each
+    missing = cli(*args, "dynamic", "--out", tmp_path / "x", "--tokenizer", tmp_path / "nope.json")
+    assert missing.code == 2 and "--tokenizer" in missing.err and "no such file" in missing.err
+    (tmp_path / "bad.json").write_text("{not json")
+    bad = cli(*args, "dynamic", "--out", tmp_path / "x", "--tokenizer", tmp_path / "bad.json")
+    assert bad.code == 2 and "not a tokenizers JSON" in bad.err and "Traceback" not in bad.err
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "plain.json"))
+    plain = cli(*args, "dynamic", "--out", tmp_path / "x", "--tokenizer", tmp_path / "plain.json")
+    assert plain.code == 2 and "lacks special tokens" in plain.err and "[MASK]" in plain.err

@@ -176,7 +176,7 @@ def _register_recommend(sub: argparse._SubParsersAction) -> None:
         choices=("auto", "noise", "sensitivity"),
         default="auto",
         help="what --bit-budget minimises: sensitivity, the operands' measured gradient error when quantized "
-        "alone (needs 'numscope analyze --sensitivity N --sensitivity-granularity operand'; in the plan "
+        "alone ('numscope analyze' measures it by default, per operand; in the plan "
         "study it tied the best heuristics and beat random plans; the four limits are off under it unless "
         "given); noise, their relative noise power in the FP32 analysis under the limits (in the plan study "
         "no better than random plans); auto: sensitivity where the analysis measured it and a "

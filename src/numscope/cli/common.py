@@ -143,6 +143,13 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     )
     _add_setting_flags(model, DataSettings)
     model.add_argument(
+        "--tokenizer",
+        metavar="JSON",
+        help="a tokenizers JSON file (e.g. a pretrained model's tokenizer.json, with BERT's [PAD] [UNK] "
+        "[CLS] [SEP] [MASK]) used as it is instead of a WordPiece vocabulary trained on your text; "
+        "--vocab-size is then its size (default: train one)",
+    )
+    model.add_argument(
         "--cache",
         metavar="DIR",
         help="cache of tokenizers and token blocks (default: $NUMSCOPE_CACHE, else ~/.cache/numscope)",
@@ -161,7 +168,9 @@ def _run_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     from numscope.run.config import TrainConfig
     from numscope.run.sources import DataSettings
 
-    data = _settings_from_flags(DataSettings, args, text=tuple(args.text), cache_dir=args.cache)
+    data = _settings_from_flags(
+        DataSettings, args, text=tuple(args.text), cache_dir=args.cache, tokenizer=args.tokenizer
+    )
     config = _settings_from_flags(TrainConfig, args)
     return data, config
 

@@ -319,10 +319,12 @@ def load_run_data(
     cache_dir: Path | None = None,
     max_train_blocks: int | None = None,
     progress: bool = False,
+    tokenizer_file: str | Path | None = None,
 ) -> RunData:
     """Corpus (the default one, or ``text_paths``) → train/validation split → WordPiece tokenizer of
-    ``vocab_size`` (cached) → blocks of ``seq_len`` tokens (cached); at most ``val_blocks`` validation blocks
-    and ``max_train_blocks`` training blocks (None: all)."""
+    ``vocab_size`` (cached; ``tokenizer_file``, a ``tokenizers`` JSON, instead when given) → blocks of
+    ``seq_len`` tokens (cached); at most ``val_blocks`` validation blocks and ``max_train_blocks`` training
+    blocks (None: all)."""
     from tqdm.auto import tqdm
 
     from numscope.run.corpus import load_corpus, split_corpus
@@ -334,7 +336,12 @@ def load_run_data(
         train_docs, val_docs = split_corpus(documents)
         bar.update()
         bar.set_postfix_str(f"tokenizer ({vocab_size} tokens)")
-        tokenizer = load_or_train_tokenizer(train_docs, vocab_size, cache_dir)
+        if tokenizer_file is not None:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        else:
+            tokenizer = load_or_train_tokenizer(train_docs, vocab_size, cache_dir)
         info = TokenizerInfo.from_tokenizer(tokenizer)
         bar.update()
         bar.set_postfix_str(f"{seq_len}-token blocks")

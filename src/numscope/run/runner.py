@@ -10,6 +10,7 @@ over gloo on CPU) and only rank 0 writes.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import math
@@ -90,11 +91,16 @@ def _settings(
         "objective": objective,
         "text": [str(Path(p).resolve()) for p in data.text],
         "corpus_sha256": corpus_digest(data),
-        "data": {"vocab_size": data.vocab_size, "seq_len": data.seq_len, "val_blocks": data.val_blocks},
+        "data": {"vocab_size": data.vocab_size, "seq_len": data.seq_len, "val_blocks": data.val_blocks}
+        | ({"tokenizer_sha256": _file_digest(data.tokenizer)} if data.tokenizer else {}),
         "train": asdict(config),
         **extra,
         "world_size": distributed.world_size(),
     }
+
+
+def _file_digest(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _progress(

@@ -322,6 +322,10 @@ class DataSettings:
     seq_len: int = setting(64, "tokens per sequence", minimum=3)
     val_blocks: int = setting(128, "most validation sequences scored at each evaluation", minimum=1)
     cache_dir: str | None = None  # tokenizer and block cache; default $NUMSCOPE_CACHE or ~/.cache/numscope
+    tokenizer: str | None = None
+    """A ``tokenizers`` JSON file (a pretrained model's ``tokenizer.json``) used as it is instead of a
+    WordPiece vocabulary trained on the text; ``vocab_size`` is then the file's. It needs BERT's special
+    tokens."""
 
     def __post_init__(self) -> None:
         if isinstance(self.text, str | os.PathLike):
@@ -336,6 +340,29 @@ class DataSettings:
         check_positive("--vocab-size", self.vocab_size, minimum=6)
         check_positive("--seq-len", self.seq_len, minimum=3)
         check_positive("--val-blocks", self.val_blocks)
+        if self.tokenizer is not None:
+            object.__setattr__(self, "tokenizer", str(self.tokenizer))
+            object.__setattr__(self, "vocab_size", _tokenizer_info(self.tokenizer).vocab_size)
+
+
+def _tokenizer_info(path: str) -> TokenizerInfo:
+    """The special-token ids and size of the tokenizer file ``path``, or a clear error."""
+    from tokenizers import Tokenizer
+
+    if not Path(path).is_file():
+        raise WorkflowError(
+            f"--tokenizer {path}: no such file (a tokenizers JSON, e.g. a model's tokenizer.json)"
+        )
+    try:
+        loaded = Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises its own Exception type for a malformed file
+        raise WorkflowError(
+            f"--tokenizer {path}: not a tokenizers JSON file ({first_line(error)})"
+        ) from error
+    try:
+        return TokenizerInfo.from_tokenizer(loaded)
+    except ValueError as error:
+        raise WorkflowError(f"--tokenizer {path}: {error}") from error
 
 
 def check_positive(flag: str, value: Any, minimum: int = 1) -> None:
@@ -354,6 +381,7 @@ def prepare_data(data: DataSettings) -> RunData:
             data.val_blocks,
             data.text,
             Path(data.cache_dir) if data.cache_dir else None,
+            tokenizer_file=data.tokenizer,
         )
     except CorpusError as error:  # not UTF-8, no text, too little text to split or to make blocks
         raise WorkflowError(str(error)) from error
