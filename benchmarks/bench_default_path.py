@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cli import positive_int
+from _cli import positive_float, positive_int
 
 DEMO_BERT = {
     "model_type": "bert",
@@ -54,14 +54,18 @@ def _timed(args: list[str], threads: int) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--text", nargs="+", help="text files (default: the demo's corpus)")
     parser.add_argument("--steps", type=positive_int, default=1000)
     parser.add_argument("--rounds", type=positive_int, default=1)
     parser.add_argument("--threads", type=positive_int, default=1)
-    parser.add_argument("--budget", default="6", help="recommend's --bit-budget (default: %(default)s)")
-    args = parser.parse_args()
+    parser.add_argument("--budget", type=positive_float, default=6.0, help="recommend's --bit-budget")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     with tempfile.TemporaryDirectory() as root:
         if args.text is None:  # the demo's corpus as a text file, one summary per paragraph
             from numscope.run.corpus import load_corpus
@@ -91,7 +95,7 @@ def main() -> None:
                 trained = json.loads((out / "result.json").read_text())["wall_seconds"]
                 rows["observed training"].append(trained)
                 rows["rest"].append(rows["analyze"][-1] - trained)
-                plan = ["recommend", str(out), "--bit-budget", args.budget, "-o", str(out / "plan.yaml")]
+                plan = ["recommend", str(out), "--bit-budget", f"{args.budget:g}", "-o", str(out / "p.yaml")]
                 rows["recommend"].append(_timed(plan, args.threads))
     base = statistics.median(rows["fp32"])
     print(

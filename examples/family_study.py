@@ -162,8 +162,8 @@ def main() -> None:
         for kind, model in models.items():
             row[f"predicted_{kind}"] = model.predict_plan(analysis, plan)
         row["extrapolated"] = models["sensitivity"].uncalibrated(analysis, plan)
-        formats = {plan.for_site(k[0]).operand(k[1], k[2]).format_spec().name for k in operands.keys}
-        row["formats"] = sorted(formats)
+        specs = [plan.for_site(k[0]).operand(k[1], k[2]) for k in operands.keys]
+        row["formats"] = sorted({s.format_spec().name if s.format_spec() else s.format for s in specs})
         rows.append(row)
     for budget in args.budgets:
         group = [r for r in rows if r["budget"] == budget]

@@ -57,6 +57,8 @@ def rejected(capsys, module: ModuleType, argv: list[str]) -> str:
         ("demo_size", ["--mask-probability", "1.5"], "--mask-probability: must be in (0, 1], got 1.5"),
         ("demo_size", ["--lr", "0"], "--lr: must be > 0, got 0.0"),
         ("demo_size", ["--steps", "0"], "--steps: must be at least 1, got 0"),
+        ("bench_default_path", ["--rounds", "0"], "--rounds: must be at least 1, got 0"),
+        ("bench_default_path", ["--budget", "-1"], "--budget: must be > 0, got -1.0"),
     ],
 )
 def test_a_bad_argument_is_one_error_line(capsys, bench: str, argv: list[str], expected: str) -> None:

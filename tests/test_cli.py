@@ -406,8 +406,8 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
     # the sensitivity model: fitted on each operand's measured gradient error (S), as the noise model is
     analysis = Analysis.load(out / "fp32" / "seed0" / "analysis")
     assert analysis.sensitivity.granularity == "operand"
-    assert set(analysis.sensitivity.candidates) >= {"mxfp4_e2m1", "mxfp8_e4m3"}
-    from numscope.advisor import operand_impact
+    assert analysis.sensitivity.candidates == ("mxfp4_e2m1",)  # the cheapest; the others estimated from it
+    from numscope.advisor import operand_impact, operand_noise
 
     for row in data["runs"]:  # its features: per role, the sum of the operands' S under the run's plan
         plan = numscope.Plan.load(out / "plans" / f"{row['name'].replace(' ', '_')}.yaml")
@@ -415,11 +415,20 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
         for key in sorted(analysis.keys()):
             label = plan.for_site(key[0]).operand(key[1], key[2]).format
             expected[key[1]] += operand_impact(
-                analysis.sensitivity, key, "high" if label == "high" else label
+                analysis.sensitivity, key, "high" if label == "high" else label, analysis
             )
         assert row["sensitivity_by_role"] == pytest.approx(expected)
     assert data["sensitivity"]["features"] == "sensitivity" and data["sensitivity"]["points"] == 4
     assert "·S(fprop)" in result.out and "--objective sensitivity" in result.out
+    # an unmeasured format's impact: the measured MXFP4 one scaled by the observer's noise ratio
+    for key in sorted(analysis.sensitivity.results):
+        measured = analysis.sensitivity.results[key]["mxfp4_e2m1"]["grad_rel_error"] ** 2
+        ratio = operand_noise(analysis, key, "fp8_e4m3") / operand_noise(analysis, key, "mxfp4_e2m1")
+        assert operand_impact(analysis.sensitivity, key, "fp8_e4m3", analysis) == pytest.approx(
+            measured * ratio
+        )
+    with pytest.raises(numscope.advisor.AdvisorError, match="pass the analysis to estimate it"):
+        operand_impact(analysis.sensitivity, key, "fp8_e4m3")
     # a plan in a format no calibration run used: its prediction says it extrapolates, and which formats
     mixed = ["--candidates", "mxfp4_e2m1", "fp8_e4m3", "--bit-budget", "6", "-o", ws / "mixed.yaml"]
     guessed = cli("recommend", out / "fp32" / "seed0", "--gap-model", out / "gap_model.json", *mixed)
@@ -1105,16 +1114,31 @@ def test_analyze_measures_operand_sensitivity_by_default(ws: Path, flow: dict[st
     assert analysis.sensitivity is not None and analysis.sensitivity.granularity == "operand"
     assert len(analysis.sensitivity.reference_loss) == 1
     assert set(analysis.sensitivity.results) == set(analysis.keys())
+    assert analysis.sensitivity.candidates == ("mxfp4_e2m1",)  # the cheapest candidate, the others estimated
     run = json.loads((ws / "runs" / "fp32" / "run.json").read_text())
     assert run["sensitivity_batches"] == "auto" and run["sensitivity_granularity"] == "operand"
+    assert run["sensitivity_formats"] == ["mxfp4_e2m1"]
     budget = cli("recommend", ws / "runs" / "fp32", "-o", ws / "budget.yaml", "--bit-budget", "6")
     assert budget.code == 0, budget.err
     assert "objective: sensitivity (the analysis measured every operand's sensitivity" in budget.out
+    assert "sensitivity measured in mxfp4_e2m1; bf16, fp8_e4m3 estimated from it" in budget.out
+    # a limit on measured loss change needs every candidate measured: one line saying how
+    limit = cli(
+        "recommend", ws / "runs" / "fp32", "-o", ws / "x.yaml", "--criterion", "max_loss_increase_pct=1"
+    )
+    assert limit.code == 2 and "--sensitivity-formats all" in limit.err
+    both = cli("analyze", *flags(ws), "--sensitivity-formats", "all", "auto", "--out", ws / "runs" / "x")
+    assert both.code == 2 and "'all' and 'auto' stand alone" in both.err
+    unknown = cli(
+        "analyze", *flags(ws), "--candidates", "fp8_e4m3", "--sensitivity-formats", "nvfp4", "--out", ws / "y"
+    )
+    assert unknown.code == 2 and "not among the observed candidates" in unknown.err
 
 
 def test_analyze_measures_sensitivity_for_recommend(ws: Path, tmp_path: Path) -> None:
     run = tmp_path / "fp32"
     args = ["analyze", *flags(ws), "--candidates", "fp8_e4m3", "mxfp4_e2m1", "--every", "4", "--out", run]
+    args += ["--sensitivity-formats", "all", "--sensitivity-granularity", "site"]
     result = cli(*args, "--sensitivity", 1)
     assert result.code == 0, result.err
     analysis = Analysis.load(run / "analysis")

@@ -320,7 +320,7 @@ def sensitivity_objective(analysis: Analysis, gap_model: Any = None) -> Callable
             f"--objective sensitivity needs the sensitivity of every operand (measured: {measured}); run "
             "numscope analyze ... --sensitivity N --sensitivity-granularity operand"
         )
-    return objective(sensitivity, gap_model.role_weights() if gap_model is not None else None)
+    return objective(sensitivity, gap_model.role_weights() if gap_model is not None else None, analysis)
 
 
 def predicted_gap(gap_model: Any, analysis: Analysis, plan: Plan) -> float:
@@ -356,6 +356,7 @@ def calibrate(
     objective: str = "auto",
     sensitivity_batches: int = 2,
     jobs: int = 1,
+    sensitivity_formats: Sequence[str] | str | None = "auto",
 ) -> Any:
     """:func:`numscope.study.calibrate` into ``out``, with clear errors for bad settings."""
     from numscope.study import StudyError
@@ -381,6 +382,7 @@ def calibrate(
             objective=objective,
             sensitivity_batches=sensitivity_batches,
             jobs=jobs,
+            sensitivity_formats=sensitivity_formats,
         )
     except StudyError as error:
         raise WorkflowError(str(error)) from error

@@ -99,6 +99,14 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     plan, rows = workflow.recommend_plan(analysis, args.output, **criteria)
     print(render_table(rows))
     print(f"\nobjective: {objective} ({why})")
+    if objective == "sensitivity":
+        measured = [c for c in analysis.candidates if c in analysis.sensitivity.candidates]
+        others = [c for c in analysis.candidates if c not in measured]
+        if others:
+            print(
+                f"  sensitivity measured in {', '.join(measured)}; {', '.join(others)} estimated from it by "
+                "the observer's noise ratio on each operand (numscope.advisor.operand_impact)"
+            )
     print(
         f"average bits per GEMM operand element (weighted by operand size): "
         f"{workflow.analysis_average_bits(plan, analysis):.2f}"
@@ -214,6 +222,7 @@ def _register_recommend(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from numscope import workflow
+    from numscope.cli.runs import sensitivity_formats
 
     if args.seed != 0:
         raise CLIError("--seed: calibrate trains every seed of --seeds; pass --seeds instead")
@@ -228,6 +237,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         also=args.also or (),
         objective=args.objective,
         jobs=args.jobs,
+        sensitivity_formats=sensitivity_formats(args.sensitivity_formats),
         sensitivity_batches=args.sensitivity,
     )
     model = result.gap_model
@@ -247,6 +257,8 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _register_calibrate(sub: argparse._SubParsersAction) -> None:
+    from numscope.cli.runs import add_sensitivity_formats
+
     p = sub.add_parser(
         "calibrate",
         help="fit a gap model on your model: what each GEMM role's quantization noise costs in loss",
@@ -269,6 +281,7 @@ def _register_calibrate(sub: argparse._SubParsersAction) -> None:
         "the gap model is calibrated on them too; recommend says when a plan's prediction extrapolates to "
         "a format not calibrated (default: none)",
     )
+    add_sensitivity_formats(p)
     p.add_argument(
         "--jobs",
         type=_int_at_least(1),

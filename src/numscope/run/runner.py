@@ -131,6 +131,7 @@ def analyze(
     tensorboard: str | os.PathLike[str] | None = None,
     sensitivity_batches: int | None = 0,
     sensitivity_granularity: str = "site",
+    sensitivity_formats: Sequence[str] | None = None,
 ) -> RunResult:
     """Train ``model`` in FP32 on ``data`` and observe every GEMM operand every ``every`` steps.
 
@@ -144,7 +145,9 @@ def analyze(
     quantizes one operand at a time instead (six times the passes), what ``recommend``'s sensitivity
     objective and a sensitivity gap model need. ``sensitivity_batches=None`` (the command line's default):
     :data:`AUTO_SENSITIVITY_BATCHES` batches in one process, none under ``torchrun`` (the measurement runs in
-    one process).
+    one process). ``sensitivity_formats``: the candidates measured that way (None: all of them; ``"auto"``:
+    the one with the fewest bits, from which :func:`numscope.advisor.operand_impact` estimates the others
+    with the observer's noise ratios, a tenth of the passes with the ten default candidates).
     Under ``torchrun`` with ``WORLD_SIZE`` > 1 it trains with DDP over gloo, as :func:`train`; the observer
     merges each sampled step across the ranks (:mod:`numscope.distributed`), and rank 0 writes.
     """
@@ -171,6 +174,7 @@ def analyze(
         raise WorkflowError(f"--sensitivity must be a number of batches >= 0; got {sensitivity_batches!r}")
     if sensitivity_batches and _env_world_size() > 1:
         raise WorkflowError("--sensitivity runs in one process; run analyze without torchrun to measure it")
+    measured_formats = _sensitivity_formats(sensitivity_formats, names)
     if sensitivity_granularity not in ("site", "operand"):
         raise WorkflowError(f"--sensitivity-granularity {sensitivity_granularity!r}: allowed: site, operand")
     out_dir = check_output_folder(out)
@@ -180,6 +184,8 @@ def analyze(
         )
         if sensitivity_batches and sensitivity_granularity != "site":
             extra["sensitivity_granularity"] = sensitivity_granularity
+        if sensitivity_batches and measured_formats != names:
+            extra["sensitivity_formats"] = measured_formats
         settings = _settings(
             "analyze", model, objective, data, config, candidates=names, every=every, plan="fp32", **extra
         )
@@ -225,7 +231,7 @@ def analyze(
                 prepared,
                 config,
                 resolved,
-                names,
+                measured_formats,
                 sensitivity_batches,
                 sensitivity_granularity,
                 progress and writer,
@@ -233,6 +239,27 @@ def analyze(
         if writer:
             _write_tensorboard(out_dir, tensorboard)
         return result
+
+
+def _sensitivity_formats(asked: Sequence[str] | str | None, names: list[str]) -> list[str]:
+    """The candidates the sensitivity measures: all (None), the cheapest one (``"auto"``), or those asked for,
+    each among the observed candidates."""
+    if asked is None:
+        return list(names)
+    if asked == "auto":
+        return [min(names, key=lambda name: (get_format(name).bits_per_element, names.index(name)))]
+    chosen = []
+    for name in [asked] if isinstance(asked, str) else asked:
+        try:
+            label = get_format(name).name
+        except ValueError as error:
+            raise WorkflowError(f"--sensitivity-formats: {error}") from error
+        if label not in names:
+            raise WorkflowError(
+                f"--sensitivity-formats {name}: not among the observed candidates ({', '.join(names)})"
+            )
+        chosen.append(label)
+    return list(dict.fromkeys(chosen)) or list(names)
 
 
 AUTO_SENSITIVITY_BATCHES = 2

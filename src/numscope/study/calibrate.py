@@ -42,6 +42,7 @@ def calibrate(
     every: int = 25,
     sensitivity_batches: int = 2,
     jobs: int = 1,
+    sensitivity_formats: Sequence[str] | str | None = "auto",
     log: Callable[[str], None] = print,
 ) -> Calibration:
     """Fit a :class:`GapModel` on any model :func:`numscope.run.runner.train` can train.
@@ -49,9 +50,10 @@ def calibrate(
     Runs, each for ``config.steps`` steps and on every seed: FP32 (the first seed observed), ``low`` on the
     operands of one GEMM role at a time (fprop, dgrad, wgrad), and ``low`` everywhere: 5 × len(seeds) runs.
     With ``sensitivity_batches`` > 0 the trained FP32 model of the first seed also has every operand
-    quantized alone in every observed format on that many validation batches, and a second gap model is
-    fitted on those measured sensitivities (``features="sensitivity"``, stored under ``sensitivity``), the
-    one ``numscope recommend --objective sensitivity`` weighs roles with. Writes ``gap_model.json`` into
+    quantized alone on that many validation batches (in ``sensitivity_formats``: ``"auto"``, the observed
+    format with the fewest bits, the others estimated from it; None: every observed format), and a second
+    gap model is fitted on those sensitivities (``features="sensitivity"``, stored under ``sensitivity``),
+    the one ``numscope recommend --objective sensitivity`` weighs roles with. Writes ``gap_model.json`` into
     ``out_dir``; finished runs are reused on a rerun. ``jobs`` > 1 trains the runs after the observed one
     that many at a time, each in its own process with an equal share of the cores (every run seeds
     itself: the results do not depend on ``jobs``).
@@ -80,6 +82,7 @@ def calibrate(
         objective=objective,
         sensitivity_batches=sensitivity_batches,
         sensitivity_granularity="operand",
+        sensitivity_formats=sensitivity_formats,
     ).val_loss
     analysis = Analysis.load(first / "analysis")
     operands = Operands.from_analysis(analysis)
@@ -109,12 +112,13 @@ def calibrate(
     rows = []
     for plan in plans:
         gaps = [results[(plan.name, s)] - results[("fp32", s)] for s in seeds]
+        chosen = plan.formats or {}
         rows.append(
             {
                 "name": plan.name,
-                "noise_by_role": role_noise(analysis, plan.formats or {}),
+                "noise_by_role": role_noise(analysis, chosen),
                 **(
-                    {"sensitivity_by_role": role_sensitivity(analysis.sensitivity, plan.formats or {})}
+                    {"sensitivity_by_role": role_sensitivity(analysis.sensitivity, chosen, analysis)}
                     if analysis.sensitivity is not None
                     else {}
                 ),

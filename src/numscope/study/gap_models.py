@@ -31,7 +31,9 @@ def role_noise(analysis: Analysis, formats: Mapping[OperandKey, str]) -> dict[st
     return out
 
 
-def role_sensitivity(sensitivity: Any, formats: Mapping[OperandKey, str]) -> dict[str, float]:
+def role_sensitivity(
+    sensitivity: Any, formats: Mapping[OperandKey, str], analysis: Analysis | None = None
+) -> dict[str, float]:
     """Σ measured loss impact (:func:`numscope.advisor.operand_impact`) of the operands of each GEMM role
     under ``formats`` (the sensitivity gap model's features)."""
     from numscope.advisor import AdvisorError, operand_impact
@@ -39,7 +41,7 @@ def role_sensitivity(sensitivity: Any, formats: Mapping[OperandKey, str]) -> dic
     out = dict.fromkeys(GEMMS, 0.0)
     for key, label in formats.items():
         try:
-            out[key[1]] += operand_impact(sensitivity, key, label)
+            out[key[1]] += operand_impact(sensitivity, key, label, analysis)
         except AdvisorError as error:
             raise StudyError(str(error)) from error
     return out
@@ -151,7 +153,7 @@ class GapModel:
                     "the sensitivity gap model needs the analysis's operand sensitivity (numscope analyze "
                     "--sensitivity N --sensitivity-granularity operand)"
                 )
-            return self.predict(role_sensitivity(analysis.sensitivity, formats))
+            return self.predict(role_sensitivity(analysis.sensitivity, formats, analysis))
         return self.predict(role_noise(analysis, formats))
 
     def uncalibrated(self, analysis: Analysis, plan: Plan) -> list[str]:
