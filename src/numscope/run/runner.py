@@ -131,7 +131,7 @@ def analyze(
     tensorboard: str | os.PathLike[str] | None = None,
     sensitivity_batches: int | None = 0,
     sensitivity_granularity: str = "site",
-    sensitivity_formats: Sequence[str] | None = None,
+    sensitivity_formats: Sequence[str] | str | None = None,
 ) -> RunResult:
     """Train ``model`` in FP32 on ``data`` and observe every GEMM operand every ``every`` steps.
 
