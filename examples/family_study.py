@@ -18,7 +18,10 @@ the mean paired difference exceeds twice its standard deviation (``numscope.stud
 Writes ``family_study.json`` and ``family_study.md`` into ``--out``; a rerun reuses every finished run.
 Example (the GQA Llama on CPython's standard library source, docs/plan-study.md)::
 
-    python examples/family_study.py --model examples/models/llama_gqa.json --objective clm \\
+    python -c "import sysconfig, pathlib; root = pathlib.Path(sysconfig.get_path('stdlib')); \\
+        pathlib.Path('stdlib.txt').write_text('\\n\\n'.join(p.read_text(errors='replace') \\
+        for p in sorted(root.glob('*.py'))))"
+    python examples/family_study.py --model examples/llama_gqa.json --objective clm \\
         --text stdlib.txt --out runs/family_llama
 """
 
@@ -34,6 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
+from numscope.study.plans import _slug  # the study's folder and file names
 
 LOW, HIGH = "mxfp4_e2m1", "mxfp8_e4m3"
 
@@ -51,10 +56,6 @@ def _numscope(*args: str, log: Path | None = None) -> str:
     return done.stdout
 
 
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "._@-" else "_" for c in name)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -70,6 +71,12 @@ def main() -> None:
     parser.add_argument("--random-plans", type=int, default=3)
     parser.add_argument("--target", default=None, help="also recommend for this stack (recommend --target)")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument(
+        "--sensitivity-formats",
+        nargs="+",
+        default=["auto"],
+        help="calibrate --sensitivity-formats (the Llama study of docs/plan-study.md used all)",
+    )
     parser.add_argument(
         "--also",
         nargs="+",
@@ -96,6 +103,7 @@ def main() -> None:
     seeds = [str(s) for s in args.seeds]
     print(f"[calibrate] {out / 'calibrate'}", flush=True)
     also = ["--also", *args.also] if args.also else []
+    also += ["--sensitivity-formats", *args.sensitivity_formats]
     _numscope("calibrate", *common, "--seeds", *seeds, *also, "--jobs", str(args.jobs),
               "--out", str(out / "calibrate"), log=out / "logs" / "calibrate.txt")  # fmt: skip
     gap_path = out / "calibrate" / "gap_model.json"
