@@ -66,7 +66,17 @@ def main() -> None:
     parser.add_argument("--batch-size", default="16")
     parser.add_argument("--steps", default="300")
     parser.add_argument("--lr", default="1e-3")
+    parser.add_argument(
+        "--tokenizer", default=None, help="a tokenizer.json to train with (numscope --tokenizer)"
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument(
+        "--calibrate-seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        help="seeds of the calibration runs (at least two; default: --seeds)",
+    )
     parser.add_argument("--budgets", nargs="+", type=float, default=[6.0])
     parser.add_argument("--random-plans", type=int, default=3)
     parser.add_argument("--target", default=None, help="also recommend for this stack (recommend --target)")
@@ -100,14 +110,17 @@ def main() -> None:
         "--vocab-size", args.vocab_size, "--seq-len", args.seq_len, "--batch-size", args.batch_size,
         "--steps", args.steps, "--lr", args.lr, "--no-progress",
     ]  # fmt: skip
+    if args.tokenizer:
+        common += ["--tokenizer", args.tokenizer]
     seeds = [str(s) for s in args.seeds]
+    calibrate_seeds = [str(s) for s in (args.calibrate_seeds or args.seeds)]
     print(f"[calibrate] {out / 'calibrate'}", flush=True)
     also = ["--also", *args.also] if args.also else []
     also += ["--sensitivity-formats", *args.sensitivity_formats]
-    _numscope("calibrate", *common, "--seeds", *seeds, *also, "--jobs", str(args.jobs),
+    _numscope("calibrate", *common, "--seeds", *calibrate_seeds, *also, "--jobs", str(args.jobs),
               "--out", str(out / "calibrate"), log=out / "logs" / "calibrate.txt")  # fmt: skip
     gap_path = out / "calibrate" / "gap_model.json"
-    run_folder = out / "calibrate" / "fp32" / f"seed{args.seeds[0]}"
+    run_folder = out / "calibrate" / "fp32" / f"seed{calibrate_seeds[0]}"
     analysis = Analysis.load(run_folder / "analysis")
     operands = Operands.from_analysis(analysis)
     models = {kind: GapModel.load(gap_path, kind) for kind in ("noise", "sensitivity")}
@@ -193,7 +206,8 @@ def main() -> None:
         f"{args.batch_size} × {args.seq_len} tokens, lr {args.lr}, seeds {' '.join(seeds)}",
         f"FP32 validation loss {fp32.mean():.4f} ± {fp32.std(ddof=1):.4f} nats (sd over seeds); gaps paired "
         "with FP32 seed by seed, mean ± sd; verdicts at 2 sd of the paired differences.",
-        f"gap models calibrated on {calibrated.get('low', LOW)} (one GEMM role at a time and everywhere) and "
+        f"gap models calibrated on seeds {' '.join(calibrate_seeds)}, {calibrated.get('low', LOW)} "
+        "(one GEMM role at a time and everywhere) and "
         f"{', '.join(calibrated.get('also', [])) or 'no other format'} (everywhere): noise "
         f"{models['noise'].formula()}; sensitivity {models['sensitivity'].formula()}"
         + (f"; predictions extrapolate to {', '.join(extrapolated)}" if extrapolated else ""),

@@ -248,7 +248,7 @@ def test_transformer_engine_export_follows_the_documented_api() -> None:
         alias.name for node in module.body if isinstance(node, ast.ImportFrom) for alias in node.names
     }
     assert imported == {"DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Format",
-                        "MXFP8BlockScaling", "NVFP4BlockScaling"}  # fmt: skip
+                        "MXFP8BlockScaling", "NVFP4BlockScaling", "QParams"}  # fmt: skip
     assert (  # TE's defaults written out, as the recipe has them: RHT, stochastic rounding, 16x16 weights
         "RECIPE = NVFP4BlockScaling(disable_rht=False, disable_stochastic_rounding=False, "
         "disable_2d_quantization=False)" in exported.files["numscope_te.py"]
@@ -279,7 +279,8 @@ def test_transformer_engine_export_follows_the_documented_api() -> None:
         .count("RECIPE = MXFP8BlockScaling(fp8_format=Format.E4M3)")
         == 1
     )
-    assert from_transformer_engine(type("MXFP8BlockScaling", (), {})()) == Plan.recipe("te_mxfp8")
+    te_class = {"__module__": "transformer_engine.common.recipe"}  # read by attribute: TE's defaults
+    assert from_transformer_engine(type("MXFP8BlockScaling", (), te_class)()) == Plan.recipe("te_mxfp8")
 
 
 def test_megatron_flags_against_a_golden_file() -> None:
@@ -316,7 +317,8 @@ def test_the_cli_exports_for_a_model(tmp_path: Path, capsys) -> None:
 
 def test_importing_transformer_engine_recipes() -> None:
     delayed = type("DelayedScaling", (), {"fp8_format": "HYBRID", "margin": 1, "amax_history_len": 16,
-                                          "amax_compute_algo": "most_recent"})()  # fmt: skip
+                                          "amax_compute_algo": "most_recent",
+                                          "__module__": "transformer_engine.common.recipe"})()  # fmt: skip
     plan = from_transformer_engine(delayed)
     spec = plan.default
     assert spec.operand("dgrad", "grad_output").format == "fp8_e5m2"

@@ -338,6 +338,13 @@ def to_torchao(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a nu
 # -- Transformer Engine -----------------------------------------------------------------------------------
 
 
+#: the QParams field of a TE recipe that quantizes each operand
+_TE_QPARAMS = {
+    "input": "fp8_quant_fwd_inp",
+    "weight": "fp8_quant_fwd_weight",
+    "grad_output": "fp8_quant_bwd_grad",
+}
+
 #: the placeholder an NVFP4 operand votes for; its switches are decided over the whole plan
 _NVFP4 = "NVFP4BlockScaling"
 
@@ -357,8 +364,11 @@ def _te_recipe(spec: OperandSpec, gemm: str, operand: str) -> str | None:
     if spec.rounding != "nearest" or spec.transform is not None:
         return None
     if isinstance(fmt, BlockFormat):
-        if fmt.name == "mxfp8_e4m3@rceil" and spec.scaling is None and not spec.flush_subnormals:
+        plain = spec.scaling is None and not spec.flush_subnormals
+        if fmt.name == "mxfp8_e4m3@rceil" and plain:
             return "MXFP8BlockScaling(fp8_format=Format.E4M3)"
+        if fmt.name == "mxfp8_e5m2@rceil" and plain and operand == "grad_output":
+            return "MXFP8BlockScaling(fp8_format=Format.HYBRID)"  # TE's HYBRID: E5M2 gradients
         return None
     if spec.format not in _FP8_DTYPES or scaling is None:
         return None
@@ -369,8 +379,14 @@ def _te_recipe(spec: OperandSpec, gemm: str, operand: str) -> str | None:
     if not hybrid and spec.format != "fp8_e4m3":
         return None
     fp8_format = "Format.HYBRID" if hybrid and operand == "grad_output" else "Format.E4M3"
-    if scaling.kind == "tensor" and not scaling.power_of_two and not scaling.margin:
-        return f"Float8CurrentScaling(fp8_format={fp8_format})"
+    if scaling.kind == "tensor" and not scaling.margin:
+        if not scaling.power_of_two and not scaling.amax_epsilon:
+            return f"Float8CurrentScaling(fp8_format={fp8_format})"
+        # TE sets these per operand role (QParams); the vote asks every role alike, so a module whose roles
+        # differ gets two votes and is listed
+        params = f"QParams(power_2_scale={scaling.power_of_two}, amax_epsilon={scaling.amax_epsilon!r})"
+        roles = ", ".join(f"{field}={params}" for field in _TE_QPARAMS.values())
+        return f"Float8CurrentScaling(fp8_format={fp8_format}, {roles})"
     if scaling.kind == "delayed":
         return (
             f"DelayedScaling(fp8_format={fp8_format}, margin={scaling.margin}, "
@@ -411,7 +427,7 @@ def _merge_hybrid(recipes: set[str]) -> set[str]:
     HYBRID is E4M3 for input and weight, E5M2 for gradients)."""
     if not any("Format.HYBRID" in recipe for recipe in recipes):
         return set(recipes)
-    return {r if "Block" in r else r.replace("Format.E4M3", "Format.HYBRID") for r in recipes}
+    return {r if "Float8BlockScaling" in r else r.replace("Format.E4M3", "Format.HYBRID") for r in recipes}
 
 
 def _one_recipe(recipes: dict[str, int]) -> str:
@@ -422,7 +438,11 @@ def _one_recipe(recipes: dict[str, int]) -> str:
     merged: dict[str, int] = {}
     hybrid = any("Format.HYBRID" in recipe for recipe in recipes)
     for recipe, count in recipes.items():
-        key = recipe.replace("Format.E4M3", "Format.HYBRID") if hybrid and "Block" not in recipe else recipe
+        key = (
+            recipe.replace("Format.E4M3", "Format.HYBRID")
+            if hybrid and "Float8BlockScaling" not in recipe
+            else recipe
+        )
         merged[key] = merged.get(key, 0) + count
     return max(merged, key=lambda recipe: merged[recipe])
 
@@ -467,7 +487,7 @@ def to_transformer_engine(
     module_recipes: dict[str, str] = {}
     for name, raw in per_module.items():
         found = _merge_hybrid(raw)
-        if found == {chosen.replace("Format.HYBRID", "Format.E4M3")} and "Block" not in chosen:
+        if found == {chosen.replace("Format.HYBRID", "Format.E4M3")} and "Float8BlockScaling" not in chosen:
             found = {chosen}  # E4M3-only FP8 runs as the model's HYBRID for input and weight
         if len(found) > 1:
             unexpressed.append(
@@ -507,6 +527,7 @@ def to_transformer_engine(
             "    Format,",
             "    MXFP8BlockScaling,",
             "    NVFP4BlockScaling,",
+            "    QParams,",
             ")",
             "",
             f"RECIPE = {chosen}",
@@ -612,6 +633,12 @@ def to_megatron(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a n
             nvfp4 = [(g, o, spec) for g, o, spec in quantized_operands if _te_recipe(spec, g, o) == _NVFP4]
             recipe, problems = _nvfp4_recipe(nvfp4)
             unexpressed += problems
+        if "QParams(" in recipe:
+            unexpressed.append(
+                "power-of-two scales or an amax epsilon (TE's QParams): Megatron-LM builds "
+                "Float8CurrentScaling(fp8_format=...) with TE's defaults (megatron/core/fp8_utils.py); "
+                "the flags give tensorwise scaling without them"
+            )
         if recipe.startswith("DelayedScaling") and (first or last):
             raise ExportError(
                 "delayed scaling with leading or trailing layers high: Megatron-LM's TransformerConfig "
@@ -649,7 +676,7 @@ def _megatron_flags(recipe: str) -> list[str]:
             f"--fp8-amax-compute-algo {algo.group(1)}",
         ]
     if recipe.startswith("MXFP8"):
-        return ["--fp8-format e4m3", "--fp8-recipe mxfp8"]
+        return [f"--fp8-format {fmt}", "--fp8-recipe mxfp8"]  # Megatron passes fp8_format on
     if recipe.startswith("Float8BlockScaling"):
         return ["--fp8-format e4m3", "--fp8-recipe blockwise"]
     if recipe.startswith("NVFP4"):
@@ -730,37 +757,123 @@ def from_torchao(config: object) -> Plan:
     return linear_only(SiteSpec(operands))
 
 
+#: TE's recipe classes numscope reads (transformer_engine/common/recipe/__init__.py)
+TE_RECIPES = (
+    "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling",
+)  # fmt: skip
+
+
+def _te_refuse(kind: str, setting: str, why: str) -> ExportError:
+    return ExportError(f"Transformer Engine {kind}({setting}): {why}; numscope cannot import this recipe")
+
+
+def _te_qparams(recipe: object, kind: str, operand: str, power_default: bool) -> tuple[bool, float]:
+    """``(power_2_scale, amax_epsilon)`` of the recipe's QParams for ``operand``."""
+    params = getattr(recipe, _TE_QPARAMS[operand], None)
+    power = bool(getattr(params, "power_2_scale", power_default))
+    epsilon = float(getattr(params, "amax_epsilon", 0.0))
+    for switch in ("random_hadamard_transform", "stochastic_rounding", "fp4_2d_quantization"):
+        if getattr(params, switch, False):
+            raise _te_refuse(
+                kind, f"{_TE_QPARAMS[operand]}.{switch}=True", "an FP8 recipe has no such option"
+            )
+    return power, epsilon
+
+
 def from_transformer_engine(recipe: object) -> Plan:
-    """A Transformer Engine recipe object (``DelayedScaling``, ``Float8CurrentScaling``,
-    ``Float8BlockScaling``, ``MXFP8BlockScaling``, ``NVFP4BlockScaling``) as a plan, read by attribute."""
+    """A Transformer Engine recipe object as a plan, read by attribute (TE need not be importable here):
+    ``DelayedScaling`` (format, margin, history length, amax algorithm), ``Float8CurrentScaling`` (format,
+    each operand's ``QParams``: power-of-two scales, amax epsilon), ``Float8BlockScaling`` (format, block
+    dimension 1 or 2 of inputs, weights and gradients, power-of-two scales), ``MXFP8BlockScaling`` (E4M3 or
+    HYBRID, TE's rounded-up E8M0 scale) and ``NVFP4BlockScaling`` (its RHT, stochastic-rounding and 2-D
+    switches).
+
+    The class must come from ``transformer_engine`` (a class named like one elsewhere is refused). Settings
+    numscope cannot emulate are refused by name, never dropped: FP8 attention (``fp8_dpa``, ``fp8_mha``),
+    ``backward_override``, MXFP8's 2-D weight scales, NVFP4's row-scaled activations and 4over6. Attention
+    products stay high, as TE converts Linear layers only. Not read: GEMM accumulation
+    (``use_split_accumulator``; numscope's plan accumulates in FP32) and ``reduce_amax`` (a distributed
+    setting that does not change one process's numerics).
+    """
     from numscope.formats.scaling import Scaling
-    from numscope.plan.recipes import linear_only
-    from numscope.plan.recipes import recipe as named
+    from numscope.plan.recipes import _nvfp4_spec, _tile, linear_only
 
     kind = type(recipe).__name__
-    fmt = _enum_name(getattr(recipe, "fp8_format", "HYBRID"))
-    if kind == "DelayedScaling":
-        scaling = Scaling(
-            "delayed",
-            margin=int(getattr(recipe, "margin", 0)),
-            history_len=int(getattr(recipe, "amax_history_len", 1024)),
-            amax_compute=str(getattr(recipe, "amax_compute_algo", "max")),  # type: ignore[arg-type]
-        )
-    elif kind == "Float8CurrentScaling":
-        scaling = Scaling("tensor")
-    elif kind in ("Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling"):
-        return named(
-            {"Float8BlockScaling": "te_block", "MXFP8BlockScaling": "te_mxfp8"}.get(kind, "te_nvfp4")
-        )
-    else:
+    module = type(recipe).__module__ or ""
+    if kind not in TE_RECIPES:
         raise ExportError(
-            f"a Transformer Engine recipe of type {kind!r} is not known; known: DelayedScaling, "
-            "Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling"
+            f"a Transformer Engine recipe of type {kind!r} is not known; known: {', '.join(TE_RECIPES)}"
         )
+    if module.split(".")[0] != "transformer_engine":
+        raise ExportError(
+            f"{kind} from module {module!r} is not Transformer Engine's (transformer_engine.common.recipe)"
+        )
+    for flag in ("fp8_dpa", "fp8_mha"):
+        if getattr(recipe, flag, False):
+            raise _te_refuse(
+                kind, f"{flag}=True", "numscope emulates FP8 attention only through its own plans"
+            )
+    override = getattr(recipe, "backward_override", None)
+    if override is not None:
+        raise _te_refuse(kind, f"backward_override={override!r}", "numscope has no such backward mode")
+    hybrid_default = kind in ("DelayedScaling", "Float8CurrentScaling")  # TE's defaults
+    fmt = _enum_name(getattr(recipe, "fp8_format", "HYBRID" if hybrid_default else "E4M3"))
     if fmt not in ("HYBRID", "E4M3"):
-        raise ExportError(f"Transformer Engine fp8_format {fmt!r}: numscope reads HYBRID and E4M3")
-    operands = {}
-    for key in OPERAND_KEYS:
-        name = "fp8_e5m2" if fmt == "HYBRID" and key[1] == "grad_output" else "fp8_e4m3"
-        operands[key] = OperandSpec(name, scaling=scaling)
+        raise _te_refuse(kind, f"fp8_format={fmt}", "numscope reads HYBRID and E4M3 (TE's own choices)")
+
+    def element(operand: str) -> str:
+        return "fp8_e5m2" if fmt == "HYBRID" and operand == "grad_output" else "fp8_e4m3"
+
+    operands: dict[tuple[str, str], OperandSpec] = {}
+    if kind == "NVFP4BlockScaling":
+        for setting, allowed in (("row_scaled_activation", False), ("nvfp4_4over6", "none")):
+            value = getattr(recipe, setting, allowed)
+            if value != allowed:
+                raise _te_refuse(kind, f"{setting}={value!r}", "numscope's import reads the default only")
+        base = _nvfp4_spec()
+        for key, spec in base.operands.items():
+            gemm, operand = key
+            if getattr(recipe, "disable_rht", False) and spec.transform is not None:
+                spec = OperandSpec(spec.format, rounding=spec.rounding)
+            if getattr(recipe, "disable_stochastic_rounding", False) and spec.rounding == "stochastic":
+                spec = OperandSpec(spec.format, transform=spec.transform)
+            if getattr(recipe, "disable_2d_quantization", False) and spec.format == "nvfp4@2d":
+                spec = OperandSpec("nvfp4", rounding=spec.rounding, transform=spec.transform)
+            operands[key] = spec
+        return linear_only(SiteSpec(operands))
+    if kind == "MXFP8BlockScaling":
+        if getattr(recipe, "enable_2d_quantization", False):
+            raise _te_refuse(
+                kind, "enable_2d_quantization=True", "numscope's MXFP8 has 1-D blocks of 32 only"
+            )
+        for gemm, operand in OPERAND_KEYS:
+            name = "mxfp8_e5m2@rceil" if element(operand) == "fp8_e5m2" else "mxfp8_e4m3@rceil"
+            operands[(gemm, operand)] = OperandSpec(name)
+        return linear_only(SiteSpec(operands))
+    for gemm, operand in OPERAND_KEYS:
+        if kind == "DelayedScaling":
+            scaling = Scaling(
+                "delayed",
+                margin=int(getattr(recipe, "margin", 0)),
+                history_len=int(getattr(recipe, "amax_history_len", 1024)),
+                amax_compute=str(getattr(recipe, "amax_compute_algo", "max")),  # type: ignore[arg-type]
+            )
+        elif kind == "Float8CurrentScaling":
+            power, epsilon = _te_qparams(
+                recipe, kind, operand, bool(getattr(recipe, "use_power_2_scales", False))
+            )
+            scaling = Scaling("tensor", power_of_two=power, amax_epsilon=epsilon)
+        else:  # Float8BlockScaling
+            power, epsilon = _te_qparams(recipe, kind, operand, not getattr(recipe, "use_f32_scales", False))
+            field_name = {"input": "x", "weight": "w", "grad_output": "grad"}[operand] + "_block_scaling_dim"
+            dim = int(getattr(recipe, field_name, 2 if operand == "weight" else 1))
+            if dim not in (1, 2):
+                raise _te_refuse(
+                    kind, f"{field_name}={dim}", "TE allows 1 (1x128 tiles) or 2 (128x128 blocks)"
+                )
+            if dim == 2:
+                scaling = Scaling("block", block_shape=(128, 128), power_of_two=power, amax_epsilon=epsilon)
+            else:
+                scaling = _tile(gemm, operand, power, epsilon)
+        operands[(gemm, operand)] = OperandSpec(element(operand), scaling=scaling)
     return linear_only(SiteSpec(operands))
