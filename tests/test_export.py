@@ -326,3 +326,74 @@ def test_importing_transformer_engine_recipes() -> None:
     assert all(not spec.operand(*key).is_high for key in OPERAND_KEYS)
     with pytest.raises(ExportError, match="recipe of type 'CustomRecipe' is not known"):
         from_transformer_engine(type("CustomRecipe", (), {})())
+
+
+class OddHead(nn.Module):
+    """A head of 1000 outputs: not a multiple of 32 (torchao's MX block) nor of 16 (float8 GEMMs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.head = nn.Linear(64, 128, bias=False), nn.Linear(128, 1000, bias=False)
+
+    def forward(self, x):
+        return self.head(torch.nn.functional.gelu(self.fc1(x)))
+
+
+TORCHAO_SHAPE_RUN = textwrap.dedent(
+    """
+    import importlib.util, json, sys, torch
+    sys.path.insert(0, sys.argv[1])
+    from test_export import OddHead
+    outcome = {}
+    for label, path in (("checked", sys.argv[2]), ("unchecked", sys.argv[3])):
+        spec = importlib.util.spec_from_file_location(label, path)
+        exported = importlib.util.module_from_spec(spec); spec.loader.exec_module(exported)
+        model = exported.convert(OddHead(), emulate=True)
+        try:
+            model(torch.randn(2, 32, 64)).square().sum().backward()
+            outcome[label] = [type(m.weight).__name__ for m in (model.fc1, model.head)]
+        except Exception as error:
+            outcome[label] = type(error).__name__
+    print(json.dumps(outcome))
+    """
+)
+
+
+@pytest.mark.skipif(not (PEERS / "torchao").is_dir(), reason="./run installs torchao into .venv/peers")
+def test_torchao_export_checks_shapes_against_the_model(tmp_path: Path) -> None:
+    model = OddHead()
+    sites = [(site.name, site.kind) for site in numscope.sites(model, torch.randn(2, 64))]
+    shapes = {name: tuple(module.weight.shape) for name, module in model.named_modules() if name}
+    plan = Plan.uniform("mxfp8")
+    checked = export(plan, "torchao", sites, "mxfp8", shapes)
+    assert [line for line in checked.unexpressed if line.startswith("head:")] == [
+        "head: weight 1000 x 128: torchao's MX cast needs the blocked dimension "
+        "(torchao/prototype/mx_formats/mx_tensor.py) in multiples of 32; the module stays in high precision"
+    ]
+    fp8 = export(Plan.uniform("fp8"), "torchao", sites, "fp8", shapes).unexpressed
+    assert any(line.startswith("head: weight 1000 x 128:") and "multiples of 16" in line for line in fp8), fp8
+    paths = [
+        checked.save(tmp_path / "checked")[0],
+        export(plan, "torchao", sites).save(tmp_path / "plain")[0],
+    ]
+    script = tmp_path / "run.py"
+    script.write_text(TORCHAO_SHAPE_RUN)
+    env = {**os.environ, "PYTHONPATH": str(PEERS), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script), str(Path(__file__).parent), *map(str, paths)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # without the check torchao's backward fails on the head; with it the head stays high and training runs
+    assert result == {
+        "checked": ["MXFP8TrainingWeightWrapperTensor", "Parameter"],
+        "unchecked": "AssertionError",
+    }
+
+
+def test_cli_export_checks_shapes_of_the_model(tmp_path: Path, capsys) -> None:
+    assert main(["export", "mxfp8", "--to", "te", "--model", "tiny-bert", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "cls.predictions.decoder: weight 30522 x 64: TE's MXFP8 quantizer needs both dimensions" in out
+    assert main(["export", "fp8", "--to", "megatron", "--model", "tiny-bert", "--out", str(tmp_path)]) == 0
+    assert "weight 30522" not in capsys.readouterr().out  # Megatron's flags leave the output layer high

@@ -272,3 +272,35 @@ def test_a_limit_outside_its_meaning_is_refused(observed, criterion: str, value:
     analysis, _ = observed
     with pytest.raises(AdvisorError, match=f"criterion {criterion} is {value!r}; allowed: {allowed}"):
         advise(analysis, **{criterion: value})
+
+
+def test_a_target_plan_keeps_high_a_module_the_stack_cannot_quantize_at_its_shape() -> None:
+    """A vocabulary of 100 (not a multiple of 16 or 32): the observer records the head's weight shape, the
+    target's plan keeps the head high, saying why, and the export of that plan, checked against the same
+    shapes, lists nothing."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, attn_implementation="eager",
+    )  # fmt: skip
+    model = BertForMaskedLM(config)
+    with numscope.observe(model, candidates=CANDIDATES) as observer:
+        ids = torch.randint(5, 100, (4, 16))
+        model(input_ids=ids, labels=ids).loss.backward()
+        observer.step()
+    analysis = observer.analysis()
+    shapes = {name: tuple(shape) for name, shape in analysis.meta["weight_shapes"]}
+    assert shapes["cls.predictions.decoder"] == (100, 32)
+    assert shapes["bert.encoder.layer.0.intermediate.dense"] == (64, 32)
+    sites = [tuple(pair) for pair in analysis.meta["site_kinds"]]
+    for target in ("te", "torchao"):
+        recommendation = advise(analysis, target=target, **NO_LIMITS)
+        head = [c for c in recommendation.choices if c.site == "cls.predictions.decoder"]
+        assert head and all(c.format == HIGH for c in head), target
+        assert any("weight 100 x 32" in c.reason and "multiples of" in c.reason for c in head), head[0].reason
+        quantized = [c for c in recommendation.choices if c.format != HIGH]
+        assert quantized, target  # the rest of the model is still quantized
+        exported = export(recommendation.plan, target, sites, target, shapes)
+        assert all("(matmul)" in line for line in exported.unexpressed), exported.unexpressed

@@ -159,22 +159,26 @@ def export_plan(
         raise WorkflowError(f"--to {target}: unknown target; allowed: {', '.join(TARGETS)}")
     folder = check_output_folder(out)
     loaded, source = plan_and_source(plan)
-    found = model_sites(model, objective)
+    shapes: dict[str, tuple[int, ...]] = {}
+    found = model_sites(model, objective, shapes=shapes)
     names = [name for name, _ in found]
     if plan in Plan.recipes():  # a recipe's layer choice (NVFP4's BF16 layers) needs the model's sites
         loaded = Plan.recipe(plan, names)
     loaded.check_sites(names)
     try:
-        result = export(loaded, target, found, f"{Path(source).name} on {model}")
+        result = export(loaded, target, found, f"{Path(source).name} on {model}", shapes)
     except ExportError as error:
         raise WorkflowError(str(error)) from error
     return result.save(folder), result.unexpressed
 
 
-def model_sites(model: str, objective: str = "auto", seq_len: int = 8) -> list[tuple[str, str]]:
+def model_sites(
+    model: str, objective: str = "auto", seq_len: int = 8, shapes: dict[str, tuple[int, ...]] | None = None
+) -> list[tuple[str, str]]:
     """``(site name, kind)`` of every site of ``model`` (as ``--model`` takes it) in call order: the model
     is built untrained and run forward once, without gradients, on a batch of ``seq_len`` random tokens
-    (what its objective feeds it: input ids, attention mask)."""
+    (what its objective feeds it: input ids, attention mask). ``shapes``, when given, receives each Linear
+    site's weight shape (out × in features), for the export's shape rules."""
     import torch
 
     from numscope.run.objectives import get_objective
@@ -194,7 +198,15 @@ def model_sites(model: str, objective: str = "auto", seq_len: int = 8) -> list[t
         blocks = torch.randint(5, max(vocab, 6), (2, length))
         example = next(get_objective(kind).batches(blocks, 2, tokenizer, 0, 0))
         inputs = {key: value for key, value in example.items() if key != "labels"}
-        return [(site.name, site.kind) for site in sites(factory(), inputs)]
+        built = factory()
+        found = [(site.name, site.kind) for site in sites(built, inputs)]
+    if shapes is not None:
+        modules = dict(built.named_modules())
+        for name, kind in found:
+            weight = getattr(modules.get(name), "weight", None)
+            if kind in ("linear", "conv1d") and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                shapes[name] = tuple(weight.shape)
+    return found
 
 
 def analysis_average_bits(plan: Plan, analysis: Analysis) -> float:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from numscope._names import layer_index
 from numscope.analysis import Analysis, OperandKey, Sensitivity
 from numscope.plan import HIGH, OperandSpec, Plan
+from numscope.plan.export import shape_multiple
 from numscope.plan.targets import LINEAR_KINDS, StackRecipe, Target
 
 Objective = Callable[[OperandKey, str], float]
@@ -97,16 +98,22 @@ def advise_for_target(
     fixed_high = set(keys) - set(convertible)
     cache: dict[tuple[OperandKey, str], tuple[bool, str, float]] = {}
 
+    shapes = {str(name): [int(d) for d in shape] for name, shape in analysis.meta.get("weight_shapes", [])}
+
     def judged(key: OperandKey, label: str) -> tuple[bool, str, float]:
-        """(passes the limits, the failed check's text, the objective) of one operand in one format."""
+        """(passes the limits and the stack's shape rule, the failed check's text, the objective) of one
+        operand in one format."""
         if (key, label) not in cache:
             option = _option(analysis, key, label, limits, reference, sensitivity)  # type: ignore[arg-type]
             failed = next((c for c in option.checks if not c.passed), None)
-            cache[(key, label)] = (
-                failed is None,
-                failed.describe() if failed else "",
-                float(objective(key, label)),
-            )
+            text = failed.describe() if failed else ""
+            shape = shapes.get(key[0])
+            if shape is not None and not target.is_emulation:
+                multiple, why = shape_multiple([label], target.name)
+                if any(d % multiple for d in shape):
+                    dims = " x ".join(map(str, shape))
+                    text = f"weight {dims}: {why} in multiples of {multiple}"
+            cache[(key, label)] = (failed is None and not text, text, float(objective(key, label)))
         return cache[(key, label)]
 
     solutions = [

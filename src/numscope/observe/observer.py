@@ -103,6 +103,7 @@ class Observer:
         self._elements: dict[OperandKey, int] = {}
         self._plan_formats: dict[OperandKey, str] = {}
         self._site_kinds: dict[str, str] = {}  # site name -> kind, in the order the sites first ran
+        self._weight_shapes: dict[str, list[int]] = {}  # Linear site -> its weight's shape (export rules)
         self._errors = BackwardErrors(self._formats, self._row_candidates, config.pairs, self.generator)
         self._ranks = 1  # how many ranks the sampled steps were merged over
 
@@ -208,6 +209,7 @@ class Observer:
                 "pairs": [list(pair) for pair in self.config.pairs],
                 "steps_seen": self._step,
                 "site_kinds": [[name, kind] for name, kind in self._site_kinds.items()],
+                "weight_shapes": [[name, shape] for name, shape in self._weight_shapes.items()],
                 **({"ranks": self._ranks} if self._ranks > 1 else {}),
             },
         )
@@ -244,6 +246,7 @@ class Observer:
         self._elements = dict(analysis.elements)
         self._plan_formats = dict(analysis.plan_formats)
         self._site_kinds = {str(name): str(kind) for name, kind in analysis.meta.get("site_kinds", [])}
+        self._weight_shapes = {str(n): list(shape) for n, shape in analysis.meta.get("weight_shapes", [])}
         self._replicated = {tuple(key) for key in state["replicated"]}  # type: ignore[misc]
         self._step, self._ranks = int(state["step"]), int(state["ranks"])
         self.generator.set_state(state["generator"])
@@ -259,6 +262,13 @@ class Observer:
         ):
             return tensor  # a forward recomputed by activation checkpointing was measured the first time
         self._site_kinds.setdefault(site.name, site.kind)
+        if (
+            operand == "weight"
+            and gemm == "fprop"
+            and tensor.dim() == 2
+            and site.kind in ("linear", "conv1d")
+        ):
+            self._weight_shapes.setdefault(site.name, [int(d) for d in tensor.shape])
         if self.sampling and tensor.is_floating_point() and tensor.numel() > 0:
             if is_parameter_operand(site, operand):
                 self._replicated.add((site.name, gemm, operand))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,16 +75,77 @@ class Export:
         return written
 
 
-def _linear_sites(plan: Plan, sites: Iterable[tuple[str, str]]) -> tuple[dict[str, SiteSpec], list[str]]:
-    """The Linear sites' specs, and one line for each other quantized site (no target converts those)."""
+def _linear_sites(
+    plan: Plan,
+    sites: Iterable[tuple[str, str]],
+    target: str | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+) -> tuple[dict[str, SiteSpec], list[str]]:
+    """The Linear sites' specs, and one line for each other quantized site (no target converts those).
+
+    With ``shapes`` (a Linear site's weight shape, out × in features), a module the target's kernels cannot
+    quantize at that shape (:func:`shape_rule`) is listed; for torchao and TE it stays in high precision
+    (Megatron cannot keep one module high: the line says so)."""
     linear, others = {}, []
     for name, kind in sites:
         spec = plan.for_site(name)
         if kind in ("linear", "conv1d"):
+            shape = (shapes or {}).get(name)
+            checked = target is not None and shape is not None
+            if target == "megatron":  # its flags cover the transformer layers only
+                checked = checked and layer_index(name) is not None
+            rule = shape_rule(spec, target) if checked and target is not None else None
+            if rule is not None and shape is not None and any(int(d) % rule[0] for d in shape[:2]):
+                dims = " x ".join(str(int(d)) for d in shape[:2])
+                kept = (
+                    "Megatron cannot keep one module high: pad it, or TE leaves it unquantized"
+                    if target == "megatron"
+                    else "the module stays in high precision"
+                )
+                others.append(f"{name}: weight {dims}: {rule[1]} in multiples of {rule[0]}; {kept}")
+                if target != "megatron":
+                    spec = SiteSpec()
             linear[name] = spec
         elif not all(_high(spec.operand(g, o)) for g, o in OPERAND_KEYS):
             others.append(f"{name} ({kind}): only Linear layers are converted; it stays in high precision")
     return linear, others
+
+
+def shape_rule(spec: SiteSpec, target: str) -> tuple[int, str] | None:
+    """``(multiple, what needs it)``: the multiple both weight dimensions of a module quantized as ``spec``
+    must be for ``target``'s kernels, from each library's source; None when nothing is quantized."""
+    quantized = [spec.operand(g, o) for g, o in OPERAND_KEYS if not _high(spec.operand(g, o))]
+    return shape_multiple([q.format for q in quantized], target) if quantized else None
+
+
+def shape_multiple(formats: Sequence[str], target: str) -> tuple[int, str]:
+    """``(multiple, what needs it)`` for a module whose quantized operands are in ``formats`` on
+    ``target`` (torchao, te, megatron): both weight dimensions (and the tokens of a batch) must be
+    multiples of it."""
+    specs = [OperandSpec(name).format_spec() for name in formats]
+    block = any(isinstance(f, BlockFormat) for f in specs)
+    if target == "torchao":
+        if block:
+            return (
+                32,
+                "torchao's MX cast needs the blocked dimension (torchao/prototype/mx_formats/mx_tensor.py)",
+            )
+        return 16, "torchao's float8 GEMM needs in and out features (torchao/float8/float8_linear_utils.py)"
+    if any(f is not None and f.name.startswith("nvfp4") for f in specs):
+        return (
+            16,
+            "TE's NVFP4 quantizer needs both dimensions (NVFP4Quantizer.is_quantizable, nvfp4_tensor.py)",
+        )
+    if block:
+        return (
+            32,
+            "TE's MXFP8 quantizer needs both dimensions (MXFP8Quantizer.is_quantizable, mxfp8_tensor.py)",
+        )
+    return (
+        16,
+        "TE's FP8 Linear needs both dimensions (te.autocast's note, transformer_engine/pytorch/"
+        "quantization.py)",
+    )
 
 
 #: formats a target runs in the model's own dtype (no scaling, no quantization kernel)
@@ -238,9 +299,15 @@ def _torchao_mx_config(spec: SiteSpec) -> str | tuple[str, ...]:
     )
 
 
-def to_torchao(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a numscope plan") -> Export:
-    """A torchao module reproducing ``plan`` on the model whose ``(site name, kind)`` pairs are ``sites``."""
-    linear, unexpressed = _linear_sites(plan, sites)
+def to_torchao(
+    plan: Plan,
+    sites: Iterable[tuple[str, str]],
+    source: str = "a numscope plan",
+    shapes: Mapping[str, Sequence[int]] | None = None,
+) -> Export:
+    """A torchao module reproducing ``plan`` on the model whose ``(site name, kind)`` pairs are ``sites``
+    (``shapes``: Linear weight shapes, checked against torchao's kernels)."""
+    linear, unexpressed = _linear_sites(plan, sites, "torchao", shapes)
     groups: dict[str, list[str]] = {}
     unfloored: list[str] = []  # float8 modules whose operands have no amax floor
     for name, spec in linear.items():
@@ -448,11 +515,15 @@ def _one_recipe(recipes: dict[str, int]) -> str:
 
 
 def to_transformer_engine(
-    plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a numscope plan"
+    plan: Plan,
+    sites: Iterable[tuple[str, str]],
+    source: str = "a numscope plan",
+    shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> Export:
     """TE's recipe (``numscope_te.py``) and debug-tools YAML (``numscope_te_debug.yaml``) for ``plan``:
-    Transformer Engine 2.13 or later (``te.autocast(recipe=...)``, ``DisableQuantizationGEMM``)."""
-    linear, unexpressed = _linear_sites(plan, sites)
+    Transformer Engine 2.13 or later (``te.autocast(recipe=...)``, ``DisableQuantizationGEMM``);
+    ``shapes``: Linear weight shapes, checked against TE's quantizers."""
+    linear, unexpressed = _linear_sites(plan, sites, "te", shapes)
     recipes: dict[str, int] = {}
     planned: dict[tuple[str, str, str], str] = {}
     nvfp4: list[tuple[str, str, OperandSpec]] = []
@@ -567,10 +638,15 @@ def to_transformer_engine(
 # -- Megatron-LM ------------------------------------------------------------------------------------------
 
 
-def to_megatron(plan: Plan, sites: Iterable[tuple[str, str]], source: str = "a numscope plan") -> Export:
+def to_megatron(
+    plan: Plan,
+    sites: Iterable[tuple[str, str]],
+    source: str = "a numscope plan",
+    shapes: Mapping[str, Sequence[int]] | None = None,
+) -> Export:
     """Megatron-LM's ``--fp8-*`` flags for ``plan``: the recipe of its quantized transformer layers and how
-    many leading and trailing layers stay in BF16 (``--first-last-layers-bf16``)."""
-    linear, unexpressed = _linear_sites(plan, sites)
+    many leading and trailing layers stay in BF16 (``--first-last-layers-bf16``); ``shapes`` as for TE."""
+    linear, unexpressed = _linear_sites(plan, sites, "megatron", shapes)
     by_layer: dict[int, list[SiteSpec]] = {}
     for name, spec in linear.items():
         layer = layer_index(name)
@@ -696,15 +772,20 @@ def _megatron_flags(recipe: str) -> list[str]:
 
 
 def export(
-    plan: Plan, target: str, sites: Sequence[tuple[str, str]], source: str = "a numscope plan"
+    plan: Plan,
+    target: str,
+    sites: Sequence[tuple[str, str]],
+    source: str = "a numscope plan",
+    shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> Export:
-    """:func:`to_torchao`, :func:`to_transformer_engine` or :func:`to_megatron` by ``target``."""
+    """:func:`to_torchao`, :func:`to_transformer_engine` or :func:`to_megatron` by ``target``; ``shapes``
+    (a Linear site's weight shape) has each module checked against the target's shape rules."""
     functions = {"torchao": to_torchao, "te": to_transformer_engine, "megatron": to_megatron}
     if target not in functions:
         raise ExportError(f"unknown export target {target!r}; allowed: {', '.join(TARGETS)}")
     if not sites:
         raise ExportError("an export needs the model's sites (numscope.sites(model, example_inputs))")
-    return functions[target](plan, sites, source)
+    return functions[target](plan, sites, source, shapes)
 
 
 # -- import: the libraries' own configurations as plans ----------------------------------------------------
