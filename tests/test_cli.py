@@ -1369,3 +1369,18 @@ def test_train_with_a_given_tokenizer_file(ws: Path, flow: dict[str, Result], tm
     Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "plain.json"))
     plain = cli(*args, "dynamic", "--out", tmp_path / "x", "--tokenizer", tmp_path / "plain.json")
     assert plain.code == 2 and "lacks special tokens" in plain.err and "[MASK]" in plain.err
+
+
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs Linux's sysfs")
+def test_an_output_file_in_a_folder_nothing_can_be_written_to_is_one_clear_line(
+    ws: Path, flow: dict[str, Result]
+) -> None:
+    """report -o and recommend -o into /sys: tried, not read from permissions (before, a traceback)."""
+    for command, args in (
+        ("report", [ws / "runs" / "fp32", "-o", "/sys/numscope.html"]),
+        ("recommend", [ws / "runs" / "fp32", "-o", "/sys/numscope.yaml"]),
+    ):
+        result = cli(command, *args)
+        assert result.code == 2, (command, result.err)
+        lines = result.err.strip().splitlines()
+        assert len(lines) == 1 and "/sys/numscope." in lines[0] and "cannot write into /sys" in lines[0], lines

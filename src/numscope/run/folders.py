@@ -34,7 +34,7 @@ def check_output_folder(path: str | os.PathLike[str], flag: str = "--out") -> Pa
     return folder
 
 
-def _probe(folder: Path, flag: str) -> None:
+def _probe(folder: Path, flag: str, shown: Path | None = None) -> None:
     """Make ``folder`` and a file in it, then remove what was made: permissions alone do not tell (root may
     write anywhere by them, yet not into /sys or /proc, nor onto a read-only mount)."""
     made = [p for p in (folder, *folder.parents) if not p.exists()]
@@ -44,8 +44,10 @@ def _probe(folder: Path, flag: str) -> None:
         os.close(descriptor)
         os.unlink(name)
     except OSError as error:
+        where = "there" if shown is None else f"into {folder}"
+        reason = error.strerror or error
         raise OutputPathError(
-            f"{flag} {folder}: cannot write there ({error.strerror or error}); choose another {flag}"
+            f"{flag} {shown or folder}: cannot write {where} ({reason}); choose another {flag}"
         ) from error
     finally:
         for path in made:  # innermost first
@@ -62,6 +64,7 @@ def check_output_file(path: str | os.PathLike[str], flag: str) -> Path:
         raise OutputPathError(f"{flag} {target}: no such folder {str(target.parent)!r}; create it first")
     if not os.access(target.parent, os.W_OK | os.X_OK):
         raise OutputPathError(f"{flag} {target}: the folder {str(target.parent)!r} is not writable")
+    _probe(target.parent, flag, target)  # root passes os.access everywhere, yet cannot write into /sys
     return target
 
 
