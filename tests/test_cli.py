@@ -1383,4 +1383,28 @@ def test_an_output_file_in_a_folder_nothing_can_be_written_to_is_one_clear_line(
         result = cli(command, *args)
         assert result.code == 2, (command, result.err)
         lines = result.err.strip().splitlines()
-        assert len(lines) == 1 and "/sys/numscope." in lines[0] and "cannot write into /sys" in lines[0], lines
+        assert len(lines) == 1 and "/sys/numscope." in lines[0] and "cannot write into /sys" in lines[0], (
+            lines
+        )
+
+
+def test_a_config_vocabulary_the_tokenizer_replaces_is_said(ws: Path) -> None:
+    """--model config.json with vocab_size 300: the model is sized to the tokenizer trained on the text (at
+    most --vocab-size 200; the toy text gives fewer), and the replacement is said (before, silently); as the
+    numscope command it is one 'note:' line."""
+    config = json.loads((ws / "bert.json").read_text())
+    config["vocab_size"] = 300
+    spec = ws / "bert_vocab300.json"
+    spec.write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match=r"its vocab_size 300 is replaced by the tokenizer's \d+ "):
+        result = cli("train", *flags(ws, spec, steps=1), "--plan", "fp32", "--out", ws / "runs" / "vocab300")
+    assert result.code == 0, result.err
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "numscope.cli", "train", *flags(ws, spec, steps=1), "--plan", "fp32",
+               "--out", str(ws / "runs" / "vocab300-console")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    notes = [line for line in done.stderr.splitlines() if "vocab_size 300" in line]
+    assert len(notes) == 1 and notes[0].startswith(
+        f"numscope train: note: --model {spec}: its vocab_size 300 is replaced by the tokenizer's "
+    ), done.stderr[-2000:]

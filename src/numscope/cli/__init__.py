@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
 
 from numscope.cli.advice import _register_calibrate, _register_recommend
 from numscope.cli.common import CLIError, render_table
@@ -104,12 +107,27 @@ def _attach_negative_values(parser: argparse.ArgumentParser, argv: Sequence[str]
     return out
 
 
+def _show_note(command: str, message, category, filename, lineno, file=None, line=None) -> None:
+    """numscope's own warnings as one line, ``numscope COMMAND: note: ...``; others as Python shows them."""
+    if str(filename).startswith(_PACKAGE_DIR) and issubclass(category, UserWarning):
+        print(f"numscope {command}: note: {message}", file=sys.stderr)
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    console = argv is None  # run as the numscope command (not called from Python, where warnings stay)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(_attach_negative_values(parser, argv))
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            if console:
+                warnings.showwarning = partial(_show_note, args.command)
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print(f"numscope {args.command}: interrupted; finished work is kept on disk", file=sys.stderr)
         return 130

@@ -11,6 +11,7 @@ import inspect
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,6 +251,14 @@ def _config_factory(
                 f"--model {spec}: {name}={positions} is shorter than --seq-len {seq_len}; "
                 f"use --seq-len {positions} or less"
             )
+    given = getattr(config, "vocab_size", None)
+    if isinstance(given, int) and given != tokenizer.vocab_size and spec not in BUILTIN_MODELS:
+        warnings.warn(
+            f"--model {spec}: its vocab_size {given} is replaced by the tokenizer's {tokenizer.vocab_size} "
+            "(--vocab-size or --tokenizer decide it; the embedding and the output layer are sized to it)",
+            UserWarning,
+            stacklevel=2,
+        )
     config.vocab_size = tokenizer.vocab_size
     config.pad_token_id = tokenizer.pad_id
     if objective == "clm":
