@@ -449,8 +449,8 @@ def test_sensitivity_travels_with_the_analysis(tmp_path):
 def test_sensitivity_criteria_need_a_measurement_of_every_candidate():
     with pytest.raises(
         AdvisorError,
-        match=r"criterion min_grad_cosine needs a sensitivity measurement: run "
-        r"numscope\.sensitivity",
+        match=r"criterion min_grad_cosine needs a sensitivity measurement, which this analysis lacks: "
+        r"analyze again with it \(numscope analyze --sensitivity N",
     ):
         advise(reference_analysis(), min_grad_cosine=0.99)
     partial = sensitivity_of(SITE_CHANGES)

@@ -514,8 +514,10 @@ def _check_sensitivity(sensitivity: Sensitivity | None, limits: Limits, candidat
         return
     if sensitivity is None:
         raise AdvisorError(
-            f"criterion {wanted[0]} needs a sensitivity measurement: run numscope.sensitivity(model, "
-            "batches, candidates=[...]) and pass sensitivity=... (or set analysis.sensitivity)"
+            f"criterion {wanted[0]} needs a sensitivity measurement, which this analysis lacks: analyze "
+            "again with it (numscope analyze --sensitivity N --sensitivity-formats all; it is on by default "
+            "except under torchrun), or in Python run numscope.sensitivity(model, batches, candidates=[...]) "
+            "and pass sensitivity=..."
         )
     missing = [c for c in candidates if c not in sensitivity.candidates]
     if missing:
