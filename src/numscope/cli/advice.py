@@ -100,6 +100,14 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     print(render_table(rows))
     print(f"\nobjective: {objective} ({why})")
     if objective == "sensitivity":
+        if gap_model is not None and gap_model.role_weights():
+            weights = ", ".join(f"{g} {w:.2g}" for g, w in gap_model.role_weights().items())
+            print(f"  GEMM roles weighted from your calibration ({args.gap_model}): {weights}")
+        else:
+            print(
+                "  GEMM roles weighted equally (no calibration of your model: 'numscope calibrate' measures "
+                "what each role's noise costs in loss, and --gap-model weighs them by it)"
+            )
         measured = [c for c in analysis.candidates if c in analysis.sensitivity.candidates]
         others = [c for c in analysis.candidates if c not in measured]
         if others:
