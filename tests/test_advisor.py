@@ -477,3 +477,15 @@ def test_a_product_without_measurable_entries_does_not_fail_the_backward_error_l
             stats.update(mean=math.nan, p99=math.nan, max=math.nan, count=0.0, excluded=64.0)
     assert numscope.advisor.be_ratio(analysis, C, "mxfp4_e2m1") == 0.0
     assert advise(analysis).choices[0].format == "mxfp4_e2m1"
+
+
+def test_a_step_without_signal_does_not_make_an_operand_free():
+    """A block format samples whole rows; on a sparse gradient one step's rows can all be zero (SQNR +inf,
+    seen on MiniLM's masked-LM gradients): the mean over the other steps counts, not 0 noise."""
+    from numscope.advisor import operand_noise
+
+    table = {A: {"bf16": GOOD, "mxfp4_e2m1": [metrics(18), metrics(math.inf)]}}  # two steps
+    analysis = build(table, {A: 1000}, {})
+    assert operand_noise(analysis, A, "mxfp4_e2m1") == pytest.approx(10 ** (-1.8))
+    exact = build({A: {"bf16": GOOD, "mxfp4_e2m1": [metrics(math.inf), metrics(math.inf)]}}, {A: 10}, {})
+    assert operand_noise(exact, A, "mxfp4_e2m1") == 0.0  # exact at every step

@@ -729,10 +729,16 @@ def _weight_for(name: str, weights: list[tuple[str, float]]) -> float:
 
 def operand_noise(analysis: Analysis, key: OperandKey, label: str) -> float:
     """The relative noise power the bit-budget objective counts for ``label`` on one operand:
-    10^(−SQNR/10) of its mean SQNR (dB) over the sampled steps; 0 for ``high``."""
+    10^(−SQNR/10) of its mean SQNR (dB) over the sampled steps with a finite SQNR (all of them when none
+    is: +inf everywhere is an exact format); 0 for ``high``. A block format's sample is whole rows, and on
+    a sparse gradient (a masked LM's, 88% zeros) a step's rows can all be zero: its +inf SQNR would
+    otherwise make the operand look free in that format."""
     if label == HIGH:
         return 0.0
     sqnr = analysis.metric_values(key, label, SQNR)
+    finite = [value for value in sqnr if math.isfinite(value)]
+    if finite:  # a step whose sample held no signal (all-zero rows of a block format: +inf) says nothing
+        sqnr = finite
     return 10.0 ** (-(sum(sqnr) / len(sqnr)) / 10.0)
 
 
