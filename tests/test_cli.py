@@ -1122,7 +1122,7 @@ def test_analyze_measures_operand_sensitivity_by_default(ws: Path, flow: dict[st
     assert budget.code == 0, budget.err
     assert "objective: sensitivity (the analysis measured every operand's sensitivity" in budget.out
     assert "sensitivity measured in mxfp4_e2m1; bf16, fp8_e4m3 estimated from it" in budget.out
-    assert "GEMM roles weighted equally (no calibration of your model" in budget.out  # where weights came from
+    assert "GEMM roles weighted equally (no calibration of your model" in budget.out  # where weights are from
     # a limit on measured loss change needs every candidate measured: one line saying how
     limit = cli(
         "recommend", ws / "runs" / "fp32", "-o", ws / "x.yaml", "--criterion", "max_loss_increase_pct=1"

@@ -30,3 +30,24 @@ def lazy_exports(
         return sorted(set(vars(sys.modules[package])) | set(names) | set(modules))
 
     return __getattr__, __dir__
+
+
+class MissingDependency(ImportError):
+    """A feature's optional dependency is not installed: the message names the package and the extra."""
+
+
+#: optional dependency -> the numscope extra that installs it (pyproject.toml)
+EXTRAS = {"tokenizers": "demo", "transformers": "demo", "sklearn": "demo", "matplotlib": "report"}
+
+
+def require(module: str, feature: str) -> Any:
+    """``import module`` for ``feature``, or a :class:`MissingDependency` saying what to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        package = {"sklearn": "scikit-learn"}.get(module, module)
+        extra = EXTRAS.get(module.split(".")[0], "demo")
+        raise MissingDependency(
+            f"{feature} needs {package}, which is not installed: pip install 'numscope[{extra}]' "
+            f"(or pip install {package})"
+        ) from error

@@ -9,15 +9,7 @@ canonical order used for files and tables.
 
 from __future__ import annotations
 
-from enum import Enum
-
-
-class _StrEnum(str, Enum):
-    """``enum.StrEnum`` (Python 3.11) for Python 3.10 as well: members are their string values, printed and
-    formatted as them."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
+from enum import StrEnum as _StrEnum  # members are their string values, printed and formatted as them
 
 
 class Gemm(_StrEnum):

@@ -385,7 +385,9 @@ def _solve_layer_ends(
 
 def recipe_bits(analysis: Analysis, target: Target, candidates: Sequence[str]) -> dict[str, float]:
     """The average bits of each of ``target``'s recipes whose formats are in ``candidates``, applied to
-    everything the target converts (the rest high): e.g. TE's uniform FP8 and NVFP4 plans on this model."""
+    everything the target converts (the rest high; a module whose weight shape the recipe's kernels cannot
+    take, :func:`numscope.plan.export.shape_multiple`, stays high too): e.g. TE's uniform FP8 and NVFP4
+    plans on this model."""
     kinds = site_kinds(analysis)
     keys = analysis.keys()
     elements = {key: int(analysis.elements.get(key, 0)) for key in keys}
@@ -393,8 +395,16 @@ def recipe_bits(analysis: Analysis, target: Target, candidates: Sequence[str]) -
     convertible = {k for k in keys if kinds.get(k[0]) in LINEAR_KINDS}
     if target.granularity == "layer_ends":
         convertible = {k for k in convertible if layer_index(k[0]) is not None}
+    shapes = {str(name): [int(d) for d in shape] for name, shape in analysis.meta.get("weight_shapes", [])}
+
+    def runs(recipe: StackRecipe, site: str) -> bool:  # the stack's kernels take the module's shape
+        multiple = shape_multiple(list(recipe.measured), target.name)[0]
+        return not any(d % multiple for d in shapes.get(site, ()))
+
     return {
-        recipe.name: _average_bits({k: recipe.format_for(k[2]) for k in convertible}, elements, total)
+        recipe.name: _average_bits(
+            {k: recipe.format_for(k[2]) for k in convertible if runs(recipe, k[0])}, elements, total
+        )
         for recipe in target.recipes
         if all(f in candidates for f in recipe.measured)
     }

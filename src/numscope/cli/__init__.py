@@ -79,6 +79,24 @@ def _is_user_error(error: BaseException) -> bool:
     return False
 
 
+def _missing_extra(error: BaseException) -> str | None:
+    """What to install, where ``error`` is an optional dependency's absence (numscope[demo], [report])."""
+    from numscope._lazy import EXTRAS, MissingDependency
+
+    if isinstance(error, MissingDependency):
+        return str(error)
+    if not isinstance(error, ImportError) or not error.name:
+        return None
+    root = error.name.split(".")[0]
+    if root not in EXTRAS:
+        return None
+    package = {"sklearn": "scikit-learn"}.get(root, root)
+    return (
+        f"this command needs {package}, which is not installed: pip install 'numscope[{EXTRAS[root]}]' "
+        f"(or pip install {package})"
+    )
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -132,6 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"numscope {args.command}: interrupted; finished work is kept on disk", file=sys.stderr)
         return 130
     except Exception as error:
+        missing = _missing_extra(error)
+        if missing is not None:
+            print(f"numscope {args.command}: error: {missing}", file=sys.stderr)
+            return 2
         if not _is_user_error(error):
             raise
         message = " ".join(str(error).split("\n"))

@@ -102,7 +102,9 @@ class AdvisorRequest:
         if self.bit_budget is not None or self.target is None or self.objective == "noise":
             return self.bit_budget
         low, fp8 = self.recipe_range(analysis)
-        return round((low + fp8) / 2, 2)
+        # never below the cheapest recipe (rounded up): where the two coincide (a model whose shapes leave
+        # the stack one recipe) rounding to two decimals must not make the budget impossible
+        return max(round((low + fp8) / 2, 2), math.ceil(low * 100) / 100)
 
     def recipe_range(self, analysis: Any) -> tuple[float, float]:
         """(the target's cheapest recipe everywhere, its FP8 recipe everywhere) in average bits."""

@@ -79,7 +79,7 @@ def render_report(
         sections.append(make())
     present = [section for section in sections if section is not None]
     toc = "".join(f'<li><a href="#{s.anchor}">{_esc(s.title)}</a></li>' for s in present)
-    made = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    made = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     subtitle = f"{len(runs)} run{'s' if len(runs) != 1 else ''}"
     if view is not None:
         subtitle += f" · analysis of {len(view.sites)} sites × {len(view.candidates)} candidate formats"

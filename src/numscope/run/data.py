@@ -15,14 +15,17 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from tokenizers import Tokenizer
 
 from numscope._atomic import atomic_write
 from numscope.run.config import RunData
 from numscope.run.corpus import CorpusError, corpus_hash
 from numscope.run.tokenizer import TokenizerInfo, default_cache_dir
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 DEFAULT_SEQ_LEN = 128
 DEFAULT_MASK_PROBABILITY = 0.15

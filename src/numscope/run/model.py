@@ -17,14 +17,16 @@ behaviour (the head on every position always).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import BertConfig, BertForMaskedLM
-from transformers.modeling_outputs import MaskedLMOutput
 
+from numscope._lazy import require
 from numscope._rng import fork_rng
 from numscope.run.data import IGNORE_INDEX
+
+if TYPE_CHECKING:  # transformers is the demo's dependency (numscope[demo]), imported where it is used
+    from transformers import BertConfig, BertForMaskedLM
 
 ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
 """``eager`` computes attention with explicit matmuls (visible to GEMM-site discovery); ``sdpa`` calls
@@ -96,7 +98,7 @@ class ModelConfig:
 
     def to_bert_config(self) -> BertConfig:
         """The equivalent ``transformers.BertConfig``."""
-        return BertConfig(
+        return require("transformers", "the demo's BERT").BertConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden,
             num_hidden_layers=self.layers,
@@ -110,28 +112,44 @@ class ModelConfig:
         )
 
 
-class BertForMaskedLMAtMasks(BertForMaskedLM):
-    """``BertForMaskedLM`` whose MLM head, given labels, runs on the labelled positions only.
+def _masked_class() -> type:
+    """``BertForMaskedLMAtMasks``, defined on first use (transformers is imported then)."""
+    transformers = require("transformers", "the demo's BERT")
+    from transformers.modeling_outputs import MaskedLMOutput
 
-    With ``labels`` the output's ``logits`` are ``[labelled positions, vocab]`` (row-major order of the
-    labelled positions) and ``loss`` the mean cross-entropy over them, equal to the full head's loss; without
-    labels the forward is ``BertForMaskedLM``'s.
-    """
+    class BertForMaskedLMAtMasks(transformers.BertForMaskedLM):
+        """``BertForMaskedLM`` whose MLM head, given labels, runs on the labelled positions only.
 
-    def forward(  # type: ignore[override]
-        self,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> MaskedLMOutput:
-        if labels is None:
-            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        hidden = self.bert(input_ids, attention_mask=attention_mask, return_dict=True, **kwargs)[0]
-        selected = labels != IGNORE_INDEX
-        logits = self.cls(hidden[selected])
-        loss = torch.nn.functional.cross_entropy(logits.float(), labels[selected])
-        return MaskedLMOutput(loss=loss, logits=logits)
+        With ``labels`` the output's ``logits`` are ``[labelled positions, vocab]`` (row-major order of the
+        labelled positions) and ``loss`` the mean cross-entropy over them, equal to the full head's loss;
+        without labels the forward is ``BertForMaskedLM``'s.
+        """
+
+        def forward(  # type: ignore[override]
+            self,
+            input_ids: torch.Tensor | None = None,
+            attention_mask: torch.Tensor | None = None,
+            labels: torch.Tensor | None = None,
+            **kwargs: Any,
+        ) -> MaskedLMOutput:
+            if labels is None:
+                return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            hidden = self.bert(input_ids, attention_mask=attention_mask, return_dict=True, **kwargs)[0]
+            selected = labels != IGNORE_INDEX
+            logits = self.cls(hidden[selected])
+            loss = torch.nn.functional.cross_entropy(logits.float(), labels[selected])
+            return MaskedLMOutput(loss=loss, logits=logits)
+
+    BertForMaskedLMAtMasks.__module__ = __name__  # pickled by name: found again through __getattr__
+    return BertForMaskedLMAtMasks
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BertForMaskedLMAtMasks":
+        if name not in globals():  # once: every model (and a pickle) sees the same class
+            globals()[name] = _masked_class()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def bert_mlm_from_config(config: ModelConfig) -> BertForMaskedLM:
@@ -139,7 +157,10 @@ def bert_mlm_from_config(config: ModelConfig) -> BertForMaskedLM:
 
     The seed is applied inside a forked RNG, so building a model leaves the global torch RNG untouched.
     """
-    model_class = BertForMaskedLMAtMasks if config.mlm_head == "masked" else BertForMaskedLM
+    transformers = require("transformers", "the demo's BERT")
+    model_class = (
+        __getattr__("BertForMaskedLMAtMasks") if config.mlm_head == "masked" else transformers.BertForMaskedLM
+    )
     with fork_rng():
         torch.manual_seed(config.seed)
         model = model_class(config.to_bert_config())

@@ -18,11 +18,14 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from typing import TYPE_CHECKING
 
 from numscope._atomic import atomic_write_text
+from numscope._lazy import require
 from numscope.run.corpus import corpus_hash
+
+if TYPE_CHECKING:  # tokenizers is the demo's dependency (numscope[demo]), imported where it is used
+    from tokenizers import Tokenizer, models
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, UNK, CLS, SEP, MASK)
@@ -93,6 +96,14 @@ def train_tokenizer(documents: Sequence[str], vocab_size: int = DEFAULT_VOCAB_SI
     """
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be an integer > {len(SPECIAL_TOKENS)}; got {vocab_size!r}")
+    tk = require("tokenizers", "training a tokenizer")
+    Tokenizer, models, pre_tokenizers, processors, trainers = (
+        tk.Tokenizer,
+        tk.models,
+        tk.pre_tokenizers,
+        tk.processors,
+        tk.trainers,
+    )
     if not documents:
         raise ValueError("cannot train a tokenizer on no documents")
     words = _marked_word_counts(documents)
@@ -136,8 +147,9 @@ def _marked_word_counts(documents: Sequence[str]) -> Counter[str]:
     Words holding a character that cannot be marked (a private-use character from the supplementary planes,
     or a continuation character beyond them) are left out of training; they encode as [UNK].
     """
-    normalizer = normalizers.BertNormalizer(lowercase=True)
-    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tk = require("tokenizers", "training a tokenizer")
+    normalizer = tk.normalizers.BertNormalizer(lowercase=True)
+    pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
     counts: Counter[str] = Counter()
     for document in documents:
         counts.update(word for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(document)))
@@ -156,10 +168,11 @@ def _unmark(token: str) -> str:
 
 
 def _bert_tokenizer(model: models.WordPiece) -> Tokenizer:
-    tokenizer = Tokenizer(model)
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    tk = require("tokenizers", "a tokenizer")
+    tokenizer = tk.Tokenizer(model)
+    tokenizer.normalizer = tk.normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = tk.pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = tk.decoders.WordPiece(prefix="##")
     return tokenizer
 
 
@@ -187,7 +200,7 @@ def load_or_train_tokenizer(
     """
     path = tokenizer_cache_path(documents, vocab_size, cache_dir)
     if path.is_file():
-        return Tokenizer.from_file(str(path))
+        return require("tokenizers", "a tokenizer").Tokenizer.from_file(str(path))
     tokenizer = train_tokenizer(documents, vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, tokenizer.to_str())
