@@ -10,9 +10,9 @@ import numscope
 
 #: the layers, lowest first (docs/architecture.md)
 ORDER = (
-    "_names", "_atomic", "_rng", "_callable", "_lazy", "vocab", "formats", "metrics", "_root_call", "sites",
-    "plan", "convert", "analysis", "distributed", "observe", "sensitivity", "advisor", "train", "run",
-    "report", "study", "integrations", "demo", "workflow", "cli",
+    "errors", "_names", "_atomic", "_rng", "_callable", "_lazy", "vocab", "formats", "metrics", "_root_call",
+    "sites", "plan", "convert", "analysis", "distributed", "observe", "sensitivity", "advisor", "train",
+    "run", "report", "study", "integrations", "demo", "workflow", "cli",
 )  # fmt: skip
 #: the plan study trains the demo's BERT (its model and data settings)
 EXCEPTIONS = {

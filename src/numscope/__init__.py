@@ -28,6 +28,7 @@ _EXPORTS: dict[str, str] = {
     "quantize": "numscope.formats.quantize",
     "encode": "numscope.formats.quantize",
     "Encoded": "numscope.formats.quantize",
+    "NumscopeError": "numscope.errors",  # the base of every error about numscope's input
     # runtime
     "Site": "numscope.sites",
     "sites": "numscope.sites",

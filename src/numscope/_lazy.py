@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from numscope.errors import NumscopeError
+
 
 def lazy_exports(
     package: str, names: Mapping[str, str], modules: Mapping[str, str] | None = None
@@ -32,7 +34,7 @@ def lazy_exports(
     return __getattr__, __dir__
 
 
-class MissingDependency(ImportError):
+class MissingDependency(NumscopeError, ImportError):
     """A feature's optional dependency is not installed: the message names the package and the extra."""
 
 

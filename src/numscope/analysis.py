@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from numscope._atomic import atomic_write_text
+from numscope.errors import NumscopeError
 from numscope.metrics.stats import Log2Histogram
 
 OperandKey = tuple[str, str, str]
@@ -61,7 +62,7 @@ _MAX_STATS = ("amax", "max", "abs_max")
 _MIN_STATS = ("amin", "min", "abs_min", "min_nonzero")
 
 
-class AnalysisError(ValueError):
+class AnalysisError(NumscopeError, ValueError):
     """An analysis that cannot be read, merged or queried as asked."""
 
 

@@ -77,6 +77,7 @@ from typing import Any
 import numpy as np
 
 from numscope.analysis import Analysis, AnalysisError, OperandKey, Sensitivity, operand_name
+from numscope.errors import NumscopeError
 from numscope.formats.spec import get_format
 from numscope.plan import DEFAULT_PATTERN, HIGH, OperandSpec, Plan
 from numscope.vocab import OPERANDS, Metric
@@ -87,7 +88,7 @@ DP_CELLS = 1 << 18
 """The largest knapsack table (cells per operand) the bit-budget solver uses before coarsening costs."""
 
 
-class AdvisorError(ValueError):
+class AdvisorError(NumscopeError, ValueError):
     """Criteria the advisor cannot use, or limits no assignment can meet."""
 
 

@@ -55,28 +55,11 @@ _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_export,
 ]
 
-_USER_ERRORS = (
-    ("numscope.run.sources", "WorkflowError"),
-    ("numscope.plan", "PlanError"),
-    ("numscope.advisor", "AdvisorError"),
-    ("numscope.analysis", "AnalysisError"),
-    ("numscope.train.checkpoint", "CheckpointError"),
-    ("numscope.run.corpus", "CorpusError"),
-    ("numscope.run.corpus", "CorpusNotFoundError"),
-    ("numscope.run.config", "RunError"),
-    ("numscope.demo.main", "DemoError"),
-)
-
-
 def _is_user_error(error: BaseException) -> bool:
     """Errors that describe the user's input (printed in one line); any other exception is a bug."""
-    if isinstance(error, CLIError):
-        return True
-    for module_name, class_name in _USER_ERRORS:
-        module = sys.modules.get(module_name)  # an error of a module never imported cannot have been raised
-        if module is not None and isinstance(error, getattr(module, class_name)):
-            return True
-    return False
+    from numscope.errors import NumscopeError
+
+    return isinstance(error, NumscopeError)
 
 
 def _missing_extra(error: BaseException) -> str | None:

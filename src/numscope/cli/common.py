@@ -10,8 +10,10 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from numscope.errors import NumscopeError
 
-class CLIError(Exception):
+
+class CLIError(NumscopeError):
     """A user-facing error: printed without a traceback, exit status 2."""
 
 

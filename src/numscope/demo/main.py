@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from numscope._atomic import atomic_write_text
 from numscope._names import parse_seed_run, seed_run_name
+from numscope.errors import NumscopeError
 from numscope.observe import DEFAULT_CANDIDATES
 from numscope.plan import Plan
 from numscope.run.config import RunData, RunResult, RunSpec, TrainConfig
@@ -418,7 +419,7 @@ def run_demo(
         torch.set_num_threads(was_threads)
 
 
-class DemoError(ValueError):
+class DemoError(NumscopeError, ValueError):
     """A demo that cannot run as asked (e.g. its folder holds runs made with other settings)."""
 
 

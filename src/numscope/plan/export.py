@@ -31,6 +31,7 @@ import yaml
 
 from numscope._atomic import atomic_write_text
 from numscope._names import layer_index
+from numscope.errors import NumscopeError
 from numscope.formats.spec import BlockFormat
 from numscope.plan.plan import Plan
 from numscope.plan.recipes import TE_RHT, TORCHAO_EPS
@@ -52,7 +53,7 @@ _TORCHAO_FIELDS = {
 _FP8_DTYPES = {"fp8_e4m3": "E4M3", "fp8_e5m2": "E5M2"}
 
 
-class ExportError(ValueError):
+class ExportError(NumscopeError, ValueError):
     """A plan that cannot be exported as asked (no sites given, an unknown target)."""
 
 

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
+from numscope.errors import NumscopeError
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS
 from numscope.formats.scaling import Scaling, default_scaling
 from numscope.formats.spec import BlockFormat, Format, get_format
@@ -49,7 +50,7 @@ _SCALING_TYPES: dict[str, type] = {
 _A_TYPE: dict[type, str] = {str: "a string", int: "an int", bool: "a bool", list: "a list", float: "a number"}
 
 
-class PlanError(ValueError):
+class PlanError(NumscopeError, ValueError):
     """An invalid plan: the message names the file (when there is one), the key path and what is allowed."""
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from numscope.errors import NumscopeError
 from numscope.plan import Plan
 from numscope.run.tokenizer import TokenizerInfo
 
@@ -97,7 +98,7 @@ class RunResult:
         return asdict(self)
 
 
-class RunError(ValueError):
+class RunError(NumscopeError, ValueError):
     """A run folder whose files cannot be used: a corrupt or foreign ``result.json`` or ``log.csv``."""
 
 

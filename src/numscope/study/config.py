@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from numscope.errors import NumscopeError
 from numscope.plan import OperandSpec, Plan
 
 FAMILIES: tuple[str, ...] = (
@@ -25,7 +26,7 @@ WIN_SIGMAS = 2.0
 """A paired difference counts as a win when its mean exceeds this many standard deviations of it."""
 
 
-class StudyError(ValueError):
+class StudyError(NumscopeError, ValueError):
     """Settings the plan study cannot run with."""
 
 

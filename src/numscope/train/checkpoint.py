@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from numscope._atomic import atomic_write
+from numscope.errors import NumscopeError
 
 __all__ = [
     "FORMAT_VERSION",
@@ -38,7 +39,7 @@ FORMAT_VERSION = 1
 _VERSION_KEY = "numscope_checkpoint"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(NumscopeError, ValueError):
     """A checkpoint file exists but cannot be used: corrupt, truncated, foreign or from a newer numscope."""
 
 

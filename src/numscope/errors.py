@@ -1,0 +1,12 @@
+"""The base of every error numscope raises about what it was given (a plan, a format, a model, a path...).
+
+``except numscope.NumscopeError`` catches them all; each is also the builtin exception it refines
+(``ValueError``, ``FileNotFoundError``, ``ImportError``), so code written against those keeps working. The
+command line prints a ``NumscopeError`` as one line (exit 2); anything else is a bug and shows its traceback.
+"""
+
+from __future__ import annotations
+
+
+class NumscopeError(Exception):
+    """An error about numscope's input, with a message that says what was wrong and what is allowed."""
