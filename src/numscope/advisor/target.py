@@ -108,7 +108,7 @@ def advise_for_target(
             failed = next((c for c in option.checks if not c.passed), None)
             text = failed.describe() if failed else ""
             shape = shapes.get(key[0])
-            if shape is not None and not target.is_emulation:
+            if shape is not None and not target.is_emulation and label != HIGH:
                 multiple, why = shape_multiple([label], target.name)
                 if any(d % multiple for d in shape):
                     dims = " x ".join(map(str, shape))
