@@ -1,0 +1,51 @@
+"""examples/family_study.py end to end on a tiny GQA Llama: calibrate, recommend, the heuristic, random and
+inverse plans at the same budget, every plan trained on every seed, the table with verdicts and predictions
+(the script behind docs/plan-study.md's family results)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_family_study_runs_the_default_path_and_compares_every_plan(
+    tmp_path: Path, corpus: list[str]
+) -> None:
+    model = tmp_path / "llama.json"
+    config = json.loads((ROOT / "examples" / "llama_gqa.json").read_text())
+    config.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64)
+    model.write_text(json.dumps(config))
+    text = tmp_path / "text.txt"
+    text.write_text("\n\n".join(corpus[:200]))
+    out = tmp_path / "study"
+    command = [
+        sys.executable, str(ROOT / "examples" / "family_study.py"), "--model", str(model),
+        "--objective", "clm", "--text", str(text), "--vocab-size", "300", "--seq-len", "32",
+        "--batch-size", "4", "--steps", "4",
+        "--seeds", "0", "1", "2", "--calibrate-seeds", "0", "1", "--random-plans", "1", "--also", "fp8_e4m3",
+        "--jobs", "2", "--out", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "NUMSCOPE_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
+    result = json.loads((out / "family_study.json").read_text())
+    names = {row["name"] for row in result["rows"]}
+    assert {"fp32", "numscope@6", "last layers@6", "first/last layers@6", "random 1@6", "inverse@6"} <= names
+    for row in result["rows"]:
+        assert len(row["gaps"]) == 3  # paired with FP32 on every seed
+        if row["family"] != "reference":
+            assert abs(row["bits"] - 6.0) < 0.1, row  # every plan at the same budget
+            assert row["vs_numscope"] in ("same", "tie", "better", "worse"), row
+    assert (out / "calibrate" / "gap_model.json").is_file()
+    calibrated = json.loads((out / "calibrate" / "gap_model.json").read_text())
+    assert calibrated["seeds"] == [0, 1] and calibrated["also"] == ["fp8_e4m3"]
+    table = (out / "family_study.md").read_text()
+    assert "gap models calibrated on seeds 0 1" in table and "| numscope@6 | numscope | 6.00 |" in table
