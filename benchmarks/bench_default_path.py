@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=positive_int, default=1)
     parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--budget", type=positive_float, default=6.0, help="recommend's --bit-budget")
+    parser.add_argument(
+        "--every", type=positive_int, default=None, help="analyze --every K (default: analyze's own default)"
+    )
+    parser.add_argument("--keep", type=Path, default=None, help="copy each analyze run folder here")
     return parser.parse_args(argv)
 
 
@@ -91,15 +96,20 @@ def main() -> None:
                         _timed(["train", *common, "--plan", "fp32", "--out", str(out)], args.threads)
                     )
                     continue
-                rows["analyze"].append(_timed(["analyze", *common, "--out", str(out)], args.threads))
+                every = [] if args.every is None else ["--every", str(args.every)]
+                rows["analyze"].append(_timed(["analyze", *common, *every, "--out", str(out)], args.threads))
                 trained = json.loads((out / "result.json").read_text())["wall_seconds"]
                 rows["observed training"].append(trained)
                 rows["rest"].append(rows["analyze"][-1] - trained)
                 plan = ["recommend", str(out), "--bit-budget", f"{args.budget:g}", "-o", str(out / "p.yaml")]
                 rows["recommend"].append(_timed(plan, args.threads))
+                if args.keep is not None:
+                    shutil.copytree(out, args.keep / out.name, dirs_exist_ok=True)
     base = statistics.median(rows["fp32"])
+    every = "analyze's default --every" if args.every is None else f"--every {args.every}"
     print(
-        f"{args.steps} steps, {args.threads} thread(s), {args.rounds} round(s); medians of wall-clock seconds"
+        f"{args.steps} steps, {args.threads} thread(s), {args.rounds} round(s), {every}; medians of "
+        "wall-clock seconds"
     )
     print("| stage | seconds | ratio to fp32 |\n|---|---|---|")
     for name, values in rows.items():

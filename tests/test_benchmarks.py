@@ -59,6 +59,7 @@ def rejected(capsys, module: ModuleType, argv: list[str]) -> str:
         ("demo_size", ["--steps", "0"], "--steps: must be at least 1, got 0"),
         ("bench_default_path", ["--rounds", "0"], "--rounds: must be at least 1, got 0"),
         ("bench_default_path", ["--budget", "-1"], "--budget: must be > 0, got -1.0"),
+        ("bench_default_path", ["--every", "0"], "--every: must be at least 1, got 0"),
     ],
 )
 def test_a_bad_argument_is_one_error_line(capsys, bench: str, argv: list[str], expected: str) -> None:
