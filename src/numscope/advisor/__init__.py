@@ -314,8 +314,17 @@ def _option(
         value = measured.get(metric, math.nan) if measured is not None else math.nan
         passed = value >= limit if criterion.startswith("min_") else value <= limit
         checks.append(Check(criterion, value, limit, passed))
-    mean_sqnr = sum(sqnr) / len(sqnr)
+    mean_sqnr = _mean_sqnr(sqnr)
     return _Option(label, _bits(label), 10.0 ** (-mean_sqnr / 10.0), mean_sqnr, checks)
+
+
+def _mean_sqnr(values: Sequence[float]) -> float:
+    """The mean SQNR (dB) over the sampled steps with a finite one (all of them when none is: +inf at every
+    step is an exact format). A block format's sample is whole rows, and on a sparse gradient (a masked
+    LM's, 88% zeros) a step's rows can all be zero: its +inf would make the operand look free."""
+    finite = [value for value in values if math.isfinite(value)]
+    chosen = finite or list(values)
+    return sum(chosen) / len(chosen)
 
 
 def _limits_for(
@@ -730,17 +739,10 @@ def _weight_for(name: str, weights: list[tuple[str, float]]) -> float:
 
 def operand_noise(analysis: Analysis, key: OperandKey, label: str) -> float:
     """The relative noise power the bit-budget objective counts for ``label`` on one operand:
-    10^(−SQNR/10) of its mean SQNR (dB) over the sampled steps with a finite SQNR (all of them when none
-    is: +inf everywhere is an exact format); 0 for ``high``. A block format's sample is whole rows, and on
-    a sparse gradient (a masked LM's, 88% zeros) a step's rows can all be zero: its +inf SQNR would
-    otherwise make the operand look free in that format."""
+    10^(−SQNR/10) of its mean SQNR (dB, :func:`_mean_sqnr`); 0 for ``high``."""
     if label == HIGH:
         return 0.0
-    sqnr = analysis.metric_values(key, label, SQNR)
-    finite = [value for value in sqnr if math.isfinite(value)]
-    if finite:  # a step whose sample held no signal (all-zero rows of a block format: +inf) says nothing
-        sqnr = finite
-    return 10.0 ** (-(sum(sqnr) / len(sqnr)) / 10.0)
+    return 10.0 ** (-_mean_sqnr(analysis.metric_values(key, label, SQNR)) / 10.0)
 
 
 def operand_impact(
