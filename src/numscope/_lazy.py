@@ -42,14 +42,22 @@ class MissingDependency(NumscopeError, ImportError):
 EXTRAS = {"tokenizers": "demo", "transformers": "demo", "sklearn": "demo", "matplotlib": "report"}
 
 
+def missing_hint(module: str) -> str | None:
+    """``needs P, which is not installed: pip install 'numscope[E]' ...`` for an optional dependency
+    (``module``, dotted or not); None for any other module."""
+    root = module.split(".")[0]
+    if root not in EXTRAS:
+        return None
+    package = {"sklearn": "scikit-learn"}.get(root, root)
+    return (
+        f"needs {package}, which is not installed: pip install 'numscope[{EXTRAS[root]}]' "
+        f"(or pip install {package})"
+    )
+
+
 def require(module: str, feature: str) -> Any:
     """``import module`` for ``feature``, or a :class:`MissingDependency` saying what to install."""
     try:
         return importlib.import_module(module)
     except ImportError as error:
-        package = {"sklearn": "scikit-learn"}.get(module, module)
-        extra = EXTRAS.get(module.split(".")[0], "demo")
-        raise MissingDependency(
-            f"{feature} needs {package}, which is not installed: pip install 'numscope[{extra}]' "
-            f"(or pip install {package})"
-        ) from error
+        raise MissingDependency(f"{feature} {missing_hint(module)}") from error

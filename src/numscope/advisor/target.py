@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from numscope._names import layer_index
 from numscope.analysis import Analysis, OperandKey, Sensitivity
 from numscope.plan import HIGH, OperandSpec, Plan
-from numscope.plan.export import shape_multiple
+from numscope.plan.export import shape_problem
 from numscope.plan.targets import LINEAR_KINDS, StackRecipe, Target
 
 Objective = Callable[[OperandKey, str], float]
@@ -109,10 +109,7 @@ def advise_for_target(
             text = failed.describe() if failed else ""
             shape = shapes.get(key[0])
             if shape is not None and not target.is_emulation and label != HIGH:
-                multiple, why = shape_multiple([label], target.name)
-                if any(d % multiple for d in shape):
-                    dims = " x ".join(map(str, shape))
-                    text = f"weight {dims}: {why} in multiples of {multiple}"
+                text = shape_problem(shape, [label], target.name) or text
             cache[(key, label)] = (failed is None and not text, text, float(objective(key, label)))
         return cache[(key, label)]
 
@@ -386,7 +383,7 @@ def _solve_layer_ends(
 def recipe_bits(analysis: Analysis, target: Target, candidates: Sequence[str]) -> dict[str, float]:
     """The average bits of each of ``target``'s recipes whose formats are in ``candidates``, applied to
     everything the target converts (the rest high; a module whose weight shape the recipe's kernels cannot
-    take, :func:`numscope.plan.export.shape_multiple`, stays high too): e.g. TE's uniform FP8 and NVFP4
+    take, :func:`numscope.plan.export.shape_problem`, stays high too): e.g. TE's uniform FP8 and NVFP4
     plans on this model."""
     kinds = site_kinds(analysis)
     keys = analysis.keys()
@@ -398,8 +395,7 @@ def recipe_bits(analysis: Analysis, target: Target, candidates: Sequence[str]) -
     shapes = {str(name): [int(d) for d in shape] for name, shape in analysis.meta.get("weight_shapes", [])}
 
     def runs(recipe: StackRecipe, site: str) -> bool:  # the stack's kernels take the module's shape
-        multiple = shape_multiple(list(recipe.measured), target.name)[0]
-        return not any(d % multiple for d in shapes.get(site, ()))
+        return shape_problem(shapes.get(site, ()), recipe.measured, target.name) is None
 
     return {
         recipe.name: _average_bits(

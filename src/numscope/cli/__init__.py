@@ -55,6 +55,7 @@ _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_export,
 ]
 
+
 def _is_user_error(error: BaseException) -> bool:
     """Errors that describe the user's input (printed in one line); any other exception is a bug."""
     from numscope.errors import NumscopeError
@@ -64,20 +65,12 @@ def _is_user_error(error: BaseException) -> bool:
 
 def _missing_extra(error: BaseException) -> str | None:
     """What to install, where ``error`` is an optional dependency's absence (numscope[demo], [report])."""
-    from numscope._lazy import EXTRAS, MissingDependency
+    from numscope._lazy import MissingDependency, missing_hint
 
     if isinstance(error, MissingDependency):
         return str(error)
-    if not isinstance(error, ImportError) or not error.name:
-        return None
-    root = error.name.split(".")[0]
-    if root not in EXTRAS:
-        return None
-    package = {"sklearn": "scikit-learn"}.get(root, root)
-    return (
-        f"this command needs {package}, which is not installed: pip install 'numscope[{EXTRAS[root]}]' "
-        f"(or pip install {package})"
-    )
+    hint = missing_hint(error.name) if isinstance(error, ImportError) and error.name else None
+    return None if hint is None else f"this command {hint}"
 
 
 def _is_number(text: str) -> bool:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -85,38 +85,42 @@ def _linear_sites(
     """The Linear sites' specs, and one line for each other quantized site (no target converts those).
 
     With ``shapes`` (a Linear site's weight shape, out × in features), a module the target's kernels cannot
-    quantize at that shape (:func:`shape_rule`) is listed; for torchao and TE it stays in high precision
-    (Megatron cannot keep one module high: the line says so)."""
+    quantize at that shape (:func:`shape_problem`) is listed; for torchao and TE it stays in high precision
+    (Megatron cannot keep one module high: the line says so; its flags cover the transformer layers only)."""
     linear, others = {}, []
     for name, kind in sites:
         spec = plan.for_site(name)
         if kind in ("linear", "conv1d"):
             shape = (shapes or {}).get(name)
             checked = target is not None and shape is not None
-            if target == "megatron":  # its flags cover the transformer layers only
-                checked = checked and layer_index(name) is not None
-            rule = shape_rule(spec, target) if checked and target is not None else None
-            if rule is not None and shape is not None and any(int(d) % rule[0] for d in shape[:2]):
-                dims = " x ".join(str(int(d)) for d in shape[:2])
-                kept = (
-                    "Megatron cannot keep one module high: pad it, or TE leaves it unquantized"
-                    if target == "megatron"
-                    else "the module stays in high precision"
-                )
-                others.append(f"{name}: weight {dims}: {rule[1]} in multiples of {rule[0]}; {kept}")
-                if target != "megatron":
-                    spec = SiteSpec()
+            if checked and (target != "megatron" or layer_index(name) is not None):
+                quantized = [spec.operand(g, o) for g, o in OPERAND_KEYS if not _high(spec.operand(g, o))]
+                problem = shape_problem(shape, [q.format for q in quantized], target)  # type: ignore[arg-type]
+                if problem is not None:
+                    kept = (
+                        "Megatron cannot keep one module high: pad it, or TE leaves it unquantized"
+                        if target == "megatron"
+                        else "the module stays in high precision"
+                    )
+                    others.append(f"{name}: {problem}; {kept}")
+                    if target != "megatron":
+                        spec = SiteSpec()
             linear[name] = spec
         elif not all(_high(spec.operand(g, o)) for g, o in OPERAND_KEYS):
             others.append(f"{name} ({kind}): only Linear layers are converted; it stays in high precision")
     return linear, others
 
 
-def shape_rule(spec: SiteSpec, target: str) -> tuple[int, str] | None:
-    """``(multiple, what needs it)``: the multiple both weight dimensions of a module quantized as ``spec``
-    must be for ``target``'s kernels, from each library's source; None when nothing is quantized."""
-    quantized = [spec.operand(g, o) for g, o in OPERAND_KEYS if not _high(spec.operand(g, o))]
-    return shape_multiple([q.format for q in quantized], target) if quantized else None
+def shape_problem(shape: Sequence[int], formats: Sequence[str], target: str) -> str | None:
+    """Why ``target``'s kernels cannot quantize a module whose weight has ``shape`` and whose quantized
+    operands are in ``formats`` (``weight N x K: ... in multiples of M``); None where they can, or where
+    nothing is quantized. The one shape check of export, ``recommend --target`` and the target's recipes."""
+    if not formats:
+        return None
+    multiple, why = shape_multiple(formats, target)
+    if not any(int(d) % multiple for d in shape):
+        return None
+    return f"weight {' x '.join(str(int(d)) for d in shape)}: {why} in multiples of {multiple}"
 
 
 def shape_multiple(formats: Sequence[str], target: str) -> tuple[int, str]:
@@ -912,15 +916,13 @@ def from_transformer_engine(recipe: object) -> Plan:
             value = getattr(recipe, setting, allowed)
             if value != allowed:
                 raise _te_refuse(kind, f"{setting}={value!r}", "numscope's import reads the default only")
-        base = _nvfp4_spec()
-        for key, spec in base.operands.items():
-            gemm, operand = key
-            if getattr(recipe, "disable_rht", False) and spec.transform is not None:
-                spec = OperandSpec(spec.format, rounding=spec.rounding)
-            if getattr(recipe, "disable_stochastic_rounding", False) and spec.rounding == "stochastic":
-                spec = OperandSpec(spec.format, transform=spec.transform)
-            if getattr(recipe, "disable_2d_quantization", False) and spec.format == "nvfp4@2d":
-                spec = OperandSpec("nvfp4", rounding=spec.rounding, transform=spec.transform)
+        for key, spec in _nvfp4_spec().operands.items():  # TE's defaults, each switch undoing one
+            if getattr(recipe, "disable_rht", False):
+                spec = replace(spec, transform=None)
+            if getattr(recipe, "disable_stochastic_rounding", False):
+                spec = replace(spec, rounding="nearest")
+            if getattr(recipe, "disable_2d_quantization", False):
+                spec = replace(spec, format="nvfp4")
             operands[key] = spec
         return linear_only(SiteSpec(operands))
     if kind == "MXFP8BlockScaling":
