@@ -22,21 +22,20 @@ NO_LIMITS = dict(max_be_ratio=None, min_sqnr_db=None, max_underflow_pct=None, ma
 STACKS = ("te", "torchao", "megatron")
 
 
-@pytest.fixture(scope="module")
-def observed():
-    """A 2-layer BERT masked LM observed for two training steps: its analysis and its sites."""
+def observe_bert(vocab_size: int = 96, steps: int = 2):
+    """A 2-layer BERT masked LM observed for ``steps`` training steps: its analysis and its sites."""
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=32, attn_implementation="eager",
+        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=32, attn_implementation="eager",
     )  # fmt: skip
     model = BertForMaskedLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), 1e-3)
     with numscope.observe(model, candidates=CANDIDATES) as observer:
-        for _ in range(2):
-            ids = torch.randint(5, 96, (4, 16))
+        for _ in range(steps):
+            ids = torch.randint(5, vocab_size, (4, 16))
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -44,6 +43,11 @@ def observed():
     analysis = observer.analysis()
     sites = [tuple(pair) for pair in analysis.meta["site_kinds"]]
     return analysis, sites
+
+
+@pytest.fixture(scope="module")
+def observed():
+    return observe_bert()
 
 
 def _cheapest(analysis, target: str) -> float:
@@ -278,23 +282,10 @@ def test_a_target_plan_keeps_high_a_module_the_stack_cannot_quantize_at_its_shap
     """A vocabulary of 100 (not a multiple of 16 or 32): the observer records the head's weight shape, the
     target's plan keeps the head high, saying why, and the export of that plan, checked against the same
     shapes, lists nothing."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=32, attn_implementation="eager",
-    )  # fmt: skip
-    model = BertForMaskedLM(config)
-    with numscope.observe(model, candidates=CANDIDATES) as observer:
-        ids = torch.randint(5, 100, (4, 16))
-        model(input_ids=ids, labels=ids).loss.backward()
-        observer.step()
-    analysis = observer.analysis()
+    analysis, sites = observe_bert(vocab_size=100, steps=1)
     shapes = {name: tuple(shape) for name, shape in analysis.meta["weight_shapes"]}
     assert shapes["cls.predictions.decoder"] == (100, 32)
     assert shapes["bert.encoder.layer.0.intermediate.dense"] == (64, 32)
-    sites = [tuple(pair) for pair in analysis.meta["site_kinds"]]
     for target in ("te", "torchao"):
         recommendation = advise(analysis, target=target, **NO_LIMITS)
         head = [c for c in recommendation.choices if c.site == "cls.predictions.decoder"]
