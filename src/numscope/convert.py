@@ -39,7 +39,16 @@ from numscope.formats.quantize import Encoded, encode, quantize
 from numscope.formats.scaling import DelayedScaler, Scaling, element_scale
 from numscope.formats.spec import BlockFormat, FloatFormat
 from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec
-from numscope.sites import Handle, Site, attach, is_discovered, on_discovered, operand_sizes, sites
+from numscope.sites import (
+    Handle,
+    Site,
+    attach,
+    is_discovered,
+    on_discovered,
+    operand_sizes,
+    refresh,
+    sites,
+)
 
 HANDLER_NAME = "numscope.convert"
 _HANDLES: dict[int, tuple[Any, Handle, _Quantizer]] = {}
@@ -652,6 +661,40 @@ def unconvert(model: nn.Module) -> nn.Module:
     entry[1].remove()
     del _HANDLES[id(model)]
     return model
+
+
+def switch_plan(model: nn.Module, plan: Plan) -> Plan:
+    """Run the converted ``model`` under ``plan`` from its next GEMM on; returns the plan it ran before.
+
+    Call it between steps (after the optimizer step, before the next forward): what the previous plan
+    kept for reuse (a weight quantized in fprop for dgrad, a gradient quantized in dgrad for wgrad, inputs
+    kept in codes for wgrad) is dropped, and an operand whose scaling changes loses its delayed scaler (its
+    amax history starts afresh under the new scaling; an operand whose delayed scaling stays keeps it). The
+    stochastic-rounding generator goes on as it was. The result is bit for bit what converting a fresh
+    model with ``plan`` and the same numerics state gives (tested). Adaptive training
+    (:mod:`numscope.train.adaptive`) switches plans this way; :func:`numerics_state_dict` then records the
+    new plan.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"switch_plan expects a numscope.Plan, got {type(plan).__name__}")
+    quantizer = _quantizer(model)
+    if is_discovered(model):
+        plan.check_sites(s.name for s in sites(model))
+    before = quantizer.plan
+    for key in list(quantizer.scalers):
+        site_name, gemm, operand = key.rsplit("/", 2)
+        old = before.for_site(site_name).operand(gemm, operand)
+        new = plan.for_site(site_name).operand(gemm, operand)
+        if (old.format, old.effective_scaling()) != (new.format, new.effective_scaling()):
+            del quantizer.scalers[key]
+    quantizer.plan = plan
+    quantizer._specs.clear()
+    quantizer._weights.clear()
+    quantizer._grad = quantizer._announced = quantizer._grad_columns = None
+    quantizer._prequantized.clear()
+    quantizer._records.clear()
+    refresh(model)  # a site that was all high may now want the handler, and the reverse
+    return before
 
 
 def converted_plan(model: nn.Module) -> Plan:

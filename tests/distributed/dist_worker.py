@@ -444,6 +444,48 @@ GATHER_CASES: dict[str, tuple[str, Any]] = {
 }
 
 
+ADAPTIVE_STEPS = 8
+ADAPTIVE_QUIET = (2, 3)  # steps whose loss is multiplied by 1e-6: every unscaled E5M2 gradient underflows
+
+
+def run_adaptive(rank: int, world_size: int) -> dict[str, Any]:
+    """The tiny BERT under unscaled E5M2 gradients with adaptive precision (a decision after every step,
+    re-plans with patience 1), DDP over the ranks; the loss of :data:`ADAPTIVE_QUIET` steps scaled down so
+    that the guard trips. Returns this rank's decisions."""
+    import numscope
+    from numscope.plan import Plan
+    from numscope.train.adaptive import Adapter, AdaptiveConfig, observer_for
+
+    model = tiny_bert()
+    plan = Plan.named("e5m2_grads")
+    config = AdaptiveConfig(
+        every=1, replan_every=4, patience=1, clear_after=2, candidates=("bf16", "fp8_e4m3", "fp8_e5m2")
+    )
+    observer = observer_for(model, plan, config).attach()
+    numscope.convert(model, plan)
+    adapter = Adapter(model, plan, config, observer)
+    trained = torch.nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(ADAPTIVE_STEPS):
+        batch = mlm_batch(step, ROWS)
+        total = int((batch["labels"] != -100).sum())
+        loss = mean_mlm_loss(trained, shard(batch, rank, world_size), total) * world_size
+        (loss * (1e-6 if step in ADAPTIVE_QUIET else 1.0)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        observer.step()
+        adapter.after_step(step)
+    return {
+        "history": [change.row() for change in adapter.history],
+        "plan": numscope.convert.converted_plan(model).to_dict(),
+        "bits": adapter.average_bits(ADAPTIVE_STEPS),
+    }
+
+
+def scenario_adaptive(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
+    return run_adaptive(rank, world_size)
+
+
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], dict[str, Any]]] = {
     "loss_scaler": scenario_loss_scaler,
     "collectives": scenario_collectives,
@@ -451,6 +493,7 @@ SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], dict[str, Any]]] = {
     "bert": scenario_bert,
     "moved_weight": scenario_moved_weight,
     "observer": scenario_observer,
+    "adaptive": scenario_adaptive,
 }
 
 

@@ -14,6 +14,7 @@ from numscope.cli.common import (
     _add_run_flags,
     _int_at_least,
     _launched_as_rank_zero,
+    _limit,
     _positive_float,
     _print_result,
     _run_inputs,
@@ -143,10 +144,69 @@ def _cmd_train(args: argparse.Namespace) -> int:
         objective=args.objective,
         name=args.name,
         progress=not args.no_progress,
+        adaptive=_adaptive_config(args),
     )
     if _launched_as_rank_zero():
         _print_result(result, args.out)
+        if args.adaptive:
+            _print_adaptive(Path(args.out))
     return 0
+
+
+_ADAPTIVE_FLAGS = (
+    "adapt_every",
+    "replan_every",
+    "fallback",
+    "guard_underflow",
+    "guard_overflow",
+    "guard_sqnr",
+    "clear_after",
+    "patience",
+    "adapt_budget",
+)
+
+
+def _adaptive_config(args: argparse.Namespace):
+    """The adaptive settings of ``train --adaptive`` (None without it; its flags alone are an error)."""
+    from numscope.train.adaptive import AdaptiveConfig
+
+    given = [f"--{name.replace('_', '-')}" for name in _ADAPTIVE_FLAGS if getattr(args, name) is not None]
+    if not args.adaptive:
+        if given:
+            raise CLIError(f"{', '.join(given)} set(s) adaptive training: add --adaptive")
+        return None
+    defaults = AdaptiveConfig()
+
+    def value(name: str, default):  # an absent flag keeps the default, a limit given as 'none' is off
+        flag = getattr(args, name)
+        return default if flag is None else None if flag == "none" else flag
+
+    guard = {
+        "max_underflow_pct": value("guard_underflow", defaults.max_underflow_pct),
+        "max_overflow_pct": value("guard_overflow", defaults.max_overflow_pct),
+        "min_sqnr_db": value("guard_sqnr", defaults.min_sqnr_db),
+    }
+    replan = value("replan_every", defaults.replan_every)
+    return AdaptiveConfig(
+        every=value("adapt_every", defaults.every),
+        fallback=value("fallback", defaults.fallback),
+        clear_after=value("clear_after", defaults.clear_after),
+        replan_every=None if replan == 0 else replan,
+        patience=value("patience", defaults.patience),
+        bit_budget=args.adapt_budget,
+        **guard,
+    )
+
+
+def _print_adaptive(out: Path) -> None:
+    import json
+
+    summary = json.loads((out / "adaptive.json").read_text(encoding="utf-8"))
+    changes = ", ".join(f"{n} {cause}" for cause, n in sorted(summary["changes"].items())) or "none"
+    print(
+        f"adaptive: {summary['average_bits']:.2f} average bits over training; changes: {changes} "
+        f"({out / 'plan_history.csv'}); the plan that ran last: {out / 'plan.final.yaml'}"
+    )
 
 
 def _register_train(sub: argparse._SubParsersAction) -> None:
@@ -189,7 +249,74 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
         help="the (initial) loss scale (default: %(default)g)",
     )
     p.add_argument("--name", help="the run's name in compare and report (default: the folder's name)")
+    _add_adaptive_flags(p)
     p.set_defaults(func=_cmd_train)
+
+
+def _guard_limit(text: str):
+    """A guard limit: a number, or 'none'/'off' (kept as 'none' to tell it from an absent flag)."""
+    parsed = _limit(text)
+    return "none" if parsed is None else parsed
+
+
+def _add_adaptive_flags(p: argparse.ArgumentParser) -> None:
+    from numscope.train.adaptive import AdaptiveConfig
+
+    d = AdaptiveConfig()
+    g = p.add_argument_group(
+        "adaptive precision",
+        "--adaptive changes the plan while training: a guard moves an operand to --fallback when its "
+        "format's underflow%% or overflow%% (or SQNR) crosses a limit that format had met there, and back "
+        "after --clear-after clean sampled steps; every --replan-every sampled steps the advisor re-solves "
+        "the plan from the running model's measurements within the starting plan's average bits (an "
+        "operand changes after --patience re-plans in a row choose it). Writes DIR/plan_history.csv, "
+        "DIR/plan.final.yaml and DIR/adaptive.json",
+    )
+    g.add_argument("--adaptive", action="store_true", help="train with adaptive precision from --plan")
+    g.add_argument(
+        "--adapt-every",
+        type=_int_at_least(1),
+        metavar="N",
+        help=f"observe and decide every N steps (default: {d.every})",
+    )
+    g.add_argument(
+        "--replan-every",
+        type=_int_at_least(0),
+        metavar="N",
+        help=f"re-plan every N sampled steps; 0: the guard alone (default: {d.replan_every})",
+    )
+    g.add_argument("--fallback", metavar="FORMAT", help=f"a guarded operand's format (default: {d.fallback})")
+    g.add_argument(
+        "--guard-underflow",
+        type=_guard_limit,
+        metavar="PCT",
+        help=f"underflow%% limit, or none (default: {d.max_underflow_pct:g}, the advisor's)",
+    )
+    g.add_argument(
+        "--guard-overflow",
+        type=_guard_limit,
+        metavar="PCT",
+        help=f"overflow%% limit, or none (default: {d.max_overflow_pct:g}, the advisor's)",
+    )
+    g.add_argument("--guard-sqnr", type=_guard_limit, metavar="DB", help="SQNR limit in dB (default: off)")
+    g.add_argument(
+        "--clear-after",
+        type=_int_at_least(1),
+        metavar="N",
+        help=f"clean sampled steps before a guarded operand returns (default: {d.clear_after})",
+    )
+    g.add_argument(
+        "--patience",
+        type=_int_at_least(1),
+        metavar="N",
+        help=f"re-plans in a row that must choose an operand's new format (default: {d.patience})",
+    )
+    g.add_argument(
+        "--adapt-budget",
+        type=_positive_float,
+        metavar="BITS",
+        help="the re-plans' bit budget (default: the starting plan's average bits)",
+    )
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:

@@ -214,6 +214,23 @@ class Observer:
             },
         )
 
+    def records_at(self, step: int) -> dict[OperandKey, OperandRecord]:
+        """Every operand's record of sampled step ``step`` (merged across ranks once :meth:`step` has
+        passed it), by ``(site, gemm, operand)``; empty for a step that was not sampled."""
+        return {key: per_step[step] for key, per_step in self._records.items() if step in per_step}
+
+    def forget_before(self, step: int) -> None:
+        """Drop the records and backward errors of sampled steps before ``step`` (a long adaptive run keeps
+        only the window it decides from); histograms, element counts and plan formats stay."""
+        for per_step in self._records.values():
+            for old in [s for s in per_step if s < step]:
+                del per_step[old]
+        self._records = {key: per_step for key, per_step in self._records.items() if per_step}
+        for pairs in self._errors.records.values():
+            for per_step_be in pairs.values():
+                for old in [s for s in per_step_be if s < step]:
+                    del per_step_be[old]
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume observing as if never interrupted: everything recorded so far
         (the analysis as JSON text, exact for every float), the step counter and the sampling generator.

@@ -35,6 +35,7 @@ from numscope.run.config import RunData, RunError, RunResult, RunSpec, TrainConf
 from numscope.run.data import num_batches
 from numscope.run.objectives import Objective, get_objective
 from numscope.sites import sites
+from numscope.train.adaptive import Adapter, AdaptiveConfig, observer_for, write_history
 from numscope.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from numscope.train.loss_scaler import LossScaler
 from numscope.train.recipe import Recipe
@@ -71,9 +72,14 @@ class _Batches:
         return self.batches[index]
 
 
-def _train_settings(spec: RunSpec, cfg: TrainConfig) -> dict[str, Any]:
-    """What a run computes besides its plan (``train.json``): the training settings and the loss scaling."""
+def _train_settings(
+    spec: RunSpec, cfg: TrainConfig, adaptive: AdaptiveConfig | None = None
+) -> dict[str, Any]:
+    """What a run computes besides its plan (``train.json``): the training settings, the loss scaling and,
+    for an adaptive run, its settings."""
     settings = {**asdict(cfg), "loss_scaling": spec.loss_scaling, "init_scale": spec.init_scale}
+    if adaptive is not None:
+        settings["adaptive"] = adaptive.to_dict()
     return json.loads(json.dumps(settings))  # tuples as lists, as stored
 
 
@@ -129,6 +135,7 @@ def train_run(
     save_model: bool = False,
     compiled: bool | str = "auto",
     replace_changed: bool = False,
+    adaptive: AdaptiveConfig | None = None,
 ) -> RunResult:
     """Train one run (or resume it, or return its finished result) and write its files to ``out_dir``.
 
@@ -145,6 +152,11 @@ def train_run(
         configuration (the ``plan.yaml`` and ``train.json`` it wrote): False raises :class:`RunError`;
         True moves it aside (``<folder>.replaced-N``, nothing is deleted) and trains afresh. Such a run is
         never reused or resumed. A folder from before ``train.json`` existed is checked by its plan only.
+    adaptive: train with adaptive precision (:mod:`numscope.train.adaptive`): the plan is the starting plan;
+        the changes are written to ``plan_history.csv`` (also at each checkpoint), the plan that ran last to
+        ``plan.final.yaml``, and ``adaptive.json`` holds the settings, the average bits over training (the
+        result's ``avg_bits``) and the bits of each plan from the step it started. Not with
+        ``observer_factory`` (the adaptive run observes itself).
 
     Under ``torch.distributed`` with more than one rank the run is DDP over the default group (``batch_size``
     is the global batch and must divide evenly); every rank returns the result, only rank 0 writes. An
@@ -152,6 +164,8 @@ def train_run(
     0's analysis is that of the whole batch.
     """
     objective = get_objective(objective).for_training(cfg.mask_probability)
+    if adaptive is not None and observer_factory is not None:
+        raise RunError("an adaptive run observes itself: give adaptive or observer_factory, not both")
     world, rank = distributed.world_size(), distributed.rank()
     writer = rank == 0
     if cfg.batch_size % world:
@@ -173,7 +187,7 @@ def train_run(
     model = None if result_path.is_file() and not _needs_sites(spec) else build()
     plan = spec.load_plan(None if model is None else (site.name for site in sites(model)))
     trained = result_path.is_file() or checkpoint_path.is_file()
-    if trained and (changes := _stored_changes(out_dir, plan, _train_settings(spec, cfg))):
+    if trained and (changes := _stored_changes(out_dir, plan, _train_settings(spec, cfg, adaptive))):
         if not replace_changed:
             raise RunError(
                 f"{out_dir} holds a run trained with other settings ({'; '.join(changes[:3])}); it is not "
@@ -190,9 +204,11 @@ def train_run(
     model = build() if model is None else model
     if writer:
         plan.save(out_dir / "plan.yaml")
-        atomic_write_text(out_dir / "train.json", json.dumps(_train_settings(spec, cfg), indent=1))
+        atomic_write_text(out_dir / "train.json", json.dumps(_train_settings(spec, cfg, adaptive), indent=1))
     # the observer attaches first, so that it sees each operand before the plan quantizes it
     observer = observer_factory(model) if observer_factory is not None else None
+    if adaptive is not None:
+        observer = observer_for(model, plan, adaptive).attach()
     scaler = LossScaler(
         init_scale=spec.init_scale,
         enabled=spec.loss_scaling != "none",
@@ -210,16 +226,19 @@ def train_run(
         compiled=compiled,
     )
     optimizer = torch.optim.AdamW(recipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    adapter = Adapter(model, plan, adaptive, observer) if adaptive is not None else None  # type: ignore[arg-type]
     start, curve, elapsed = 0, [], 0.0
     if checkpoint_path.is_file():
         state = load_checkpoint(checkpoint_path)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scaler.load_state_dict(state["scaler"])
-        load_numerics_state_dict(model, state["numerics"])
-        set_rng_state(state["rng"])
         if observer is not None:
             observer.load_state_dict(state["observer"])
+        if adapter is not None:  # before the numerics: they were saved under the plan the adapter holds
+            adapter.load_state_dict(state["adaptive"])
+        load_numerics_state_dict(model, state["numerics"])
+        set_rng_state(state["rng"])
         start, curve, elapsed = state["step"], state["curve"], state["elapsed"]
         if writer:
             _truncate_log(log_path, start)
@@ -261,6 +280,8 @@ def train_run(
             recipe.step(optimizer)  # skipped on inf/NaN gradients; the scale updated; gradients zeroed
             if observer is not None:
                 observer.step()
+            if adapter is not None:
+                adapter.after_step(step)  # the changes apply from the next step on
             loss_value = loss.item()
             if world > 1:
                 reported = loss.detach().clone()
@@ -288,6 +309,8 @@ def train_run(
                 on_step(step + 1, loss_value)
             if writer and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 log_file.flush()
+                if adapter is not None:
+                    write_history(out_dir / "plan_history.csv", adapter.history)
                 save_checkpoint(
                     checkpoint_path,
                     {
@@ -298,13 +321,18 @@ def train_run(
                         "numerics": numerics_state_dict(model),
                         "rng": rng_state(),
                         **({"observer": observer.state_dict()} if observer is not None else {}),
+                        **({"adaptive": adapter.state_dict()} if adapter is not None else {}),
                         "curve": curve,
                         "elapsed": time.perf_counter() - began,
                     },
                 )
-    if observer is not None:
+    if adapter is not None:
+        avg_bits = adapter.average_bits(cfg.steps)
         if writer:
-            observer.analysis().save(out_dir / "analysis")
+            _write_adaptive(out_dir, adapter, adaptive, avg_bits)  # type: ignore[arg-type]
+    elif observer is not None and writer:
+        observer.analysis().save(out_dir / "analysis")
+    if observer is not None:
         observer.__exit__(None, None, None)
     divergence = distributed.parameter_divergence(model) if world > 1 else None  # a collective
     last = curve[-1]
@@ -332,6 +360,23 @@ def train_run(
     if world > 1:
         dist.barrier()  # no rank leaves before rank 0 has written the result
     return result
+
+
+def _write_adaptive(out_dir: Path, adapter: Adapter, config: AdaptiveConfig, avg_bits: float) -> None:
+    """An adaptive run's files: ``plan_history.csv``, ``plan.final.yaml``, ``adaptive.json``."""
+    write_history(out_dir / "plan_history.csv", adapter.history)
+    adapter.current().save(out_dir / "plan.final.yaml")
+    causes: dict[str, int] = {}
+    for change in adapter.history:
+        causes[change.cause] = causes.get(change.cause, 0) + 1
+    summary = {
+        "settings": config.to_dict(),
+        "average_bits": avg_bits,
+        "changes": causes,
+        "bits_from_step": adapter.state_dict()["state"]["bit_steps"],
+        "budget": adapter.state_dict()["state"]["budget"],
+    }
+    atomic_write_text(out_dir / "adaptive.json", json.dumps(summary, indent=1))
 
 
 def read_log(path: Path) -> list[dict[str, float]]:

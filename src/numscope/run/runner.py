@@ -47,6 +47,7 @@ from numscope.run.sources import (
     prepare_data,
     resolve_model,
 )
+from numscope.train.adaptive import AdaptiveConfig
 
 __all__ = ["DEFAULT_CANDIDATES", "REFERENCE_FORMAT", "analyze", "plan_and_source", "train"]
 
@@ -351,6 +352,7 @@ def train(
     objective: str = "auto",
     name: str | None = None,
     progress: bool = False,
+    adaptive: AdaptiveConfig | None = None,
 ) -> RunResult:
     """Train ``model`` under ``plan`` (a YAML path, a preset of :meth:`numscope.Plan.uniform` or a named
     recipe of :meth:`numscope.Plan.recipe`, which gets the model's sites).
@@ -360,7 +362,8 @@ def train(
     (see the module docstring) and the trained parameters to ``out/model.pt``; rerun with the same
     settings to resume. Under ``torchrun`` with ``WORLD_SIZE`` > 1 it initialises a gloo process group and
     trains with DDP (``config.batch_size`` is the global batch), rank 0 writing; every rank returns the
-    result.
+    result. adaptive: train with adaptive precision from ``plan`` (:mod:`numscope.train.adaptive`; the run
+    folder then also holds ``plan_history.csv``, ``plan.final.yaml`` and ``adaptive.json``).
     """
     config = config if config is not None else TrainConfig()
     if loss_scaling not in LOSS_SCALING:
@@ -383,6 +386,7 @@ def train(
             loss_scaling=loss_scaling,
             init_scale=init_scale,
             name=run_name,
+            **({"adaptive": adaptive.to_dict()} if adaptive is not None else {}),
         )
         check_run_settings(out_dir, settings)
         if (finished := finished_result(out_dir)) is not None:
@@ -404,6 +408,7 @@ def train(
                 on_step,
                 objective=resolved,
                 save_model=True,
+                adaptive=adaptive,
             )
         finally:
             close()

@@ -1,8 +1,10 @@
 """The training recipe of Micikevicius et al., "Mixed Precision Training": loss scaling, fp32 master
 weights, ops kept in fp32, activation storage, the :class:`Recipe` that ties them to a plan, and
-crash-safe checkpoints for exact resume."""
+crash-safe checkpoints for exact resume; adaptive precision (:mod:`numscope.train.adaptive`) changes the plan
+while training."""
 
 from numscope.train.activations import ActivationStore, store_activations
+from numscope.train.adaptive import Adapter, AdaptiveConfig, Change
 from numscope.train.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -19,6 +21,9 @@ __all__ = [
     "DEFAULT_FP32_MODULES",
     "FP32_OPS",
     "ActivationStore",
+    "Adapter",
+    "AdaptiveConfig",
+    "Change",
     "CheckpointError",
     "LossScaler",
     "MasterWeights",
