@@ -126,6 +126,14 @@ def test_a_limit_the_format_never_met_is_not_armed() -> None:
     assert adapter.history == [] and all(plan == ran[0] for plan in ran)
 
 
+def test_armed_always_guards_an_operand_out_of_range_from_the_start() -> None:
+    adapter, ran, _ = _adaptive_run([1e-6] * 4, candidates=("bf16",), arm="always")
+    guards = [c for c in adapter.history if c.cause == "guard"]
+    assert guards and min(c.step for c in guards) == 1  # each at its first measurement with nonzeros
+    key = guards[0].key
+    assert ran[-1].for_site(key[0]).operand(key[1], key[2]).format == "bf16"
+
+
 def test_a_replan_changes_an_operand_only_after_patience_and_keeps_high_operands_high() -> None:
     model = tiny_bert(dropout=0.0)
     plan = Plan.uniform("fp8").with_rule("cls.predictions.decoder", SiteSpec())
@@ -158,6 +166,7 @@ def test_a_replan_changes_an_operand_only_after_patience_and_keeps_high_operands
         ({"patience": 1.5}, "patience must be a whole number"),
         ({"bit_budget": 40}, r"bits in \(0, 32\]"),
         ({"candidates": ()}, "at least one"),
+        ({"arm": "never"}, "arm must be 'met' or 'always'"),
     ],
 )
 def test_bad_settings_are_refused_with_what_is_allowed(settings, message) -> None:

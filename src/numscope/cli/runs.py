@@ -161,6 +161,7 @@ _ADAPTIVE_FLAGS = (
     "guard_overflow",
     "guard_sqnr",
     "clear_after",
+    "guard_arm",
     "patience",
     "adapt_budget",
 )
@@ -191,6 +192,7 @@ def _adaptive_config(args: argparse.Namespace):
         every=value("adapt_every", defaults.every),
         fallback=value("fallback", defaults.fallback),
         clear_after=value("clear_after", defaults.clear_after),
+        arm=value("guard_arm", defaults.arm),
         replan_every=None if replan == 0 else replan,
         patience=value("patience", defaults.patience),
         bit_budget=args.adapt_budget,
@@ -304,6 +306,13 @@ def _add_adaptive_flags(p: argparse.ArgumentParser) -> None:
         type=_int_at_least(1),
         metavar="N",
         help=f"clean sampled steps before a guarded operand returns (default: {d.clear_after})",
+    )
+    g.add_argument(
+        "--guard-arm",
+        choices=("met", "always"),
+        help="met: a limit guards an operand once its format has met it there (a tensor leaving its "
+        "format's range); always: from the first step (an operand out of range from the start falls back "
+        f"at once) (default: {d.arm})",
     )
     g.add_argument(
         "--patience",

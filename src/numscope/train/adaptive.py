@@ -12,9 +12,11 @@ point that quantizes (an observer attached before :func:`numscope.convert`, samp
   format after ``clear_after`` consecutive sampled steps within every limit. A limit is *armed* for an
   operand once its format has met it there: a guard acts on a tensor that leaves its format's range, never on
   a choice the plan made knowingly (a budget may put MXFP4 where it underflows 60%; the guard then watches
-  the limits that format did meet). The default limits are the advisor's (:class:`numscope.advisor.Limits`,
-  derived from training outcomes: the worst values of an FP32 run that trained well); the SQNR limit is off by
-  default, since it judges noise, which the plan's budget already traded, rather than range.
+  the limits that format did meet; ``arm="always"`` arms every limit from the first measurement, so that an
+  operand out of range from the start falls back at once). The default limits are the advisor's
+  (:class:`numscope.advisor.Limits`, derived from training outcomes: the worst values of an FP32 run that
+  trained well); the SQNR limit is off by default, since it judges noise, which the plan's budget already
+  traded, rather than range.
 * **the re-plan** (every ``replan_every`` sampled steps): the advisor (:func:`numscope.advisor.advise`,
   ``recommend``'s objective without sensitivity: least total noise, weighted by ``noise_weights``) is
   solved again for the operands the starting plan quantizes (those it keeps high stay high) on the last
@@ -83,6 +85,7 @@ class AdaptiveConfig:
     fallback: the format a guarded operand moves to (``bf16``; ``high`` keeps it in the model's precision).
     max_underflow_pct, max_overflow_pct, min_sqnr_db: the guard's limits (None: off).
     clear_after: sampled steps within every armed limit before a guarded operand returns to its format.
+    arm: ``met`` (a limit is armed for an operand once its format has met it there) or ``always``.
     replan_every: sampled steps between re-plans (None: the guard alone).
     window: sampled steps a re-plan reads (default: ``replan_every``).
     patience: consecutive re-plans that must choose an operand's new format before it changes.
@@ -97,6 +100,7 @@ class AdaptiveConfig:
     max_overflow_pct: float | None = Limits.max_overflow_pct
     min_sqnr_db: float | None = None
     clear_after: int = 3
+    arm: str = "met"
     replan_every: int | None = 10
     window: int | None = None
     patience: int = 2
@@ -110,6 +114,8 @@ class AdaptiveConfig:
         _positive_int("patience", self.patience)
         _positive_int("replan_every", self.replan_every, allow_none=True)
         _positive_int("window", self.window, allow_none=True)
+        if self.arm not in ("met", "always"):
+            raise AdaptiveError(f"arm must be 'met' or 'always', got {self.arm!r}")
         if self.fallback != "high":
             try:
                 get_format(self.fallback)
@@ -267,6 +273,8 @@ class Adapter:
                     continue
                 crossed = value > bound if is_max else value < bound
                 (failed if crossed else met).append((limit, metric, value, bound))
+            if config.arm == "always":
+                state.armed[name] = list(GUARD_METRICS)
             armed = state.armed.setdefault(name, [])
             tripped = [f for f in failed if f[0] in armed]
             if name in state.fallen:
