@@ -824,3 +824,45 @@ def predicted_vs_measured(rows: Sequence[Mapping], rho: float, rho_sensitivity: 
         ax.set_title(f"Predicted {what} (Spearman ρ = {value:.2f})")
         ax.legend(loc="upper left", fontsize=7)
     return _png(fig)
+
+
+def plan_history_figure(
+    changes: Sequence[Mapping],
+    bits_from_step: Sequence[Sequence[float]],
+    steps: int,
+    title: str | None = None,
+) -> bytes:
+    """An adaptive run's plan over training (:mod:`numscope.train.adaptive`): its average bits per operand
+    element from each change on (top), and below, the operands the guard holds in the fallback and the
+    operands each re-plan moved. changes: rows with ``step`` and ``cause`` (``plan_history.csv``);
+    bits_from_step: ``[first step, bits]`` per plan (``adaptive.json``)."""
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.0, 4.2), sharex=True, height_ratios=(1, 1))
+    spans = [(int(first), float(bits)) for first, bits in bits_from_step] or [(0, math.nan)]
+    xs = [first for first, _ in spans] + [steps]
+    ys = [bits for _, bits in spans] + [spans[-1][1]]
+    top.step(xs, ys, where="post", color=_BAR_COLOUR)
+    top.set_ylabel("average bits")
+    top.set_title(title or "adaptive plan over training")
+    held, level = [(0, 0)], 0
+    replans: dict[int, int] = {}
+    for change in sorted(changes, key=lambda c: int(c["step"])):
+        step = int(change["step"])
+        if change["cause"] == "guard":
+            level += 1
+        elif change["cause"] == "clear":
+            level -= 1
+        else:
+            replans[step] = replans.get(step, 0) + 1
+            continue
+        held.append((step, level))
+    held.append((steps, level))
+    bottom.step([s for s, _ in held], [n for _, n in held], where="post", color=_UNDERFLOW_COLOUR,
+                label="operands in the fallback (guard)")  # fmt: skip
+    if replans:
+        bottom.bar(list(replans), list(replans.values()), width=max(1.0, steps / 200), color=_PALETTE[2],
+                   label="operands moved by a re-plan")  # fmt: skip
+    bottom.set_xlabel("optimizer step")
+    bottom.set_ylabel("operands")
+    bottom.set_xlim(0, steps)
+    bottom.legend(loc="upper right")
+    return _png(fig)
