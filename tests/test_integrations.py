@@ -80,6 +80,26 @@ def test_huggingface_callback_trains_under_a_named_recipe(tmp_path) -> None:
         NumscopeCallback(observe=False)
 
 
+def test_huggingface_callback_trains_with_adaptive_precision(tmp_path) -> None:
+    """The adaptive mode through the Trainer: one decision per optimizer step (gradient accumulation
+    included), the history and the final plan written where training ends, the model under that plan."""
+    from numscope.convert import converted_plan
+    from numscope.integrations.huggingface import NumscopeCallback
+    from numscope.plan import Plan
+    from numscope.train.adaptive import AdaptiveConfig, read_history
+
+    adaptive = AdaptiveConfig(every=1, replan_every=1, patience=1, candidates=tuple(CANDIDATES))
+    model = bert()
+    callback = NumscopeCallback(tmp_path / "adaptive", plan="fp8", adaptive=adaptive)
+    hf_trainer(model, tmp_path / "hf", callback, steps=3, accumulation=2).train()
+    history = read_history(tmp_path / "adaptive" / "plan_history.csv")
+    assert history == callback.numerics.adapter.history and history
+    assert max(change.step for change in history) <= 3  # three optimizer steps, six micro-batches
+    assert Plan.load(tmp_path / "adaptive" / "plan.final.yaml") == converted_plan(model)
+    with pytest.raises(ValueError, match="starts from a plan"):
+        NumscopeCallback(adaptive=adaptive)
+
+
 def test_lightning_trainer_is_observed(tmp_path) -> None:
     lightning = pytest.importorskip("lightning")
     from numscope.integrations.lightning import NumscopeLightningCallback

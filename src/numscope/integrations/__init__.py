@@ -20,6 +20,7 @@ from torch import nn
 from numscope.analysis import Analysis
 from numscope.observe import DEFAULT_CANDIDATES, Observer, observe
 from numscope.plan import Plan
+from numscope.train.adaptive import Adapter, AdaptiveConfig, observer_for, write_history
 
 
 @dataclass
@@ -31,6 +32,9 @@ class Numerics:
         with a plan: train under it only). plan: a :class:`numscope.Plan`, a preset or recipe name, or a
         YAML path; the model is converted to it when training begins (after the observer attaches, so the
         observer sees the high-precision operands and monitors the plan's).
+    adaptive: train under ``plan`` with adaptive precision (:mod:`numscope.train.adaptive`; it observes
+        itself, with its own candidates and interval): :attr:`adapter` holds the decisions, and ``out``
+        receives ``plan_history.csv`` and ``plan.final.yaml`` when training ends.
     """
 
     out: str | os.PathLike[str] | None = None
@@ -38,8 +42,11 @@ class Numerics:
     every: int = 10
     observe: bool = True
     plan: Plan | str | os.PathLike[str] | None = None
+    adaptive: AdaptiveConfig | None = None
     analysis: Analysis | None = field(default=None, init=False)
+    adapter: Adapter | None = field(default=None, init=False)
     _observer: Observer | None = field(default=None, init=False, repr=False)
+    _steps: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.observe and self.plan is None:
@@ -47,21 +54,33 @@ class Numerics:
         if self.plan is not None and not isinstance(self.plan, Plan):
             text = os.fspath(self.plan)
             self.plan = Plan.load(text) if Path(text).suffix in (".yaml", ".yml") else Plan.named(text)
+        if self.adaptive is not None and self.plan is None:
+            raise ValueError("adaptive precision starts from a plan: give plan= with adaptive=")
 
     def begin(self, model: nn.Module) -> None:
         """Attach to ``model`` (its unwrapped module) when training begins."""
         from numscope.convert import convert
 
-        if self.observe:
+        self._steps = 0
+        if self.adaptive is not None:
+            assert isinstance(self.plan, Plan)
+            self._observer = observer_for(model, self.plan, self.adaptive).attach()
+        elif self.observe:
             self._observer = observe(model, self.candidates, every=self.every).__enter__()
         if self.plan is not None:
             assert isinstance(self.plan, Plan)
             convert(model, self.plan)  # the first forward checks the plan against the model's sites
+        if self.adaptive is not None:
+            assert isinstance(self.plan, Plan) and self._observer is not None
+            self.adapter = Adapter(model, self.plan, self.adaptive, self._observer)
 
     def step(self) -> None:
         """After every optimizer step."""
         if self._observer is not None:
             self._observer.step()
+        if self.adapter is not None:
+            self.adapter.after_step(self._steps)
+        self._steps += 1
 
     def end(self, is_main_process: bool = True) -> Analysis | None:
         """When training ends: detach the observer, keep its analysis and write it (main process only)."""
@@ -69,6 +88,12 @@ class Numerics:
         if observer is None:
             return None
         observer.__exit__(None, None, None)
+        if self.adapter is not None:
+            if self.out is not None and is_main_process:
+                Path(self.out).mkdir(parents=True, exist_ok=True)
+                write_history(Path(self.out) / "plan_history.csv", self.adapter.history)
+                self.adapter.current().save(Path(self.out) / "plan.final.yaml")
+            return None
         self.analysis = observer.analysis()
         if self.out is not None and is_main_process:
             self.analysis.save(self.out)

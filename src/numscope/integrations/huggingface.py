@@ -25,12 +25,13 @@ from numscope.analysis import Analysis
 from numscope.integrations import Numerics
 from numscope.observe import DEFAULT_CANDIDATES
 from numscope.plan import Plan
+from numscope.train.adaptive import AdaptiveConfig
 
 
 class NumscopeCallback(TrainerCallback):
     """Observe (and optionally convert) the model a ``transformers.Trainer`` trains; see the module doc.
 
-    out, candidates, every, observe, plan: as :class:`numscope.integrations.Numerics`.
+    out, candidates, every, observe, plan, adaptive: as :class:`numscope.integrations.Numerics`.
     """
 
     def __init__(
@@ -41,8 +42,9 @@ class NumscopeCallback(TrainerCallback):
         every: int = 10,
         observe: bool = True,
         plan: Plan | str | os.PathLike[str] | None = None,
+        adaptive: AdaptiveConfig | None = None,
     ) -> None:
-        self.numerics = Numerics(out, candidates, every, observe, plan)
+        self.numerics = Numerics(out, candidates, every, observe, plan, adaptive)
 
     @property
     def analysis(self) -> Analysis | None:

@@ -25,6 +25,7 @@ from numscope.analysis import Analysis
 from numscope.integrations import Numerics
 from numscope.observe import DEFAULT_CANDIDATES
 from numscope.plan import Plan
+from numscope.train.adaptive import AdaptiveConfig
 
 
 class NumscopeLightningCallback(Callback):
@@ -40,8 +41,9 @@ class NumscopeLightningCallback(Callback):
         observe: bool = True,
         plan: Plan | str | os.PathLike[str] | None = None,
         submodule: str | None = None,
+        adaptive: AdaptiveConfig | None = None,
     ) -> None:
-        self.numerics = Numerics(out, candidates, every, observe, plan)
+        self.numerics = Numerics(out, candidates, every, observe, plan, adaptive)
         self.submodule = submodule
         self._seen_step = 0
 
