@@ -211,6 +211,9 @@ def test_train_adaptive_on_a_gqa_llama_writes_its_history_and_exports_its_final_
     )
     assert exported.code == 0, exported.err
     assert any((ws / "te-final").iterdir())
+    report = cli("report", out, "-o", ws / "adaptive.html")
+    assert report.code == 0, report.err
+    assert "the adaptive plan over training" in (ws / "adaptive.html").read_text()
 
 
 def test_adaptive_flags_without_adaptive_are_an_error(ws: Path) -> None:  # noqa: F811

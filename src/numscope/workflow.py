@@ -36,6 +36,7 @@ Every user mistake raises :class:`WorkflowError` (or the library's own ``PlanErr
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -265,7 +266,25 @@ def report(
         plan=shown,
         command=command,
         loss_label=loss_label,
+        extra_images=[_plan_history(run) for run in runs if (Path(run["dir"]) / "adaptive.json").is_file()],
     )
+
+
+def _plan_history(run: dict) -> tuple[str, bytes]:
+    """An adaptive run's plan history as a report figure (caption, PNG)."""
+    from numscope.report.plots import plan_history_figure
+    from numscope.train.adaptive import read_history
+
+    folder = Path(run["dir"])
+    summary = json.loads((folder / "adaptive.json").read_text(encoding="utf-8"))
+    history = read_history(folder / "plan_history.csv")
+    causes = ", ".join(f"{n} {cause}" for cause, n in sorted(summary["changes"].items())) or "no change"
+    caption = (
+        f"{run['name']}: the adaptive plan over training ({causes}; {summary['average_bits']:.2f} average "
+        "bits over training; every change in plan_history.csv)"
+    )
+    png = plan_history_figure([c.row() for c in history], summary["bits_from_step"], int(run["steps"]))
+    return caption, png
 
 
 # ================================================================================================ study
