@@ -448,10 +448,11 @@ ADAPTIVE_STEPS = 8
 ADAPTIVE_QUIET = (2, 3)  # steps whose loss is multiplied by 1e-6: every unscaled E5M2 gradient underflows
 
 
-def run_adaptive(rank: int, world_size: int) -> dict[str, Any]:
+def run_adaptive(rank: int, world_size: int, fsdp2: bool = False) -> dict[str, Any]:
     """The tiny BERT under unscaled E5M2 gradients with adaptive precision (a decision after every step,
-    re-plans with patience 1), DDP over the ranks; the loss of :data:`ADAPTIVE_QUIET` steps scaled down so
-    that the guard trips. Returns this rank's decisions."""
+    re-plans with patience 1), DDP over the ranks (or FSDP2: every encoder layer and the root sharded); the
+    loss of :data:`ADAPTIVE_QUIET` steps scaled down so that the guard trips. Returns this rank's
+    decisions."""
     import numscope
     from numscope.plan import Plan
     from numscope.train.adaptive import Adapter, AdaptiveConfig, observer_for
@@ -464,7 +465,16 @@ def run_adaptive(rank: int, world_size: int) -> dict[str, Any]:
     observer = observer_for(model, plan, config).attach()
     numscope.convert(model, plan)
     adapter = Adapter(model, plan, config, observer)
-    trained = torch.nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
+    if fsdp2:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for layer in model.bert.encoder.layer:
+            fully_shard(layer, mesh=mesh)
+        trained = fully_shard(model, mesh=mesh)
+    else:
+        trained = torch.nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(ADAPTIVE_STEPS):
         batch = mlm_batch(step, ROWS)
@@ -483,7 +493,7 @@ def run_adaptive(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def scenario_adaptive(rank: int, world_size: int, args: dict[str, Any]) -> dict[str, Any]:
-    return run_adaptive(rank, world_size)
+    return {"ddp": run_adaptive(rank, world_size), "fsdp2": run_adaptive(rank, world_size, fsdp2=True)}
 
 
 SCENARIOS: dict[str, Callable[[int, int, dict[str, Any]], dict[str, Any]]] = {

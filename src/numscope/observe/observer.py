@@ -409,7 +409,9 @@ class Observer:
         drawn elements' indices into the flattened tensor (None for the whole tensor)."""
         limit = self.config.max_elements
         if tensor.numel() <= limit:
-            return tensor.reshape(-1).float(), None
+            # a copy, never a view: the sample outlives the step's use of the tensor (the plan's metrics
+            # reuse it in backward), and FSDP2 frees an unsharded parameter's storage after forward
+            return tensor.reshape(-1).to(torch.float32, copy=True), None
         index = draw(self.generator, tensor.numel(), limit).to(tensor.device)
         if tensor.is_contiguous():
             return tensor.reshape(-1)[index].float(), index
