@@ -157,6 +157,30 @@ def test_a_replan_changes_an_operand_only_after_patience_and_keeps_high_operands
     assert budget == pytest.approx(8.0)  # the starting plan's own bits over the quantized operands
 
 
+def test_a_budget_the_limits_cannot_meet_is_raised_to_the_least_that_meets_them() -> None:
+    """4 bits with 8- and 16-bit candidates: the re-plan takes the cheapest plan within the limits and
+    says why, instead of stopping the training."""
+    model = tiny_bert(dropout=0.0)
+    plan = Plan.uniform("fp8")
+    config = AdaptiveConfig(
+        every=1, replan_every=1, patience=1, bit_budget=4, candidates=("bf16", "fp8_e4m3")
+    )
+    observer = observer_for(model, plan, config).attach()
+    numscope.convert(model, plan)
+    adapter = Adapter(model, plan, config, observer)
+    _grads(model)
+    observer.step()
+    changes = adapter.after_step(0)
+    assert changes and all("(the budget 4 cannot meet the limits)" in c.measurement for c in changes)
+
+
+def test_the_guard_alone_observes_only_what_it_reads() -> None:
+    config = AdaptiveConfig(replan_every=None)
+    observer = observer_for(tiny_bert(), Plan.uniform("fp8"), config)
+    assert observer.config.candidates == ("bf16",) and not observer.config.backward_error
+    assert observer_for(tiny_bert(), Plan.uniform("fp8"), AdaptiveConfig()).config.backward_error
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

@@ -315,15 +315,21 @@ class Adapter:
         intended = self.intended()
         if state.budget is None:
             state.budget = config.bit_budget or _analysis_bits(intended, analysis)
+        candidates = [c for c in config.candidates if c in analysis.candidates]
+        budget = state.budget
         try:
+            # the least bits that meet the limits: where the tensors need more than the budget, that
+            cheapest = advise(analysis, candidates=candidates).average_bits
+            if cheapest > budget:
+                budget = cheapest * (1 + 1e-9)
             recommendation = advise(
-                analysis,
-                candidates=[c for c in config.candidates if c in analysis.candidates],
-                bit_budget=state.budget,
-                noise_weights=config.noise_weights,
+                analysis, candidates=candidates, bit_budget=budget, noise_weights=config.noise_weights
             )
         except AdvisorError as error:
             raise AdaptiveError(f"the re-plan after step {step + 1} failed: {error}") from error
+        within = f"within {budget:.3g} bits" + (
+            "" if budget == state.budget else f" (the budget {state.budget:.3g} cannot meet the limits)"
+        )
         changes = []
         for choice in recommendation.choices:
             name = operand_name(choice.key)
@@ -347,7 +353,7 @@ class Adapter:
                     config.fallback if was_fallen else old.format,
                     choice.format,
                     "replan",
-                    f"{config.patience} re-plans in a row within {state.budget:.3g} bits: {choice.reason}",
+                    f"{config.patience} re-plans in a row {within}: {choice.reason}",
                 )
             )
         return changes
@@ -380,11 +386,20 @@ class Adapter:
 
 
 def observer_for(model: nn.Module, plan: Plan, config: AdaptiveConfig, **options: Any) -> Observer:
-    """The observer :class:`Adapter` decides from (not attached): ``config.candidates`` every
-    ``config.every`` steps, monitoring ``plan``. Attach it before :func:`numscope.convert`."""
+    """The observer :class:`Adapter` decides from (not attached): every ``config.every`` steps, monitoring
+    ``plan``; ``config.candidates`` with backward errors for the re-plans, or, with the guard alone, only
+    what the guard reads (the plan's own metrics, one candidate, no backward errors: cheaper). Attach it
+    before :func:`numscope.convert`."""
     from numscope.observe import observe
 
+    if config.replan_every is None:
+        options = {"backward_error": False, **options}
+        return observe(model, (_GUARD_CANDIDATE,), every=config.every, plan=plan, **options)
     return observe(model, config.candidates, every=config.every, plan=plan, **options)
+
+
+_GUARD_CANDIDATE = "bf16"
+"""What the observer measures besides the plan when only the guard decides (it needs one candidate)."""
 
 
 def _spec(plan: Plan, key: OperandKey) -> OperandSpec:
