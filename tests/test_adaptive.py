@@ -174,6 +174,18 @@ def test_a_budget_the_limits_cannot_meet_is_raised_to_the_least_that_meets_them(
     assert changes and all("(the budget 4 cannot meet the limits)" in c.measurement for c in changes)
 
 
+def test_a_decision_out_of_step_with_the_observer_is_refused() -> None:
+    model = tiny_bert(dropout=0.0)
+    plan = Plan.uniform("fp8")
+    config = AdaptiveConfig(every=1)
+    observer = observer_for(model, plan, config).attach()
+    numscope.convert(model, plan)
+    adapter = Adapter(model, plan, config, observer)
+    _grads(model)
+    with pytest.raises(AdaptiveError, match=r"call observer\.step\(\) first"):
+        adapter.after_step(0)
+
+
 def test_the_guard_alone_observes_only_what_it_reads() -> None:
     config = AdaptiveConfig(replan_every=None)
     observer = observer_for(tiny_bert(), Plan.uniform("fp8"), config)

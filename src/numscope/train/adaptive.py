@@ -242,6 +242,11 @@ class Adapter:
     def after_step(self, step: int) -> list[Change]:
         """Decide after optimizer step ``step`` (0-based; call it after ``observer.step()``): on a sampled
         step, the guard and, when due, a re-plan; returns the changes (they apply from the next step)."""
+        if step != self.observer.current_step - 1:
+            raise AdaptiveError(
+                f"after_step({step}) must follow the observer's step() of that optimizer step (the observer "
+                f"has counted {self.observer.current_step} steps): call observer.step() first, once a step"
+            )
         if step % self.config.every:
             return []
         if not self._state.bit_steps or math.isnan(self._state.bit_steps[0][1]):
