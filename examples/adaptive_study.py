@@ -79,7 +79,7 @@ def train(name: str, seed: int, args: argparse.Namespace) -> dict:
         f"{name} seed {seed}: val loss {result['val_loss']:.4f} ({time.perf_counter() - began:.0f}s)",
         flush=True,
     )
-    return {"name": name, "seed": seed, "folder": str(out), **result}
+    return {**result, "name": name, "seed": seed, "folder": str(out)}
 
 
 def main() -> None:

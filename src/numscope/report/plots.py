@@ -843,19 +843,18 @@ def plan_history_figure(
     top.step(xs, ys, where="post", color=_BAR_COLOUR)
     top.set_ylabel("average bits")
     top.set_title(title or "adaptive plan over training")
-    held, level = [(0, 0)], 0
+    held, fallen = [(0, 0)], set()
     replans: dict[int, int] = {}
     for change in sorted(changes, key=lambda c: int(c["step"])):
-        step = int(change["step"])
+        step, key = int(change["step"]), (change.get("site"), change.get("gemm"), change.get("operand"))
         if change["cause"] == "guard":
-            level += 1
-        elif change["cause"] == "clear":
-            level -= 1
-        else:
-            replans[step] = replans.get(step, 0) + 1
-            continue
-        held.append((step, level))
-    held.append((steps, level))
+            fallen.add(key)
+        else:  # back by the guard, or given a new format by a re-plan (which ends its fallback)
+            fallen.discard(key)
+            if change["cause"] != "clear":
+                replans[step] = replans.get(step, 0) + 1
+        held.append((step, len(fallen)))
+    held.append((steps, len(fallen)))
     bottom.step([s for s, _ in held], [n for _, n in held], where="post", color=_UNDERFLOW_COLOUR,
                 label="operands in the fallback (guard)")  # fmt: skip
     if replans:
