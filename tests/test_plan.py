@@ -638,3 +638,18 @@ def test_resolve_reads_a_plan_by_the_one_rule_every_entry_point_uses(tmp_path: P
         Plan.resolve(tmp_path / "plan.txt")
     with pytest.raises(PlanError, match="unknown preset or recipe 'fp9'"):
         Plan.resolve("fp9")
+
+
+def test_a_folder_named_like_a_preset_does_not_hide_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``numscope train --plan fp32 --out fp32`` run from the folder that holds its output: the run folder
+    exists by the time the plan is read (found by running exactly that)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fp32").mkdir()
+    (tmp_path / "te_current").mkdir()
+    assert Plan.resolve("fp32") == Plan.uniform("fp32")
+    assert Plan.resolve("te_current", ["layer.0", "head"]) == Plan.recipe("te_current", ["layer.0", "head"])
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(PlanError, match="mine: no such file"):
+        Plan.resolve("mine")

@@ -231,12 +231,14 @@ class Plan:
 
     @classmethod
     def resolve(cls, spec: str | os.PathLike[str], sites: Iterable[str] | None = None) -> Plan:
-        """The plan a ``--plan`` value names: a YAML file (a ``.yaml``/``.yml`` name, or any path that
+        """The plan a ``--plan`` value names: a YAML file (a ``.yaml``/``.yml`` name, or any file that
         exists), else a preset or named recipe (:meth:`named`, given the model's ``sites`` where a recipe's
-        layer choice needs them). The one rule every entry point reads plans by; PlanError says what was
-        wrong and what is allowed."""
+        layer choice needs them; a folder that happens to bear its name, such as a run's ``--out fp32``,
+        does not hide it). The one rule every entry point reads plans by; PlanError says what was wrong and
+        what is allowed."""
         path = Path(spec)
-        if path.suffix in (".yaml", ".yml") or path.exists():
+        named = str(spec) in _PRESETS or str(spec) in cls.recipes()
+        if path.suffix in (".yaml", ".yml") or path.is_file() or (path.exists() and not named):
             if not path.is_file():
                 raise PlanError(
                     f"--plan {spec}: no such file (or give a preset: {', '.join(_PRESETS)}; or a recipe: "

@@ -107,7 +107,7 @@ def _needs_sites(spec: RunSpec) -> bool:
     from numscope.plan import Plan
 
     path = Path(spec.plan)
-    return not (path.suffix in (".yaml", ".yml") or path.exists() or spec.plan in Plan.presets())
+    return not (path.suffix in (".yaml", ".yml") or path.is_file() or spec.plan in Plan.presets())
 
 
 def _move_aside(folder: Path) -> Path:
