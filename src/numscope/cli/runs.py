@@ -97,9 +97,11 @@ def _register_analyze(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--every",
         type=_int_at_least(1),
-        default=5,
+        default=25,
         metavar="K",
-        help="measure every K-th optimizer step; measuring costs several plain steps (default: %(default)s)",
+        help="measure every K-th optimizer step; measuring costs several plain steps. 25 keeps analyze + "
+        "recommend within 2x an FP32 run on the demo's BERT and a GQA Llama with the plan of every 5th "
+        "step (docs/benchmarks.md) (default: %(default)s)",
     )
     p.add_argument(
         "--sensitivity",

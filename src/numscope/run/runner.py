@@ -126,7 +126,7 @@ def analyze(
     *,
     config: TrainConfig | None = None,
     candidates: Sequence[str] = DEFAULT_CANDIDATES,
-    every: int = 5,
+    every: int = 25,
     objective: str = "auto",
     progress: bool = False,
     tensorboard: str | os.PathLike[str] | None = None,
