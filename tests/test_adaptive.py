@@ -62,6 +62,25 @@ def test_switch_plan_computes_as_a_model_converted_with_that_plan() -> None:
     assert all(torch.equal(expected[name], got[name]) for name in expected)
 
 
+def test_switch_plan_reaches_a_compiled_model() -> None:
+    """``torch.compile`` after ``convert``: a switched plan is what the compiled model computes next (not a
+    plan baked into its graph): fp32 gives the unconverted model's logits, mxfp8 those of a model converted
+    with mxfp8, bit for bit."""
+    ids = IDS[:2]
+    reference, model, other = (tiny_bert(dropout=0.0).eval() for _ in range(3))
+    numscope.convert(model, Plan.uniform("fp8"))
+    numscope.convert(other, Plan.uniform("mxfp8"))
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        fp8 = compiled(input_ids=ids).logits
+        switch_plan(model, Plan.uniform("fp32"))
+        fp32 = compiled(input_ids=ids).logits
+        switch_plan(model, Plan.uniform("mxfp8"))
+        mxfp8 = compiled(input_ids=ids).logits
+        assert torch.equal(fp32, reference(input_ids=ids).logits) and not torch.equal(fp8, fp32)
+        assert torch.equal(mxfp8, other(input_ids=ids).logits)
+
+
 def test_switch_plan_refuses_what_is_not_a_plan_or_not_converted() -> None:
     model = tiny_bert()
     with pytest.raises(ValueError, match="not converted"):
