@@ -9,6 +9,10 @@ attention (the issue's configuration). Two figures per row, each also as a ratio
   (``ActivationStore.kept_bytes``: its fp16 copies and, once per storage, what it keeps as it is);
 * **peak RSS**: the process's maximum resident memory over model, optimizer, forward and backward, each row
   in a fresh interpreter (``resource.getrusage``), so rows do not share an allocator's high-water mark;
+* **step memory**: the peak RSS over two steps minus the resident memory just before the first forward
+  (model, masters and an empty optimizer already there): what training adds — activations, gradients and the
+  optimizer's moments, which exist from the first step's end, so the second step is the one every later step
+  repeats (the other columns are of the first step alone);
 * **peak RSS, freed memory returned**: the same row run again with glibc's mmap threshold fixed
   (:data:`RETURN_FREED`): freed tensors leave the process at once, so the peak follows the memory the step
   has in use rather than what the C allocator kept after freeing it (glibc only; elsewhere the variable is
@@ -20,10 +24,11 @@ where they cover an operand, else eager; they keep an MX or NVFP4 wgrad input as
 codes); the mxfp8 plan with ``compiled=True`` (``convert``'s default for block formats: torch.compile
 builds what the native code does not cover, none here) and with ``low_memory=True``; the fp8 plan with
 ``storage="fp16"``; the paper's ``numscope.Recipe`` (fp16 model, fp32 masters and ops, fp16 activations,
-dropout masks in bits, loss scaling), alone and with the fp8 plan; ``observed``, an FP32 step that
-``numscope.observe`` samples with its default candidates (what ``numscope analyze`` runs on a sampled
-step). ``--size base`` takes BERT-base's shape instead (vocab 30522, hidden 768, 12 layers, 12
-heads, FFN 3072; seq 128, batch 8).
+dropout masks in bits, loss scaling), alone, with the fp8 plan, and with the fp8 plan and
+:class:`numscope.train.AdamWFp8` (AdamW's moments in FP8 blocks, as torchao's ``AdamWFp8``);
+``observed``, an FP32 step that ``numscope.observe`` samples with its default candidates (what
+``numscope analyze`` runs on a sampled step). ``--size base`` takes BERT-base's shape instead (vocab 30522,
+hidden 768, 12 layers, 12 heads, FFN 3072; seq 128, batch 8).
 Run: ``python benchmarks/bench_memory.py [--rows a,b] [--size base]``.
 """
 
@@ -51,6 +56,7 @@ ROWS = (
     "plan fp8 + fp16 storage",
     "Recipe fp16",
     "Recipe fp16 + plan fp8",
+    "Recipe fp16 + plan fp8 + AdamWFp8",
     "observed",
 )
 #: glibc's mmap threshold fixed (128 KiB, its initial value): every freed tensor of that size or more is
@@ -68,6 +74,7 @@ def run_row(row: str, size: str = "default") -> dict[str, float]:
     from transformers import BertConfig, BertForMaskedLM
 
     import numscope
+    import numscope.train
 
     vocab, hidden, layers, heads, ffn, batch = SIZES[size]
     torch.manual_seed(0)
@@ -95,9 +102,12 @@ def run_row(row: str, size: str = "default") -> dict[str, float]:
             low_memory=option == "low memory",
         )
     elif row.startswith("Recipe fp16"):
-        plan = "fp8" if row.endswith("plan fp8") else None
+        plan = "fp8" if "plan fp8" in row else None
         recipe = numscope.Recipe(model, dtype=torch.float16, plan=plan, compiled=False)
-        optimizer = torch.optim.AdamW(recipe.parameters(), lr=1e-4)
+        if row.endswith("AdamWFp8"):
+            optimizer = numscope.train.AdamWFp8(recipe.parameters(), lr=1e-4)
+        else:
+            optimizer = torch.optim.AdamW(recipe.parameters(), lr=1e-4)
     observer = numscope.observe(model, every=1).__enter__() if row == "observed" else None
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -108,25 +118,41 @@ def run_row(row: str, size: str = "default") -> dict[str, float]:
             seen[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    def step() -> None:
         if context is not None:
             with context:
                 loss = model(input_ids=ids, labels=ids).loss
         else:
             loss = model(input_ids=ids, labels=ids).loss
-    if recipe is not None:
-        recipe.backward(loss)
-        recipe.step(optimizer)
-    else:
-        loss.backward()
-        optimizer.step()
-    if observer is not None:
-        observer.step()
+        if recipe is not None:
+            recipe.backward(loss)
+            recipe.step(optimizer)
+        else:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)  # as the Recipe's step does
+        if observer is not None:
+            observer.step()
+
+    before_mb = _resident_mb()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        step()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # the Recipe's own saved-tensor hooks stand in front of this one: they count what they keep
     kept = sum(seen.values()) if recipe is None else recipe.activations.kept_bytes  # type: ignore[union-attr]
     saved = kept / 2**20
-    return {"saved_mb": saved, "peak_mb": peak_kib / 1024}
+    step()  # the second step runs with the optimizer's moments allocated, as every later one
+    steady_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"saved_mb": saved, "peak_mb": peak_kib / 1024, "step_mb": steady_kib / 1024 - before_mb}
+
+
+def _resident_mb() -> float:
+    """The process's resident memory now, in MiB (Linux's /proc/self/statm; elsewhere the peak so far)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -156,7 +182,9 @@ def main() -> None:
     for row in rows:
         results[row] = child(row, args.size, environment)
         # the same row once more with glibc's mmap threshold fixed: freed tensors return to the system
-        results[row]["returned_peak_mb"] = child(row, args.size, {**environment, **RETURN_FREED})["peak_mb"]
+        returned = child(row, args.size, {**environment, **RETURN_FREED})
+        results[row]["returned_peak_mb"] = returned["peak_mb"]
+        results[row]["returned_step_mb"] = returned["step_mb"]
     base = results.get("fp32", next(iter(results.values())))
     vocab, hidden, layers, heads, ffn, batch = SIZES[args.size]
     print(
@@ -164,13 +192,13 @@ def main() -> None:
         f"{batch}: one training step (forward, backward, AdamW)\n"
     )
     print(
-        "| numerics | saved activations | vs fp32 | peak RSS | vs fp32 | peak RSS, freed memory returned "
-        "| vs fp32 |"
+        "| numerics | saved activations | vs fp32 | peak RSS | vs fp32 | step memory | vs fp32 "
+        "| peak RSS, freed memory returned | vs fp32 | step memory, freed memory returned | vs fp32 |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- " * 11 + "|")
     for row, result in results.items():
         cells = [row]
-        for key in ("saved_mb", "peak_mb", "returned_peak_mb"):
+        for key in ("saved_mb", "peak_mb", "step_mb", "returned_peak_mb", "returned_step_mb"):
             cells += [f"{result[key]:.0f} MiB", f"{result[key] / base[key]:.2f}x"]
         print("| " + " | ".join(cells) + " |")
 
