@@ -100,6 +100,7 @@ def test_the_moments_take_a_quarter_of_fp32s_and_resume_exactly() -> None:
         first.step()
     second = AdamWFp8(resumed, lr=1e-3)
     second.load_state_dict(first.state_dict())
+    assert second.state_bytes() == first.state_bytes()  # the codes stay one byte each
     for step in range(2, STEPS):
         for p, steps in zip(resumed, grads, strict=True):
             p.grad = steps[step]

@@ -139,7 +139,8 @@ class AdamWFp8(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         saved = super().state_dict()
-        for state in saved["state"].values():
+        for index, state in saved["state"].items():
+            state = saved["state"][index] = dict(state)  # torch's packed state is the live one: copy
             for name in ("exp_avg", "exp_avg_sq"):
                 moment = state.get(name)
                 if isinstance(moment, _Fp8State):
@@ -152,8 +153,10 @@ class AdamWFp8(torch.optim.Optimizer):
             for name in ("exp_avg", "exp_avg_sq"):
                 moment = state.get(name)
                 if isinstance(moment, dict):
+                    # torch's load_state_dict casts every state tensor to its parameter's dtype: the codes
+                    # come back as float32 holding the E4M3 values, cast back to E4M3 exactly
                     restored = _Fp8State.__new__(_Fp8State)
-                    restored.codes, restored.scale = moment["codes"], moment["scale"]
+                    restored.codes, restored.scale = moment["codes"].to(E4M3), moment["scale"].float()
                     state[name] = restored
 
 
