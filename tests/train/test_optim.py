@@ -11,10 +11,33 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.test_cli import ws  # noqa: F401 (the CLI tests' workspace fixture)
 
 from numscope.train.optim import AdamWFp8, OptimizerError, quantize_blocks
 
 PEERS = Path(sys.prefix) / "peers"
+WIDE_BERT = textwrap.dedent(
+    """
+    import os
+    from transformers import BertConfig, BertForMaskedLM
+
+
+    class Stopping(BertForMaskedLM):
+        # crashes (as a lost machine would) on its 3rd training forward when NUMSCOPE_TEST_STOP is set
+        def forward(self, *args, **kwargs):
+            if self.training and os.environ.get("NUMSCOPE_TEST_STOP"):
+                self.forwards = getattr(self, "forwards", 0) + 1
+                if self.forwards == 3:
+                    raise RuntimeError("the machine went away")
+            return super().forward(*args, **kwargs)
+
+
+    def stopping(vocab_size):
+        config = BertConfig(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=256, max_position_embeddings=64, attn_implementation="eager")
+        return Stopping(config)
+    """
+)
 STEPS = 5
 
 TORCHAO = textwrap.dedent(
@@ -119,3 +142,35 @@ def test_the_moments_take_a_quarter_of_fp32s_and_resume_exactly() -> None:
 def test_bad_settings_are_refused(settings, message) -> None:
     with pytest.raises(OptimizerError, match=message):
         AdamWFp8([torch.nn.Parameter(torch.zeros(4))], **settings)
+
+
+def test_train_with_fp8_moments_resumes_from_its_checkpoint_bit_for_bit(ws, monkeypatch) -> None:  # noqa: F811
+    """``numscope train --optimizer adamw_fp8`` on a small BERT whose FFN weights have 16,384 elements (FP8
+    moments), crashed after its checkpoint and resumed: the parameters of the run that never stopped."""
+    from tests.test_cli import cli, flags
+
+    import numscope
+
+    (ws / "wide_bert.py").write_text(WIDE_BERT)
+    model = f"{ws / 'wide_bert.py'}:stopping"
+    args = [*flags(ws, model), "--plan", "fp8", "--optimizer", "adamw_fp8"]
+    whole = cli("train", *args, "--out", ws / "runs" / "fp8-moments")
+    assert whole.code == 0, whole.err
+    monkeypatch.setenv("NUMSCOPE_TEST_STOP", "1")
+    with pytest.raises(RuntimeError, match="the machine went away"):
+        cli("train", *args, "--out", ws / "runs" / "fp8-moments-resumed")
+    monkeypatch.delenv("NUMSCOPE_TEST_STOP")
+    state = numscope.load_checkpoint(ws / "runs" / "fp8-moments-resumed" / "checkpoint.pt")["optimizer"]
+    moments = [s["exp_avg"] for s in state["state"].values() if isinstance(s["exp_avg"], dict)]
+    assert moments and all(m["codes"].dtype == torch.float8_e4m3fn for m in moments)
+    resumed = cli("train", *args, "--out", ws / "runs" / "fp8-moments-resumed")
+    assert resumed.code == 0, resumed.err
+    first = numscope.load_checkpoint(ws / "runs" / "fp8-moments" / "model.pt")["model"]
+    second = numscope.load_checkpoint(ws / "runs" / "fp8-moments-resumed" / "model.pt")["model"]
+    assert all(torch.equal(first[name], second[name]) for name in first)
+    plain = cli("train", *flags(ws, model), "--plan", "fp8", "--out", ws / "runs" / "adamw")
+    assert plain.code == 0, plain.err
+    other = numscope.load_checkpoint(ws / "runs" / "adamw" / "model.pt")["model"]
+    assert not all(torch.equal(first[name], other[name]) for name in first)  # the moments' rounding shows
+    bad = cli("train", *args[:-1], "adam8", "--out", ws / "runs" / "x")
+    assert bad.code == 2 and "invalid choice: 'adam8'" in bad.err

@@ -103,6 +103,14 @@ def _add_setting_flags(group: Any, settings: type) -> None:
         if "help" not in item.metadata:
             continue
         minimum, positive = item.metadata["minimum"], item.metadata["positive"]
+        if isinstance(item.default, str):
+            group.add_argument(
+                "--" + item.name.replace("_", "-"),
+                choices=item.metadata["choices"],
+                default=item.default,
+                help=item.metadata["help"].replace("%", "%%") + " (default: %(default)s)",
+            )
+            continue
         if isinstance(item.default, int):
             kind = _int_at_least(int(minimum)) if minimum is not None else int
         else:

@@ -42,10 +42,22 @@ class RunSpec:
         return Plan.resolve(self.plan, sites)
 
 
-def setting(default: Any, help: str, minimum: float | None = None, positive: bool = False) -> Any:
-    """A dataclass field that also describes its command-line flag (``--field-name``): the help text, and
-    for numbers the smallest allowed value (``minimum``) or that it must be > 0 (``positive``)."""
-    return field(default=default, metadata={"help": help, "minimum": minimum, "positive": positive})
+def setting(
+    default: Any,
+    help: str,
+    minimum: float | None = None,
+    positive: bool = False,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
+    """A dataclass field that also describes its command-line flag (``--field-name``): the help text, for
+    numbers the smallest allowed value (``minimum``) or that it must be > 0 (``positive``), for names the
+    allowed ones (``choices``)."""
+    metadata = {"help": help, "minimum": minimum, "positive": positive, "choices": choices}
+    return field(default=default, metadata=metadata)
+
+
+OPTIMIZERS = ("adamw", "adamw_fp8")
+"""``adamw``: ``torch.optim.AdamW``; ``adamw_fp8``: :class:`numscope.train.AdamWFp8` (FP8 moments)."""
 
 
 @dataclass(frozen=True)
@@ -63,12 +75,22 @@ class TrainConfig:
         50, "write checkpoint.pt (atomically) every this many steps; a rerun resumes from it", minimum=1
     )
     seed: int = setting(0, "seed of initialisation, data order and masks")
+    optimizer: str = setting(
+        "adamw",
+        "adamw (torch.optim.AdamW) or adamw_fp8 (its moments in FP8 blocks, as torchao's AdamWFp8: a quarter "
+        "of the optimizer's memory)",
+        choices=OPTIMIZERS,
+    )
     mask_probability: float = setting(
         0.15,
         "masked LM: share of each training block's tokens masked (80/10/10); evaluation masks 15% always, so "
         "validation losses compare across settings",
         positive=True,
     )
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up then cosine decay to 10% of ``lr``."""

@@ -38,6 +38,7 @@ from numscope.sites import sites
 from numscope.train.adaptive import Adapter, AdaptiveConfig, observer_for, write_history
 from numscope.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from numscope.train.loss_scaler import LossScaler
+from numscope.train.optim import AdamWFp8
 from numscope.train.recipe import Recipe
 
 if TYPE_CHECKING:  # the model module imports transformers; train_run imports it when it needs it
@@ -225,7 +226,12 @@ def train_run(
         generator=torch.Generator().manual_seed(cfg.seed),
         compiled=compiled,
     )
-    optimizer = torch.optim.AdamW(recipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw_fp8":
+        optimizer: torch.optim.Optimizer = AdamWFp8(
+            recipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
+        )
+    else:
+        optimizer = torch.optim.AdamW(recipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     adapter = Adapter(model, plan, adaptive, observer) if adaptive is not None else None  # type: ignore[arg-type]
     start, curve, elapsed = 0, [], 0.0
     if checkpoint_path.is_file():
