@@ -311,3 +311,29 @@ def test_a_crashed_adaptive_run_resumes_with_the_same_plan_history(
     assert all(torch.equal(first[name], second[name]) for name in first)
     changed = cli("train", *flags(ws, model), "--plan", "fp8", "--adaptive", "--out", folder)
     assert changed.code == 2 and "adaptive" in changed.err  # other adaptive settings: not reused
+
+
+def test_replans_score_by_the_analysis_the_plan_was_recommended_from(ws: Path) -> None:  # noqa: F811
+    """analyze → recommend --bit-budget (the sensitivity objective, limits off) → train --adaptive
+    --adapt-from the same analysis: the re-plans re-solve that objective within the plan's own bits, instead
+    of the noise objective within limits the plan was not made under."""
+    run = ws / "runs" / "adapt-analyze"
+    analyzed = cli("analyze", *flags(ws), "--every", "1", "--out", run)
+    assert analyzed.code == 0, analyzed.err
+    plan = ws / "adapt-plan.yaml"
+    recommended = cli("recommend", run, "--bit-budget", "6", "-o", plan)
+    assert recommended.code == 0, recommended.err
+    out = ws / "runs" / "adapt-from"
+    trained = cli("train", *flags(ws), "--plan", plan, *ADAPTIVE, "--adapt-from", run, "--out", out)
+    assert trained.code == 0, trained.err
+    replans = [c for c in read_history(out / "plan_history.csv") if c.cause == "replan"]
+    # the sensitivity objective with limits off: each choice is the least total sensitivity within the
+    # budget or, kept at its cheapest format, judged by no limit (the noise objective's would be)
+    assert replans and all(
+        "least total sensitivity" in c.measurement or "no limits set" in c.measurement for c in replans
+    )
+    assert all("cannot meet the limits" not in c.measurement for c in replans)
+    bare = ws / "runs" / "adapt-bare"
+    assert cli("analyze", *flags(ws), "--sensitivity", "0", "--out", bare).code == 0
+    refused = cli("train", *flags(ws), "--plan", plan, "--adaptive", "--adapt-from", bare, "--out", ws / "z")
+    assert refused.code == 2 and "holds no operand sensitivity" in refused.err

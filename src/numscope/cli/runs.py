@@ -166,6 +166,7 @@ _ADAPTIVE_FLAGS = (
     "guard_arm",
     "patience",
     "adapt_budget",
+    "adapt_from",
 )
 
 
@@ -198,6 +199,7 @@ def _adaptive_config(args: argparse.Namespace):
         replan_every=None if replan == 0 else replan,
         patience=value("patience", defaults.patience),
         bit_budget=args.adapt_budget,
+        sensitivity_from=None if args.adapt_from is None else str(args.adapt_from),
         **guard,
     )
 
@@ -327,6 +329,13 @@ def _add_adaptive_flags(p: argparse.ArgumentParser) -> None:
         type=_positive_float,
         metavar="BITS",
         help="the re-plans' bit budget (default: the starting plan's average bits)",
+    )
+    g.add_argument(
+        "--adapt-from",
+        metavar="RUN",
+        help="the analysis (or analyze run folder) the plan was recommended from: re-plans then score by its "
+        "measured operand sensitivity with limits off, as 'recommend --bit-budget' does (default: the least "
+        "total noise within the advisor's limits)",
     )
 
 

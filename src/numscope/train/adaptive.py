@@ -17,12 +17,14 @@ point that quantizes (an observer attached before :func:`numscope.convert`, samp
   (:class:`numscope.advisor.Limits`, derived from training outcomes: the worst values of an FP32 run that
   trained well); the SQNR limit is off by default, since it judges noise, which the plan's budget already
   traded, rather than range.
-* **the re-plan** (every ``replan_every`` sampled steps): the advisor (:func:`numscope.advisor.advise`,
-  ``recommend``'s objective without sensitivity: least total noise, weighted by ``noise_weights``) is
+* **the re-plan** (every ``replan_every`` sampled steps): the advisor (:func:`numscope.advisor.advise`) is
   solved again for the operands the starting plan quantizes (those it keeps high stay high) on the last
   ``window`` sampled steps of the running model, under the same bit budget (by default the starting
-  plan's own average bits over those operands, weighted as the advisor weighs them). With hysteresis: an
-  operand takes a new format only when ``patience`` consecutive re-plans chose it.
+  plan's own average bits over those operands, weighted as the advisor weighs them), with the objective
+  ``recommend`` uses by default with a budget: given ``sensitivity_from`` (the analysis the plan was made
+  from), each operand's measured sensitivity, the other formats estimated by the live noise ratios, limits
+  off; without it, the least total noise (weighted by ``noise_weights``) within the advisor's limits. With
+  hysteresis: an operand takes a new format only when ``patience`` consecutive re-plans chose it.
 
 Every change is a :class:`Change` (the step after which it took effect, the operand, old → new, the cause and
 the measurement that decided it), kept in :attr:`Adapter.history` and written by :func:`write_history`; the
@@ -46,8 +48,8 @@ from torch import nn
 
 from numscope._atomic import atomic_write_text
 from numscope._names import exact_pattern
-from numscope.advisor import AdvisorError, Limits, advise
-from numscope.analysis import PLAN_LABEL, Analysis, OperandKey, OperandRecord, operand_name
+from numscope.advisor import AdvisorError, Limits, advise, sensitivity_objective
+from numscope.analysis import PLAN_LABEL, Analysis, OperandKey, OperandRecord, Sensitivity, operand_name
 from numscope.convert import converted_plan, site_sizes, switch_plan
 from numscope.errors import NumscopeError
 from numscope.formats.spec import get_format
@@ -92,6 +94,9 @@ class AdaptiveConfig:
     bit_budget: the re-plan's budget in average bits per operand element (default: the starting plan's).
     candidates: the formats the observer measures and a re-plan chooses among.
     noise_weights: factors on operands' noise in the re-plan's objective (:func:`numscope.advisor.advise`).
+    sensitivity_from: an analysis folder (``numscope analyze``'s, or its run folder) holding each operand's
+        sensitivity: the re-plans then score as ``recommend --bit-budget`` does by default (the measured
+        sensitivity, limits off), so they re-solve the objective the starting plan was made with.
     """
 
     every: int = 10
@@ -107,6 +112,7 @@ class AdaptiveConfig:
     bit_budget: float | None = None
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     noise_weights: Mapping[str, float] | None = None
+    sensitivity_from: str | None = None
 
     def __post_init__(self) -> None:
         _positive_int("every", self.every)
@@ -213,6 +219,7 @@ class Adapter:
         self.model, self.start_plan, self.config, self.observer = model, plan, config, observer
         self.history: list[Change] = []
         self._state = _State()
+        self._sensitivity = _sensitivity(config.sensitivity_from)
         self._apply(0, [])
 
     # -- the plans ------------------------------------------------------------------------------------
@@ -322,14 +329,20 @@ class Adapter:
             state.budget = config.bit_budget or _analysis_bits(intended, analysis)
         candidates = [c for c in config.candidates if c in analysis.candidates]
         budget = state.budget
+        if self._sensitivity is not None:  # recommend's default with a budget: sensitivity, limits off
+            options: dict[str, Any] = {
+                "objective": sensitivity_objective(self._sensitivity, None, analysis),
+                **dict.fromkeys(GUARD_METRICS, None),
+                "max_be_ratio": None,
+            }
+        else:
+            options = {"noise_weights": config.noise_weights}
         try:
             # the least bits that meet the limits: where the tensors need more than the budget, that
-            cheapest = advise(analysis, candidates=candidates).average_bits
+            cheapest = advise(analysis, candidates=candidates, **options).average_bits
             if cheapest > budget:
                 budget = cheapest * (1 + 1e-9)
-            recommendation = advise(
-                analysis, candidates=candidates, bit_budget=budget, noise_weights=config.noise_weights
-            )
+            recommendation = advise(analysis, candidates=candidates, bit_budget=budget, **options)
         except AdvisorError as error:
             raise AdaptiveError(f"the re-plan after step {step + 1} failed: {error}") from error
         within = f"within {budget:.3g} bits" + (
@@ -405,6 +418,24 @@ def observer_for(model: nn.Module, plan: Plan, config: AdaptiveConfig, **options
 
 _GUARD_CANDIDATE = "bf16"
 """What the observer measures besides the plan when only the guard decides (it needs one candidate)."""
+
+
+def _sensitivity(folder: str | None) -> Sensitivity | None:
+    """The operand sensitivity of the analysis in ``folder`` (or of a run folder's ``analysis/``)."""
+    if folder is None:
+        return None
+    path = Path(folder)
+    path = path / "analysis" if (path / "analysis").is_dir() else path
+    try:
+        sensitivity = Analysis.load(path).sensitivity
+    except (OSError, ValueError) as error:
+        raise AdaptiveError(f"sensitivity_from {folder}: not an analysis folder ({error})") from error
+    if sensitivity is None or sensitivity.granularity != "operand":
+        raise AdaptiveError(
+            f"sensitivity_from {folder}: the analysis holds no operand sensitivity (numscope analyze "
+            "measures it by default; --sensitivity 0 skips it)"
+        )
+    return sensitivity
 
 
 def _spec(plan: Plan, key: OperandKey) -> OperandSpec:
