@@ -222,6 +222,7 @@ def test_the_guard_alone_observes_only_what_it_reads() -> None:
         ({"bit_budget": 40}, r"bits in \(0, 32\]"),
         ({"candidates": ()}, "at least one"),
         ({"arm": "never"}, "arm must be 'met' or 'always'"),
+        ({"sensitivity_from": "/no/such/run"}, "no such analysis folder"),
     ],
 )
 def test_bad_settings_are_refused_with_what_is_allowed(settings, message) -> None:

@@ -199,7 +199,7 @@ def _adaptive_config(args: argparse.Namespace):
         replan_every=None if replan == 0 else replan,
         patience=value("patience", defaults.patience),
         bit_budget=args.adapt_budget,
-        sensitivity_from=None if args.adapt_from is None else str(args.adapt_from),
+        sensitivity_from=None if args.adapt_from is None else str(Path(args.adapt_from).resolve()),
         **guard,
     )
 

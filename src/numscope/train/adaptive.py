@@ -137,6 +137,8 @@ class AdaptiveConfig:
             or not 0 < self.bit_budget <= 32
         ):
             raise AdaptiveError(f"bit_budget must be a number of bits in (0, 32], got {self.bit_budget!r}")
+        if self.sensitivity_from is not None and not Path(self.sensitivity_from).is_dir():
+            raise AdaptiveError(f"sensitivity_from {self.sensitivity_from}: no such analysis folder")
         candidates = tuple(self.candidates)
         if not candidates or any(not isinstance(c, str) for c in candidates):
             raise AdaptiveError(f"candidates must be format names, at least one; got {self.candidates!r}")
