@@ -69,7 +69,11 @@ TORCHAO_RUN = textwrap.dedent(
     exported = importlib.util.module_from_spec(spec); spec.loader.exec_module(exported)
     plan = numscope.Plan.named(sys.argv[3])
     x = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
-    theirs, ours = exported.convert(MLP(), emulate=True), numscope.convert(MLP(), plan)
+    # torchao's emulation accumulates in fp32 whatever use_fast_accum says ("a no-op if emulation is turned
+    # on", torchao/float8/config.py): compare with the plan's operands accumulated in fp32
+    want = plan.for_site("fc1")
+    fp32 = plan.with_rule("fc*", numscope.SiteSpec(want.operands))
+    theirs, ours = exported.convert(MLP(), emulate=True), numscope.convert(MLP(), fp32)
     results = []
     for model in (theirs, ours):
         out = model(x)
@@ -77,12 +81,16 @@ TORCHAO_RUN = textwrap.dedent(
         results.append((out.detach(), model.fc1.weight.grad, model.fc2.weight.grad))
     differences = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*results)]  # relative
     config = exported.configs()[0]
-    want = plan.for_site("fc1")  # with torchao's amax floor (1e-12), which the export adds where it lacks
+    # with torchao's amax floor (1e-12), which the export adds where it lacks
     floored = numscope.SiteSpec({key: dataclasses.replace(spec, scaling=dataclasses.replace(
-        spec.effective_scaling(), amax_epsilon=1e-12)) for key, spec in want.operands.items()})
+        spec.effective_scaling(), amax_epsilon=1e-12)) for key, spec in want.operands.items()},
+        want.accumulate)
+    fast = [config.gemm_config_output.use_fast_accum, config.gemm_config_grad_input.use_fast_accum,
+            config.gemm_config_grad_weight.use_fast_accum]
     print(json.dumps({"converted": type(theirs.fc1).__name__, "differences": differences,
                       "round_trip": from_torchao(config).for_site("fc1") == floored,
-                      "floored": floored == want}))
+                      "floored": floored == want, "fast_accum": fast,
+                      "accumulate": [want.accumulate_for(g) for g in ("fprop", "dgrad", "wgrad")]}))
     """
 )
 
@@ -114,6 +122,10 @@ def test_torchao_runs_the_export_as_numscope_emulates_it(plan: str, tolerance: f
     # multiplies by its reciprocal (Transformer Engine's order), which moves a value by an ulp or so
     assert max(result["differences"]) <= tolerance, result
     assert result["round_trip"]  # the torchao config read back is the plan's spec, with torchao's amax floor
+    # each GEMM's accumulation written explicitly: fast (fp22) where the plan says so; torchao's recipes
+    # accumulate the output GEMM fast (its default), the fp8 preset in fp32 everywhere
+    assert result["fast_accum"] == [acc == "fp22" for acc in result["accumulate"]], result
+    assert result["accumulate"][0] == ("fp22" if plan.startswith("torchao_") else "fp32")
     # the torchao_* recipes carry that floor; the fp8 preset has none: the export says so, in one line
     floor_lines = [line for line in exported.unexpressed if "floors every amax at 1e-12" in line]
     assert result["floored"] == plan.startswith("torchao_") and len(floor_lines) == (plan == "fp8")
@@ -248,7 +260,7 @@ def test_transformer_engine_export_follows_the_documented_api() -> None:
         alias.name for node in module.body if isinstance(node, ast.ImportFrom) for alias in node.names
     }
     assert imported == {"DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Format",
-                        "MXFP8BlockScaling", "NVFP4BlockScaling", "QParams"}  # fmt: skip
+                        "MMParams", "MXFP8BlockScaling", "NVFP4BlockScaling", "QParams"}  # fmt: skip
     assert (  # TE's defaults written out, as the recipe has them: RHT, stochastic rounding, 16x16 weights
         "RECIPE = NVFP4BlockScaling(disable_rht=False, disable_stochastic_rounding=False, "
         "disable_2d_quantization=False)" in exported.files["numscope_te.py"]

@@ -68,6 +68,8 @@ class Float8CurrentScaling:
     fp8_quant_fwd_weight: QParams = dataclasses.field(default_factory=QParams)
     fp8_quant_bwd_grad: QParams = dataclasses.field(default_factory=QParams)
     fp8_gemm_fprop: MMParams = dataclasses.field(default_factory=lambda: MMParams(False))
+    fp8_gemm_dgrad: MMParams = dataclasses.field(default_factory=lambda: MMParams(True))
+    fp8_gemm_wgrad: MMParams = dataclasses.field(default_factory=lambda: MMParams(True))
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: str | None = None
@@ -83,6 +85,9 @@ class Float8BlockScaling:
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = dataclasses.field(default_factory=MMParams)
+    fp8_gemm_dgrad: MMParams = dataclasses.field(default_factory=MMParams)
+    fp8_gemm_wgrad: MMParams = dataclasses.field(default_factory=MMParams)
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: str | None = None
@@ -177,7 +182,9 @@ def test_te_export_imports_back_or_lists_each_difference(name: str, transformer_
                     spec.format in WIDE and spec.scaling is None and spec.rounding == "nearest"
                 )
             else:
-                same = spec == imported.operand(*key)
+                same = spec == imported.operand(*key) and (
+                    spec.is_high or wanted.accumulate_for(key[0]) == imported.accumulate_for(key[0])
+                )
             if not same:
                 differing.append((site, key))
     listed = "\n".join(exported.unexpressed)
@@ -204,7 +211,7 @@ def test_te_plans_that_te_runs_round_trip_exactly(transformer_engine) -> None:
     ):
         plan, imported = Plan.recipe(name), from_transformer_engine(recipe)
         for site in linear:
-            assert plan.for_site(site).operands == imported.for_site(site).operands, name
+            assert plan.for_site(site) == imported.for_site(site), name  # operands and accumulation
 
 
 def test_te_import_reads_every_numerics_setting(transformer_engine) -> None:
@@ -321,3 +328,26 @@ def test_megatron_refuses_a_delayed_plan_with_its_ends_high() -> None:
     flags = exported.files["numscope_megatron_flags.txt"].splitlines()
     megatron_config_checks(flags, num_layers=4)  # if it exports, Megatron must accept it
     assert exported.unexpressed
+
+
+def test_accumulation_is_written_out_or_listed(transformer_engine) -> None:
+    """Float8CurrentScaling's per-GEMM split accumulator follows the plan (written explicitly); a recipe with
+    no such switch lists a plan whose accumulation differs from what TE runs."""
+    sites = bert_sites()
+    name = "bert.encoder.layer.0.output.dense"
+    fp8 = to_transformer_engine(Plan.uniform("fp8"), sites, "fp8")  # fp32 everywhere: split accumulator on
+    written: dict = {}
+    exec(compile(fp8.files["numscope_te.py"], "numscope_te.py", "exec"), written)
+    assert written["RECIPE"].fp8_gemm_fprop.use_split_accumulator is True
+    assert from_transformer_engine(written["RECIPE"]).for_site(name).accumulate == "fp32"
+    te = to_transformer_engine(Plan.recipe("te_current"), sites, "te_current")
+    exec(compile(te.files["numscope_te.py"], "numscope_te.py", "exec"), written)
+    assert written["RECIPE"].fp8_gemm_fprop.use_split_accumulator is False
+    assert written["RECIPE"].fp8_gemm_wgrad.use_split_accumulator is True
+    delayed = Plan.recipe("te_delayed")
+    slow = numscope.SiteSpec(delayed.for_site(name).operands)  # fprop promoted: not what TE's constant runs
+    listed = to_transformer_engine(delayed.with_rule(name, slow), sites, "delayed, fprop fp32").unexpressed
+    assert (
+        f"{name} fprop accumulate fp32: TE's DelayedScaling runs this GEMM accumulating in fp22"
+        in "\n".join(listed)
+    )

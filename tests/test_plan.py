@@ -653,3 +653,47 @@ def test_a_folder_named_like_a_preset_does_not_hide_it(
     (tmp_path / "mine").mkdir()
     with pytest.raises(PlanError, match="mine: no such file"):
         Plan.resolve("mine")
+
+
+def test_accumulation_per_gemm_round_trips_and_runs_per_gemm(tmp_path) -> None:
+    """A site may accumulate each GEMM in its own precision (TE's FP8 recipes: fprop fast, i.e. fp22);
+    it survives YAML and the runtime applies it to that GEMM only."""
+    import torch
+
+    import numscope
+    from numscope.sites import accumulate_matmul
+
+    spec = SiteSpec.uniform("fp8_e4m3", accumulate={"fprop": "fp22"})
+    assert [spec.accumulate_for(g) for g in ("fprop", "dgrad", "wgrad")] == ["fp22", "fp32", "fp32"]
+    assert spec.describe_accumulate() == "fprop fp22, dgrad fp32, wgrad fp32"
+    assert SiteSpec.uniform("fp8_e4m3", accumulate={"fprop": "fp22", "dgrad": "fp22", "wgrad": "fp22"}) == (
+        SiteSpec.uniform("fp8_e4m3", accumulate="fp22")
+    )  # stored as one name where all three agree
+    plan = Plan(spec)
+    path = tmp_path / "plan.yaml"
+    plan.save(path)
+    assert "fprop: fp22" in path.read_text()
+    assert Plan.load(path) == plan
+    with pytest.raises(PlanError, match="accumulate: unknown gemm 'forward'"):
+        SiteSpec(accumulate={"forward": "fp22"})
+    with pytest.raises(PlanError, match="accumulate for dgrad: unknown accumulate 'fp8'"):
+        SiteSpec(accumulate={"dgrad": "fp8"})
+    path.write_text("numscope_plan: 1\ndefault:\n  all: fp8_e4m3\n  accumulate: {wgrad: fp9}\n")
+    with pytest.raises(PlanError, match=r"default.accumulate.wgrad: unknown accumulate 'fp9'"):
+        Plan.load(path)
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(256, 8, bias=False)
+    x = torch.randn(4, 256)
+    q = numscope.convert(
+        torch.nn.Linear(256, 8, bias=False), Plan(SiteSpec.uniform("bf16", accumulate={"fprop": "fp22"}))
+    )
+    q.load_state_dict(layer.state_dict())
+    out = q(x)
+    xb, wb = x.bfloat16().float(), layer.weight.detach().bfloat16().float()
+    assert torch.equal(out.detach(), accumulate_matmul(xb, wb.t(), "fp22"))
+    assert not torch.equal(out.detach(), xb @ wb.t())
+    grad = torch.randn(4, 8)
+    out.backward(grad)
+    gb = grad.bfloat16().float()
+    assert torch.equal(q.weight.grad, (gb.t() @ xb))  # wgrad in fp32, torch's own product

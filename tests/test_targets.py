@@ -91,6 +91,9 @@ def test_a_target_plan_is_what_its_stack_runs_and_exports_whole(observed, target
             states = {spec.operand(gemm, operand).is_high for operand in OPERANDS[gemm]}
             assert len(states) == 1, (name, gemm)  # both operands of a GEMM quantized, or neither
         layer = numscope._names.layer_index(name)
+        if spec.operand("fprop", "input").format.startswith("fp8_"):  # what the stack's FP8 GEMM runs
+            fast = target == "megatron"  # Megatron builds TE's Float8CurrentScaling with its defaults
+            assert spec.accumulate_for("fprop") == ("fp22" if fast else "fp32"), (target, name)
         if target == "megatron":
             if layer is None:
                 assert spec.is_high, name  # the output layer is outside Megatron's fp8/fp4 layers
@@ -151,7 +154,14 @@ def test_te_runs_a_module_in_another_recipe_where_that_costs_less_and_the_export
     exported = export(result.plan, "te", sites)
     assert exported.unexpressed == []
     text = exported.files["numscope_te.py"]
-    assert f"    {target!r}: Float8CurrentScaling(fp8_format=Format.HYBRID)," in text
+    spelled = (  # accumulation written out: every GEMM promoted to fp32, as the target's plan accumulates
+        "Float8CurrentScaling(fp8_format=Format.HYBRID, "
+        "fp8_gemm_fprop=MMParams(use_split_accumulator=True), "
+        "fp8_gemm_dgrad=MMParams(use_split_accumulator=True), "
+        "fp8_gemm_wgrad=MMParams(use_split_accumulator=True))"
+    )
+    assert f"    {target!r}: {spelled}," in text
+    assert result.plan.for_site(target).accumulate == "fp32"
     assert "RECIPE = NVFP4BlockScaling(" in text and "def apply(model):" in text
 
 

@@ -26,6 +26,7 @@ from numscope.analysis import Analysis, OperandKey, Sensitivity
 from numscope.plan import HIGH, OperandSpec, Plan
 from numscope.plan.export import shape_problem
 from numscope.plan.targets import LINEAR_KINDS, StackRecipe, Target
+from numscope.vocab import GEMMS, OPERANDS
 
 Objective = Callable[[OperandKey, str], float]
 
@@ -169,7 +170,13 @@ def advise_for_target(
         else c.format
         for c in choices
     }
-    plan = Plan.per_operand(specs, {c.key: c.reason for c in choices})
+    accumulate: dict[str, dict[str, str]] = {}  # the recipe's accumulation on its quantized GEMMs
+    for site, recipe in best.recipes.items():
+        for gemm in GEMMS:
+            if recipe is not None and any((site, gemm, o) in best.formats for o in OPERANDS[gemm]):
+                wanted = recipe.accumulate
+                accumulate.setdefault(site, {})[gemm] = wanted if isinstance(wanted, str) else wanted[gemm]
+    plan = Plan.per_operand(specs, {c.key: c.reason for c in choices}, accumulate)
     return Recommendation(plan, tuple(choices), best.bits, bit_budget, best.optimal, limits, reference)
 
 

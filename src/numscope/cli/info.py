@@ -64,7 +64,10 @@ def _cmd_recipes(args: argparse.Namespace) -> int:
         from numscope.plan import Plan
 
         recipe = found[0]
-        print(f"\nemulated: {recipe.notes}\n")
+        print(f"\nemulated: {recipe.notes}")
+        if recipe.code:
+            print(f"code: {recipe.code}")
+        print()
         print(render_table([row._asdict() for row in Plan.recipe(recipe.name).describe()]))
     else:
         print(

@@ -39,7 +39,8 @@ Keys of a site spec (``default`` or a rule), applied broadest first, later ones 
 operand by operand: ``all`` (the six operands) → ``forward`` (fprop) / ``backward`` (dgrad and wgrad) →
 ``input`` / ``weight`` / ``grad_output`` (that operand in every GEMM that takes it) → ``fprop`` /
 ``dgrad`` / ``wgrad`` (a mapping operand → spec, or one spec for both operands). Besides: ``accumulate``
-(``fp32``, ``bf16``, ``fp16``, ``fp22``, ``fp22_promote128``; default ``fp32``), ``reasons``
+(``fp32``, ``bf16``, ``fp16``, ``fp22``, ``fp22_promote128``; default ``fp32``; or per GEMM, e.g.
+``{fprop: fp22}``, the others ``fp32``), ``reasons``
 (``"gemm/operand"`` → text) and, in a rule, ``match`` and ``optional`` (``true``: the rule may match no
 site; :meth:`Plan.check_sites` reports only the others). An operand spec is a format name, ``high``, or a
 mapping with ``format`` and optionally ``scaling`` (a kind name or a mapping of :class:`numscope.Scaling`

@@ -51,6 +51,13 @@ _TORCHAO_FIELDS = {
     ("wgrad", "input"): "cast_config_input_for_grad_weight",
 }
 _FP8_DTYPES = {"fp8_e4m3": "E4M3", "fp8_e5m2": "E5M2"}
+#: torchao's per-GEMM configs (Float8GemmConfig.use_fast_accum: True is Hopper's fast accumulation, fp22
+#: here; False promotes to FP32); its defaults: fast for the output GEMM only (torchao/float8/config.py)
+_TORCHAO_GEMMS = {
+    "fprop": "gemm_config_output",
+    "dgrad": "gemm_config_grad_input",
+    "wgrad": "gemm_config_grad_weight",
+}
 
 
 class ExportError(NumscopeError, ValueError):
@@ -208,9 +215,13 @@ def _torchao_config(spec: SiteSpec) -> str | tuple[str, ...]:
     torchao's constraints: both operands of a GEMM are quantized or neither is, and an operand (input,
     weight, grad_output) has one fp8 dtype in both GEMMs it enters (a disabled cast names that dtype too).
     """
-    if spec.accumulate != "fp32":
-        return (f"accumulate {spec.accumulate}: torchao accumulates in fp32",)
     results, problems, powers = {}, [], set()
+    for gemm in GEMMS:
+        if spec.accumulate_for(gemm) not in ("fp22", "fp32"):
+            problems.append(
+                f"{gemm} accumulate {spec.accumulate_for(gemm)}: torchao's float8 GEMM accumulates in fp22 "
+                "(use_fast_accum=True) or promotes to fp32"
+            )
     for gemm, operand in OPERAND_KEYS:
         result = _torchao_cast(gemm, operand, spec.operand(gemm, operand))
         if isinstance(result, str):
@@ -242,8 +253,12 @@ def _torchao_config(spec: SiteSpec) -> str | tuple[str, ...]:
             dtype = next(iter(dtypes.get(operand, {_ROLE_DTYPE[operand]})))
             source = f"CastConfig(scaling_type=ScalingType.DISABLED, target_dtype={dtype})"
         casts.append(f"        {_TORCHAO_FIELDS[(gemm, operand)]}={source},")
+    gemms = [
+        f"        {field}=Float8GemmConfig(use_fast_accum={spec.accumulate_for(gemm) == 'fp22'}),"
+        for gemm, field in _TORCHAO_GEMMS.items()
+    ]
     power = powers.pop() if powers else False
-    tail = [f"        round_scales_to_power_of_2={power},", "        emulate=emulate,", "    )"]
+    tail = [*gemms, f"        round_scales_to_power_of_2={power},", "        emulate=emulate,", "    )"]
     return "\n".join(["Float8LinearConfig(", *casts, *tail])
 
 
@@ -266,7 +281,7 @@ def _torchao_mx_config(spec: SiteSpec) -> str | tuple[str, ...]:
     along the contraction axis, E8M0 scales), both operands of fprop and dgrad quantized, wgrad quantized
     or left in high precision (``wgrad_with_hp``), one scale rule for all."""
     if spec.accumulate != "fp32":
-        return (f"accumulate {spec.accumulate}: torchao accumulates in fp32",)
+        return (f"accumulate {spec.describe_accumulate()}: torchao's MXFP8 GEMMs accumulate in fp32",)
     problems, rules = [], set()
     for gemm, operand in OPERAND_KEYS:
         operand_spec = spec.operand(gemm, operand)
@@ -354,7 +369,13 @@ def to_torchao(
         "import warnings",
         "",
         "import torch",
-        "from torchao.float8 import CastConfig, Float8LinearConfig, ScalingGranularity, ScalingType",
+        "from torchao.float8 import (",
+        "    CastConfig,",
+        "    Float8GemmConfig,",
+        "    Float8LinearConfig,",
+        "    ScalingGranularity,",
+        "    ScalingType,",
+        ")",
         "from torchao.float8 import convert_to_float8_training",
         *(
             [
@@ -419,6 +440,48 @@ _TE_QPARAMS = {
 
 #: the placeholder an NVFP4 operand votes for; its switches are decided over the whole plan
 _NVFP4 = "NVFP4BlockScaling"
+#: Float8CurrentScaling's per-GEMM accumulation switches (MMParams.use_split_accumulator: False is Hopper's
+#: fast accumulation, fp22 here; True promotes to FP32)
+_TE_MMPARAMS = {"fprop": "fp8_gemm_fprop", "dgrad": "fp8_gemm_dgrad", "wgrad": "fp8_gemm_wgrad"}
+#: the accumulation TE runs each GEMM of a recipe in where the recipe has no switch for it: DelayedScaling
+#: takes the module constants _2X_ACC_FPROP = False, _2X_ACC_DGRAD = _2X_ACC_WGRAD = True
+#: (transformer_engine/pytorch/module/base.py); Float8BlockScaling asserts the split accumulator for all
+#: three; the block-scaled MXFP8 and NVFP4 GEMMs run on Blackwell, whose tensor cores accumulate in FP32
+_TE_FIXED_ACCUMULATE = {
+    "DelayedScaling": {"fprop": "fp22", "dgrad": "fp32", "wgrad": "fp32"},
+    "Float8BlockScaling": {"fprop": "fp32", "dgrad": "fp32", "wgrad": "fp32"},
+    "MXFP8BlockScaling": {"fprop": "fp32", "dgrad": "fp32", "wgrad": "fp32"},
+    _NVFP4: {"fprop": "fp32", "dgrad": "fp32", "wgrad": "fp32"},
+}
+
+
+def _te_accumulation(recipe: str, site: SiteSpec) -> tuple[str, list[str]]:
+    """``recipe`` with its accumulation written out (Float8CurrentScaling's three MMParams, from ``site``'s
+    quantized GEMMs), and what TE cannot run of ``site``'s accumulation under that recipe."""
+    kind = recipe.split("(", 1)[0]
+    problems = []
+    quantized = [g for g in GEMMS if not all(_high(site.operand(g, o)) for o in OPERANDS[g])]
+    if kind == "Float8CurrentScaling":
+        switches = []
+        for gemm in GEMMS:
+            wanted = site.accumulate_for(gemm) if gemm in quantized else "fp32"
+            if wanted not in ("fp22", "fp32"):
+                problems.append(
+                    f"{gemm} accumulate {wanted}: TE's FP8 GEMM accumulates in fp22 (fast accumulation, "
+                    "use_split_accumulator=False) or promotes to fp32 (True)"
+                )
+                wanted = "fp32"
+            switches.append(f"{_TE_MMPARAMS[gemm]}=MMParams(use_split_accumulator={wanted == 'fp32'})")
+        return f"{recipe[:-1]}, {', '.join(switches)})", problems
+    fixed = _TE_FIXED_ACCUMULATE.get(kind, {})
+    for gemm in quantized:
+        wanted, runs = site.accumulate_for(gemm), fixed.get(gemm, "fp32")
+        if wanted != runs:
+            problems.append(
+                f"{gemm} accumulate {wanted}: TE's {kind} runs this GEMM accumulating in {runs} "
+                "(no setting changes it)"
+            )
+    return recipe, problems
 
 
 def _te_recipe(spec: OperandSpec, gemm: str, operand: str) -> str | None:
@@ -556,22 +619,26 @@ def to_transformer_engine(
                     planned[(name, gemm, operand)] = recipe
                     if recipe == _NVFP4:
                         nvfp4.append((gemm, operand, operand_spec))
-    chosen = _one_recipe(recipes)
+    base = _one_recipe(recipes)
     per_module: dict[str, set[str]] = {}
     for (name, _, _), recipe in planned.items():
         per_module.setdefault(name, set()).add(recipe)
-    module_recipes: dict[str, str] = {}
+    spelled: dict[str, str] = {}  # each module's recipe with its accumulation written out
     for name, raw in per_module.items():
         found = _merge_hybrid(raw)
-        if found == {chosen.replace("Format.HYBRID", "Format.E4M3")} and "Float8BlockScaling" not in chosen:
-            found = {chosen}  # E4M3-only FP8 runs as the model's HYBRID for input and weight
+        if found == {base.replace("Format.HYBRID", "Format.E4M3")} and "Float8BlockScaling" not in base:
+            found = {base}  # E4M3-only FP8 runs as the model's HYBRID for input and weight
         if len(found) > 1:
             unexpressed.append(
                 f"{name}: operands planned as {' and '.join(sorted(found))}: TE runs one recipe per module "
                 "(its autocast region)"
             )
-        elif found != {chosen}:
-            module_recipes[name] = found.pop()
+            continue
+        spelled[name], problems = _te_accumulation(found.pop(), linear[name])
+        unexpressed += [f"{name} {problem}" for problem in problems]
+    of_base = [r for r in spelled.values() if r == base or r.startswith(base[:-1] + ", fp8_gemm_fprop")]
+    chosen = max(of_base, key=of_base.count) if of_base else _te_accumulation(base, plan.default)[0]
+    module_recipes = {name: recipe for name, recipe in spelled.items() if recipe != chosen}
     if _NVFP4 in (chosen, *module_recipes.values()):
         spelled, problems = _nvfp4_recipe(nvfp4)
         unexpressed += problems
@@ -601,6 +668,7 @@ def to_transformer_engine(
             "    Float8BlockScaling,",
             "    Float8CurrentScaling,",
             "    Format,",
+            "    MMParams,",
             "    MXFP8BlockScaling,",
             "    NVFP4BlockScaling,",
             "    QParams,",
@@ -727,6 +795,24 @@ def to_megatron(
                 "megatron/core/transformer/transformer_config.py); keep every layer quantized or use "
                 "current scaling"
             )
+        kind = recipe.split("(", 1)[0]
+        runs = {"fprop": "fp22", "dgrad": "fp32", "wgrad": "fp32"}
+        if kind not in ("Float8CurrentScaling", "DelayedScaling"):
+            runs = _TE_FIXED_ACCUMULATE.get(kind, runs)
+        differing = sorted(
+            {
+                (g, s.accumulate_for(g))
+                for layer in quantized
+                for s in by_layer[layer]
+                for g in GEMMS
+                if s.accumulate_for(g) != runs[g] and not (wgrad_high and g == "wgrad")
+            }
+        )
+        for gemm, wanted in differing:
+            unexpressed.append(
+                f"{gemm} accumulate {wanted}: Megatron-LM builds {kind} with TE's defaults "
+                f"(megatron/core/fp8_utils.py), which run {gemm} accumulating in {runs[gemm]}"
+            )
         flags += _megatron_flags(recipe)
         if wgrad_high:
             flags.append("--no-fp8-wgrad")
@@ -807,7 +893,8 @@ def from_torchao(config: object) -> Plan:
 
     Read by attribute (torchao need not be importable here): each cast config becomes its operand's spec
     (DISABLED: high; TENSORWISE: per-tensor scaling; AXISWISE: row or column scaling along the contraction
-    axis), ``round_scales_to_power_of_2`` the power-of-two option; attention products stay high, as torchao
+    axis), ``round_scales_to_power_of_2`` the power-of-two option, each ``gemm_config_*``'s
+    ``use_fast_accum`` its GEMM's accumulation (fp22, else fp32); attention products stay high, as torchao
     converts Linear layers only.
     """
     from numscope.formats.scaling import Scaling
@@ -840,7 +927,12 @@ def from_torchao(config: object) -> Plan:
         kind = "tensor" if granularity == "TENSORWISE" else ("column" if key in _CONTRACTION_FIRST else "row")
         scaling = Scaling(kind, power_of_two=power, amax_epsilon=TORCHAO_EPS)  # type: ignore[arg-type]
         operands[key] = OperandSpec(names[dtype], scaling=scaling)
-    return linear_only(SiteSpec(operands))
+    accumulate = {}
+    for gemm, field_name in _TORCHAO_GEMMS.items():
+        gemm_config = getattr(config, field_name, None)
+        fast = gemm == "fprop" if gemm_config is None else bool(getattr(gemm_config, "use_fast_accum", False))
+        accumulate[gemm] = "fp22" if fast else "fp32"
+    return linear_only(SiteSpec(operands, accumulate))
 
 
 #: TE's recipe classes numscope reads (transformer_engine/common/recipe/__init__.py)
@@ -877,9 +969,10 @@ def from_transformer_engine(recipe: object) -> Plan:
     The class must come from ``transformer_engine`` (a class named like one elsewhere is refused). Settings
     numscope cannot emulate are refused by name, never dropped: FP8 attention (``fp8_dpa``, ``fp8_mha``),
     ``backward_override``, MXFP8's 2-D weight scales, NVFP4's row-scaled activations and 4over6. Attention
-    products stay high, as TE converts Linear layers only. Not read: GEMM accumulation
-    (``use_split_accumulator``; numscope's plan accumulates in FP32) and ``reduce_amax`` (a distributed
-    setting that does not change one process's numerics).
+    products stay high, as TE converts Linear layers only. GEMM accumulation: Float8CurrentScaling's
+    ``fp8_gemm_fprop``/``dgrad``/``wgrad`` (``use_split_accumulator=False`` is fp22, Hopper's fast
+    accumulation; True fp32), DelayedScaling's fixed fp22 fprop, FP32 elsewhere. Not read: ``reduce_amax``
+    (a distributed setting that does not change one process's numerics).
     """
     from numscope.formats.scaling import Scaling
     from numscope.plan.recipes import _nvfp4_spec, _tile, linear_only
@@ -924,7 +1017,7 @@ def from_transformer_engine(recipe: object) -> Plan:
             if getattr(recipe, "disable_2d_quantization", False):
                 spec = replace(spec, format="nvfp4")
             operands[key] = spec
-        return linear_only(SiteSpec(operands))
+        return linear_only(SiteSpec(operands, _TE_FIXED_ACCUMULATE[kind]))
     if kind == "MXFP8BlockScaling":
         if getattr(recipe, "enable_2d_quantization", False):
             raise _te_refuse(
@@ -933,7 +1026,7 @@ def from_transformer_engine(recipe: object) -> Plan:
         for gemm, operand in OPERAND_KEYS:
             name = "mxfp8_e5m2@rceil" if element(operand) == "fp8_e5m2" else "mxfp8_e4m3@rceil"
             operands[(gemm, operand)] = OperandSpec(name)
-        return linear_only(SiteSpec(operands))
+        return linear_only(SiteSpec(operands, _TE_FIXED_ACCUMULATE[kind]))
     for gemm, operand in OPERAND_KEYS:
         if kind == "DelayedScaling":
             scaling = Scaling(
@@ -960,4 +1053,13 @@ def from_transformer_engine(recipe: object) -> Plan:
             else:
                 scaling = _tile(gemm, operand, power, epsilon)
         operands[(gemm, operand)] = OperandSpec(element(operand), scaling=scaling)
-    return linear_only(SiteSpec(operands))
+    if kind == "Float8CurrentScaling":
+        accumulate = {}
+        for gemm, field_name in _TE_MMPARAMS.items():
+            default = gemm != "fprop"  # TE's defaults: fprop without the split accumulator
+            params = getattr(recipe, field_name, None)
+            split = default if params is None else bool(getattr(params, "use_split_accumulator", default))
+            accumulate[gemm] = "fp32" if split else "fp22"
+    else:
+        accumulate = _TE_FIXED_ACCUMULATE[kind]
+    return linear_only(SiteSpec(operands, accumulate))

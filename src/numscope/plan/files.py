@@ -62,7 +62,7 @@ def _site_to_dict(
         for gemm in GEMMS:
             out[gemm] = {o: _operand_to_value(spec.operand(gemm, o)) for o in OPERANDS[gemm]}
     if always_accumulate or spec.accumulate != "fp32":
-        out["accumulate"] = spec.accumulate
+        out["accumulate"] = spec.accumulate if isinstance(spec.accumulate, str) else dict(spec.accumulate)
     if reasons:
         out["reasons"] = dict(reasons)
     return out
@@ -209,9 +209,20 @@ def _parse_site(data: Mapping[str, Any], where: str, extra_keys: tuple[str, ...]
                 )
             operands[(gemm, operand)] = _parse_operand(item, _at(gemm_where, operand))
     accumulate = data.get("accumulate", "fp32")
-    if not isinstance(accumulate, str):
-        raise PlanError(f"{_at(where, 'accumulate')} must be a string, got {_type_name(accumulate)}")
-    if accumulate not in ACCUMULATE:
+    if isinstance(accumulate, Mapping):
+        for gemm, name in accumulate.items():
+            if gemm not in GEMMS:
+                raise PlanError(f"{_at(where, 'accumulate')}: {_unknown('gemm', str(gemm), GEMMS)}")
+            if not isinstance(name, str) or name not in ACCUMULATE:
+                raise PlanError(
+                    f"{_at(_at(where, 'accumulate'), gemm)}: {_unknown('accumulate', str(name), ACCUMULATE)}"
+                )
+    elif not isinstance(accumulate, str):
+        raise PlanError(
+            f"{_at(where, 'accumulate')} must be a name or a mapping gemm -> name, "
+            f"got {_type_name(accumulate)}"
+        )
+    elif accumulate not in ACCUMULATE:
         raise PlanError(f"{_at(where, 'accumulate')}: {_unknown('accumulate', accumulate, ACCUMULATE)}")
     return SiteSpec(operands, accumulate), _parse_reasons(data.get("reasons", {}), _at(where, "reasons"))
 

@@ -119,7 +119,7 @@ class Plan:
                         op.describe_scaling(),
                         reasons.get(f"{gemm}/{operand}", ""),
                         "-" if op.is_high else op.rounding,
-                        spec.accumulate,
+                        spec.accumulate_for(gemm),
                     )
                 )
         return rows
@@ -162,10 +162,12 @@ class Plan:
         cls,
         formats: Mapping[tuple[str, str, str], str | OperandSpec],
         reasons: Mapping[tuple[str, str, str], str] | None = None,
+        accumulate: Mapping[str, str | Mapping[str, str]] | None = None,
     ) -> Plan:
         """A plan giving each ``(site, gemm, operand)`` its format (a name, or an :class:`OperandSpec` with
         its scaling and rounding), one exact-name rule per site (glob characters in names escaped); operands
-        and sites not listed stay high. ``reasons`` go to the rules."""
+        and sites not listed stay high. ``reasons`` go to the rules; ``accumulate``: a site's accumulation
+        (see :class:`SiteSpec`), fp32 where not given."""
         per_site: dict[str, dict[tuple[str, str], OperandSpec]] = {}
         for (site, gemm, operand), label in formats.items():
             spec = label if isinstance(label, OperandSpec) else OperandSpec(label)
@@ -174,7 +176,7 @@ class Plan:
         rules = tuple(
             Rule(
                 exact_pattern(site),
-                SiteSpec(specs),
+                SiteSpec(specs, (accumulate or {}).get(site, "fp32")),
                 {f"{g}/{o}": reasons[(site, g, o)] for g, o in specs if (site, g, o) in reasons},
             )
             for site, specs in per_site.items()

@@ -51,6 +51,8 @@ class NamedRecipe:
     summary: str
     notes: str
     build: Callable[[list[str] | None], Plan]
+    #: the source code numscope follows: repository, commit or version, files
+    code: str = ""
 
 
 #: torchao's floor under every amax before its scale is computed (``EPS`` in torchao/float8/float8_utils.py,
@@ -82,21 +84,28 @@ def linear_only(spec: SiteSpec) -> Plan:
     return plan
 
 
-def _hybrid(scaling: Scaling | None) -> SiteSpec:
+#: the output GEMM without promotion to FP32 (Hopper's fast accumulation), the others with it: Transformer
+#: Engine's per-tensor FP8 recipes (``_2X_ACC_FPROP = False`` in transformer_engine/pytorch/module/base.py;
+#: Float8CurrentScaling's ``fp8_gemm_fprop = MMParams(use_split_accumulator=False)``) and torchao's float8
+#: (``gemm_config_output = Float8GemmConfig(use_fast_accum=True)`` in torchao/float8/config.py)
+FAST_FPROP = {"fprop": "fp22", "dgrad": "fp32", "wgrad": "fp32"}
+
+
+def _hybrid(scaling: Scaling | None, accumulate: str | dict[str, str] = "fp32") -> SiteSpec:
     """Transformer Engine's HYBRID format: E4M3 for input and weight, E5M2 for grad_output."""
     operands = {}
     for gemm, operand in OPERAND_KEYS:
         fmt = "fp8_e5m2" if operand == "grad_output" else "fp8_e4m3"
         operands[(gemm, operand)] = OperandSpec(fmt, scaling=scaling)
-    return SiteSpec(operands)
+    return SiteSpec(operands, accumulate)
 
 
 def _te_delayed(sites: list[str] | None) -> Plan:
-    return linear_only(_hybrid(Scaling("delayed", history_len=1024, amax_compute="max")))
+    return linear_only(_hybrid(Scaling("delayed", history_len=1024, amax_compute="max"), FAST_FPROP))
 
 
 def _te_current(sites: list[str] | None) -> Plan:
-    return linear_only(_hybrid(Scaling("tensor")))
+    return linear_only(_hybrid(Scaling("tensor"), FAST_FPROP))
 
 
 def _fine_grained(accumulate: str, power_of_two: bool, amax_epsilon: float = 0.0) -> SiteSpec:
@@ -163,14 +172,14 @@ def _deepseek_v3(sites: list[str] | None) -> Plan:
 
 
 def _torchao_tensorwise(sites: list[str] | None) -> Plan:
-    return linear_only(_hybrid(Scaling("tensor", amax_epsilon=TORCHAO_EPS)))
+    return linear_only(_hybrid(Scaling("tensor", amax_epsilon=TORCHAO_EPS), FAST_FPROP))
 
 
 def _torchao_rowwise(sites: list[str] | None) -> Plan:
     operands = {
         key: OperandSpec("fp8_e4m3", scaling=_axiswise(*key, power_of_two=True)) for key in OPERAND_KEYS
     }
-    return linear_only(SiteSpec(operands))
+    return linear_only(SiteSpec(operands, FAST_FPROP))
 
 
 def _torchao_rowwise_with_gw_hp(sites: list[str] | None) -> Plan:
@@ -182,7 +191,7 @@ def _torchao_rowwise_with_gw_hp(sites: list[str] | None) -> Plan:
             "fp8_e4m3", scaling=Scaling("tensor", power_of_two=True, amax_epsilon=TORCHAO_EPS)
         ),
     }  # wgrad: both operands in high precision
-    return linear_only(SiteSpec(operands))
+    return linear_only(SiteSpec(operands, FAST_FPROP))
 
 
 def _mxfp4_tseng(sites: list[str] | None) -> Plan:
@@ -196,6 +205,11 @@ def _mxfp4_tseng(sites: list[str] | None) -> Plan:
 
 
 _TE = "Transformer Engine, transformer_engine.common.recipe"
+_TE_CODE = "NVIDIA/TransformerEngine at d0067d0 (2.20.0.dev0): transformer_engine/common/recipe/__init__.py"
+_TORCHAO_CODE = (
+    "pytorch/ao v0.18.0: torchao/float8/config.py (Float8LinearConfig.from_recipe_name, Float8GemmConfig), "
+    "torchao/float8/float8_utils.py (EPS)"
+)
 RECIPES: dict[str, NamedRecipe] = {
     recipe.name: recipe
     for recipe in (
@@ -203,30 +217,38 @@ RECIPES: dict[str, NamedRecipe] = {
             "te_delayed",
             f"{_TE}.DelayedScaling (defaults: HYBRID, amax_history_len=1024, amax_compute_algo='max')",
             "FP8 HYBRID with delayed scaling: E4M3 input/weight, E5M2 grad_output, amax history of 1024",
-            "margin 0; the first step uses the current amax (TE uses scale 1 there)",
+            "margin 0; the first step uses the current amax (TE uses scale 1 there); fprop accumulates as "
+            "Hopper's fast accumulation (fp22: TE's fixed _2X_ACC_FPROP = False), dgrad and wgrad in fp32",
             _te_delayed,
+            f"{_TE_CODE}; transformer_engine/pytorch/module/base.py (_2X_ACC_FPROP/DGRAD/WGRAD)",
         ),
         NamedRecipe(
             "te_current",
             f"{_TE}.Float8CurrentScaling (default fp8_format HYBRID)",
-            "FP8 HYBRID with per-tensor current scaling (the same numerics as the preset 'fp8')",
-            "amax_epsilon 0, scales not rounded to powers of two (TE's defaults)",
+            "FP8 HYBRID with per-tensor current scaling (the preset 'fp8', its fprop accumulated fast)",
+            "amax_epsilon 0, scales not rounded to powers of two (TE's defaults); fprop without the split "
+            "accumulator (fp8_gemm_fprop=MMParams(use_split_accumulator=False): fp22), dgrad and wgrad fp32",
             _te_current,
+            _TE_CODE,
         ),
         NamedRecipe(
             "te_block",
             f"{_TE}.Float8BlockScaling (default fp8_format E4M3)",
             "FP8 E4M3 everywhere; 1x128 tiles for inputs and gradients, 128x128 for weights, "
             "power-of-two scales",
-            "tiles along each GEMM's contraction axis (1x128 in fprop/dgrad, 128x1 for wgrad operands)",
+            "tiles along each GEMM's contraction axis (1x128 in fprop/dgrad, 128x1 for wgrad operands); "
+            "every GEMM promotes to fp32 (TE asserts the split accumulator)",
             _te_block,
+            _TE_CODE,
         ),
         NamedRecipe(
             "te_mxfp8",
             f"{_TE}.MXFP8BlockScaling (default fp8_format E4M3)",
             "MXFP8 E4M3 for every operand, gradients included; the E8M0 scale rounded up (rceil)",
-            "blocks of 32 along each GEMM's contraction axis",
+            "blocks of 32 along each GEMM's contraction axis; fp32 accumulation (Blackwell's block-scaled "
+            "GEMMs)",
             _te_mxfp8,
+            _TE_CODE,
         ),
         NamedRecipe(
             "te_nvfp4",
@@ -234,8 +256,9 @@ RECIPES: dict[str, NamedRecipe] = {
             "NVFP4: 16x16 weight scales, random Hadamard transform (16) on wgrad, stochastic rounding of "
             "gradients, the last ~15% of linear layers in BF16",
             "the BF16 layers need the model's sites (Plan.recipe(name, sites) or numscope train, which "
-            "passes them); the RHT is TE's: its fixed sign vector (rht16:28389)",
+            "passes them); the RHT is TE's: its fixed sign vector (rht16:28389); fp32 accumulation",
             _te_nvfp4,
+            f"{_TE_CODE}; transformer_engine/pytorch/tensor/nvfp4_tensor.py (get_wgrad_sign_vector)",
         ),
         NamedRecipe(
             "deepseek_v3",
@@ -244,31 +267,41 @@ RECIPES: dict[str, NamedRecipe] = {
             "promoted to FP32 every 128 products",
             "accumulation emulated as E8M13 (about the 14 bits the report measured) in runs of 128; tile "
             "amaxes floored at 1e-4 as DeepGEMM's casts; the output head (the last linear site, when the "
-            "model's sites are given) and MoE gates (*.gate) high",
+            "model's sites are given) and MoE gates (*.gate) high. Not as DeepGEMM computes: the partial "
+            "sums are of the dequantized values (scales applied before accumulating, not at each "
+            "promotion), and the scale is 448/amax with decode 1/scale (DeepGEMM: sf = amax/448, "
+            "x·(1/sf), decode by sf)",
             _deepseek_v3,
+            "deepseek-ai/DeepGEMM at 38939a4: deep_gemm/utils/math.py (per_token_cast_to_fp8, "
+            "per_block_cast_to_fp8)",
         ),
         NamedRecipe(
             "torchao_tensorwise",
             "torchao, Float8LinearConfig.from_recipe_name('tensorwise')",
             "FP8 with per-tensor scaling: E4M3 input/weight, E5M2 grad_output",
             "scales not rounded to powers of two (torchao's default for this recipe); amax floored at "
-            "torchao's EPS 1e-12; the output GEMM's fast accumulation is not emulated (fp32)",
+            "torchao's EPS 1e-12; the output GEMM accumulates fast (fp22: gemm_config_output's "
+            "use_fast_accum=True), the gradient GEMMs in fp32",
             _torchao_tensorwise,
+            _TORCHAO_CODE,
         ),
         NamedRecipe(
             "torchao_rowwise",
             "torchao, Float8LinearConfig.from_recipe_name('rowwise')",
             "FP8 E4M3 for every operand, one power-of-two scale per row along the contraction axis",
             "axiswise scaling is row or column scaling, whichever keeps the scale along the contraction; "
-            "amax floored at torchao's EPS 1e-12",
+            "amax floored at torchao's EPS 1e-12; the output GEMM accumulates fast (fp22)",
             _torchao_rowwise,
+            _TORCHAO_CODE,
         ),
         NamedRecipe(
             "torchao_rowwise_with_gw_hp",
             "torchao, Float8LinearConfig.from_recipe_name('rowwise_with_gw_hp')",
             "FP8 E4M3 rowwise for fprop and dgrad (dgrad's weight per tensor), wgrad in high precision",
-            "power-of-two scales, as torchao's rowwise recipes round them",
+            "power-of-two scales, as torchao's rowwise recipes round them; the output GEMM accumulates fast "
+            "(fp22)",
             _torchao_rowwise_with_gw_hp,
+            _TORCHAO_CODE,
         ),
         NamedRecipe(
             "mxfp4_tseng2025",
@@ -276,8 +309,12 @@ RECIPES: dict[str, NamedRecipe] = {
             "BF16 forward; MXFP4 backward (dgrad, wgrad) with stochastic rounding and a random Hadamard "
             "transform",
             "RHT blocks of 32 (one MX block) chosen here; the paper scales by 3/4 before stochastic rounding "
-            "so that it cannot overflow, numscope saturates instead; attention products included",
+            "so that it cannot overflow, numscope saturates instead; attention products included. Not as the "
+            "authors' code: it rotates in blocks of 64 (HBS) with fresh random signs for each backward GEMM "
+            "call, numscope in blocks of 32 with fixed signs",
             _mxfp4_tseng,
+            "amazon-science/mxfp4-llm at 0cc57fe: patch_override_scripts/Megatron-LM.patch "
+            "(MXFP4LinearWithGradAccumulationAndAsyncCommunication.backward), microxcaling.patch",
         ),
     )
 }

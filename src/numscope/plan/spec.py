@@ -306,6 +306,30 @@ def _split_key(key: tuple[str, str] | str) -> tuple[str, str]:
     return key
 
 
+def _accumulate(value: object) -> str | _FrozenDict:
+    """A site's accumulation as stored: one name, or a GEMM → name mapping where the GEMMs differ."""
+    if isinstance(value, str):
+        if value not in ACCUMULATE:
+            raise PlanError(_unknown("accumulate", value, ACCUMULATE))
+        return value
+    if not isinstance(value, Mapping):
+        raise PlanError(
+            f"accumulate is a name ({', '.join(ACCUMULATE)}) or a mapping gemm -> name, "
+            f"got {_type_name(value)}"
+        )
+    per_gemm = {}
+    for gemm, name in value.items():
+        if gemm not in GEMMS:
+            raise PlanError(f"accumulate: {_unknown('gemm', str(gemm), GEMMS)}")
+        if not isinstance(name, str) or name not in ACCUMULATE:
+            raise PlanError(f"accumulate for {gemm}: {_unknown('accumulate', str(name), ACCUMULATE)}")
+        per_gemm[gemm] = name
+    names = [per_gemm.get(gemm, "fp32") for gemm in GEMMS]
+    if len(set(names)) == 1:
+        return names[0]
+    return _FrozenDict(dict(zip(GEMMS, names, strict=True)))
+
+
 @dataclass(frozen=True)
 class SiteSpec:
     """The numerics of one site: an :class:`OperandSpec` for each operand of its three GEMMs.
@@ -313,12 +337,15 @@ class SiteSpec:
     operands: keys ``(gemm, operand)`` (``"gemm/operand"`` strings and bare format names are accepted);
         missing keys mean ``high``. ``high`` entries are dropped, so equal numerics compare equal.
     accumulate: the precision the GEMM's products are summed in: ``fp32`` (default), ``bf16``, ``fp16``,
-        ``fp22`` (E8M13, an FP8 tensor core's accumulator) or ``fp22_promote128`` (fp22 promoted to an
-        fp32 sum every 128 products, as DeepSeek-V3); see :data:`numscope.sites.ACCUMULATORS`.
+        ``fp22`` (E8M13, an FP8 tensor core's accumulator without promotion: Hopper's "fast accumulation")
+        or ``fp22_promote128`` (fp22 promoted to an fp32 sum every 128 products, as DeepSeek-V3); see
+        :data:`numscope.sites.ACCUMULATORS`. One name for all three GEMMs, or a mapping GEMM → name
+        (missing GEMMs: ``fp32``), e.g. ``{"fprop": "fp22"}`` for Transformer Engine's FP8 recipes, whose
+        fprop GEMM runs without the split accumulator. Stored as the name where all three agree.
     """
 
     operands: Mapping[tuple[str, str], OperandSpec] = field(default_factory=dict)
-    accumulate: str = "fp32"
+    accumulate: str | Mapping[str, str] = "fp32"
 
     def __post_init__(self) -> None:
         if not isinstance(self.operands, Mapping):
@@ -326,11 +353,22 @@ class SiteSpec:
         given = {_split_key(k): _operand_spec(v) for k, v in self.operands.items()}
         canonical = {k: given[k] for k in OPERAND_KEYS if k in given and not given[k].is_high}
         object.__setattr__(self, "operands", _FrozenDict(canonical))
-        if not isinstance(self.accumulate, str) or self.accumulate not in ACCUMULATE:
-            raise PlanError(_unknown("accumulate", str(self.accumulate), ACCUMULATE))
+        object.__setattr__(self, "accumulate", _accumulate(self.accumulate))
+
+    def accumulate_for(self, gemm: str) -> str:
+        """The accumulator of one GEMM (``fprop``, ``dgrad`` or ``wgrad``)."""
+        if gemm not in GEMMS:
+            raise PlanError(_unknown("gemm", str(gemm), GEMMS))
+        return self.accumulate if isinstance(self.accumulate, str) else self.accumulate[gemm]
+
+    def describe_accumulate(self) -> str:
+        """``fp32``, or per GEMM where they differ: ``fprop fp22, dgrad fp32, wgrad fp32``."""
+        if isinstance(self.accumulate, str):
+            return self.accumulate
+        return ", ".join(f"{gemm} {self.accumulate[gemm]}" for gemm in GEMMS)
 
     @classmethod
-    def uniform(cls, spec: OperandSpec | str, accumulate: str = "fp32") -> SiteSpec:
+    def uniform(cls, spec: OperandSpec | str, accumulate: str | Mapping[str, str] = "fp32") -> SiteSpec:
         """Every operand of every GEMM in ``spec``."""
         spec = _operand_spec(spec)
         return cls({key: spec for key in OPERAND_KEYS}, accumulate)

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from numscope.formats.scaling import Scaling
-from numscope.plan.recipes import TORCHAO_EPS
+from numscope.plan.recipes import FAST_FPROP, TORCHAO_EPS
 from numscope.plan.spec import PlanError, _unknown
 
 EMULATION = "emulation"
@@ -45,6 +45,9 @@ class StackRecipe:
     #: the scaling the stack gives every operand of this recipe where it differs from the measured format's
     #: default in a way the observer does not measure (torchao's amax floor); None: the format's own
     scaling: Scaling | None = None
+    #: how the stack's GEMMs of this recipe accumulate (a name, or gemm -> name; see SiteSpec.accumulate):
+    #: per-tensor FP8 runs its output GEMM with Hopper's fast accumulation in TE, Megatron and torchao
+    accumulate: str | Mapping[str, str] = "fp32"
 
     def format_for(self, operand: str) -> str:
         return self.formats[operand]
@@ -77,7 +80,13 @@ _HYBRID = StackRecipe(
     "FP8 E4M3 input/weight, E5M2 grad_output, per-tensor current scaling",
     {"input": "fp8_e4m3", "weight": "fp8_e4m3", "grad_output": "fp8_e5m2"},
 )
+#: TE's Float8CurrentScaling with every GEMM promoted to FP32 (fp8_gemm_fprop=MMParams(
+#: use_split_accumulator=True), which the export writes: TE can, and it is the more accurate choice)
 _TE_HYBRID = StackRecipe("fp8", "Float8CurrentScaling(fp8_format=Format.HYBRID)", _HYBRID.formats)
+#: Megatron-LM builds Float8CurrentScaling with TE's defaults: fprop without the split accumulator
+_MEGATRON_HYBRID = StackRecipe(
+    "fp8", "--fp8-format hybrid --fp8-recipe tensorwise", _HYBRID.formats, accumulate=FAST_FPROP
+)
 _TE_MXFP8 = StackRecipe(
     "mxfp8",
     "MXFP8BlockScaling(fp8_format=Format.E4M3)",
@@ -158,7 +167,7 @@ TARGETS: dict[str, Target] = {
             "(first_last_layers_bf16, num_layers_at_start/end_in_bf16; not with delayed scaling), "
             "megatron/core/fp8_utils.py, megatron/core/fp4_utils.py (NVFP4BlockScaling from TE, whose "
             "switches are TE's NVTE_NVFP4_DISABLE_* environment variables)",
-            (_TE_HYBRID, _TE_MXFP8, _TE_NVFP4),
+            (_MEGATRON_HYBRID, _TE_MXFP8, _TE_NVFP4),
             "layer_ends",
             True,
             (

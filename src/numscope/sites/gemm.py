@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from numscope._root_call import save_exactly
+from numscope.vocab import GEMMS
 
 #: number of products summed exactly (in fp32) before a rounding to a narrow accumulator
 ACCUMULATE_CHUNK = 32
@@ -148,7 +149,7 @@ class _Call:
     site: Site
     layout: str  # linear | mm | fold | batched
     handlers: tuple[Callable[..., torch.Tensor], ...]
-    accumulate: str
+    accumulate: tuple[str, ...]  # the accumulator of fprop, dgrad, wgrad (numscope.vocab.GEMMS' order)
     storage: torch.dtype | None
     weight_axes: tuple[int, int] = (-1, 0)  # (fprop, dgrad) axes of b
     meta: dict[str, Any] = field(default_factory=dict)
@@ -156,6 +157,10 @@ class _Call:
     share_weight: bool = False  # dgrad takes fprop's handled weight where it is an activation (shares_weight)
     prequantize: bool = False  # wgrad's input is quantized in forward and kept in its codes (see below)
     upcast: torch.dtype | None = None  # the working dtype of a GEMM computed on float32 values
+
+    def acc(self, gemm: str) -> str:
+        """The accumulator of ``gemm``."""
+        return self.accumulate[GEMMS.index(gemm)]
 
     def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype an operand of ``dtype`` is multiplied in: float32 for fp16/bf16 when upcasting."""
@@ -225,7 +230,7 @@ def _fold_strides(a: torch.Tensor) -> tuple[int, int]:
 def _forward_product(
     call: _Call, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    layout, acc = call.layout, call.accumulate
+    layout, acc = call.layout, call.acc("fprop")
     if acc == "fp32":
         if layout == "linear":
             return F.linear(a, b, bias)
@@ -319,7 +324,8 @@ class SiteGemm(torch.autograd.Function):
         b = ctx.parameter if ctx.parameter is not None else None if b_saved is None else b_saved.to(b_dtype)
         share = ctx.share
         grad_a = grad_b = grad_bias = None
-        layout, acc = call.layout, call.accumulate
+        layout = call.layout
+        acc_d, acc_w = call.acc("dgrad"), call.acc("wgrad")
         _, dgrad_b_axis = call.weight_axes
         if layout in ("linear", "fold"):
             grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
@@ -329,12 +335,12 @@ class SiteGemm(torch.autograd.Function):
                 dy = call.chain("dgrad", "grad_output", grad_2d, -1)
                 w = call.chain("dgrad", "weight", b, dgrad_b_axis)
                 mat2 = w.t() if layout == "linear" else w
-                if acc == "fp32":
+                if acc_d == "fp32":
                     a2_size = (math.prod(a_shape[:-1]), a_shape[-1])
                     a2_stride = a_stride if len(a_shape) == 2 else call.meta["a_fold_strides"]
                     grad_a = _mm_mat1_backward(dy, mat2, a2_size, a2_stride).reshape(a_shape)
                 else:
-                    grad_a = accumulate_matmul(dy, mat2.t(), acc).reshape(a_shape)
+                    grad_a = accumulate_matmul(dy, mat2.t(), acc_d).reshape(a_shape)
             if need_b:
                 dy = call.chain("wgrad", "grad_output", grad_2d, 0)
                 if prepared is not None:
@@ -342,8 +348,8 @@ class SiteGemm(torch.autograd.Function):
                 else:
                     x = a.reshape(-1, a_shape[-1])
                     x = x if share else call.chain("wgrad", "input", x, 0)
-                if acc != "fp32":
-                    product = accumulate_matmul(x.t(), dy, acc)
+                if acc_w != "fp32":
+                    product = accumulate_matmul(x.t(), dy, acc_w)
                     grad_b = product.t() if layout == "linear" else product
                 elif layout == "linear":
                     grad_b = _mm_mat2_backward(
@@ -357,17 +363,17 @@ class SiteGemm(torch.autograd.Function):
             if need_a:
                 dy = call.chain("dgrad", "grad_output", grad_output, -1)
                 w = b_q if b_q is not None else call.chain("dgrad", "weight", b, dgrad_b_axis)
-                if acc == "fp32":
+                if acc_d == "fp32":
                     grad_a = _mm_mat1_backward(dy, w, a_shape, a_stride)
                 else:
-                    grad_a = accumulate_matmul(dy, w.t(), acc)
+                    grad_a = accumulate_matmul(dy, w.t(), acc_d)
             if need_b:
                 dy = call.chain("wgrad", "grad_output", grad_output, 0)
                 x = prepared if prepared is not None else a if share else call.chain("wgrad", "input", a, 0)
                 grad_b = (
                     _mm_mat2_backward(dy, x, b_shape, b_stride)
-                    if acc == "fp32"
-                    else accumulate_matmul(x.t(), dy, acc)
+                    if acc_w == "fp32"
+                    else accumulate_matmul(x.t(), dy, acc_w)
                 )
         else:  # batched, as at::matmul: expand the batch dims, fold them into one, bmm
             batch = call.meta["batch"]
@@ -379,8 +385,8 @@ class SiteGemm(torch.autograd.Function):
                 w = w.expand(*batch, m, p).reshape(count, m, p)
                 product = (
                     dy.bmm(w.transpose(1, 2))
-                    if acc == "fp32"
-                    else accumulate_matmul(dy, w.transpose(1, 2), acc)
+                    if acc_d == "fp32"
+                    else accumulate_matmul(dy, w.transpose(1, 2), acc_d)
                 )
                 grad_a = product.reshape(*batch, n, m).sum_to_size(a_shape)
             if need_b:
@@ -389,8 +395,8 @@ class SiteGemm(torch.autograd.Function):
                 x = x.expand(*batch, n, m).reshape(count, n, m)
                 product = (
                     x.transpose(1, 2).bmm(dy)
-                    if acc == "fp32"
-                    else accumulate_matmul(x.transpose(1, 2), dy, acc)
+                    if acc_w == "fp32"
+                    else accumulate_matmul(x.transpose(1, 2), dy, acc_w)
                 )
                 grad_b = product.reshape(*batch, m, p).sum_to_size(b_shape)
         if need_bias and ctx.has_bias:

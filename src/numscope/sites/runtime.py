@@ -23,8 +23,18 @@ from numscope.sites.conv import _CONV_FUNCS, SiteConv, _ConvParams
 from numscope.sites.gemm import _LOW, ACCUMULATORS, Site, SiteGemm, _Call, _fold_strides
 from numscope.sites.rnn import CELLS, recurrent_reference
 from numscope.sites.sdpa import _sdpa_arguments, _sdpa_kv_heads, _sdpa_sizes, _sizes, sdpa_reference
+from numscope.vocab import GEMMS
 
 _LINEAR_FUNCS = {F.linear}
+
+
+def _accumulate_text(accumulate: tuple[str, ...]) -> str:
+    """``'bf16'``, or ``'fp22/fp32/fp32' (fprop/dgrad/wgrad)`` where the GEMMs differ."""
+    if len(set(accumulate)) == 1:
+        return repr(accumulate[0])
+    return f"{'/'.join(accumulate)!r} (fprop/dgrad/wgrad)"
+
+
 _MM_FUNCS = {torch.mm, torch.Tensor.mm}
 _ADDMM_FUNCS = {torch.addmm, torch.Tensor.addmm}
 _BADDBMM_FUNCS = {torch.baddbmm, torch.Tensor.baddbmm}
@@ -554,7 +564,7 @@ class _Runtime:
                 return attachment.storage
         return None
 
-    def handlers_for(self, site: Site) -> tuple[tuple, str]:
+    def handlers_for(self, site: Site) -> tuple[tuple, tuple[str, ...]]:
         cached = self._wanted.get(site.name)
         if cached is None:
             wanted = tuple(
@@ -562,17 +572,20 @@ class _Runtime:
                 for a in self.attachments
                 if getattr(a.handler, "wants", None) is None or a.handler.wants(site)
             )
-            accumulate = "fp32"
+            accumulate: tuple[str, ...] = ("fp32",) * len(GEMMS)
             for attachment in self.attachments:
                 chooser = getattr(attachment.handler, "accumulate", None)
                 choice = chooser(site) if chooser is not None else None
-                if choice is not None:
-                    accumulate = choice
-            if accumulate not in ACCUMULATORS:
-                raise ValueError(
-                    f"unknown accumulate {accumulate!r} for site {site.name!r}; "
-                    f"allowed: {', '.join(ACCUMULATORS)}"
-                )
+                if choice is not None:  # one name, or a mapping gemm -> name (missing: fp32)
+                    accumulate = tuple(
+                        choice if isinstance(choice, str) else choice.get(gemm, "fp32") for gemm in GEMMS
+                    )
+            for name in accumulate:
+                if name not in ACCUMULATORS:
+                    raise ValueError(
+                        f"unknown accumulate {name!r} for site {site.name!r}; "
+                        f"allowed: {', '.join(ACCUMULATORS)}"
+                    )
             cached = (wanted, accumulate)
             self._wanted[site.name] = cached
         return cached
@@ -853,9 +866,10 @@ class _Runtime:
         if call is None:
             return func(*args, **kwargs)
         x, weight, bias = _autocast_cast(autocast, x, weight, bias)  # type: ignore[assignment]
-        if call.accumulate != "fp32":
+        if set(call.accumulate) != {"fp32"}:
             raise ValueError(
-                f"site {site.name!r}: accumulate {call.accumulate!r} is not emulated for convolutions; "
+                f"site {site.name!r}: accumulate {_accumulate_text(call.accumulate)} is not emulated for "
+                "convolutions; "
                 "give conv sites accumulate fp32 in the plan"
             )
         unbatched = x.dim() == params.dims + 1  # F.conv* accepts an input without a batch axis
