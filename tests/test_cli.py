@@ -647,7 +647,7 @@ def test_train_under_a_named_recipe_gives_it_the_models_sites(ws: Path) -> None:
     assert plan.for_site("cls.predictions.decoder").operand("fprop", "input").format == "bf16"
     assert (
         plan.for_site("bert.encoder.layer.0.attention.self.query").operand("fprop", "weight").format
-        == "nvfp4@2d"
+        == "nvfp4@2d@nan"
     )
     assert math.isfinite(json.loads((out / "result.json").read_text())["val_loss"])
     bad = cli("train", *flags(ws), "--plan", "te_fp8", "--out", ws / "runs" / "bad")

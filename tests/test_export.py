@@ -263,7 +263,7 @@ def test_transformer_engine_export_follows_the_documented_api() -> None:
                         "MMParams", "MXFP8BlockScaling", "NVFP4BlockScaling", "QParams"}  # fmt: skip
     assert (  # TE's defaults written out, as the recipe has them: RHT, stochastic rounding, 16x16 weights
         "RECIPE = NVFP4BlockScaling(disable_rht=False, disable_stochastic_rounding=False, "
-        "disable_2d_quantization=False)" in exported.files["numscope_te.py"]
+        "disable_2d_quantization=False, nvfp4_4over6='none')" in exported.files["numscope_te.py"]
     )
     debug = yaml.safe_load(exported.files["numscope_te_debug.yaml"])
     for section in debug.values():  # TE debug tools: enabled, layers, namespaced features

@@ -110,6 +110,8 @@ class NVFP4BlockScaling:
     disable_2d_quantization: bool = False
     row_scaled_activation: bool = False
     nvfp4_4over6: str = "none"
+    nvfp4_4over6_e4m3_use_256: str = "all"
+    nvfp4_4over6_err_mode: str = "MAE"
     fp4_format: Format = Format.E2M1
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
@@ -248,11 +250,19 @@ def test_te_import_reads_every_numerics_setting(transformer_engine) -> None:
     ).for_site(site)
     for key in OPERAND_KEYS:
         spec = plain.operand(*key)
-        assert (spec.format, spec.rounding, spec.transform) == ("nvfp4", "nearest", None), key
+        assert (spec.format, spec.rounding, spec.transform) == ("nvfp4@nan", "nearest", None), key
     default = from_transformer_engine(NVFP4BlockScaling()).for_site(site)
     assert default.operand("wgrad", "grad_output").rounding == "stochastic"
     assert default.operand("wgrad", "input").transform == "rht16:28389"
-    assert default.operand("fprop", "weight").format == "nvfp4@2d"
+    assert default.operand("fprop", "weight").format == "nvfp4@2d@nan"
+    four = from_transformer_engine(NVFP4BlockScaling(disable_rht=True, nvfp4_4over6="all")).for_site(site)
+    assert four.operand("fprop", "input").format == "nvfp4@4over6@mae@nan"
+    assert four.operand("wgrad", "input").format == "nvfp4@4over6@mae@nan"  # its column-wise copy too
+    assert four.operand("dgrad", "weight").format == "nvfp4@2d@4over6@mae@nan"
+    assert four.operand("wgrad", "grad_output").format == "nvfp4@nan"  # gradients: never 4over6 in TE
+    weights = from_transformer_engine(NVFP4BlockScaling(nvfp4_4over6="weights")).for_site(site)
+    assert weights.operand("fprop", "weight").format == "nvfp4@2d@4over6@mae@nan"
+    assert weights.operand("fprop", "input").format == "nvfp4@nan"
 
 
 @pytest.mark.parametrize(
@@ -261,7 +271,12 @@ def test_te_import_reads_every_numerics_setting(transformer_engine) -> None:
         (DelayedScaling(fp8_dpa=True), r"DelayedScaling\(fp8_dpa=True\): numscope emulates FP8 attention"),
         (Float8CurrentScaling(backward_override="high_precision"), r"backward_override='high_precision'"),
         (MXFP8BlockScaling(enable_2d_quantization=True), r"enable_2d_quantization=True"),
-        (NVFP4BlockScaling(nvfp4_4over6="weights"), r"nvfp4_4over6='weights'"),
+        (NVFP4BlockScaling(nvfp4_4over6="weights", nvfp4_4over6_err_mode="MSE"), r"err_mode='MSE'"),
+        (NVFP4BlockScaling(nvfp4_4over6="all"), r"nvfp4_4over6='all' with RHT"),
+        (
+            NVFP4BlockScaling(nvfp4_4over6="all", nvfp4_4over6_e4m3_use_256="none", disable_rht=True),
+            r"nvfp4_4over6_e4m3_use_256='none'",
+        ),
         (NVFP4BlockScaling(row_scaled_activation=True), r"row_scaled_activation=True"),
         (Float8CurrentScaling(fp8_format=Format.E5M2), r"fp8_format=E5M2"),
     ],

@@ -86,7 +86,7 @@ def test_nvfp4_keeps_the_last_15_percent_of_linear_layers_in_bf16() -> None:
     assert kept == linear[-math.ceil(NVFP4_BF16_TAIL * len(linear)) :]
     assert "cls.predictions.decoder" in kept  # the LM head, last
     spec = plan.for_site(linear[0])
-    assert spec.operand("fprop", "weight").format == "nvfp4@2d"
+    assert spec.operand("fprop", "weight").format == "nvfp4@2d@nan"  # TE's NaN behaviour
     assert spec.operand("wgrad", "grad_output").rounding == "stochastic"
     assert spec.operand("wgrad", "input").transform == TE_RHT
     assert spec.operand("fprop", "input").transform is None

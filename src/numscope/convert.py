@@ -87,6 +87,8 @@ class _Quantizer:
         self._recomputing = False
         self._cursor: dict[str, int] = {}
         self._override: DelayedScaler | None = None
+        # fresh Hadamard signs drawn by a GEMM call's first operand, for its second (see _fresh_signs)
+        self._fresh: dict[str, tuple[torch.Tensor, set[str]]] = {}
 
     def forward_begins(self, recompute: bool, grad_enabled: bool) -> None:
         """``numscope.sites`` says a forward starts: a forward of the model, or (``recompute``) activation
@@ -306,7 +308,10 @@ class _Quantizer:
         latest unused record with that fingerprint (backward recomputes the last checkpointed part first),
         then the following ones in order, and leaves the history and the generator as they were.
         """
-        stochastic = spec.rounding == "stochastic" and self.generator is not None
+        rotation = spec.rotation()
+        fresh = rotation is not None and rotation.fresh
+        # a fresh transform's signs come from the generator too: replayed with it
+        stochastic = (spec.rounding == "stochastic" or fresh) and self.generator is not None
         scaling = spec.effective_scaling()
         delayed = scaling is not None and scaling.kind == "delayed"
         if gemm != "fprop" or not (stochastic or delayed):
@@ -363,11 +368,26 @@ class _Quantizer:
         that multiplies in float32 takes them as they are, any other casts them to its operand's dtype).
         An operand with a transform is quantized rotated along ``axis`` and rotated back."""
         rotation = spec.rotation()
+        if rotation is not None and rotation.fresh:
+            rotation = rotation.with_signs(self._fresh_signs(key, rotation))
         if rotation is not None:
             return rotation.quantized(
                 tensor, axis, lambda rotated, last: self._quantize(key, spec, rotated, last)
             )
         return self._quantize(key, spec, tensor, axis)
+
+    def _fresh_signs(self, key: str, rotation: Any) -> torch.Tensor:
+        """The signs of a fresh Hadamard transform for the GEMM call ``key`` (``site/gemm/operand``)
+        belongs to: drawn by the call's first operand (from the quantizer's generator, else torch's
+        default one), taken by its other operand, so that both rotate alike and the product is kept."""
+        pair, operand = key.rsplit("/", 1)
+        pending = self._fresh.get(pair)
+        if pending is not None and operand not in pending[1] and len(pending[0]) == rotation.size:
+            self._fresh.pop(pair)
+            return pending[0]
+        signs = rotation.draw_signs(self.generator)
+        self._fresh[pair] = (signs, {operand})
+        return signs
 
     def _quantize(self, key: str, spec: OperandSpec, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         fmt = spec.format_spec()

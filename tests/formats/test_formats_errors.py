@@ -33,7 +33,8 @@ X = torch.ones(4, 8)
         (
             lambda: get_format("nvfp4@rceil"),
             ValueError,
-            "format 'nvfp4': unknown option 'rceil'; the NVFP4 formats take: 2d, row, 4over6, divide",
+            "format 'nvfp4': unknown option 'rceil'; the NVFP4 formats take: "
+            "2d, row, 4over6, mae, divide, nan",
         ),
         (lambda: get_format("nvfp4@2d@row"), ValueError, "'2d' blocks and a per-row scale ('row')"),
         (

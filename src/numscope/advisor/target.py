@@ -165,7 +165,9 @@ def advise_for_target(
 
     assert isinstance(limits, Limits)
     specs: dict[OperandKey, str | OperandSpec] = {
-        c.key: OperandSpec(best.formats[c.key], scaling=best.recipes[c.site].scaling)
+        c.key: OperandSpec(
+            best.recipes[c.site].plan_format(best.formats[c.key]), scaling=best.recipes[c.site].scaling
+        )
         if c.key in best.formats
         else c.format
         for c in choices

@@ -149,11 +149,18 @@ def _nvfp4_parts(
     flush_subnormals: bool = False,
     amax: torch.Tensor | None = None,
     tile_rows: int = 1,
+    tensor_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """NVFP4 block parts; ``amax``: each block's amax where it is not its own (2-D tiles); ``tile_rows``:
-    rows that share a scale, over which Four Over Six sums a tile's error."""
+    rows that share a scale, over which Four Over Six sums a tile's error; ``tensor_amax``: the amax the
+    tensor scale came from (TE's Four Over Six measures its errors with it)."""
     if amax is None:
         amax = blocks.abs().amax(dim=-1, keepdim=True)
+    if fmt.four_over_six_mae:
+        assert tensor_amax is not None
+        return _te_four_over_six(
+            blocks, amax, fmt, encode_scale, tensor_amax, rounding, generator, flush_subnormals, tile_rows
+        )
     six = _nvfp4_candidate(blocks, amax, fmt, encode_scale, 6.0, rounding, generator, flush_subnormals)
     if not fmt.four_over_six:
         return six
@@ -169,6 +176,57 @@ def _nvfp4_parts(
 
     pick_four = error(four) < error(six)  # ties keep 6, the plain NVFP4 choice
     return tuple(torch.where(pick_four, f, s) for f, s in zip(four, six, strict=True))
+
+
+def _te_four_over_six(
+    blocks: torch.Tensor,
+    amax: torch.Tensor,
+    fmt: BlockFormat,
+    encode_scale: torch.Tensor,
+    tensor_amax: torch.Tensor,
+    rounding: str,
+    generator,
+    flush_subnormals: bool,
+    tile_rows: int,
+) -> tuple[torch.Tensor, ...]:
+    """Four Over Six as Transformer Engine's NVFP4 reference computes it (``nvfp4_4over6`` with
+    ``nvfp4_4over6_err_mode='MAE'``, ``_quantize_blockwise_4over6_reference`` in
+    transformer_engine/pytorch/custom_recipes/reference_nvfp4.py at d0067d0): the map-to-6 E4M3 scale is
+    e4m3((amax_b / 6) · S), the map-to-4 one e4m3((amax_b / 6) · S · 1.5); each candidate's error is the sum
+    over the block, element by element in float32, of |e · s_b · amax / (6 · 256) − v|; a 2-D tile sums its
+    16 rows' errors in TE's tree order; ties keep 6."""
+    element, scale_format = fmt.element, fmt.scale_format
+    base = amax / 6.0 * encode_scale
+    decode_global = 1.0 / encode_scale
+    denom = torch.tensor(6.0 * 256.0, dtype=torch.float32)
+    candidates, errors = [], []
+    for factor in (1.5, 1.0):  # map to 4, map to 6
+        wanted = base * factor if factor != 1.0 else base
+        stored = cast_float(wanted.clamp(-448.0, 448.0), scale_format, "nearest", "saturate")
+        scale = torch.clamp(1.0 / (stored * decode_global), max=FLOAT32_MAX)
+        elements = cast(blocks * scale, element, rounding, "saturate", flush_subnormals, generator)
+        error = torch.zeros_like(amax)  # TE's order: element by element, in float32
+        for index in range(blocks.shape[-1]):
+            value = elements[..., index : index + 1] * stored * tensor_amax / denom
+            error = error + (value - blocks[..., index : index + 1]).abs()
+        decode = stored * decode_global
+        decode = torch.where(torch.isfinite(amax), decode, torch.full_like(decode, float("nan")))
+        elements = torch.where(stored > 0, elements, elements * 0.0)  # as _nvfp4_candidate: same values
+        candidates.append((elements, decode, stored))
+        errors.append(error)
+    four, six = errors
+    if tile_rows > 1:  # TE's warp reduction over the tile's 16 rows: halves, quarters, ...
+        tiles = []
+        for err in (four, six):
+            rows = err.reshape(-1, tile_rows, *err.shape[1:])
+            width = tile_rows
+            while width > 1:
+                width //= 2
+                rows = rows[:, :width] + rows[:, width : 2 * width]
+            tiles.append(rows.expand(-1, tile_rows, *err.shape[1:]).reshape(err.shape))
+        four, six = tiles
+    pick_four = four < six
+    return tuple(torch.where(pick_four, f, s) for f, s in zip(*candidates, strict=True))
 
 
 def block_parts_2d(
@@ -203,6 +261,8 @@ def block_parts_2d(
     else:
         assert tensor_amax is not None
         encode_scale = scale_from_amax(tensor_amax, target)
+        if fmt.nan_scale:  # TE: a NaN amax gives a NaN tensor scale, and every element NaN
+            encode_scale = torch.where(torch.isnan(tensor_amax), tensor_amax, encode_scale)
     amax, tile_rows = None, fmt.block_rows
     rows = blocks.shape[0]
     if tile_rows > 1:  # one amax per tile of block_rows x block_size, repeated for each of its rows
@@ -211,7 +271,7 @@ def block_parts_2d(
         amax = tiles.expand(-1, tile_rows, -1, -1).reshape(padded.shape[0], -1, 1)
         blocks = padded
     elements, scales, stored = _nvfp4_parts(
-        blocks, fmt, encode_scale, rounding, generator, flush_subnormals, amax, tile_rows
+        blocks, fmt, encode_scale, rounding, generator, flush_subnormals, amax, tile_rows, tensor_amax
     )
     if tile_rows > 1:
         elements, scales, stored = elements[:rows], scales[:rows], stored[:rows]

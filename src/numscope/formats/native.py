@@ -623,6 +623,8 @@ def _blocks(
         tensor_amax = abs_amax(x, "tensor") if x.numel() else torch.zeros(())
         if tensor_amax is None:
             return None
+    if fmt.nan_scale and bool(torch.isnan(tensor_amax).any()):
+        return None  # '@nan': the whole tensor NaN, as the eager path gives it
     target = 6.0
     encode = scale_from_amax(tensor_amax.reshape(()), fmt.scale_format.max * element_fmt.max)
     params = _Blocks(

@@ -28,7 +28,7 @@ ScaleMath = Literal["multiply", "divide"]
 SCALE_RULES: tuple[str, ...] = ("floor", "rceil", "ceil", "even")
 #: the options a block format's name may carry after ``@``, per family, in canonical order
 MX_OPTIONS: tuple[str, ...] = ("rceil", "ceil", "even", "full")
-NVFP4_OPTIONS: tuple[str, ...] = ("2d", "row", "4over6", "divide")
+NVFP4_OPTIONS: tuple[str, ...] = ("2d", "row", "4over6", "mae", "divide", "nan")
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,13 @@ class BlockFormat:
     recipe: the same scale serves a weight and its transpose). ``four_over_six``: each block maps its amax
     to 6 or to 4, whichever reconstructs the block with the smaller squared error ("Four Over Six", Cook
     et al. 2025); S then maps the tensor's amax to 256 · 6, so a block scaled to 4 keeps its E4M3 scale
-    (≤ 256 · 1.5 = 384) within E4M3's 448.
+    (≤ 256 · 1.5 = 384) within E4M3's 448. ``four_over_six_mae`` (``@4over6@mae``): Four Over Six as
+    Transformer Engine computes it (``nvfp4_4over6``, its default error mode MAE): the map-to-4 scale is 1.5
+    times the map-to-6 one, e4m3((amax_b / 6) · S), and each candidate's error the float32 sum, element by
+    element, of its absolute errors (a 2-D tile sums its rows in TE's tree order). ``nan_scale`` (``@nan``):
+    a NaN anywhere in the tensor makes the tensor scale NaN, so every element decodes to NaN, as Transformer
+    Engine's NVFP4 quantizer does; by default a non-finite tensor amax gives the tensor scale 1 and only the
+    NaN's block is NaN.
     """
 
     name: str
@@ -254,6 +260,8 @@ class BlockFormat:
     block_rows: int = 1
     row_scale: bool = False
     four_over_six: bool = False
+    four_over_six_mae: bool = False
+    nan_scale: bool = False
 
     @property
     def kind(self) -> str:
@@ -279,7 +287,9 @@ class BlockFormat:
             "2d": self.block_rows > 1,
             "row": self.row_scale,
             "4over6": self.four_over_six,
+            "mae": self.four_over_six_mae,
             "divide": self.scale_math == "divide",
+            "nan": self.nan_scale,
         }
         family = NVFP4_OPTIONS if self.tensor_scale else MX_OPTIONS
         return tuple(option for option in family if chosen[option])
@@ -338,6 +348,11 @@ class BlockFormat:
             raise ValueError(f"format {base!r}: one scale rule at most, got {', '.join(sorted(rules))}")
         if {"2d", "row"} <= chosen:
             raise ValueError(f"format {base!r}: '2d' blocks and a per-row scale ('row') exclude each other")
+        if "mae" in chosen and ("4over6" not in chosen or chosen & {"row", "divide"}):
+            raise ValueError(
+                f"format {base!r}: 'mae' is Transformer Engine's Four Over Six: it takes '4over6' and "
+                "neither 'row' nor 'divide' (TE's arithmetic)"
+            )
         element = self.element
         if isinstance(element, IntFormat):
             element = replace(element, full_range="full" in chosen)
@@ -353,6 +368,8 @@ class BlockFormat:
             block_rows=16 if "2d" in chosen else 1,
             row_scale="row" in chosen,
             four_over_six="4over6" in chosen,
+            four_over_six_mae="mae" in chosen,
+            nan_scale="nan" in chosen,
         )
 
 
@@ -436,7 +453,8 @@ def get_format(name: str | Format) -> Format:
     bits (2–8), Y mantissa bits (0–23), inf and NaN. A block format may carry options after ``@`` (see
     :class:`BlockFormat`): the MX formats a scale rule (``mxfp8_e4m3@rceil``, ``@ceil``, ``@even``) and
     MXINT8 ``@full`` (the −2.0 code); NVFP4 ``@2d`` (16 × 16 blocks), ``@row`` (a per-row FP32 scale),
-    ``@4over6`` and ``@divide`` (the scale arithmetic as written instead of Transformer Engine's), several
+    ``@4over6`` (with ``@mae``: as Transformer Engine computes it), ``@divide`` (the scale arithmetic as
+    written instead of Transformer Engine's) and ``@nan`` (a NaN makes the whole tensor NaN, as TE), several
     at once in any order (``nvfp4@4over6@2d``; the name is kept in canonical order).
     """
     if isinstance(name, FloatFormat | IntFormat | BlockFormat):
@@ -468,7 +486,7 @@ def get_format(name: str | Format) -> Format:
         if not isinstance(found, BlockFormat):
             raise ValueError(
                 f"format {name!r}: options ('@{'@'.join(options)}') apply only to the block formats "
-                "(MX: rceil, ceil, even, full; NVFP4: 2d, row, 4over6, divide)"
+                "(MX: rceil, ceil, even, full; NVFP4: 2d, row, 4over6, mae, divide, nan)"
             )
         if not found.tensor_scale:  # '@floor' names the MX default rule
             options = [option for option in options if option != "floor"]

@@ -488,14 +488,21 @@ def _te_recipe(spec: OperandSpec, gemm: str, operand: str) -> str | None:
     """The TE recipe an operand's spec is an instance of (``None``: none is); NVFP4 operands give
     :data:`_NVFP4`, whose switches :func:`_nvfp4_recipe` sets from every NVFP4 operand of the plan."""
     fmt, scaling = spec.format_spec(), spec.effective_scaling()
-    if fmt is not None and fmt.name in ("nvfp4", "nvfp4@2d"):
+    if isinstance(fmt, BlockFormat) and fmt.tensor_scale:
+        options = set(fmt.options)
+        if not options <= {"2d", "4over6", "mae", "nan"}:  # per-row scales, divide: not TE's NVFP4
+            return None
         transform_ok = spec.transform is None or (spec.transform == TE_RHT and gemm == "wgrad")
         rounding_ok = spec.rounding == "nearest" or (
             spec.rounding == "stochastic" and operand == "grad_output"
         )
-        two_d_ok = fmt.name == "nvfp4" or operand == "weight"
+        two_d_ok = "2d" not in options or operand == "weight"
+        # TE's Four Over Six: MAE, on inputs and weights only, without RHT or stochastic rounding
+        four_ok = "4over6" not in options or (
+            "mae" in options and operand != "grad_output" and spec.transform is None
+        )
         plain = spec.scaling is None and not spec.flush_subnormals
-        return _NVFP4 if transform_ok and rounding_ok and two_d_ok and plain else None
+        return _NVFP4 if transform_ok and rounding_ok and two_d_ok and four_ok and plain else None
     if spec.rounding != "nearest" or spec.transform is not None:
         return None
     if isinstance(fmt, BlockFormat):
@@ -537,7 +544,7 @@ _NVFP4_SWITCHES = (
     ("disable_stochastic_rounding", "stochastic rounding of grad_output",
      lambda g, o, spec: spec.rounding != "stochastic" if o == "grad_output" else None),
     ("disable_2d_quantization", "16x16 weight scales (nvfp4@2d)",
-     lambda g, o, spec: spec.format_spec().name != "nvfp4@2d" if o == "weight" else None),
+     lambda g, o, spec: "2d" not in spec.format_spec().options if o == "weight" else None),
 )  # fmt: skip
 
 
@@ -554,7 +561,26 @@ def _nvfp4_recipe(operands: Sequence[tuple[str, str, OperandSpec]]) -> tuple[str
                 f"NVFP4 operands differ in {what}: TE's recipe switches it for every layer ({name}={value})"
             )
         settings.append(f"{name}={value}")
+    four = {}  # TE's Four Over Six scope: inputs ('activations') and weights, each all or none
+    for role in ("input", "weight"):
+        votes = ["4over6" in spec.format_spec().options for _, o, spec in operands if o == role]
+        four[role] = bool(votes) and max(set(votes), key=votes.count)
+        if len(set(votes)) > 1:
+            problems.append(f"NVFP4 {role}s differ in Four Over Six: TE's recipe switches it for every layer")
+    scope = {(True, True): "all", (True, False): "activations", (False, True): "weights"}.get(
+        (four["input"], four["weight"]), "none"
+    )
+    settings.append(f"nvfp4_4over6={scope!r}")
+    if scope != "none":
+        settings += ["nvfp4_4over6_e4m3_use_256='all'", "nvfp4_4over6_err_mode='MAE'"]
     return f"NVFP4BlockScaling({', '.join(settings)})", problems
+
+
+#: what TE's NVFP4 does that a plan's NVFP4 operand without ``@nan`` does not
+_NVFP4_NAN = (
+    "NVFP4 without @nan: TE makes a tensor that holds a NaN all NaN (its tensor scale is NaN), where "
+    "numscope's plain NVFP4 keeps the NaN in its block"
+)
 
 
 def _merge_hybrid(recipes: set[str]) -> set[str]:
@@ -595,6 +621,7 @@ def to_transformer_engine(
     recipes: dict[str, int] = {}
     planned: dict[tuple[str, str, str], str] = {}
     nvfp4: list[tuple[str, str, OperandSpec]] = []
+    without_nan: list[str] = []
     high: dict[str, list[str]] = {}
     for name, spec in linear.items():
         for gemm in GEMMS:
@@ -619,6 +646,9 @@ def to_transformer_engine(
                     planned[(name, gemm, operand)] = recipe
                     if recipe == _NVFP4:
                         nvfp4.append((gemm, operand, operand_spec))
+                        if "nan" not in operand_spec.format_spec().options and name not in without_nan:
+                            without_nan.append(name)
+                            unexpressed.append(f"{name} {_NVFP4_NAN}")
     base = _one_recipe(recipes)
     per_module: dict[str, set[str]] = {}
     for (name, _, _), recipe in planned.items():
@@ -781,6 +811,8 @@ def to_megatron(
         if recipe == _NVFP4:
             nvfp4 = [(g, o, spec) for g, o, spec in quantized_operands if _te_recipe(spec, g, o) == _NVFP4]
             recipe, problems = _nvfp4_recipe(nvfp4)
+            if any("nan" not in spec.format_spec().options for _, _, spec in nvfp4):
+                problems.append(_NVFP4_NAN)
             unexpressed += problems
         if "QParams(" in recipe:
             unexpressed.append(
@@ -1005,17 +1037,42 @@ def from_transformer_engine(recipe: object) -> Plan:
 
     operands: dict[tuple[str, str], OperandSpec] = {}
     if kind == "NVFP4BlockScaling":
-        for setting, allowed in (("row_scaled_activation", False), ("nvfp4_4over6", "none")):
-            value = getattr(recipe, setting, allowed)
-            if value != allowed:
-                raise _te_refuse(kind, f"{setting}={value!r}", "numscope's import reads the default only")
+        if getattr(recipe, "row_scaled_activation", False):
+            raise _te_refuse(kind, "row_scaled_activation=True", "numscope's import reads the default only")
+        scope = str(getattr(recipe, "nvfp4_4over6", "none"))
+        four_roles = {"none": (), "weights": ("weight",), "activations": ("input",)}.get(
+            scope, ("input", "weight")
+        )
+        if scope not in ("none", "weights", "activations", "all"):
+            raise _te_refuse(kind, f"nvfp4_4over6={scope!r}", "TE allows none, weights, activations, all")
+        if four_roles:
+            mode = str(getattr(recipe, "nvfp4_4over6_err_mode", "MAE")).upper()
+            if mode != "MAE":
+                raise _te_refuse(
+                    kind, f"nvfp4_4over6_err_mode={mode!r}", "numscope emulates TE's Four Over Six with MAE"
+                )
+            bound = str(getattr(recipe, "nvfp4_4over6_e4m3_use_256", "all"))
+            if bound != "all" and bound != scope:
+                raise _te_refuse(
+                    kind,
+                    f"nvfp4_4over6_e4m3_use_256={bound!r}",
+                    "numscope's Four Over Six uses the 256 bound",
+                )
+            if "input" in four_roles and not getattr(recipe, "disable_rht", False):
+                raise _te_refuse(
+                    kind, f"nvfp4_4over6={scope!r} with RHT", "TE raises: 4over6 does not support RHT"
+                )
         for key, spec in _nvfp4_spec().operands.items():  # TE's defaults, each switch undoing one
             if getattr(recipe, "disable_rht", False):
                 spec = replace(spec, transform=None)
             if getattr(recipe, "disable_stochastic_rounding", False):
                 spec = replace(spec, rounding="nearest")
+            options = [o for o in spec.format_spec().options if o != "nan"]  # type: ignore[union-attr]
             if getattr(recipe, "disable_2d_quantization", False):
-                spec = replace(spec, format="nvfp4")
+                options = [o for o in options if o != "2d"]
+            if key[1] in four_roles:
+                options += ["4over6", "mae"]
+            spec = replace(spec, format="@".join(["nvfp4", *options, "nan"]))
             operands[key] = spec
         return linear_only(SiteSpec(operands, _TE_FIXED_ACCUMULATE[kind]))
     if kind == "MXFP8BlockScaling":

@@ -133,7 +133,7 @@ def _nvfp4_spec() -> SiteSpec:
     operands = {}
     for gemm, operand in OPERAND_KEYS:
         rounding = "stochastic" if operand == "grad_output" else "nearest"
-        fmt = "nvfp4@2d" if operand == "weight" else "nvfp4"
+        fmt = "nvfp4@2d@nan" if operand == "weight" else "nvfp4@nan"  # @nan: TE's NaN behaviour
         transform = TE_RHT if gemm == "wgrad" else None
         operands[(gemm, operand)] = OperandSpec(fmt, rounding=rounding, transform=transform)
     return SiteSpec(operands)
@@ -200,7 +200,9 @@ def _mxfp4_tseng(sites: list[str] | None) -> Plan:
         if gemm == "fprop":
             operands[(gemm, operand)] = OperandSpec("bf16", overflow="propagate")
         else:
-            operands[(gemm, operand)] = OperandSpec("mxfp4_e2m1", rounding="stochastic", transform="rht32")
+            operands[(gemm, operand)] = OperandSpec(
+                "mxfp4_e2m1", rounding="stochastic", transform="rht64:fresh"
+            )
     return Plan(SiteSpec(operands))
 
 
@@ -256,7 +258,8 @@ RECIPES: dict[str, NamedRecipe] = {
             "NVFP4: 16x16 weight scales, random Hadamard transform (16) on wgrad, stochastic rounding of "
             "gradients, the last ~15% of linear layers in BF16",
             "the BF16 layers need the model's sites (Plan.recipe(name, sites) or numscope train, which "
-            "passes them); the RHT is TE's: its fixed sign vector (rht16:28389); fp32 accumulation",
+            "passes them); the RHT is TE's: its fixed sign vector (rht16:28389); a NaN makes its tensor all "
+            "NaN, as TE's quantizer (@nan); fp32 accumulation",
             _te_nvfp4,
             f"{_TE_CODE}; transformer_engine/pytorch/tensor/nvfp4_tensor.py (get_wgrad_sign_vector)",
         ),
@@ -308,10 +311,10 @@ RECIPES: dict[str, NamedRecipe] = {
             "Tseng, Yu, Park, 'Training LLMs with MXFP4' (AISTATS 2025, arXiv:2502.20586)",
             "BF16 forward; MXFP4 backward (dgrad, wgrad) with stochastic rounding and a random Hadamard "
             "transform",
-            "RHT blocks of 32 (one MX block) chosen here; the paper scales by 3/4 before stochastic rounding "
-            "so that it cannot overflow, numscope saturates instead; attention products included. Not as the "
-            "authors' code: it rotates in blocks of 64 (HBS) with fresh random signs for each backward GEMM "
-            "call, numscope in blocks of 32 with fixed signs",
+            "RHT in blocks of 64 with fresh random signs for every backward GEMM call, shared by its two "
+            "operands (rht64:fresh, as the authors' code: HBS=64, signs drawn in each backward); the paper "
+            "scales by 3/4 before stochastic rounding so that it cannot overflow, numscope saturates "
+            "instead; attention products included",
             _mxfp4_tseng,
             "amazon-science/mxfp4-llm at 0cc57fe: patch_override_scripts/Megatron-LM.patch "
             "(MXFP4LinearWithGradAccumulationAndAsyncCommunication.backward), microxcaling.patch",

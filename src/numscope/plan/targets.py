@@ -48,9 +48,16 @@ class StackRecipe:
     #: how the stack's GEMMs of this recipe accumulate (a name, or gemm -> name; see SiteSpec.accumulate):
     #: per-tensor FP8 runs its output GEMM with Hopper's fast accumulation in TE, Megatron and torchao
     accumulate: str | Mapping[str, str] = "fp32"
+    #: the format the plan names where it differs from the measured one only where the observer cannot see
+    #: it (TE's NVFP4 turns a tensor holding a NaN all NaN: ``nvfp4@nan``; finite tensors alike)
+    planned: Mapping[str, str] = field(default_factory=dict)
 
     def format_for(self, operand: str) -> str:
         return self.formats[operand]
+
+    def plan_format(self, measured: str) -> str:
+        """The format a plan gives an operand measured in ``measured``."""
+        return self.planned.get(measured, measured)
 
     @property
     def measured(self) -> tuple[str, ...]:
@@ -96,6 +103,7 @@ _TE_NVFP4 = StackRecipe(
     "nvfp4",
     "NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True, disable_2d_quantization=True)",
     {"input": "nvfp4", "weight": "nvfp4", "grad_output": "nvfp4"},
+    planned={"nvfp4": "nvfp4@nan"},
 )
 _TE_SOURCE = (
     "Transformer Engine >= 2.13: transformer_engine/common/recipe/__init__.py (Float8CurrentScaling, "
