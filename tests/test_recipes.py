@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from fractions import Fraction
 
 import pytest
 import torch
@@ -135,14 +136,74 @@ def test_torchao_rowwise_scales_along_the_contraction_axis() -> None:
     assert torch.allclose(layer.weight.grad, expected, rtol=1e-6, atol=1e-6)
 
 
-def test_deepseek_v3_promotes_its_partial_sums() -> None:
-    layer, x, _, out = one_linear("deepseek_v3")
+def _round_significant(value: Fraction, bits: int) -> Fraction:
+    """``value`` rounded to ``bits`` significant bits, to nearest, ties to even (exact arithmetic)."""
+    if value == 0:
+        return value
+    exponent = abs(value).numerator.bit_length() - abs(value).denominator.bit_length()
+    if Fraction(2) ** exponent > abs(value):
+        exponent -= 1
+    unit = Fraction(2) ** (exponent - bits + 1)
+    return round(value / unit) * unit  # Python's round of a Fraction: half to even
 
-    def q(tensor: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-        return numscope.quantize(tensor, "fp8_e4m3", scaling=numscope.Scaling("block", block_shape=shape))
 
-    product = accumulate_matmul(q(x, (1, 128)), q(layer.weight.detach(), (128, 128)).t(), "fp22_promote128")
-    assert torch.equal(out.detach(), product + layer.bias.detach())
+def _deepgemm_cast(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepGEMM's casts (deep_gemm/utils/math.py at 38939a4): per tile of ``rows`` x 128, amax clamped at
+    1e-4, sf = amax / 448, codes = e4m3(x * (1 / sf)); sf per element (expanded) and the codes."""
+    m, k = x.shape
+    tiles = x.reshape(m // rows, rows, k // 128, 128)
+    amax = tiles.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    sf = amax / 448.0
+    codes = (tiles * (1.0 / sf)).to(torch.float8_e4m3fn).float()
+    return codes.reshape(m, k), sf.expand_as(tiles).reshape(m, k)
+
+
+def _deepgemm_gemm(ca, sa, cb, sb, rows: list[int]) -> torch.Tensor:
+    """out[m, n] of DeepGEMM's promoted FP8 GEMM (a (M, K) by b (N, K)), in exact rational arithmetic:
+    per run of 128 products, chunks of 32 summed exactly and rounded to E8M13 (14 significant bits, the
+    accumulator numscope models), their sequential sums rounded so; then final = fma(sa · sb, partial,
+    final) in float32 (the kernel's ``final_accum += scale_a * scale_b * accum``)."""
+    n_out, k = cb.shape[0], ca.shape[1]
+    out = torch.zeros(len(rows), n_out)
+    for i, m in enumerate(rows):
+        for n in range(n_out):
+            total = Fraction(0)
+            for run in range(k // 128):
+                group = None
+                for chunk in range(4):
+                    ks = range(run * 128 + chunk * 32, run * 128 + chunk * 32 + 32)
+                    exact = sum(Fraction(ca[m, j].item()) * Fraction(cb[n, j].item()) for j in ks)
+                    part = _round_significant(exact, 14)
+                    group = part if group is None else _round_significant(group + part, 14)
+                scale = _round_significant(
+                    Fraction(sa[m, run * 128].item()) * Fraction(sb[n, run * 128].item()), 24
+                )
+                total = _round_significant(scale * group + total, 24)
+            out[i, n] = float(total)
+    return out
+
+
+def test_deepseek_v3_computes_as_deepgemm() -> None:
+    """The recipe's fprop, dgrad and wgrad against DeepGEMM's casts and promoted GEMM written here."""
+    layer, x, grad_output, out = one_linear("deepseek_v3")
+    weight = layer.weight.detach()
+    cx, sx = _deepgemm_cast(x, 1)  # per token, 1 x 128 along the contraction
+    cw, sw = _deepgemm_cast(weight, 128)  # 128 x 128 blocks
+    rows = [0, 1, 128, 255]  # tokens from 0.01 to 10 times the scale
+    expected = _deepgemm_gemm(cx, sx, cw, sw, rows)
+    assert torch.equal(out.detach()[rows], expected + layer.bias.detach())
+    # wgrad: grad_output^T (128, tokens) by x (tokens, 256), both 1 x 128 along the tokens
+    cg, sg = _deepgemm_cast(grad_output.t().contiguous(), 1)
+    cxt, sxt = _deepgemm_cast(x.t().contiguous(), 1)
+    assert torch.equal(layer.weight.grad[:2], _deepgemm_gemm(cg, sg, cxt, sxt, [0, 1]))
+
+    # the scales at each promotion differ from scaling the operands first: the old model, by an ulp or so
+    def old(t: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+        scaling = numscope.Scaling("block", block_shape=shape, amax_epsilon=1e-4)
+        return numscope.quantize(t, "fp8_e4m3", scaling=scaling)
+
+    before = accumulate_matmul(old(x, (1, 128)), old(weight, (128, 128)).t(), "fp22_promote128")
+    assert not torch.equal(out.detach() - layer.bias.detach(), before)
     assert Plan.recipe("deepseek_v3").default.accumulate == "fp22_promote128"
 
 
@@ -153,7 +214,7 @@ def test_cli_lists_the_recipes_and_shows_one(capsys) -> None:
         assert name in listing and recipe.source in listing
     assert cli_main(["recipes", "deepseek_v3"]) == 0
     shown = capsys.readouterr().out
-    assert "fp22_promote128" in shown and "block(block_shape=[1, 128], amax_epsilon=0.0001)" in shown
+    assert "fp22_promote128" in shown and "block(block_shape=[1, 128], amax_epsilon=0.0001" in shown
     assert "emulated:" in shown
     assert cli_main(["recipes", "te_fp8"]) == 2
     assert "unknown recipe 'te_fp8'; known: te_delayed" in capsys.readouterr().err

@@ -35,7 +35,7 @@ from numscope._callable import make_callable as _make_callable
 from numscope.formats import native
 from numscope.formats.cast import native_dtype
 from numscope.formats.fast import fast_enabled, reduced_tensor_amax
-from numscope.formats.quantize import Encoded, encode, quantize
+from numscope.formats.quantize import Encoded, encode, quantize, tile_quantize
 from numscope.formats.scaling import DelayedScaler, Scaling, element_scale
 from numscope.formats.spec import BlockFormat, FloatFormat
 from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec
@@ -47,6 +47,7 @@ from numscope.sites import (
     on_discovered,
     operand_sizes,
     refresh,
+    register_factors,
     sites,
 )
 
@@ -89,6 +90,7 @@ class _Quantizer:
         self._override: DelayedScaler | None = None
         # fresh Hadamard signs drawn by a GEMM call's first operand, for its second (see _fresh_signs)
         self._fresh: dict[str, tuple[torch.Tensor, set[str]]] = {}
+        self._factors = False  # the operand being quantized enters a promoting GEMM (see __call__)
 
     def forward_begins(self, recompute: bool, grad_enabled: bool) -> None:
         """``numscope.sites`` says a forward starts: a forward of the model, or (``recompute``) activation
@@ -279,7 +281,12 @@ class _Quantizer:
             if cached is not None and cached[0] is tensor and cached[1] == _identity(tensor):
                 self._grad = None
                 return cached[2]
-        result = self._quantize_operand(site.key(gemm, operand), gemm, operand_spec, tensor, axis)
+        # a GEMM that applies the scales at each promotion takes the codes and scales (register_factors)
+        self._factors = spec.accumulate_for(gemm) == "fp22_promote128"
+        try:
+            result = self._quantize_operand(site.key(gemm, operand), gemm, operand_spec, tensor, axis)
+        finally:
+            self._factors = False
         kept_for_backward = gemm == "fprop" and (
             (operand == "input" and self.shares_input(site))
             or (operand == "weight" and not isinstance(tensor, nn.Parameter) and self.shares_weight(site))
@@ -412,6 +419,21 @@ class _Quantizer:
                 done = _fake_cast(xf, dtype, fmt, scale, amax, spec.overflow)  # type: ignore[arg-type]
             values, codes = done
             self._last_codes = (codes, None if scale is None else 1.0 / scale)
+            return values
+        tiles = scaling is not None and scaling.kind == "block" and not isinstance(fmt, BlockFormat)
+        if tiles and self._factors and tensor.numel() > 0:
+            values, codes, decode = tile_quantize(
+                tensor.detach().float(),
+                fmt,  # type: ignore[arg-type]
+                scaling,  # type: ignore[arg-type]
+                spec.rounding,
+                spec.overflow,
+                spec.flush_subnormals,
+                self.generator,
+                factors=True,
+            )
+            values = values.clone()  # a tensor of its own, which views of it lead back to
+            register_factors(values, codes, decode)  # type: ignore[arg-type]
             return values
         if isinstance(fmt, BlockFormat):
             reduce = scaling is None or scaling.reduce_amax

@@ -90,13 +90,43 @@ def _quantize_element(
     if scaling is None:
         return cast(xf, fmt, rounding, overflow, flush_subnormals, generator)
     if scaling.kind == "block":
-        tiles, (rows, cols, _, _) = to_tiles(xf, *tile_shape(xf, fmt, scaling))
-        scale = scaling.scale(tiles.abs().amax(dim=(-3, -1), keepdim=True), fmt.max)
-        q, _ = scale_then_cast(tiles, fmt, scale, rounding, overflow, flush_subnormals, generator)
-        q = q.reshape(*tiles.shape[:-4], tiles.shape[-4] * tiles.shape[-3], -1)[..., :rows, :cols]
-        return q.reshape(xf.shape)
+        return tile_quantize(xf, fmt, scaling, rounding, overflow, flush_subnormals, generator)[0]
     scale = element_scale(xf, fmt, scaling, delayed)
     return scale_then_cast(xf, fmt, scale, rounding, overflow, flush_subnormals, generator)[0]
+
+
+def tile_quantize(
+    xf: torch.Tensor,
+    fmt: FloatFormat | IntFormat,
+    scaling: Scaling,
+    rounding: str = "nearest",
+    overflow: str = "saturate",
+    flush_subnormals: bool = False,
+    generator: torch.Generator | None = None,
+    factors: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """A float32 tensor quantized to an element format under tile scaling (``Scaling("block",
+    block_shape=...)``): ``(values, codes, decode)``, with ``factors`` also the element codes and each
+    element's decode scale (``values = codes · decode``, all of ``xf``'s shape), which a GEMM that applies
+    the scales at promotion needs (:func:`numscope.sites.register_factors`)."""
+    tiles, (rows, cols, _, _) = to_tiles(xf, *tile_shape(xf, fmt, scaling))
+    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
+    if scaling.scale_from_decode:
+        decode = scaling.decode(amax, fmt.max)
+        scale = 1.0 / decode
+    else:
+        scale = scaling.scale(amax, fmt.max)
+        decode = 1.0 / scale
+    codes = cast(tiles * scale, fmt, rounding, overflow, flush_subnormals, generator)  # type: ignore[arg-type]
+
+    def untile(t: torch.Tensor) -> torch.Tensor:
+        t = t.reshape(*tiles.shape[:-4], tiles.shape[-4] * tiles.shape[-3], -1)[..., :rows, :cols]
+        return t.reshape(xf.shape)
+
+    values = untile(codes * decode)
+    if not factors:
+        return values, None, None
+    return values, untile(codes), untile(decode.expand_as(tiles))
 
 
 def as_float32(x: torch.Tensor, spec: Format) -> torch.Tensor:

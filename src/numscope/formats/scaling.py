@@ -42,6 +42,10 @@ class Scaling:
     amax_epsilon: a floor under the amax before the scale is computed (Transformer Engine's
         ``amax_epsilon``): ``max(amax, amax_epsilon)``, so that a near-zero unit is not scaled up to the
         format's max; 0 (the default) leaves the amax as it is.
+    scale_from_decode: tile scaling (``kind="block"`` with an element format) as DeepGEMM's casts compute
+        it: the decode scale sf = amax / max first (rounded up to a power of two with ``power_of_two``, as
+        its UE8M0 option), elements x · (1 / sf), decoded as code · sf; by default the scale max / amax,
+        decoded by its reciprocal (Transformer Engine's order). The two differ in float32 ulps.
     reduce_amax: under ``torch.distributed``, take the amax over the default process group so that every
         rank quantizes identically (as Transformer Engine's ``reduce_amax``): the per-tensor amax (current,
         delayed, NVFP4's tensor scale) and the per-column amax, whose columns run over the batch's rows
@@ -57,6 +61,7 @@ class Scaling:
     amax_compute: Literal["max", "most_recent"] = "max"
     reduce_amax: bool = True
     amax_epsilon: float = 0.0
+    scale_from_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -74,6 +79,8 @@ class Scaling:
             raise ValueError(
                 f"unknown amax_compute {self.amax_compute!r}; allowed: {', '.join(AMAX_COMPUTE)}"
             )
+        if self.scale_from_decode and (self.kind != "block" or self.margin):
+            raise ValueError("scale_from_decode applies to tile scaling (kind='block') without a margin")
         if self.block_shape is not None:
             shape = tuple(self.block_shape)
             if self.kind != "block":
@@ -117,6 +124,20 @@ class Scaling:
 
     def replace(self, **changes: Any) -> Scaling:
         return replace(self, **changes)
+
+    def decode(self, amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
+        """``scale_from_decode``'s decode scale of a unit whose amax is ``amax``: amax / max, float32
+        (after the ``amax_epsilon`` floor; with ``power_of_two`` rounded up to a power of two); 1 where the
+        amax is zero or not finite."""
+        amax = amax.float()
+        if self.amax_epsilon:
+            amax = torch.clamp(amax, min=self.amax_epsilon)
+        decode = torch.div(amax, torch.full_like(amax, fmt_max))
+        if self.power_of_two:
+            mantissa, exponent = torch.frexp(decode)
+            decode = torch.ldexp(torch.where(mantissa == 0.5, 0.5, 1.0) * torch.ones_like(decode), exponent)
+        usable = (amax > 0) & torch.isfinite(amax) & (decode > 0)
+        return torch.where(usable, decode, torch.ones_like(decode))
 
     def scale(self, amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
         """The multiplier this scaling gives a unit whose amax is ``amax`` (see :func:`scale_from_amax`)."""

@@ -69,10 +69,18 @@ def _axiswise(gemm: str, operand: str, power_of_two: bool) -> Scaling:
     return Scaling(kind, power_of_two=power_of_two, amax_epsilon=TORCHAO_EPS)  # type: ignore[arg-type]
 
 
-def _tile(gemm: str, operand: str, power_of_two: bool, amax_epsilon: float = 0.0) -> Scaling:
+def _tile(
+    gemm: str, operand: str, power_of_two: bool, amax_epsilon: float = 0.0, from_decode: bool = False
+) -> Scaling:
     """A 1×128 tile along the contraction axis (activations and gradients)."""
     shape = (128, 1) if (gemm, operand) in CONTRACTION_FIRST else (1, 128)
-    return Scaling("block", block_shape=shape, power_of_two=power_of_two, amax_epsilon=amax_epsilon)
+    return Scaling(
+        "block",
+        block_shape=shape,
+        power_of_two=power_of_two,
+        amax_epsilon=amax_epsilon,
+        scale_from_decode=from_decode,
+    )
 
 
 def linear_only(spec: SiteSpec) -> Plan:
@@ -108,15 +116,21 @@ def _te_current(sites: list[str] | None) -> Plan:
     return linear_only(_hybrid(Scaling("tensor"), FAST_FPROP))
 
 
-def _fine_grained(accumulate: str, power_of_two: bool, amax_epsilon: float = 0.0) -> SiteSpec:
+def _fine_grained(
+    accumulate: str, power_of_two: bool, amax_epsilon: float = 0.0, from_decode: bool = False
+) -> SiteSpec:
     operands = {}
     for gemm, operand in OPERAND_KEYS:
         if operand == "weight":
             scaling = Scaling(
-                "block", block_shape=(128, 128), power_of_two=power_of_two, amax_epsilon=amax_epsilon
+                "block",
+                block_shape=(128, 128),
+                power_of_two=power_of_two,
+                amax_epsilon=amax_epsilon,
+                scale_from_decode=from_decode,
             )
         else:
-            scaling = _tile(gemm, operand, power_of_two, amax_epsilon)
+            scaling = _tile(gemm, operand, power_of_two, amax_epsilon, from_decode)
         operands[(gemm, operand)] = OperandSpec("fp8_e4m3", scaling=scaling)
     return SiteSpec(operands, accumulate)
 
@@ -160,7 +174,9 @@ def _te_nvfp4(sites: list[str] | None) -> Plan:
 def _deepseek_v3(sites: list[str] | None) -> Plan:
     """FP8 fine-grained everywhere but the output head (the last linear site, known from ``sites``) and the
     MoE gating (sites named ``*.gate``), which the report keeps in their original precision."""
-    plan = linear_only(_fine_grained("fp22_promote128", power_of_two=False, amax_epsilon=DEEPGEMM_EPS))
+    plan = linear_only(
+        _fine_grained("fp22_promote128", power_of_two=False, amax_epsilon=DEEPGEMM_EPS, from_decode=True)
+    )
     kept = {"fprop/input": "DeepSeek-V3 keeps the MoE gating in its original precision"}
     plan = plan.with_rule("*.gate", SiteSpec(), kept, optional=True)
     if sites:
@@ -270,10 +286,10 @@ RECIPES: dict[str, NamedRecipe] = {
             "promoted to FP32 every 128 products",
             "accumulation emulated as E8M13 (about the 14 bits the report measured) in runs of 128; tile "
             "amaxes floored at 1e-4 as DeepGEMM's casts; the output head (the last linear site, when the "
-            "model's sites are given) and MoE gates (*.gate) high. Not as DeepGEMM computes: the partial "
-            "sums are of the dequantized values (scales applied before accumulating, not at each "
-            "promotion), and the scale is 448/amax with decode 1/scale (DeepGEMM: sf = amax/448, "
-            "x·(1/sf), decode by sf)",
+            "model's sites are given) and MoE gates (*.gate) high. As DeepGEMM computes: sf = amax/448, "
+            "codes e4m3(x·(1/sf)) (scale_from_decode), the codes' products summed per run of 128 and "
+            "each run's sum scaled by sa·sb at its promotion, fused into the FP32 total (float32 "
+            "operands; the E8M13 accumulator is numscope's model of the tensor core's)",
             _deepseek_v3,
             "deepseek-ai/DeepGEMM at 38939a4: deep_gemm/utils/math.py (per_token_cast_to_fp8, "
             "per_block_cast_to_fp8)",

@@ -44,6 +44,7 @@ _SCALING_TYPES: dict[str, type] = {
     "amax_compute": str,
     "reduce_amax": bool,
     "amax_epsilon": float,
+    "scale_from_decode": bool,
 }
 
 

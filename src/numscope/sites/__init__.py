@@ -101,6 +101,7 @@ from numscope.sites.gemm import (
     Site,
     SiteGemm,
     accumulate_matmul,
+    register_factors,
 )
 from numscope.sites.sdpa import sdpa_reference
 from numscope.vocab import GEMMS
@@ -127,6 +128,7 @@ __all__ = [
     "operand_sizes",
     "recomputing",
     "refresh",
+    "register_factors",
     "sdpa_reference",
     "sites",
 ]

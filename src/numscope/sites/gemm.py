@@ -4,6 +4,7 @@ with exact replicas of autograd's mm backward and emulated narrow accumulation."
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -95,6 +96,104 @@ def _mm_mat2_backward(grad: torch.Tensor, mat1: torch.Tensor, sizes: Sequence[in
     return mat1.t().mm(grad)
 
 
+#: quantized operands whose element codes and per-element decode scales a GEMM may take (register_factors)
+_FACTORS: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}
+
+
+def register_factors(values: torch.Tensor, codes: torch.Tensor, decode: torch.Tensor) -> None:
+    """Tell the GEMMs that ``values`` (a quantized operand, a contiguous tensor that is no view) is
+    ``codes · decode`` elementwise: a GEMM that applies the scales at each promotion
+    (``fp22_promote128``) then sums the codes' products and scales the partial sums, as DeepGEMM does,
+    for ``values`` and any view of it. Kept while ``values`` lives."""
+    if values._base is not None or not values.is_contiguous():
+        raise ValueError("register_factors takes a contiguous tensor that is not a view (clone it)")
+    if codes.shape != values.shape or decode.shape != values.shape:
+        raise ValueError("codes and decode must have the values' shape")
+    key = id(values)
+    forget = weakref.ref(values, lambda _, key=key: _FACTORS.pop(key, None))
+    _FACTORS[key] = (forget, codes.contiguous(), decode.contiguous())
+
+
+def _factors_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The registered codes and decode scales of ``t`` (a registered tensor or a view of one), viewed as
+    ``t`` views its base; None where none are registered."""
+    for base in (t, t._base):
+        if base is None:
+            continue
+        entry = _FACTORS.get(id(base))
+        if entry is None or entry[0]() is not base:
+            continue
+        offset = t.storage_offset() - base.storage_offset()
+        return tuple(  # type: ignore[return-value]
+            part.as_strided(t.size(), t.stride(), part.storage_offset() + offset) for part in entry[1:]
+        )
+    return None
+
+
+def _fma32(s: torch.Tensor, g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """float32 ``s · g + t`` rounded once (a fused multiply-add), for float32 ``s``, ``t`` and ``g`` of at
+    most 24 significant bits: the product is exact in float64, the sum is rounded there *to odd* (from its
+    exact error, TwoSum), so that rounding it to float32 is the correct rounding of the exact value."""
+    p, t64 = s.double() * g.double(), t.double()
+    total = p + t64
+    back = total - t64
+    err = (p - (total - back)) + (t64 - back)
+    inexact = err != 0
+    below = inexact & (torch.sign(err) != torch.sign(total))
+    truncated = torch.where(below, torch.nextafter(total, torch.zeros_like(total)), total)
+    bits = truncated.view(torch.int64)
+    return torch.where(inexact, bits | 1, bits).view(torch.float64).float()
+
+
+def _promoted_exact(
+    a: torch.Tensor, b: torch.Tensor, accumulator: Accumulator, chunk: int
+) -> torch.Tensor | None:
+    """``a @ b`` as DeepGEMM computes a promoted FP8 GEMM, where both operands have registered factors
+    whose decode scales are constant along each run of ``promote_every`` products: per run, the codes'
+    products summed in chunks of ``chunk`` (exactly), each chunk and each addition rounded to the
+    accumulator's format; then ``total = fma(sa · sb, partial, total)`` in float32 (DeepGEMM's
+    ``final_accum += scale_a * scale_b * accum``, which nvcc contracts). None where it does not apply."""
+    from numscope.formats.cast import cast_float
+    from numscope.formats.quantize import as_float32
+    from numscope.formats.spec import get_format
+
+    fa, fb = _factors_of(a), _factors_of(b)
+    run = accumulator.promote_every
+    if fa is None or fb is None or run is None or run % chunk:
+        return None
+    (ca, da), (cb, db) = fa, fb
+    length = a.shape[-1]
+    sa, sb = da[..., ::run], db[..., ::run, :]  # (.., M, G), (.., G, N): one scale per run
+    if not (
+        torch.equal(sa.repeat_interleave(run, dim=-1)[..., :length], da)
+        and torch.equal(sb.repeat_interleave(run, dim=-2)[..., :length, :], db)
+    ):
+        return None  # the scales change inside a run: not a promoted GEMM's layout
+    narrow = get_format(accumulator.format)  # type: ignore[arg-type]
+
+    def rounded(values: torch.Tensor) -> torch.Tensor:  # float64 in, the accumulator's value out
+        return cast_float(as_float32(values, narrow), narrow, "nearest", "propagate").double()  # type: ignore[arg-type]
+
+    pad = (-length) % run
+    ca, cb = ca.double(), cb.double()
+    if pad:
+        ca, cb = F.pad(ca, (0, pad)), F.pad(cb, (0, 0, 0, pad))
+    chunks = (length + pad) // chunk
+    a_chunks = ca.reshape(*ca.shape[:-1], chunks, chunk).movedim(-2, -3)
+    b_chunks = cb.reshape(*cb.shape[:-2], chunks, chunk, cb.shape[-1])
+    partials = rounded(torch.matmul(a_chunks, b_chunks))  # exact sums of code products, then rounded
+    per_run = run // chunk
+    total = None
+    for index in range(sa.shape[-1]):
+        group = partials.select(-3, index * per_run)
+        for inner in range(index * per_run + 1, (index + 1) * per_run):
+            group = rounded(group + partials.select(-3, inner))
+        scale = sa[..., index].unsqueeze(-1) * sb[..., index, :].unsqueeze(-2)  # float32
+        total = _fma32(scale, group, torch.zeros_like(scale) if total is None else total)
+    assert total is not None
+    return total.to(a.dtype)
+
+
 def accumulate_matmul(
     a: torch.Tensor, b: torch.Tensor, accumulate: str, chunk: int = ACCUMULATE_CHUNK
 ) -> torch.Tensor:
@@ -112,6 +211,10 @@ def accumulate_matmul(
     from numscope.formats.cast import cast_float
     from numscope.formats.spec import get_format
 
+    if accumulator.promote_every is not None:
+        exact = _promoted_exact(a, b, accumulator, chunk)
+        if exact is not None:
+            return exact
     narrow = get_format(accumulator.format)
 
     def rounded(values: torch.Tensor) -> torch.Tensor:
