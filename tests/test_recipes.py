@@ -325,3 +325,26 @@ def test_deepseek_v3_keeps_its_head_and_gates_high_and_floors_tile_amaxes() -> N
     tile = expert.operand("fprop", "input").effective_scaling()
     assert tile.block_shape == (1, 128) and tile.amax_epsilon == 1e-4
     assert not Plan.recipe("deepseek_v3").for_site("lm_head").is_high  # the head is known from the sites only
+
+
+def test_the_promotions_fused_multiply_add_rounds_once() -> None:
+    """_fma32 against exact rational arithmetic, where float64 cannot hold the sum (exponents far apart)
+    and on float32 ties, which a product rounded first would break differently."""
+    from numscope.sites.gemm import _fma32
+
+    generator = torch.Generator().manual_seed(0)
+    s = torch.randn(4000, generator=generator) * torch.exp2(
+        torch.randint(-30, 30, (4000,), generator=generator)
+    )
+    g = torch.randn(4000, generator=generator).float()
+    g = numscope.quantize(g, "e8m13")
+    t = torch.randn(4000, generator=generator) * torch.exp2(
+        torch.randint(-60, 60, (4000,), generator=generator)
+    )
+    t[:1000] = -(s[:1000].double() * g[:1000].double()).float()  # near-cancellation
+    got = _fma32(s, g, t)
+    for i in range(4000):
+        exact = Fraction(s[i].item()) * Fraction(g[i].item()) + Fraction(t[i].item())
+        assert got[i].item() == float(_round_significant(exact, 24)), i
+    two_step = s * g + t  # rounded twice: differs somewhere, or the test would not test anything
+    assert not torch.equal(two_step, got)

@@ -292,7 +292,8 @@ RECIPES: dict[str, NamedRecipe] = {
             "operands; the E8M13 accumulator is numscope's model of the tensor core's)",
             _deepseek_v3,
             "deepseek-ai/DeepGEMM at 38939a4: deep_gemm/utils/math.py (per_token_cast_to_fp8, "
-            "per_block_cast_to_fp8)",
+            "per_block_cast_to_fp8); deep_gemm/include/deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh "
+            "(final_accum += scale_a * scale_b * accum at each promotion)",
         ),
         NamedRecipe(
             "torchao_tensorwise",

@@ -135,9 +135,9 @@ def _fma32(s: torch.Tensor, g: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     most 24 significant bits: the product is exact in float64, the sum is rounded there *to odd* (from its
     exact error, TwoSum), so that rounding it to float32 is the correct rounding of the exact value."""
     p, t64 = s.double() * g.double(), t.double()
-    total = p + t64
+    total = p + t64  # TwoSum (Knuth): err is exactly p + t64 - total
     back = total - t64
-    err = (p - (total - back)) + (t64 - back)
+    err = (t64 - (total - back)) + (p - back)
     inexact = err != 0
     below = inexact & (torch.sign(err) != torch.sign(total))
     truncated = torch.where(below, torch.nextafter(total, torch.zeros_like(total)), total)
