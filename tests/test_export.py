@@ -409,3 +409,74 @@ def test_cli_export_checks_shapes_of_the_model(tmp_path: Path, capsys) -> None:
     assert "cls.predictions.decoder: weight 30522 x 64: TE's MXFP8 quantizer needs both dimensions" in out
     assert main(["export", "fp8", "--to", "megatron", "--model", "tiny-bert", "--out", str(tmp_path)]) == 0
     assert "weight 30522" not in capsys.readouterr().out  # Megatron's flags leave the output layer high
+
+
+TORCHAO_ROUND_TRIP = textwrap.dedent(
+    """
+    import dataclasses, importlib.util, json, sys
+    sys.path.insert(0, sys.argv[1])
+    import numscope
+    from numscope.plan import Plan
+    from numscope.plan.export import from_torchao, to_torchao
+    from numscope.plan.presets import _PRESETS
+    from numscope.plan.recipes import RECIPES
+    from numscope.vocab import OPERAND_KEYS
+    from test_export import bert_sites
+    WIDE = ("fp32", "tf32", "bf16", "fp16")
+    sites = bert_sites()
+    names = [site for site, _ in sites]
+    problems, compared = [], {}
+    for name in sorted(_PRESETS) + sorted(RECIPES):
+        plan = Plan.named(name, names)
+        exported = to_torchao(plan, sites, name)
+        path = f"{sys.argv[2]}/{name}.py"
+        open(path, "w").write(exported.files["numscope_torchao.py"])
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
+        of_module = {m: module.configs()[i] for i, ms in module.MODULES.items() for m in ms}
+        listed = "\\n".join(exported.unexpressed)
+        floor = "floors every amax at 1e-12" in listed
+        for site, kind in sites:
+            if kind != "linear":
+                continue
+            wanted = plan.for_site(site)
+            if site not in of_module:  # left in high precision by the export
+                high = all(wanted.operand(*k).is_high or (wanted.operand(*k).format in WIDE
+                           and wanted.operand(*k).scaling is None) for k in OPERAND_KEYS)
+                if not high and site not in listed:
+                    problems.append([name, site, "kept high, not listed"])
+                continue
+            got = from_torchao(of_module[site]).for_site(site)
+            compared[name] = compared.get(name, 0) + 1
+            if floor:  # the one model-wide line: torchao's amax floor added to the plan's
+                wanted = numscope.SiteSpec({k: dataclasses.replace(v, scaling=dataclasses.replace(
+                    v.effective_scaling(), amax_epsilon=1e-12)) for k, v in wanted.operands.items()},
+                    wanted.accumulate)
+            for key in OPERAND_KEYS:
+                w, g = wanted.operand(*key), got.operand(*key)
+                same = (w.is_high and g.is_high) or (w == g and (w.is_high or
+                        wanted.accumulate_for(key[0]) == got.accumulate_for(key[0])))
+                if not same and site not in listed:
+                    problems.append([name, site, "/".join(key), str(w), str(g)])
+    print(json.dumps({"problems": problems, "compared": compared}))
+    """
+)
+
+
+@pytest.mark.skipif(not (PEERS / "torchao").is_dir(), reason="./run installs torchao into .venv/peers")
+def test_torchao_exports_of_every_preset_and_recipe_import_back_or_are_listed(tmp_path: Path) -> None:
+    """Every preset and named recipe exported to torchao, executed with torchao itself and read back
+    (from_torchao): each converted Linear equals the plan operand by operand (and in accumulation), and
+    each module left high is listed by name (issue 26)."""
+    script = tmp_path / "round_trip.py"
+    script.write_text(TORCHAO_ROUND_TRIP)
+    env = {**os.environ, "PYTHONPATH": str(PEERS), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script), str(Path(__file__).parent), str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["problems"] == []
+    # torchao converts (and so the test compares) the Linear layers of its own recipes and of fp8
+    assert all(
+        result["compared"].get(name, 0) >= 20 for name in ("fp8", "torchao_tensorwise", "torchao_rowwise")
+    )

@@ -19,7 +19,13 @@ import yaml
 
 import numscope
 from numscope.plan import Plan
-from numscope.plan.export import ExportError, from_transformer_engine, to_megatron, to_transformer_engine
+from numscope.plan.export import (
+    ExportError,
+    from_megatron,
+    from_transformer_engine,
+    to_megatron,
+    to_transformer_engine,
+)
 from numscope.plan.presets import _PRESETS
 from numscope.plan.recipes import RECIPES
 from numscope.vocab import OPERAND_KEYS
@@ -366,3 +372,67 @@ def test_accumulation_is_written_out_or_listed(transformer_engine) -> None:
         f"{name} fprop accumulate fp32: TE's DelayedScaling runs this GEMM accumulating in fp22"
         in "\n".join(listed)
     )
+
+
+def _same(spec, got, gemm: str, wanted_accumulate: str, got_accumulate: str) -> bool:
+    if spec.is_high or (spec.format in WIDE and spec.scaling is None and spec.rounding == "nearest"):
+        return got.is_high  # the stack runs it in the model's dtype
+    return spec == got and wanted_accumulate == got_accumulate
+
+
+@pytest.mark.parametrize("name", ALL_PLANS)
+def test_megatron_export_imports_back_or_lists_each_difference(name: str) -> None:
+    """The flags read back (from_megatron: the TE recipe Megatron-LM builds from them) give the plan on every
+    Linear site, or the export lists the difference: by the site's name, or model-wide (Megatron-LM sets
+    one recipe for all layers)."""
+    sites = bert_sites()
+    plan = Plan.named(name, [site for site, _ in sites])
+    try:
+        exported = to_megatron(plan, sites, name)
+    except ExportError:
+        return  # refusals: test_megatron_exports_pass_transformer_config_checks
+    imported = from_megatron(exported.files["numscope_megatron_flags.txt"], sites)
+    names = [site for site, _ in sites]
+    model_wide = [line for line in exported.unexpressed if not any(line.startswith(n) for n in names)]
+    unnamed = []
+    for site, kind in sites:
+        if kind != "linear":
+            continue
+        wanted, got = plan.for_site(site), imported.for_site(site)
+        for key in OPERAND_KEYS:
+            same = _same(wanted.operand(*key), got.operand(*key), key[0], wanted.accumulate_for(key[0]),
+                         got.accumulate_for(key[0]))  # fmt: skip
+            if not same and not any(line.startswith(site) for line in exported.unexpressed):
+                unnamed.append((site, key))
+    assert not unnamed or model_wide, (name, unnamed[:3], exported.unexpressed)
+
+
+def test_megatron_plans_that_megatron_runs_round_trip_exactly() -> None:
+    """TE's current scaling with its layer ends high and wgrad high, and TE's NVFP4 recipe switches, come
+    back whole from the flags."""
+    sites = bert_sites()
+    linear = [site for site, kind in sites if kind == "linear"]
+    plan = Plan.recipe("te_current")
+    for layer in (0, 3):
+        plan = plan.with_rule(f"bert.encoder.layer.{layer}.*", numscope.SiteSpec())
+    for pattern in ("cls.*",):
+        plan = plan.with_rule(pattern, numscope.SiteSpec())
+    exported = to_megatron(plan, sites, "te_current, ends high")
+    assert not [line for line in exported.unexpressed if "(sdpa)" not in line], exported.unexpressed
+    imported = from_megatron(exported.files["numscope_megatron_flags.txt"], sites)
+    for site in linear:
+        assert plan.for_site(site) == imported.for_site(site), site
+    nvfp4 = from_megatron(
+        ["--fp4-format e2m1", "--fp4-recipe nvfp4", "# export NVTE_NVFP4_DISABLE_RHT=1"], sites
+    ).for_site("bert.encoder.layer.1.output.dense")
+    assert nvfp4.operand("wgrad", "input").transform is None
+    assert nvfp4.operand("wgrad", "grad_output").rounding == "stochastic"
+    assert (
+        from_megatron(["--fp8-format hybrid", "--fp8-recipe tensorwise", "--no-fp8-wgrad"], sites)
+        .for_site("bert.encoder.layer.0.output.dense")
+        .operand("wgrad", "input")
+        .is_high
+    )
+    assert from_megatron(["--fp8-format hybrid"], sites).for_site(linear[0]).accumulate_for("fprop") == "fp22"
+    with pytest.raises(ExportError, match="fp4 and fp8 cannot be used simultaneously"):
+        from_megatron(["--fp8-format e4m3", "--fp4-format e2m1"], sites)

@@ -21,11 +21,13 @@ silently: such a module is left in high precision by the export and named there.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -690,7 +692,10 @@ def to_transformer_engine(
             "",
             "The GEMMs the plan keeps in high precision are in numscope_te_debug.yaml (TE's debug tools:",
             "debug_api.initialize(config_file='numscope_te_debug.yaml', feature_dirs=[...])); TE layers are",
-            "matched by name: build them with name=<the module's qualified name>.",
+            "matched by name: build them with name=<the module's qualified name>. The tokens of a batch (the",
+            "rows of each GEMM) must suit TE's kernels: FP8 multiples of 8 (assert_dim_for_fp8_exec,",
+            "transformer_engine/pytorch/utils.py); MXFP8 and NVFP4 block wgrad's operands along them",
+            "(32, 16).",
             '"""',
             "",
             "from transformer_engine.common.recipe import (",
@@ -884,6 +889,8 @@ def _megatron_flags(recipe: str) -> list[str]:
             f"#   export NVTE_NVFP4_{name.upper()}={1 if value == 'True' else 0}"
             for name, value in switches.items()
         ]
+        for name, value in re.findall(r"nvfp4_(4over6\w*)='(\w+)'", recipe):  # TE reads these too
+            environment.append(f"#   export NVTE_NVFP4_{name.upper()}={value}")
         return [
             "--fp4-format e2m1",
             "--fp4-recipe nvfp4",
@@ -892,6 +899,86 @@ def _megatron_flags(recipe: str) -> list[str]:
             *environment,
         ]
     return [f"--fp8-format {fmt}", "--fp8-recipe tensorwise"]
+
+
+def _megatron_settings(flags: str | Iterable[str]) -> dict[str, str | bool]:
+    """The ``--flag value`` pairs and ``NVTE_*`` environment settings of Megatron-LM flags (the text
+    :func:`to_megatron` writes, or a list of arguments)."""
+    lines = flags.splitlines() if isinstance(flags, str) else list(flags)
+    words: list[str] = []
+    settings: dict[str, str | bool] = {}
+    for line in lines:
+        line = line.strip()
+        found = re.match(r"#\s*export\s+(NVTE_\w+)=(\S+)", line)
+        if found:
+            settings[found.group(1)] = found.group(2)
+        elif not line.startswith("#"):
+            words += line.split()
+    for index, word in enumerate(words):
+        if word.startswith("--"):
+            following = words[index + 1] if index + 1 < len(words) else "--"
+            settings[word] = True if following.startswith("--") else following
+    return settings
+
+
+def from_megatron(flags: str | Iterable[str], sites: Iterable[tuple[str, str]]) -> Plan:
+    """Megatron-LM's fp8/fp4 flags (and the ``NVTE_NVFP4_*`` environment TE reads) as a plan for the model
+    whose ``(site name, kind)`` pairs are ``sites``: the TE recipe Megatron-LM builds from them
+    (megatron/core/fp8_utils.py, fp4_utils.py: ``Float8CurrentScaling(fp8_format=...)``,
+    ``DelayedScaling`` with margin, history and algorithm, ``Float8BlockScaling``, ``MXFP8BlockScaling``,
+    ``NVFP4BlockScaling()``), read as :func:`from_transformer_engine` reads it, on every Linear site of the
+    transformer layers; ``--first-last-layers-bf16`` keeps the leading and trailing layers high,
+    ``--no-fp8-wgrad`` wgrad; everything outside the layers stays high."""
+    settings = _megatron_settings(flags)
+    fp8, fp4 = settings.get("--fp8-format"), settings.get("--fp4-format")
+    if fp8 and fp4:
+        raise ExportError("fp4 and fp8 cannot be used simultaneously (Megatron-LM's TransformerConfig)")
+    attributes: dict[str, Any] = {}
+    if fp4:
+        if settings.get("--fp4-recipe", "nvfp4") != "nvfp4":
+            raise ExportError(f"--fp4-recipe {settings['--fp4-recipe']}: numscope reads nvfp4")
+        kind = "NVFP4BlockScaling"
+        for switch in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
+            attributes[switch] = settings.get(f"NVTE_NVFP4_{switch.upper()}", "0") == "1"
+        attributes["nvfp4_4over6"] = settings.get("NVTE_NVFP4_4OVER6", "none")
+        attributes["nvfp4_4over6_e4m3_use_256"] = settings.get("NVTE_NVFP4_4OVER6_E4M3_USE_256", "all")
+        attributes["nvfp4_4over6_err_mode"] = settings.get("NVTE_NVFP4_4OVER6_ERR_MODE", "MAE")
+    elif fp8:
+        if fp8 not in ("e4m3", "hybrid"):
+            raise ExportError(f"--fp8-format {fp8}: Megatron-LM allows e4m3 and hybrid")
+        recipe = settings.get("--fp8-recipe", "delayed")
+        kinds = {
+            "delayed": "DelayedScaling",
+            "tensorwise": "Float8CurrentScaling",
+            "blockwise": "Float8BlockScaling",
+            "mxfp8": "MXFP8BlockScaling",
+        }
+        if recipe not in kinds:
+            raise ExportError(f"--fp8-recipe {recipe}: numscope reads {', '.join(kinds)}")
+        kind = kinds[str(recipe)]
+        attributes["fp8_format"] = str(fp8).upper() if kind != "Float8BlockScaling" else "E4M3"
+        if kind == "DelayedScaling":
+            attributes["margin"] = int(settings.get("--fp8-margin", 0))
+            attributes["amax_history_len"] = int(settings.get("--fp8-amax-history-len", 1))
+            attributes["amax_compute_algo"] = str(settings.get("--fp8-amax-compute-algo", "most_recent"))
+    else:
+        return Plan(SiteSpec())
+    # the recipe object Megatron-LM builds, as TE's class (read by attribute)
+    recipe_object = type(kind, (), {"__module__": "transformer_engine.common.recipe", **attributes})()
+    spec = from_transformer_engine(recipe_object).default
+    if settings.get("--no-fp8-wgrad"):
+        spec = SiteSpec({k: v for k, v in spec.operands.items() if k[0] != "wgrad"}, spec.accumulate)
+    listed = list(sites)
+    layers = sorted({i for name, _ in listed if (i := layer_index(name)) is not None})
+    ends = bool(settings.get("--first-last-layers-bf16"))
+    first = int(settings.get("--num-layers-at-start-in-bf16", 1)) if ends else 0
+    last = int(settings.get("--num-layers-at-end-in-bf16", 1)) if ends else 0
+    quantized = set(layers[first : len(layers) - last])
+    plan = Plan(SiteSpec())
+    for name, site_kind in listed:
+        if site_kind in ("linear", "conv1d") and layer_index(name) in quantized:
+            plan = plan.with_rule(glob.escape(name), spec)
+    return plan
 
 
 def export(
