@@ -175,3 +175,31 @@ def test_gemms_numscope_does_not_intercept_warn_once(form: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(X)  # once per module and op
+
+
+def test_a_plan_made_at_one_sequence_length_is_refused_at_a_longer_one() -> None:
+    """Mamba's scan runs one GEMM per time step (sites <mixer>.matmul1 … matmulT): a plan made per site at
+    T=4 names four steps; at T=6 the fifth step would silently fall to the default, so it is refused with
+    the cause and both ways out (issue 27)."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    from numscope.plan import Plan, PlanError, SiteSpec
+    from numscope.vocab import OPERAND_KEYS
+
+    torch.manual_seed(0)
+    config = MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=4, expand=2,
+                         conv_kernel=4, intermediate_size=64)  # fmt: skip
+    model = MambaForCausalLM(config)
+    short, long = ({"input_ids": torch.randint(0, 64, (1, t))} for t in (4, 6))
+    names = [site.name for site in numscope.sites(model, short)]
+    plan = Plan.per_operand({(name, g, o): "bf16" for name in names for g, o in OPERAND_KEYS})
+    converted = numscope.convert(MambaForCausalLM(config), plan)
+    converted(**short)  # the length the plan was made at
+    with pytest.raises(PlanError, match=r"mixer\.\w+\d' has no rule.*mixer\.matmul0 … .*mixer\.matmul4"):
+        converted(**long)  # a step past the plan's, named as it first ran
+    rediscovered = numscope.convert(MambaForCausalLM(config), plan)
+    numscope.sites(rediscovered, long)  # found at this length: the step is matmul5
+    with pytest.raises(PlanError, match=r"'backbone\.layers\.0\.mixer\.matmul5' has no rule"):
+        rediscovered(**long)
+    steps = plan.with_rule("backbone.layers.0.mixer.*", SiteSpec.uniform("bf16"))
+    numscope.convert(MambaForCausalLM(config), steps)(**long)  # one rule for every step: runs

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -188,6 +189,8 @@ class _Quantizer:
     def spec(self, site: Site) -> SiteSpec:
         found = self._specs.get(site.name)
         if found is None:
+            if self.plan.rule_for(site.name) is None:
+                _refuse_unplanned_step(self.plan, site.name)
             found = self._specs[site.name] = self.plan.for_site(site.name)
         return found
 
@@ -600,6 +603,31 @@ def _e4m3_as_fp16(codes: torch.Tensor) -> torch.Tensor:
     bits = codes.view(torch.uint8).to(torch.int16)
     sign = (bits & 0x80).mul_(-256)  # 0x80 → 0x8000 as an int16 (-32768), without overflowing a shift
     return bits.bitwise_and_(0x7F).bitwise_left_shift_(7).bitwise_or_(sign).view(torch.float16)
+
+
+_NUMBERED = re.compile(r"^(.*?)(matmul|call)(\d+)$")
+
+
+def _refuse_unplanned_step(plan: Plan, name: str) -> None:
+    """Refuse a numbered GEMM site of a module (``<module>.matmulN``, the Nth unnamed GEMM of its forward;
+    ``<module>.callN`` where it first ran after the sites were found) that the plan has no rule for while
+    it names that module's GEMMs ``matmul0`` … ``matmulK`` one by one (K ≥ 2): a module that runs a GEMM per
+    step of its input (Mamba's scan) has one site per step, so a plan made per site at one input length
+    would leave the steps past it at the default without a word."""
+    found = _NUMBERED.match(name)
+    if found is None:
+        return
+    module, kind, index = found.group(1), found.group(2), int(found.group(3))
+    numbered = re.compile(re.escape(module + "matmul") + r"(\d+)")
+    planned = {int(m.group(1)) for rule in plan.rules if (m := numbered.fullmatch(rule.pattern))}
+    last = len(planned) - 1
+    if last >= 2 and planned == set(range(last + 1)) and (kind == "call" or index > last):
+        raise PlanError(
+            f"site {name!r} has no rule, while the plan names {module}matmul0 … {module}matmul{last} one by "
+            "one: the module runs one GEMM per step of its input (e.g. a scan over the sequence) and the "
+            f"plan was made at an input with {last + 1} such GEMMs; make the plan at this input length, or "
+            f"give the steps one rule ('{module}*')"
+        )
 
 
 def _axis_independent(spec: OperandSpec) -> bool:
