@@ -36,7 +36,7 @@ from numscope._callable import make_callable as _make_callable
 from numscope.formats import native
 from numscope.formats.cast import native_dtype
 from numscope.formats.fast import fast_enabled, reduced_tensor_amax
-from numscope.formats.quantize import Encoded, encode, quantize, tile_quantize
+from numscope.formats.quantize import Encoded, as_float32, encode, quantize, tile_quantize
 from numscope.formats.scaling import DelayedScaler, Scaling, element_scale
 from numscope.formats.spec import BlockFormat, FloatFormat
 from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec
@@ -426,7 +426,7 @@ class _Quantizer:
         tiles = scaling is not None and scaling.kind == "block" and not isinstance(fmt, BlockFormat)
         if tiles and self._factors and tensor.numel() > 0:
             values, codes, decode = tile_quantize(
-                tensor.detach().float(),
+                as_float32(tensor.detach(), fmt),  # as quantize() takes it (float64: rounded to odd)
                 fmt,  # type: ignore[arg-type]
                 scaling,  # type: ignore[arg-type]
                 spec.rounding,
