@@ -318,8 +318,7 @@ class _Quantizer:
         latest unused record with that fingerprint (backward recomputes the last checkpointed part first),
         then the following ones in order, and leaves the history and the generator as they were.
         """
-        rotation = spec.rotation()
-        fresh = rotation is not None and rotation.fresh
+        fresh = spec.transform is not None and spec.rotation().fresh  # type: ignore[union-attr]
         # a fresh transform's signs come from the generator too: replayed with it
         stochastic = (spec.rounding == "stochastic" or fresh) and self.generator is not None
         scaling = spec.effective_scaling()

@@ -125,7 +125,7 @@ def _hadamard(size: int) -> torch.Tensor:
 def _matrix(size: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (size,), generator=generator, dtype=torch.float64) * 2 - 1
-    return (signs[:, None] * _hadamard(size) / math.sqrt(size)).float()
+    return _signed(size, tuple(int(sign) for sign in signs.tolist()))
 
 
 @functools.lru_cache(maxsize=64)

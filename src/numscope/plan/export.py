@@ -36,7 +36,7 @@ from numscope._names import layer_index
 from numscope.errors import NumscopeError
 from numscope.formats.spec import BlockFormat
 from numscope.plan.plan import Plan
-from numscope.plan.recipes import TE_RHT, TORCHAO_EPS
+from numscope.plan.recipes import FAST_FPROP, TE_RHT, TORCHAO_EPS
 from numscope.plan.spec import OperandSpec, SiteSpec
 from numscope.vocab import GEMMS, OPERAND_KEYS, OPERANDS
 
@@ -445,16 +445,24 @@ _NVFP4 = "NVFP4BlockScaling"
 #: Float8CurrentScaling's per-GEMM accumulation switches (MMParams.use_split_accumulator: False is Hopper's
 #: fast accumulation, fp22 here; True promotes to FP32)
 _TE_MMPARAMS = {"fprop": "fp8_gemm_fprop", "dgrad": "fp8_gemm_dgrad", "wgrad": "fp8_gemm_wgrad"}
-#: the accumulation TE runs each GEMM of a recipe in where the recipe has no switch for it: DelayedScaling
-#: takes the module constants _2X_ACC_FPROP = False, _2X_ACC_DGRAD = _2X_ACC_WGRAD = True
+#: how TE accumulates each GEMM of a recipe by default (a SiteSpec accumulate value): Float8CurrentScaling's
+#: MMParams default to a fast fprop (only this recipe has switches: _TE_MMPARAMS); DelayedScaling takes the
+#: module constants _2X_ACC_FPROP = False, _2X_ACC_DGRAD = _2X_ACC_WGRAD = True
 #: (transformer_engine/pytorch/module/base.py); Float8BlockScaling asserts the split accumulator for all
 #: three; the block-scaled MXFP8 and NVFP4 GEMMs run on Blackwell, whose tensor cores accumulate in FP32
-_TE_FIXED_ACCUMULATE = {
-    "DelayedScaling": {"fprop": "fp22", "dgrad": "fp32", "wgrad": "fp32"},
-    "Float8BlockScaling": {"fprop": "fp32", "dgrad": "fp32", "wgrad": "fp32"},
-    "MXFP8BlockScaling": {"fprop": "fp32", "dgrad": "fp32", "wgrad": "fp32"},
-    _NVFP4: {"fprop": "fp32", "dgrad": "fp32", "wgrad": "fp32"},
+_TE_ACCUMULATE: dict[str, str | Mapping[str, str]] = {
+    "Float8CurrentScaling": FAST_FPROP,
+    "DelayedScaling": FAST_FPROP,
+    "Float8BlockScaling": "fp32",
+    "MXFP8BlockScaling": "fp32",
+    _NVFP4: "fp32",
 }
+
+
+def _te_runs(kind: str, gemm: str) -> str:
+    """The accumulator TE runs ``gemm`` of the recipe class ``kind`` in by default."""
+    runs = _TE_ACCUMULATE.get(kind, "fp32")
+    return runs if isinstance(runs, str) else runs[gemm]
 
 
 def _te_accumulation(recipe: str, site: SiteSpec) -> tuple[str, list[str]]:
@@ -475,9 +483,8 @@ def _te_accumulation(recipe: str, site: SiteSpec) -> tuple[str, list[str]]:
                 wanted = "fp32"
             switches.append(f"{_TE_MMPARAMS[gemm]}=MMParams(use_split_accumulator={wanted == 'fp32'})")
         return f"{recipe[:-1]}, {', '.join(switches)})", problems
-    fixed = _TE_FIXED_ACCUMULATE.get(kind, {})
     for gemm in quantized:
-        wanted, runs = site.accumulate_for(gemm), fixed.get(gemm, "fp32")
+        wanted, runs = site.accumulate_for(gemm), _te_runs(kind, gemm)
         if wanted != runs:
             problems.append(
                 f"{gemm} accumulate {wanted}: TE's {kind} runs this GEMM accumulating in {runs} "
@@ -832,23 +839,20 @@ def to_megatron(
                 "megatron/core/transformer/transformer_config.py); keep every layer quantized or use "
                 "current scaling"
             )
-        kind = recipe.split("(", 1)[0]
-        runs = {"fprop": "fp22", "dgrad": "fp32", "wgrad": "fp32"}
-        if kind not in ("Float8CurrentScaling", "DelayedScaling"):
-            runs = _TE_FIXED_ACCUMULATE.get(kind, runs)
+        kind = recipe.split("(", 1)[0]  # built with TE's defaults: no MMParams switch reaches it
         differing = sorted(
             {
                 (g, s.accumulate_for(g))
                 for layer in quantized
                 for s in by_layer[layer]
                 for g in GEMMS
-                if s.accumulate_for(g) != runs[g] and not (wgrad_high and g == "wgrad")
+                if s.accumulate_for(g) != _te_runs(kind, g) and not (wgrad_high and g == "wgrad")
             }
         )
         for gemm, wanted in differing:
             unexpressed.append(
                 f"{gemm} accumulate {wanted}: Megatron-LM builds {kind} with TE's defaults "
-                f"(megatron/core/fp8_utils.py), which run {gemm} accumulating in {runs[gemm]}"
+                f"(megatron/core/fp8_utils.py), which run {gemm} accumulating in {_te_runs(kind, gemm)}"
             )
         flags += _megatron_flags(recipe)
         if wgrad_high:
@@ -1127,11 +1131,10 @@ def from_transformer_engine(recipe: object) -> Plan:
         if getattr(recipe, "row_scaled_activation", False):
             raise _te_refuse(kind, "row_scaled_activation=True", "numscope's import reads the default only")
         scope = str(getattr(recipe, "nvfp4_4over6", "none"))
-        four_roles = {"none": (), "weights": ("weight",), "activations": ("input",)}.get(
-            scope, ("input", "weight")
-        )
-        if scope not in ("none", "weights", "activations", "all"):
+        scopes = {"none": (), "weights": ("weight",), "activations": ("input",), "all": ("input", "weight")}
+        if scope not in scopes:
             raise _te_refuse(kind, f"nvfp4_4over6={scope!r}", "TE allows none, weights, activations, all")
+        four_roles = scopes[scope]
         if four_roles:
             mode = str(getattr(recipe, "nvfp4_4over6_err_mode", "MAE")).upper()
             if mode != "MAE":
@@ -1161,7 +1164,7 @@ def from_transformer_engine(recipe: object) -> Plan:
                 options += ["4over6", "mae"]
             spec = replace(spec, format="@".join(["nvfp4", *options, "nan"]))
             operands[key] = spec
-        return linear_only(SiteSpec(operands, _TE_FIXED_ACCUMULATE[kind]))
+        return linear_only(SiteSpec(operands, _TE_ACCUMULATE[kind]))
     if kind == "MXFP8BlockScaling":
         if getattr(recipe, "enable_2d_quantization", False):
             raise _te_refuse(
@@ -1170,7 +1173,7 @@ def from_transformer_engine(recipe: object) -> Plan:
         for gemm, operand in OPERAND_KEYS:
             name = "mxfp8_e5m2@rceil" if element(operand) == "fp8_e5m2" else "mxfp8_e4m3@rceil"
             operands[(gemm, operand)] = OperandSpec(name)
-        return linear_only(SiteSpec(operands, _TE_FIXED_ACCUMULATE[kind]))
+        return linear_only(SiteSpec(operands, _TE_ACCUMULATE[kind]))
     for gemm, operand in OPERAND_KEYS:
         if kind == "DelayedScaling":
             scaling = Scaling(
@@ -1197,13 +1200,12 @@ def from_transformer_engine(recipe: object) -> Plan:
             else:
                 scaling = _tile(gemm, operand, power, epsilon)
         operands[(gemm, operand)] = OperandSpec(element(operand), scaling=scaling)
-    if kind == "Float8CurrentScaling":
+    accumulate = _TE_ACCUMULATE[kind]
+    if kind == "Float8CurrentScaling":  # its MMParams, TE's defaults where a field is missing
         accumulate = {}
         for gemm, field_name in _TE_MMPARAMS.items():
-            default = gemm != "fprop"  # TE's defaults: fprop without the split accumulator
+            default = _te_runs(kind, gemm) == "fp32"
             params = getattr(recipe, field_name, None)
             split = default if params is None else bool(getattr(params, "use_split_accumulator", default))
             accumulate[gemm] = "fp32" if split else "fp22"
-    else:
-        accumulate = _TE_FIXED_ACCUMULATE[kind]
     return linear_only(SiteSpec(operands, accumulate))
