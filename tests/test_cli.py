@@ -600,7 +600,9 @@ def test_a_grouped_query_attention_llama_config_is_analyzed_and_trained(ws: Path
 
 
 @pytest.mark.parametrize("model", ["bert", "llama_gqa"])
-def test_every_recommended_plan_exports_and_a_target_plan_exports_whole(ws: Path, model: str) -> None:
+def test_every_recommended_plan_exports_and_a_target_plan_exports_whole(
+    ws: Path, model: str, tmp_path: Path
+) -> None:
     """analyze → recommend → export on the tool's own outputs: the default plan exports to every stack
     (what a stack cannot run is listed, exit 0); a plan made with --target exports with nothing listed."""
     from transformers import LlamaConfig
@@ -616,8 +618,21 @@ def test_every_recommended_plan_exports_and_a_target_plan_exports_whole(ws: Path
         spec = ws / "bert.json"
     out = ws / "runs" / f"targets_{model}"
     formats = ["bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3@rceil", "nvfp4", "int8", "mxfp6_e3m2"]
-    result = cli("analyze", *flags(ws, spec), "--candidates", *formats, "--every", "2", "--out", out)
+    # a vocabulary TE's GEMMs take (a multiple of 16) where the config's own (30522, 200) is not: the plan
+    # quantizes the output layer, so only the model the run trained exports it whole (--model RUN)
+    result = cli(
+        "analyze",
+        *flags(ws, spec, vocab_size=112, cache=tmp_path),
+        "--candidates",
+        *formats,
+        "--every",
+        "2",
+        "--out",
+        out,
+    )
     assert result.code == 0, result.err
+    settings = json.loads((out / "run.json").read_text())
+    assert settings["vocab_size_built"] == 112 and settings["model_path"] == str(spec.resolve())
     plain = cli("recommend", out, "-o", ws / f"{model}_plain.yaml")
     assert plain.code == 0, plain.err
     assert "objective: noise" in plain.out  # no bit budget: the noise objective under limits, said so
@@ -627,16 +642,36 @@ def test_every_recommended_plan_exports_and_a_target_plan_exports_whole(ws: Path
         exported = cli("export", ws / f"{model}_plain.yaml", "--to", target, "--model", spec, "--out",
                        ws / f"{model}_plain_{target}")  # fmt: skip
         assert exported.code == 0, exported.err
-        for extra in ([], [*no_limits, "--bit-budget", "31"]):
-            plan_path = ws / f"{model}_{target}_{len(extra)}.yaml"
+        budget = "14" if model == "bert" else "16"  # the least a te plan needs here, the output layer low
+        tight = [[*no_limits, "--bit-budget", budget]] if target == "te" else []
+        for extra in ([], [*no_limits, "--bit-budget", "31"], *tight):
+            plan_path = ws / f"{model}_{target}_{'_'.join(extra[-1:])}.yaml"
             made = cli("recommend", out, "-o", plan_path, "--target", target, *extra)
             assert made.code == 0, made.err
-            exported = cli("export", plan_path, "--to", target, "--model", spec, "--out", ws / f"x_{target}")
+            assert f"export: numscope export {plan_path} --to {target} --model {out} --out DIR" in made.out
+            exported = cli("export", plan_path, "--to", target, "--model", out, "--out", ws / f"x_{target}")
             assert exported.code == 0, exported.err
             assert "cannot express" not in exported.out, exported.out
             plan = Plan.load(plan_path)
             scores = [name for name in Analysis.load(out / "analysis").sites() if name.endswith(".scores")]
             assert scores and all(plan.for_site(name).is_high for name in scores)  # no stack converts them
+        head = "cls.predictions.decoder" if model == "bert" else "lm_head"
+        if target == "te":  # at that budget the output layer is low (and exported whole above); the config
+            assert not plan.for_site(head).is_high  # alone builds a vocabulary TE's GEMMs do not take
+            exported = cli("export", plan_path, "--to", target, "--model", spec, "--out", ws / "x_spec")
+            assert exported.code == 0 and f"{head}" in exported.out, exported.out
+
+
+def test_export_from_a_run_folder_whose_model_is_gone_says_so(ws: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"model": "moved/config.json", "data": {"vocab_size": 112}}))
+    result = cli("export", "fp8", "--to", "te", "--model", run, "--out", tmp_path / "x")
+    assert result.code == 2
+    assert "the model its run.json records, 'moved/config.json', is not found from here" in result.err
+    (run / "run.json").write_text(json.dumps({"kind": "train"}))
+    result = cli("export", "fp8", "--to", "te", "--model", run, "--out", tmp_path / "x")
+    assert result.code == 2 and "records no model and vocabulary size" in result.err
 
 
 def test_train_under_a_named_recipe_gives_it_the_models_sites(ws: Path) -> None:

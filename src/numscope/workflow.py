@@ -176,18 +176,25 @@ def export_plan(
 def model_sites(
     model: str, objective: str = "auto", seq_len: int = 8, shapes: dict[str, tuple[int, ...]] | None = None
 ) -> list[tuple[str, str]]:
-    """``(site name, kind)`` of every site of ``model`` (as ``--model`` takes it) in call order: the model
-    is built untrained and run forward once, without gradients, on a batch of ``seq_len`` random tokens
-    (what its objective feeds it: input ids, attention mask). ``shapes``, when given, receives each Linear
+    """``(site name, kind)`` of every site of ``model`` (as ``--model`` takes it, or a run folder: the model
+    that run trained, at its tokenizer's vocabulary) in call order: the model is built untrained and run
+    forward once, without gradients, on a batch of ``seq_len`` random tokens (what its objective feeds it:
+    input ids, attention mask). ``shapes``, when given, receives each Linear
     site's weight shape (out × in features), for the export's shape rules."""
     import torch
 
     from numscope.run.objectives import get_objective
+    from numscope.run.sources import run_model
     from numscope.run.tokenizer import TokenizerInfo
     from numscope.sites import sites
 
-    resolved = resolve_model(model, objective)
-    vocab = int(getattr(resolved.config, "vocab_size", 0) or 1000)
+    trained = run_model(model)
+    if trained is not None:  # a run folder: the model it trained, at its tokenizer's vocabulary
+        model, objective, vocab = trained
+        resolved = resolve_model(model, objective)
+    else:
+        resolved = resolve_model(model, objective)
+        vocab = int(getattr(resolved.config, "vocab_size", 0) or 1000)
     tokenizer = TokenizerInfo(vocab_size=vocab, pad_id=0, unk_id=1, cls_id=2, sep_id=3, mask_id=4)
     positions = getattr(resolved.config, "max_position_embeddings", None) or getattr(
         resolved.config, "n_positions", None

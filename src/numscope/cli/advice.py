@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import inspect
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from numscope.cli.common import (
@@ -136,7 +137,8 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         )
     print(f"plan: {args.output}  (next: numscope train --plan {args.output} ...)")
     if args.target and args.target != "emulation":
-        print(f"export: numscope export {args.output} --to {args.target} --model M --out DIR")
+        trained = args.analysis if (Path(args.analysis) / "run.json").is_file() else "M"
+        print(f"export: numscope export {args.output} --to {args.target} --model {trained} --out DIR")
     return 0
 
 

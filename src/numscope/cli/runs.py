@@ -426,7 +426,13 @@ def _register_export(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("plan", metavar="PLAN", help="a plan YAML, a preset or a named recipe")
     p.add_argument("--to", required=True, choices=TARGETS, help="the library to write for")
-    p.add_argument("--model", required=True, metavar="M", help=_MODEL_HELP)
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="M",
+        help="a run folder (the model that run trained, at its tokenizer's vocabulary: what the plan was "
+        "made for) or " + _MODEL_HELP,
+    )
     p.add_argument("--objective", choices=("auto", "mlm", "clm"), default="auto", help=argparse.SUPPRESS)
     p.add_argument("--out", default="export", metavar="DIR", help="output folder (default: %(default)s)")
     p.set_defaults(func=_cmd_export)

@@ -136,7 +136,15 @@ def check_run_settings(out: Path, settings: dict[str, Any]) -> None:
     stored = read_settings(out / "run.json")
     if stored is None:
         return
-    ignore = {"numscope", "text", "command", "world_size", "objective_resolved"}
+    ignore = {
+        "numscope",
+        "text",
+        "command",
+        "world_size",
+        "objective_resolved",
+        "model_path",
+        "vocab_size_built",
+    }
     changed = setting_changes(
         {k: v for k, v in stored.items() if k not in ignore},
         {k: v for k, v in settings.items() if k not in ignore},

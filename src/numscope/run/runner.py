@@ -44,6 +44,7 @@ from numscope.run.sources import (
     check_train_config,
     corpus_digest,
     first_line,
+    model_path,
     prepare_data,
     resolve_model,
 )
@@ -89,6 +90,7 @@ def _settings(
         "numscope": __version__,
         "kind": kind,
         "model": model,
+        **({"model_path": path} if (path := model_path(model)) is not None else {}),
         "objective": objective,
         "text": [str(Path(p).resolve()) for p in data.text],
         "corpus_sha256": corpus_digest(data),
@@ -201,6 +203,7 @@ def analyze(
                 sensitivity_batches = min(sensitivity_batches, available)
         if result is None:
             settings["objective_resolved"] = resolved
+            settings["vocab_size_built"] = prepared.tokenizer.vocab_size  # a small corpus may give fewer
             if sensitivity_batches:  # too few validation batches: say so before training, not after
                 _sensitivity_batches(prepared, config, resolved, sensitivity_batches)
             if writer:
@@ -393,6 +396,7 @@ def train(
             return finished
         prepared, factory, resolved = _prepare_run(model, data, config, objective, loaded)
         settings["objective_resolved"] = resolved
+        settings["vocab_size_built"] = prepared.tokenizer.vocab_size  # a small corpus may give fewer
         writer = distributed.is_rank_zero()
         if writer:
             out_dir.mkdir(parents=True, exist_ok=True)

@@ -165,6 +165,50 @@ def resolve_model(spec: str, objective: str = "auto") -> ModelSource:
     return ModelSource(spec, "config", objective, config=config)
 
 
+def model_path(spec: str) -> str | None:
+    """The absolute path of the file or folder a ``--model`` spec names (a config, a ``file.py:factory``),
+    recorded in run.json so that a run folder names its model from any working directory; None for a
+    built-in, a hub name or an importable ``module:factory``."""
+    if spec in BUILTIN_MODELS:
+        return None
+    if Path(spec).exists():
+        return str(Path(spec).resolve())
+    module, sep, attribute = spec.rpartition(":")
+    if sep and module.endswith(".py") and Path(module).is_file():
+        return f"{Path(module).resolve()}:{attribute}"
+    return None
+
+
+def run_model(folder: str) -> tuple[str, str, int] | None:
+    """``(model spec, objective, vocabulary size)`` a run folder trained with (its run.json), so that a
+    command given the folder as ``--model`` builds the model the run trained, at the vocabulary its tokenizer
+    gave it; None where ``folder`` is not a run folder."""
+    settings = Path(folder) / "run.json"
+    if not (Path(folder).is_dir() and settings.is_file()):
+        return None
+    from numscope.run.folders import read_settings
+
+    stored = read_settings(settings) or {}
+    spec = stored.get("model_path") or stored.get("model")
+    vocab = stored.get("vocab_size_built", (stored.get("data") or {}).get("vocab_size"))
+    objective = stored.get("objective_resolved") or stored.get("objective") or "auto"
+    if not isinstance(spec, str) or not isinstance(vocab, int):
+        raise WorkflowError(
+            f"--model {folder}: its run.json records no model and vocabulary size; give --model the model "
+            "itself (a built-in, a config or a module:factory)"
+        )
+    if (
+        spec not in BUILTIN_MODELS
+        and model_path(spec) is None
+        and (spec.endswith(".json") or spec.startswith((".", "/", "~")) or ".py:" in spec)
+    ):
+        raise WorkflowError(
+            f"--model {folder}: the model its run.json records, {spec!r}, is not found from here (a path "
+            "relative to where the run was started); run from that folder, or give --model the model itself"
+        )
+    return spec, objective, vocab
+
+
 def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
