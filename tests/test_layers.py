@@ -1,5 +1,5 @@
 """The package layout's one rule (docs/architecture.md): a lower layer never imports a higher one, at the
-top of a module or inside a function; the two named exceptions are the only ones."""
+top of a module or inside a function; there is no exception."""
 
 from __future__ import annotations
 
@@ -14,11 +14,8 @@ ORDER = (
     "sites", "plan", "convert", "analysis", "distributed", "observe", "sensitivity", "advisor", "train",
     "run", "report", "study", "integrations", "demo", "workflow", "cli",
 )  # fmt: skip
-#: the plan study trains the demo's BERT (its model and data settings)
-EXCEPTIONS = {
-    ("numscope.study.config", "numscope.demo.main"),
-    ("numscope.study.plan_study", "numscope.demo.main"),
-}
+#: none: the plan study and the demo share their experiment through numscope.run.experiment
+EXCEPTIONS: set[tuple[str, str]] = set()
 IMPORT = re.compile(r"^\s*(?:from (numscope[\w.]*) import|import (numscope[\w.]*))", re.M)
 #: the names of ``from numscope import a, b`` or ``from numscope import (a, b)``: each may be a layer
 FROM_ROOT = re.compile(r"^\s*from numscope import (?:\(([^)]*)\)|([^\n(]+))", re.M)

@@ -253,10 +253,10 @@ def test_the_studys_model_does_not_follow_the_demos_defaults():
     from numscope.demo.main import DemoConfig
     from numscope.run.folders import setting_changes
 
-    study = PlanStudyConfig().demo_config(0)
+    study = PlanStudyConfig().experiment(0)
     assert study.val_blocks == 256 and study.train.mask_probability == 0.15
     assert study.train.steps == 300 and study.seq_len == 128 and study.vocab_size == 1000
-    demo, learning = DemoConfig(), PlanStudyConfig.demo_model().demo_config(0)
+    demo, learning = DemoConfig(), PlanStudyConfig.demo_model().experiment(0)
     shape = ("hidden", "layers", "heads", "intermediate", "seq_len", "vocab_size", "val_blocks", "dropout")
     for name in shape:
         assert getattr(learning, name) == getattr(demo, name), name

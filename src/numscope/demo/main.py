@@ -35,10 +35,10 @@ from tqdm.auto import tqdm
 from numscope._atomic import atomic_write_text
 from numscope._names import parse_seed_run, seed_run_name
 from numscope.errors import NumscopeError
-from numscope.observe import DEFAULT_CANDIDATES
 from numscope.plan import Plan
-from numscope.run.config import RunData, RunResult, RunSpec, TrainConfig
-from numscope.run.data import load_run_data, unigram_loss
+from numscope.run.config import RunData, RunResult, RunSpec
+from numscope.run.data import unigram_loss
+from numscope.run.experiment import Experiment, experiment_observer
 from numscope.run.folders import read_settings, setting_changes
 from numscope.run.loop import read_log
 from numscope.run.model import ModelConfig
@@ -257,21 +257,11 @@ def _limit_text(value: float | None) -> str:
 
 
 @dataclass(frozen=True)
-class DemoConfig:
-    """Everything that sizes the demo. ``quick()`` keeps every stage with fewer steps.
+class DemoConfig(Experiment):
+    """Everything that sizes the demo: the experiment (:class:`numscope.run.experiment.Experiment`, whose
+    defaults are the demo's, with the measurements behind them) and how the demo runs it. ``quick()`` keeps
+    every stage with fewer steps.
 
-    Sizes in tokens and elements; ``observe_every`` in optimizer steps.
-    The defaults were chosen by FP32 runs measured on this corpus (one thread per run, two runs at once on 2
-    cores, validation on 2,048 blocks; docs/demo.md, "The demo's size"): 1,000 steps of 64 blocks of 32
-    tokens, a 2,000-token vocabulary, 4 heads, FFN 256 and 30% of the training tokens masked take the FP32 run
-    0.59 nats below the context-free loss (seed 1: 0.54), while the whole demo stays within ten minutes
-    (the previous 500 steps of 16 × 64 tokens, vocabulary 4,000, 2 heads, FFN 512, 15% masked: 0.20).
-    Measured one change at a time: shorter blocks, more of them, learned more per token (32 tokens: 0.45
-    at vocabulary 1,000, 1,000 steps of 32; 64 tokens: 0.40); FFN 256 cost nothing (0.348 vs 0.346 with
-    512); 30% masking in training +0.03 with 2 heads (0.523 vs 0.496) and +0.09 with 4 (0.588 vs 0.503);
-    lr 1.5e-3 learns as far as 2e-3 (0.496 vs 0.500) with more room below 3e-3, where FP32 stays on the
-    context-free plateau (as hidden 256 and 4 layers did at 2e-3). Evaluation always masks 15%. Each
-    figure is one seed; the seed sd of the defaults' result is 0.027, so only the larger steps count.
     fast: runs whose plan uses block formats (MX, NVFP4) may compile with ``torch.compile`` what the
         native quantizers do not cover (``convert``'s ``compiled``; bit-identical to the eager reference);
         every run quantizes through the native quantizers where they cover an operand, whatever this says
@@ -290,28 +280,6 @@ class DemoConfig:
         every run in this process, one after the other.
     """
 
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(
-            steps=1000,
-            batch_size=64,
-            lr=1.5e-3,
-            warmup_steps=30,
-            eval_every=100,
-            checkpoint_every=50,
-            mask_probability=0.3,
-        )
-    )
-    hidden: int = 128
-    layers: int = 2
-    heads: int = 4
-    intermediate: int = 256
-    dropout: float = 0.0
-    seq_len: int = 32
-    vocab_size: int = 2000
-    max_train_blocks: int | None = None
-    val_blocks: int = 2048
-    observe_every: int = 50
-    candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     advisor: AdvisorRequest = field(default_factory=AdvisorRequest)
     fast: bool = True
     threads: int | None = 1
@@ -369,37 +337,14 @@ def prepare_data(
     progress: bool = False,
 ) -> RunData:
     """Corpus → train/validation split → WordPiece tokenizer (cached) → token blocks (cached)."""
-    return load_run_data(
-        config.vocab_size,
-        config.seq_len,
-        config.val_blocks,
-        text_paths,
-        cache_dir,
-        config.max_train_blocks,
-        progress,
-    )
+    return config.data(text_paths, cache_dir, progress)
 
 
 def model_config(config: DemoConfig, data: RunData) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=data.tokenizer.vocab_size,
-        hidden=config.hidden,
-        layers=config.layers,
-        heads=config.heads,
-        intermediate=config.intermediate,
-        max_position=config.seq_len,
-        dropout=config.dropout,
-        pad_token_id=data.tokenizer.pad_id,
-        seed=config.train.seed,
-    )
+    return config.model_config(data)
 
 
-def training_observer(model: torch.nn.Module, config: DemoConfig) -> Any:
-    """An entered observer of ``model`` measuring every ``observe_every``-th training step (from step 0);
-    the evaluations ``train_run`` makes run under ``torch.no_grad()`` and are not measured."""
-    from numscope.observe import observe
-
-    return observe(model, candidates=list(config.candidates), every=config.observe_every).__enter__()
+training_observer = experiment_observer
 
 
 def run_demo(

@@ -81,13 +81,14 @@ class PlanStudyConfig:
 
     @classmethod
     def demo_model(cls) -> PlanStudyConfig:
-        """The demo's model and training (``DemoConfig``'s defaults: vocabulary 2,000, 32-token blocks,
-        1,000 AdamW steps of 64 blocks at lr 1.5e-3, 4 heads, FFN 256, 30% of tokens masked in training,
-        2,048 validation blocks), on which FP32 learns about 0.55 nats below the context-free loss (the
-        study's own default model: 0.20). The study's plans, budgets and seeds are unchanged."""
-        from numscope.demo.main import DemoConfig
+        """The demo's model and training (:class:`numscope.run.experiment.Experiment`'s defaults, which the
+        demo trains: vocabulary 2,000, 32-token blocks, 1,000 AdamW steps of 64 blocks at lr 1.5e-3, 4
+        heads, FFN 256, 30% of tokens masked in training, 2,048 validation blocks), on which FP32 learns
+        about 0.55 nats below the context-free loss (the study's own default model: 0.20). The study's
+        plans, budgets and seeds are unchanged."""
+        from numscope.run.experiment import Experiment
 
-        demo = DemoConfig()
+        demo = Experiment()
         return cls(
             steps=demo.train.steps,
             batch_size=demo.train.batch_size,
@@ -119,9 +120,10 @@ class PlanStudyConfig:
         for name in self.uniform:
             Plan.named(name)
 
-    def demo_config(self, seed: int) -> Any:
-        from numscope.demo.main import DemoConfig
+    def experiment(self, seed: int) -> Any:
+        """The :class:`numscope.run.experiment.Experiment` one run of the study trains (from ``seed``)."""
         from numscope.run.config import TrainConfig
+        from numscope.run.experiment import Experiment
 
         train = TrainConfig(
             steps=self.steps,
@@ -134,7 +136,7 @@ class PlanStudyConfig:
             mask_probability=self.mask_probability,
         )
         candidates = tuple(dict.fromkeys((self.low, self.high, *UNIFORM_CANDIDATES)))
-        return DemoConfig(
+        return Experiment(
             train=train,
             hidden=self.hidden,
             layers=self.layers,

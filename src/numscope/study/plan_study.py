@@ -69,13 +69,9 @@ _DATA: dict[Any, Any] = {}
 
 
 def _data(config: PlanStudyConfig, text_paths: tuple[str, ...] | None) -> Any:
-    from numscope.demo.main import prepare_data
-
     key = (config.vocab_size, config.seq_len, config.val_blocks, text_paths)
     if key not in _DATA:
-        _DATA[key] = prepare_data(
-            config.demo_config(0), [Path(p) for p in text_paths] if text_paths else None
-        )
+        _DATA[key] = config.experiment(0).data([Path(p) for p in text_paths] if text_paths else None)
     return _DATA[key]
 
 
@@ -84,8 +80,8 @@ def _run_all(tasks: list[dict[str, Any]], jobs: int, log: Callable[[str], None])
     (:class:`numscope.run.pool.RunPool`); finished runs of the same plan are read back (train_run's
     contract), a run of a plan that has changed since (e.g. a numscope whose advisor decides otherwise) is
     moved aside and trained again."""
-    from numscope.demo.main import model_config, training_observer
     from numscope.run.config import RunSpec
+    from numscope.run.experiment import experiment_observer
     from numscope.run.pool import RunPool
 
     if not tasks:
@@ -96,15 +92,15 @@ def _run_all(tasks: list[dict[str, Any]], jobs: int, log: Callable[[str], None])
     results: list[dict[str, Any]] = []
     with RunPool(data, jobs=min(jobs, len(tasks)), threads=1) as pool:
         for key, task in by_key.items():
-            demo = config.demo_config(task["seed"])
+            experiment = config.experiment(task["seed"])
             plan = Plan.named(task["plan"]) if not task["plan"].endswith(".yaml") else Plan.load(task["plan"])
             pool.add(
                 key,
                 spec=RunSpec(task["name"], task["plan"]),
-                model_config=model_config(demo, data),
-                cfg=demo.train,
+                model_config=experiment.model_config(data),
+                cfg=experiment.train,
                 out_dir=Path(task["folder"]),
-                observer_factory=partial(training_observer, config=demo) if task["observe"] else None,
+                observer_factory=partial(experiment_observer, config=experiment) if task["observe"] else None,
                 compiled=bool(plan.uses_block_formats()) and not task["observe"],
                 save_model=bool(task.get("save_model", False)),
                 replace_changed=True,  # a plan the advisor now makes otherwise is trained again
@@ -341,7 +337,6 @@ def _sensitivity_scores(
         return SensitivityModel.from_sensitivity(Sensitivity.from_dict(json.loads(path.read_text())))
     import torch
 
-    from numscope.demo.main import model_config
     from numscope.run.model import bert_mlm_from_config
     from numscope.train.checkpoint import load_checkpoint
 
@@ -349,7 +344,7 @@ def _sensitivity_scores(
     trained = {**task("fp32 model", "fp32", seed), "save_model": True}
     _run_all([trained], 1, log)
     data = _data(config, text)
-    model = bert_mlm_from_config(model_config(config.demo_config(seed), data))
+    model = bert_mlm_from_config(config.experiment(seed).model_config(data))
     model.load_state_dict(load_checkpoint(Path(trained["folder"]) / "model.pt")["model"])
     log(f"[sensitivity] every operand alone in {config.low} and {config.high} on the trained FP32 model")
     torch.set_num_threads(1)
@@ -362,12 +357,11 @@ def _site_order(config: PlanStudyConfig, text: tuple[str, ...] | None) -> list[s
     """The BERT's GEMM sites in call order (one forward of a training batch, no gradients)."""
     import torch
 
-    from numscope.demo.main import model_config
     from numscope.run.model import bert_mlm_from_config
     from numscope.sites import sites
 
     data = _data(config, text)
-    model = bert_mlm_from_config(model_config(config.demo_config(0), data))
+    model = bert_mlm_from_config(config.experiment(0).model_config(data))
     ids = data.train_blocks[:2].long()
     return [s.name for s in sites(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})]
 
