@@ -49,7 +49,7 @@ def test_core_dependencies_leave_the_demo_and_the_report_to_extras() -> None:
     assert {"transformers", "tokenizers", "scikit-learn", "matplotlib"} <= {
         requirement.split(">")[0].split("=")[0] for requirement in extras["demo"]
     }
-    assert "numscope[demo]" in extras["dev"]  # ./run installs dev: everything the tests need
+    assert "numscope[demo,docs]" in extras["dev"]  # ./run installs dev: what the tests and the docs need
     assert project["requires-python"].startswith(">=3.11")
 
 
