@@ -13,6 +13,7 @@ from scipy.optimize import nnls
 
 import numscope
 from numscope._names import layer_index
+from numscope.plan import Plan
 from numscope.study import (
     GapModel,
     Operands,
@@ -301,9 +302,14 @@ def test_a_study_run_is_seeded(tmp_path):
 
 @pytest.mark.slow
 def test_quick_plan_study_end_to_end(tmp_path, capsys):
+    from numscope.advisor.target import recipe_bits
+    from numscope.analysis import Analysis
     from numscope.cli import main
+    from numscope.plan.export import export
+    from numscope.plan.targets import get_target
 
-    assert main(["study", "plans", "--quick", "--out", str(tmp_path / "study")]) == 0
+    flags = ["study", "plans", "--quick", "--target", "te", "--out", str(tmp_path / "study")]
+    assert main(flags) == 0
     printed = capsys.readouterr().out
     data = json.loads((tmp_path / "study" / "plan_study.json").read_text())
     for name in ("plan_study.md", "pareto.png", "predicted_vs_measured.png"):
@@ -311,17 +317,29 @@ def test_quick_plan_study_end_to_end(tmp_path, capsys):
     rows = {r["name"]: r for r in data["rows"]}
     assert {"fp32", "mxfp8", "mxfp4", "numscope@6", "numscope calibrated@6", "inverse@6"} <= set(rows)
     assert "numscope sensitivity@6" in rows and (tmp_path / "study" / "sensitivity.json").is_file()
-    assert all(math.isfinite(r["predicted_gap_sensitivity"]) for r in data["rows"])
+    target = "numscope te@6"  # the plan for Transformer Engine, trained beside the others
+    assert all(math.isfinite(r["predicted_gap_sensitivity"]) for r in data["rows"] if r["name"] != target)
     for row in data["rows"]:
         assert len(row["gaps"]) == 2 and all(math.isfinite(g) for g in row["gaps"])
-        if row["budget"] is not None:
-            assert 5.9 <= row["bits"] <= 6.0 + 1e-9
+        if row["budget"] is not None and row["name"] != target:
+            assert 5.9 <= row["bits"] <= 6.0 + 1e-9, row["name"]
+    # budgeted within TE's own range (what it cannot convert, the attention products, at 32 bits): 6 bits
+    # lie midway between MXFP4 and MXFP8, so the plan costs midway between TE's cheapest recipe and its FP8
+    analysis = Analysis.load(tmp_path / "study" / "runs" / "fp32" / "seed0" / "analysis")
+    bits = recipe_bits(analysis, get_target("te"), analysis.candidates)
+    assert rows[target]["bits"] <= (min(bits.values()) + bits["fp8"]) / 2 + 0.01
+    # the target's plan is what TE runs: it exports with nothing left out, and its formats are TE's
+    made = Plan.load(tmp_path / "study" / "plans" / "numscope_te@6.yaml")
+    sites = [(name, kind) for name, kind in analysis.meta["site_kinds"]]
+    assert export(made, "te", sites, "study").unexpressed == []
+    used = {made.for_site(n).operand(g, o).format for n, g, o in analysis.keys()}  # noqa: SIM118
+    assert used - {"high"} and used <= {"high", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3@rceil", "nvfp4@nan"}, used
     assert rows["fp32"]["gaps"] == [0.0, 0.0]
     assert math.isfinite(data["fp32_seed_sd"]) and data["fp32_seed_sd"] > 0
     assert "Spearman" in printed and "numscope@6" in printed
     # rerun: every run is reused, nothing trains again
     before = {p: p.stat().st_mtime for p in (tmp_path / "study" / "runs").rglob("result.json")}
-    assert main(["study", "plans", "--quick", "--out", str(tmp_path / "study")]) == 0
+    assert main(flags) == 0
     assert before == {p: p.stat().st_mtime for p in (tmp_path / "study" / "runs").rglob("result.json")}
 
 

@@ -437,10 +437,11 @@ def plan_study(
     steps: int | None = None,
     jobs: int | None = None,
     text: Sequence[str] | None = None,
+    target: str | None = None,
 ) -> Any:
     """The plan study (:func:`numscope.study.run_plan_study`) into ``out``; ``quick`` starts from
     :meth:`PlanStudyConfig.quick`, ``demo_model`` from :meth:`PlanStudyConfig.demo_model`, the other
-    arguments override the configuration."""
+    arguments override the configuration (``target``: numscope's plan also made for that stack)."""
     from dataclasses import replace
 
     from numscope.study import PlanStudyConfig, StudyError, run_plan_study
@@ -455,6 +456,7 @@ def plan_study(
         "random_plans": random_plans,
         "steps": steps,
         "jobs": jobs,
+        "target": target,
     }
     config = replace(config, **{k: v for k, v in changes.items() if v is not None})
     for path in text or ():

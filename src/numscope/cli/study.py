@@ -24,6 +24,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
             steps=args.steps,
             jobs=args.jobs,
             text=args.text,
+            target=args.target,
         )
         print(summary.table)
         print("\n".join(f"{kind}: {path}" for kind, path in summary.files.items()))
@@ -39,6 +40,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
             ("--jobs", args.jobs),
             ("--text", args.text),
             ("--seeds", args.seeds),
+            ("--target", args.target),
         )
         if value not in (None, False)
     ]
@@ -109,6 +111,12 @@ def _register_study(sub: argparse._SubParsersAction) -> None:
         "--jobs", type=_int_at_least(1), metavar="N", help=f"plans: runs side by side (default: {plans.jobs})"
     )
     p.add_argument("--text", nargs="+", metavar="PATH", help="plans: your text files instead of the corpus")
+    p.add_argument(
+        "--target",
+        choices=("te", "torchao", "megatron"),
+        help="plans: numscope's plan also made for this training stack (only what it runs) at every budget, "
+        "trained beside the others; the FP32 run observes the stack's formats too",
+    )
     p.add_argument(
         "--dofs",
         nargs="+",

@@ -64,6 +64,11 @@ class PlanStudyConfig:
     mask_probability: float = 0.15
     warmup_steps: int | None = None
     """None: a sixteenth of the steps."""
+    target: str | None = None
+    """A training stack (``te``, ``torchao``, ``megatron``; :mod:`numscope.plan.targets`): numscope's plan
+    is also made for it at every budget (``numscope TARGET@B``: only what that stack runs, by the noise
+    objective, within its own range of bits: :func:`numscope.study.plans.target_budget`), and the FP32
+    run observes the formats its recipes use. None: no target plan."""
 
     @classmethod
     def quick(cls) -> PlanStudyConfig:
@@ -119,6 +124,20 @@ class PlanStudyConfig:
             raise StudyError(f"jobs must be >= 1 and random_plans >= 0; got {self.jobs}, {self.random_plans}")
         for name in self.uniform:
             Plan.named(name)
+        if self.target is not None:
+            from numscope.plan.targets import TARGETS
+
+            stacks = [name for name in TARGETS if name != "emulation"]
+            if self.target not in stacks:
+                raise StudyError(f"target {self.target!r}: unknown; allowed: {', '.join(stacks)}")
+
+    def target_formats(self) -> tuple[str, ...]:
+        """The formats the target's recipes are measured in (none without a target)."""
+        if self.target is None:
+            return ()
+        from numscope.plan.targets import get_target
+
+        return tuple(dict.fromkeys(f for recipe in get_target(self.target).recipes for f in recipe.measured))
 
     def experiment(self, seed: int) -> Any:
         """The :class:`numscope.run.experiment.Experiment` one run of the study trains (from ``seed``)."""
@@ -135,7 +154,7 @@ class PlanStudyConfig:
             seed=seed,
             mask_probability=self.mask_probability,
         )
-        candidates = tuple(dict.fromkeys((self.low, self.high, *UNIFORM_CANDIDATES)))
+        candidates = tuple(dict.fromkeys((self.low, self.high, *UNIFORM_CANDIDATES, *self.target_formats())))
         return Experiment(
             train=train,
             hidden=self.hidden,

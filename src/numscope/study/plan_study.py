@@ -147,6 +147,8 @@ def run_plan_study(
     text = tuple(str(p) for p in text_paths) if text_paths else None
     settings = out_dir / "settings.json"
     run_settings = {k: v for k, v in asdict(config).items() if k not in RESULT_NEUTRAL}
+    if config.target is None:  # as a folder made before the study had targets records it
+        del run_settings["target"]
     wanted = json.loads(json.dumps({"config": run_settings, "text": text}))  # tuples as lists, as stored
     stored = read_settings(settings)
     if stored is not None and (changes := setting_changes(stored, wanted)):

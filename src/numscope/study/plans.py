@@ -14,7 +14,7 @@ import numpy as np
 
 from numscope._names import layer_index
 from numscope.analysis import Analysis, OperandKey
-from numscope.plan import HIGH, Plan
+from numscope.plan import HIGH, OperandSpec, Plan
 from numscope.study.config import PlanStudyConfig, StudyError
 from numscope.study.gap_models import GapModel, SensitivityModel
 from numscope.study.operands import Operands, format_bits
@@ -136,8 +136,11 @@ class StudyPlan:
     budget: float | None
     formats: dict[OperandKey, str] | None  # None: a named plan (uniform, fp32)
     preset: str | None = None
+    made: Plan | None = None  # a plan the advisor made as it is (a target's: its recipes' specs, high sites)
 
     def plan(self) -> Plan:
+        if self.made is not None:
+            return self.made
         return Plan.named(self.preset) if self.preset else plan_of(self.formats or {}, self.name)
 
 
@@ -174,6 +177,13 @@ def budget_plans(
             rec = advise(analysis, candidates=[config.low, config.high], bit_budget=budget, **asked, **off)
             formats = {c.key: c.format for c in rec.choices}
             plans.append(StudyPlan(f"{name}{tag}", "numscope", budget, formats))
+        if config.target is not None:  # what the stack runs, among every format it has (noise objective)
+            asked = variants.get("numscope calibrated", {})  # the calibrated role weights where fitted
+            total = target_budget(analysis, config, budget)
+            rec = advise(analysis, bit_budget=total, target=config.target, **asked, **off)
+            formats = {c.key: c.format for c in rec.choices}
+            name = f"numscope {config.target}{tag}"
+            plans.append(StudyPlan(name, "numscope", budget, formats, made=rec.plan))
         for name, order in HEURISTIC_ORDERS.items():
             formats = fill_order(order(operands), operands, budget, config.low, config.high)
             plans.append(StudyPlan(f"{name}{tag}", "heuristic", budget, formats))
@@ -191,8 +201,29 @@ def budget_plans(
             )
         )
     for plan in plans:  # the advisor also assigns operands without elements; keep the study's operands
-        plan.formats = {k: (plan.formats or {}).get(k, config.low) for k in operands.keys}
+        default = HIGH if plan.made is not None else config.low  # a target keeps what it cannot run high
+        plan.formats = {k: (plan.formats or {}).get(k, default) for k in operands.keys}
     return plans
+
+
+def target_budget(analysis: Analysis, config: PlanStudyConfig, budget: float) -> float:
+    """A target plan's bit budget for the study's ``budget``: as far from the target's cheapest recipe
+    everywhere towards its FP8 recipe everywhere (:func:`numscope.advisor.target.recipe_bits`: what the
+    stack cannot convert, attention's two products, other matmuls, shapes its kernels refuse, at 32 bits
+    in both) as ``budget`` lies from the study's low format towards its high one. A stack cannot reach the
+    budget of a plan that quantizes what it cannot convert, so its plan sits at the same place in its own
+    range (midway for the middle budget, as the demo's rule); its row's bits say what it costs in all."""
+    from numscope.advisor.target import recipe_bits
+    from numscope.plan.targets import get_target
+
+    low, high = (OperandSpec(label).bits_per_element() for label in (config.low, config.high))
+    bits = recipe_bits(analysis, get_target(str(config.target)), analysis.candidates)
+    if "fp8" not in bits:
+        raise StudyError(f"target {config.target}: its FP8 recipe was not measured by the FP32 run")
+    cheapest = min(bits.values())
+    position = (budget - low) / (high - low)
+    # never below the cheapest recipe (rounded up): rounding must not make the budget impossible
+    return max(round(cheapest + position * (bits["fp8"] - cheapest), 2), math.ceil(cheapest * 100) / 100)
 
 
 def calibration_plans(operands: Operands, config: PlanStudyConfig) -> list[StudyPlan]:
