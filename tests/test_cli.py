@@ -674,6 +674,28 @@ def test_export_from_a_run_folder_whose_model_is_gone_says_so(ws: Path, tmp_path
     assert result.code == 2 and "records no model and vocabulary size" in result.err
 
 
+def test_analyze_measures_the_sensitivity_on_an_early_checkpoint_too(ws: Path, tmp_path: Path) -> None:
+    out = tmp_path / "early"
+    args = ["analyze", *flags(ws), "--candidates", "mxfp4_e2m1", "--every", "2", "--sensitivity", "1"]
+    result = cli(*args, "--sensitivity-early", "2", "--out", out)
+    assert result.code == 0, result.err
+    early = numscope.load_checkpoint(out / "model_early.pt")
+    assert early["step"] == 2 and json.loads((out / "run.json").read_text())["sensitivity_early"] == 2
+    trained = numscope.load_checkpoint(out / "model.pt")["model"]
+    assert any(not torch.equal(early["model"][k], trained[k]) for k in trained)  # two other models
+    measured = Analysis.load(out / "analysis").sensitivity
+    assert measured.meta["checkpoints"] == 2 and measured.meta["normalized_by"] == "mxfp4_e2m1"
+    power = sum(m["mxfp4_e2m1"]["grad_rel_error"] ** 2 for m in measured.results.values())
+    assert power == pytest.approx(2.0)  # each checkpoint weighs 1 in the format it is normalised by
+    refusals = [
+        (["--steps", "4", "--sensitivity-early", "4"], "a step from 1 to 3"),
+        (["--sensitivity", "0", "--sensitivity-early", "2"], "needs --sensitivity N > 0"),
+    ]
+    for bad, why in refusals:
+        refused = cli(*args, *bad, "--out", tmp_path / "bad")
+        assert refused.code == 2 and why in refused.err, refused.err
+
+
 def test_train_under_a_named_recipe_gives_it_the_models_sites(ws: Path) -> None:
     out = ws / "runs" / "te_nvfp4"
     result = cli("train", *flags(ws), "--plan", "te_nvfp4", "--out", out)

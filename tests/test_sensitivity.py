@@ -205,3 +205,38 @@ def test_progress_is_reported_once_per_measurement_up_to_the_total() -> None:
     )
     total = len(result.results) * 2
     assert calls == [(done, total) for done in range(1, total + 1)] and total > 0
+
+
+def test_checkpoints_combine_each_weighing_alike():
+    """Two checkpoints of a real model (one trained a few steps further): each operand's squared gradient
+    error divided by its checkpoint's total in the normalising format, summed; every other metric is the
+    first checkpoint's; targets must match."""
+    from numscope.sensitivity import combine_sensitivities
+
+    model, data = tiny_bert(), batches(2)
+    sites = ["bert.encoder.layer.0.attention.self.query", "bert.encoder.layer.0.output.dense"]
+    first = sensitivity(model, data, candidates=("bf16", "mxfp4_e2m1"), granularity="operand", sites=sites)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for batch in data * 3:
+        optimizer.zero_grad()
+        model(**batch).loss.backward()
+        optimizer.step()
+    later = sensitivity(model, data, candidates=("bf16", "mxfp4_e2m1"), granularity="operand", sites=sites)
+    combined = combine_sensitivities([first, later], "mxfp4_e2m1")
+    assert combined.meta["checkpoints"] == 2 and combined.meta["normalized_by"] == "mxfp4_e2m1"
+
+    def total(result: Sensitivity) -> float:
+        return sum(m["mxfp4_e2m1"]["grad_rel_error"] ** 2 for m in result.results.values())
+
+    for key, by_label in combined.results.items():
+        for label, metrics in by_label.items():
+            a = first.results[key][label]["grad_rel_error"] ** 2 / total(first)
+            b = later.results[key][label]["grad_rel_error"] ** 2 / total(later)
+            assert metrics["grad_rel_error"] == pytest.approx(math.sqrt(a + b), rel=1e-12)
+            assert metrics["loss_change"] == first.results[key][label]["loss_change"]
+    assert total(combined) == pytest.approx(2.0)  # each checkpoint adds 1 in the normalising format
+    with pytest.raises(ValueError, match="'fp8_e4m3' was not measured"):
+        combine_sensitivities([first, later], "fp8_e4m3")
+    fewer = sensitivity(model, data, candidates=("bf16",), granularity="operand", sites=sites[:1])
+    with pytest.raises(ValueError, match="same targets"):
+        combine_sensitivities([first, fewer], "bf16")

@@ -202,6 +202,46 @@ class _Runner:
         return out
 
 
+def combine_sensitivities(measured: Sequence[Sensitivity], label: str) -> Sensitivity:
+    """One sensitivity from the same targets measured on several checkpoints of a training run (the trained
+    model and an early one): each checkpoint's squared ``grad_rel_error`` divided by its total over the
+    targets in ``label`` (so that every checkpoint weighs alike, whatever its gradients' size), summed over
+    the checkpoints; ``grad_rel_error`` is the square root of that sum. The other metrics are the first
+    checkpoint's. Why: on a GQA Llama a plan chosen from the trained model's sensitivity alone cost 4× its
+    prediction and twice what one chosen from the trained and the step-20 model cost (docs/plan-study.md,
+    "When the sensitivity is measured")."""
+    if not measured:
+        raise ValueError("combine_sensitivities needs at least one measured sensitivity")
+    first = measured[0]
+    for other in measured[1:]:
+        if set(other.results) != set(first.results) or other.granularity != first.granularity:
+            raise ValueError("the sensitivities to combine must measure the same targets at one granularity")
+    totals = []
+    for one in measured:
+        if label not in one.candidates:
+            raise ValueError(f"{label!r} was not measured (measured: {', '.join(one.candidates)})")
+        total = sum(float(metrics[label]["grad_rel_error"]) ** 2 for metrics in one.results.values())
+        totals.append(total if total > 0 else 1.0)
+    results: dict[OperandKey, dict[str, dict[str, float]]] = {}
+    for key, by_label in first.results.items():
+        results[key] = {}
+        for name, metrics in by_label.items():
+            power = sum(
+                float(one.results[key][name]["grad_rel_error"]) ** 2 / total
+                for one, total in zip(measured, totals, strict=True)
+                if name in one.results[key]
+            )
+            results[key][name] = {**metrics, "grad_rel_error": math.sqrt(power)}
+    meta = {**first.meta, "checkpoints": len(measured), "normalized_by": label}
+    return Sensitivity(
+        candidates=first.candidates,
+        granularity=first.granularity,
+        reference_loss=first.reference_loss,
+        results=results,
+        meta=meta,
+    )
+
+
 def _compare(run: list[tuple[float, torch.Tensor]], reference: list[tuple[float, torch.Tensor]]) -> dict:
     losses = [loss for loss, _ in run]
     reference_losses = [loss for loss, _ in reference]

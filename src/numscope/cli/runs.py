@@ -38,6 +38,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         sensitivity_batches=args.sensitivity,
         sensitivity_granularity=args.sensitivity_granularity,
         sensitivity_formats=sensitivity_formats(args.sensitivity_formats),
+        sensitivity_early=args.sensitivity_early,
         progress=not args.no_progress,
     )
     if _launched_as_rank_zero():
@@ -122,6 +123,15 @@ def _register_analyze(sub: argparse._SubParsersAction) -> None:
         "enough for --criterion, not for the sensitivity objective) (default: %(default)s)",
     )
     add_sensitivity_formats(p)
+    p.add_argument(
+        "--sensitivity-early",
+        type=_int_at_least(1),
+        default=None,
+        metavar="STEP",
+        help="also keep the model after STEP steps and measure the sensitivity on it, combined with the "
+        "trained model's (each weighing alike): a plan chosen from both halved its gap on a GQA Llama "
+        "(docs/plan-study.md; STEP 20 of 300 there); costs as many passes again (default: off)",
+    )
     p.add_argument(
         "--tensorboard",
         metavar="LOGDIR",

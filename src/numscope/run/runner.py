@@ -49,6 +49,7 @@ from numscope.run.sources import (
     resolve_model,
 )
 from numscope.train.adaptive import AdaptiveConfig
+from numscope.train.checkpoint import save_checkpoint
 
 __all__ = ["DEFAULT_CANDIDATES", "REFERENCE_FORMAT", "analyze", "plan_and_source", "train"]
 
@@ -135,6 +136,7 @@ def analyze(
     sensitivity_batches: int | None = 0,
     sensitivity_granularity: str = "site",
     sensitivity_formats: Sequence[str] | str | None = None,
+    sensitivity_early: int | None = None,
 ) -> RunResult:
     """Train ``model`` in FP32 on ``data`` and observe every GEMM operand every ``every`` steps.
 
@@ -151,6 +153,9 @@ def analyze(
     one process). ``sensitivity_formats``: the candidates measured that way (None: all of them; ``"auto"``:
     the one with the fewest bits, from which :func:`numscope.advisor.operand_impact` estimates the others
     with the observer's noise ratios, a tenth of the passes with the ten default candidates).
+    ``sensitivity_early``: a step; the model after that many steps is kept too (``out/model_early.pt``) and
+    the sensitivity is measured on it as well, the two combined with each checkpoint weighing alike
+    (:func:`numscope.sensitivity.combine_sensitivities`; docs/plan-study.md says what it changed).
     Under ``torchrun`` with ``WORLD_SIZE`` > 1 it trains with DDP over gloo, as :func:`train`; the observer
     merges each sampled step across the ranks (:mod:`numscope.distributed`), and rank 0 writes.
     """
@@ -180,11 +185,23 @@ def analyze(
     measured_formats = _sensitivity_formats(sensitivity_formats, names)
     if sensitivity_granularity not in ("site", "operand"):
         raise WorkflowError(f"--sensitivity-granularity {sensitivity_granularity!r}: allowed: site, operand")
+    if sensitivity_early is not None:
+        if not sensitivity_batches:
+            raise WorkflowError("--sensitivity-early measures the sensitivity: it needs --sensitivity N > 0")
+        if isinstance(sensitivity_early, bool) or not isinstance(sensitivity_early, int):
+            raise WorkflowError(f"--sensitivity-early must be a step number; got {sensitivity_early!r}")
+        if not 1 <= sensitivity_early < config.steps:
+            raise WorkflowError(
+                f"--sensitivity-early {sensitivity_early}: a step from 1 to {config.steps - 1} (--steps "
+                f"{config.steps}): the model after that many steps is measured beside the trained one"
+            )
     out_dir = check_output_folder(out)
     with _process_group():
         extra: dict[str, Any] = (
             {"sensitivity_batches": "auto" if auto else sensitivity_batches} if sensitivity_batches else {}
         )
+        if sensitivity_early is not None:
+            extra["sensitivity_early"] = sensitivity_early
         if sensitivity_batches and sensitivity_granularity != "site":
             extra["sensitivity_granularity"] = sensitivity_granularity
         if sensitivity_batches and measured_formats != names:
@@ -210,10 +227,19 @@ def analyze(
                 out_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write_text(out_dir / "run.json", json.dumps(settings, indent=1))
 
+            trained: list[nn.Module] = []
+
             def observer(module: nn.Module) -> Any:
+                trained.append(module)
                 return observe(module, candidates=names, every=every).__enter__()
 
             on_step, close = _progress(config.steps, "fp32 (observed)", progress and writer)
+
+            def step_done(step: int, loss: float) -> None:
+                on_step(step, loss)
+                if step == sensitivity_early and writer:  # the early checkpoint the sensitivity measures
+                    save_checkpoint(out_dir / EARLY_MODEL, {"model": trained[-1].state_dict(), "step": step})
+
             try:
                 result = train_run(
                     RunSpec("fp32", "fp32", description="FP32, observed"),
@@ -221,7 +247,7 @@ def analyze(
                     config,
                     prepared,
                     out_dir,
-                    on_step,
+                    step_done,
                     observer,
                     objective=resolved,
                     save_model=bool(sensitivity_batches),
@@ -239,6 +265,7 @@ def analyze(
                 sensitivity_batches,
                 sensitivity_granularity,
                 progress and writer,
+                early=sensitivity_early is not None,
             )
         if writer:
             _write_tensorboard(out_dir, tensorboard)
@@ -266,6 +293,9 @@ def _sensitivity_formats(asked: Sequence[str] | str | None, names: list[str]) ->
     return list(dict.fromkeys(chosen)) or list(names)
 
 
+EARLY_MODEL = "model_early.pt"
+"""The model after ``sensitivity_early`` steps, kept in the run folder for the sensitivity measured on it."""
+
 AUTO_SENSITIVITY_BATCHES = 2
 """Validation batches ``numscope analyze`` measures each operand's sensitivity on by default: the plan
 study's setting (its sensitivity plans were made from 2 batches) and what ``numscope calibrate`` uses; on the
@@ -283,12 +313,15 @@ def measure_sensitivity(
     granularity: str = "site",
     progress: bool = False,
     sites: Sequence[str] | None = None,
+    early: bool = False,
 ) -> Analysis:
     """The trained model's (``out_dir/model.pt``) sensitivity on ``count`` validation batches, stored in
     ``out_dir/analysis`` and returned with it (a progress bar of the (target, format) measurements with
-    ``progress``; ``sites``: glob patterns of the sites measured, default all); skipped when the analysis
-    already holds it (a finished run asked again)."""
-    from numscope.sensitivity import sensitivity
+    ``progress``; ``sites``: glob patterns of the sites measured, default all; ``early``: measure the early
+    checkpoint ``out_dir/model_early.pt`` too and combine the two with
+    :func:`numscope.sensitivity.combine_sensitivities`, normalised by the candidate with the fewest bits);
+    skipped when the analysis already holds it (a finished run asked again)."""
+    from numscope.sensitivity import combine_sensitivities, sensitivity
     from numscope.train.checkpoint import load_checkpoint
 
     analysis = Analysis.load(out_dir / "analysis")
@@ -296,27 +329,45 @@ def measure_sensitivity(
         return analysis
     from tqdm.auto import tqdm
 
+    checkpoints = [out_dir / "model.pt"] + ([out_dir / EARLY_MODEL] if early else [])
+    for path in checkpoints:
+        if not path.is_file():
+            raise WorkflowError(
+                f"{path}: missing, so the sensitivity cannot be measured on it (a run resumed past the "
+                "early step keeps none); analyze into a new --out"
+            )
     batches = _sensitivity_batches(prepared, config, objective, count)
-    model = factory()
-    model.load_state_dict(load_checkpoint(out_dir / "model.pt")["model"])
-    bar = tqdm(desc=f"sensitivity (per {granularity}, {count} batches)", disable=not progress, leave=True)
+    measured = []
+    for path in checkpoints:
+        model = factory()
+        model.load_state_dict(load_checkpoint(path)["model"])
+        which = "" if path.name == "model.pt" else f", {path.stem}"
+        desc = f"sensitivity (per {granularity}, {count} batches{which})"
+        bar = tqdm(desc=desc, disable=not progress, leave=True)
 
-    def advance(done: int, total: int) -> None:
-        bar.total = total
-        bar.n = done
-        bar.refresh()
+        def advance(done: int, total: int, bar: Any = bar) -> None:
+            bar.total = total
+            bar.n = done
+            bar.refresh()
 
-    try:
-        analysis.sensitivity = sensitivity(
-            model,
-            batches,
-            candidates=list(candidates),
-            granularity=granularity,
-            sites=sites,
-            on_progress=advance,
-        )
-    finally:
-        bar.close()
+        try:
+            measured.append(
+                sensitivity(
+                    model,
+                    batches,
+                    candidates=list(candidates),
+                    granularity=granularity,
+                    sites=sites,
+                    on_progress=advance,
+                )
+            )
+        finally:
+            bar.close()
+    if len(measured) == 1:
+        analysis.sensitivity = measured[0]
+    else:
+        cheapest = min(candidates, key=lambda name: get_format(name).bits_per_element)
+        analysis.sensitivity = combine_sensitivities(measured, get_format(cheapest).name)
     analysis.save(out_dir / "analysis")
     return analysis
 
