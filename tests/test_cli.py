@@ -687,6 +687,14 @@ def test_analyze_measures_the_sensitivity_on_an_early_checkpoint_too(ws: Path, t
     assert measured.meta["checkpoints"] == 2 and measured.meta["normalized_by"] == "mxfp4_e2m1"
     power = sum(m["mxfp4_e2m1"]["grad_rel_error"] ** 2 for m in measured.results.values())
     assert power == pytest.approx(2.0)  # each checkpoint weighs 1 in the format it is normalised by
+    # calibrate fits its sensitivity gap model on the combined sensitivity
+    calibrated = cli(
+        "calibrate", *flags(ws), "--seeds", "0", "1", "--sensitivity", "1", "--sensitivity-early", "2",
+        "--out", tmp_path / "calibration",
+    )  # fmt: skip
+    assert calibrated.code == 0, calibrated.err
+    first = Analysis.load(tmp_path / "calibration" / "fp32" / "seed0" / "analysis").sensitivity
+    assert first.meta["checkpoints"] == 2 and "S(fprop)" in calibrated.out
     refusals = [
         (["--steps", "4", "--sensitivity-early", "4"], "a step from 1 to 3"),
         (["--sensitivity", "0", "--sensitivity-early", "2"], "needs --sensitivity N > 0"),

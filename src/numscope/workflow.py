@@ -395,6 +395,7 @@ def calibrate(
     sensitivity_batches: int = 2,
     jobs: int = 1,
     sensitivity_formats: Sequence[str] | str | None = "auto",
+    sensitivity_early: int | None = None,
 ) -> Any:
     """:func:`numscope.study.calibrate` into ``out``, with clear errors for bad settings."""
     from numscope.study import StudyError
@@ -421,6 +422,7 @@ def calibrate(
             sensitivity_batches=sensitivity_batches,
             jobs=jobs,
             sensitivity_formats=sensitivity_formats,
+            sensitivity_early=sensitivity_early,
         )
     except StudyError as error:
         raise WorkflowError(str(error)) from error

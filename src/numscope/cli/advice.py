@@ -249,6 +249,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         sensitivity_formats=sensitivity_formats(args.sensitivity_formats),
         sensitivity_batches=args.sensitivity,
+        sensitivity_early=args.sensitivity_early,
     )
     model = result.gap_model
     print(f"gap ≈ {model.formula()}; FP32 seed noise {result.noise:.4f} nats over {len(args.seeds)} seeds")
@@ -267,7 +268,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _register_calibrate(sub: argparse._SubParsersAction) -> None:
-    from numscope.cli.runs import add_sensitivity_formats
+    from numscope.cli.runs import add_sensitivity_early, add_sensitivity_formats
 
     p = sub.add_parser(
         "calibrate",
@@ -292,6 +293,7 @@ def _register_calibrate(sub: argparse._SubParsersAction) -> None:
         "a format not calibrated (default: none)",
     )
     add_sensitivity_formats(p)
+    add_sensitivity_early(p)
     p.add_argument(
         "--jobs",
         type=_int_at_least(1),

@@ -74,6 +74,18 @@ def add_sensitivity_formats(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_sensitivity_early(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sensitivity-early",
+        type=_int_at_least(1),
+        default=None,
+        metavar="STEP",
+        help="also keep the model after STEP steps and measure the sensitivity on it, combined with the "
+        "trained model's (each weighing alike): a plan chosen from both halved its gap on a GQA Llama "
+        "(docs/plan-study.md; STEP 20 of 300 there); costs as many passes again (default: off)",
+    )
+
+
 def _register_analyze(sub: argparse._SubParsersAction) -> None:
     from numscope.run.runner import AUTO_SENSITIVITY_BATCHES
     from numscope.workflow import DEFAULT_CANDIDATES
@@ -123,15 +135,7 @@ def _register_analyze(sub: argparse._SubParsersAction) -> None:
         "enough for --criterion, not for the sensitivity objective) (default: %(default)s)",
     )
     add_sensitivity_formats(p)
-    p.add_argument(
-        "--sensitivity-early",
-        type=_int_at_least(1),
-        default=None,
-        metavar="STEP",
-        help="also keep the model after STEP steps and measure the sensitivity on it, combined with the "
-        "trained model's (each weighing alike): a plan chosen from both halved its gap on a GQA Llama "
-        "(docs/plan-study.md; STEP 20 of 300 there); costs as many passes again (default: off)",
-    )
+    add_sensitivity_early(p)
     p.add_argument(
         "--tensorboard",
         metavar="LOGDIR",

@@ -43,6 +43,7 @@ def calibrate(
     sensitivity_batches: int = 2,
     jobs: int = 1,
     sensitivity_formats: Sequence[str] | str | None = "auto",
+    sensitivity_early: int | None = None,
     log: Callable[[str], None] = print,
 ) -> Calibration:
     """Fit a :class:`GapModel` on any model :func:`numscope.run.runner.train` can train.
@@ -53,7 +54,9 @@ def calibrate(
     quantized alone on that many validation batches (in ``sensitivity_formats``: ``"auto"``, the observed
     format with the fewest bits, the others estimated from it; None: every observed format), and a second
     gap model is fitted on those sensitivities (``features="sensitivity"``, stored under ``sensitivity``),
-    the one ``numscope recommend --objective sensitivity`` weighs roles with. Writes ``gap_model.json`` into
+    the one ``numscope recommend --objective sensitivity`` weighs roles with; ``sensitivity_early``: measured
+    on the model after that many steps too (:func:`numscope.run.runner.analyze`), the gap model fitted on the
+    combined sensitivity. Writes ``gap_model.json`` into
     ``out_dir``; finished runs are reused on a rerun. ``jobs`` > 1 trains the runs after the observed one
     that many at a time, each in its own process with an equal share of the cores (every run seeds
     itself: the results do not depend on ``jobs``).
@@ -83,6 +86,7 @@ def calibrate(
         sensitivity_batches=sensitivity_batches,
         sensitivity_granularity="operand",
         sensitivity_formats=sensitivity_formats,
+        sensitivity_early=sensitivity_early,
     ).val_loss
     analysis = Analysis.load(first / "analysis")
     operands = Operands.from_analysis(analysis)
