@@ -212,7 +212,7 @@ def target_budget(analysis: Analysis, config: PlanStudyConfig, budget: float) ->
     stack cannot convert, attention's two products, other matmuls, shapes its kernels refuse, at 32 bits
     in both) as ``budget`` lies from the study's low format towards its high one. A stack cannot reach the
     budget of a plan that quantizes what it cannot convert, so its plan sits at the same place in its own
-    range (midway for the middle budget, as the demo's rule); its row's bits say what it costs in all."""
+    range (6 bits: 44% of the way, near the demo's midway rule); its row's bits say what it costs in all."""
     from numscope.advisor.target import recipe_bits
     from numscope.plan.targets import get_target
 
