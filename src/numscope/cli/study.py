@@ -57,6 +57,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
 
 
 def _register_study(sub: argparse._SubParsersAction) -> None:
+    from numscope.plan.targets import STACKS
     from numscope.study import DOFS, FORMATS, PlanStudyConfig
 
     p = sub.add_parser(
@@ -113,7 +114,7 @@ def _register_study(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text", nargs="+", metavar="PATH", help="plans: your text files instead of the corpus")
     p.add_argument(
         "--target",
-        choices=("te", "torchao", "megatron"),
+        choices=STACKS,
         help="plans: numscope's plan also made for this training stack (only what it runs) at every budget, "
         "trained beside the others; the FP32 run observes the stack's formats too",
     )

@@ -186,6 +186,9 @@ TARGETS: dict[str, Target] = {
     )
 }
 
+STACKS: tuple[str, ...] = tuple(name for name in TARGETS if name != EMULATION)
+"""The training stacks among the targets (te, torchao, megatron): what a plan can be exported to."""
+
 
 def get_target(name: str) -> Target:
     """The :class:`Target` called ``name``; a :class:`PlanError` listing the known ones otherwise."""

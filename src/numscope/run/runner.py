@@ -366,8 +366,8 @@ def measure_sensitivity(
     if len(measured) == 1:
         analysis.sensitivity = measured[0]
     else:
-        cheapest = min(candidates, key=lambda name: get_format(name).bits_per_element)
-        analysis.sensitivity = combine_sensitivities(measured, get_format(cheapest).name)
+        cheapest = _sensitivity_formats("auto", list(candidates))[0]  # the fewest bits
+        analysis.sensitivity = combine_sensitivities(measured, cheapest)
     analysis.save(out_dir / "analysis")
     return analysis
 

@@ -19,6 +19,12 @@ FAMILIES: tuple[str, ...] = (
 )
 HEURISTICS: tuple[str, ...] = ("first/last layers", "last layers", "wgrad high", "gradients high")
 UNIFORM: tuple[str, ...] = ("bf16", "fp8", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
+_SHARED_WITH_EXPERIMENT = (
+    "hidden", "layers", "heads", "intermediate", "seq_len", "vocab_size", "observe_every", "val_blocks",
+)  # fmt: skip
+"""The fields a study and its :class:`numscope.run.experiment.Experiment` hold alike (the training differs:
+the study keeps steps, batch, lr, masking and warm-up flat)."""
+
 RESULT_NEUTRAL = ("budgets", "seeds", "random_plans", "uniform", "jobs")
 """Settings that choose which runs the study makes, not what a (plan, seed) run computes: a rerun with other
 values reuses every finished run."""
@@ -98,16 +104,9 @@ class PlanStudyConfig:
             steps=demo.train.steps,
             batch_size=demo.train.batch_size,
             lr=demo.train.lr,
-            hidden=demo.hidden,
-            layers=demo.layers,
-            heads=demo.heads,
-            intermediate=demo.intermediate,
-            seq_len=demo.seq_len,
-            vocab_size=demo.vocab_size,
-            observe_every=demo.observe_every,
-            val_blocks=demo.val_blocks,
             mask_probability=demo.train.mask_probability,
             warmup_steps=demo.train.warmup_steps,
+            **{name: getattr(demo, name) for name in _SHARED_WITH_EXPERIMENT},
         )
 
     def check(self) -> None:
@@ -125,9 +124,8 @@ class PlanStudyConfig:
         for name in self.uniform:
             Plan.named(name)
         if self.target is not None:
-            from numscope.plan.targets import TARGETS
+            from numscope.plan.targets import STACKS as stacks
 
-            stacks = [name for name in TARGETS if name != "emulation"]
             if self.target not in stacks:
                 raise StudyError(f"target {self.target!r}: unknown; allowed: {', '.join(stacks)}")
 
@@ -157,15 +155,8 @@ class PlanStudyConfig:
         candidates = tuple(dict.fromkeys((self.low, self.high, *UNIFORM_CANDIDATES, *self.target_formats())))
         return Experiment(
             train=train,
-            hidden=self.hidden,
-            layers=self.layers,
-            heads=self.heads,
-            intermediate=self.intermediate,
-            seq_len=self.seq_len,
-            vocab_size=self.vocab_size,
-            val_blocks=self.val_blocks,
-            observe_every=self.observe_every,
             candidates=candidates,
+            **{name: getattr(self, name) for name in _SHARED_WITH_EXPERIMENT},
         )
 
 
