@@ -93,6 +93,13 @@ def main() -> None:
         default=["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3", "mxfp6_e3m2", "nvfp4"],
         help="formats calibrated besides MXFP4 (calibrate --also): every other format the analysis measures",
     )
+    parser.add_argument(
+        "--sensitivity-early",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="calibrate --sensitivity-early: measure the sensitivity after STEP steps too (docs/plan-study.md)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -117,6 +124,8 @@ def main() -> None:
     print(f"[calibrate] {out / 'calibrate'}", flush=True)
     also = ["--also", *args.also] if args.also else []
     also += ["--sensitivity-formats", *args.sensitivity_formats]
+    if args.sensitivity_early is not None:
+        also += ["--sensitivity-early", str(args.sensitivity_early)]
     _numscope("calibrate", *common, "--seeds", *calibrate_seeds, *also, "--jobs", str(args.jobs),
               "--out", str(out / "calibrate"), log=out / "logs" / "calibrate.txt")  # fmt: skip
     gap_path = out / "calibrate" / "gap_model.json"
