@@ -715,6 +715,11 @@ def test_train_under_a_named_recipe_gives_it_the_models_sites(ws: Path) -> None:
         == "nvfp4@2d@nan"
     )
     assert math.isfinite(json.loads((out / "result.json").read_text())["val_loss"])
+    # resolved once: run.json records the very plan that trained (the BF16 head included), and a rerun
+    # with the same flags finds the same settings (the finished run is returned, not refused)
+    assert json.loads((out / "run.json").read_text())["plan"] == plan.to_dict()
+    again = cli("train", *flags(ws), "--plan", "te_nvfp4", "--out", out)
+    assert again.code == 0, again.err
     bad = cli("train", *flags(ws), "--plan", "te_fp8", "--out", ws / "runs" / "bad")
     assert bad.code == 2 and "unknown preset or recipe 'te_fp8'" in bad.err
 

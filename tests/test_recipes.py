@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
@@ -348,3 +349,13 @@ def test_the_promotions_fused_multiply_add_rounds_once() -> None:
         assert got[i].item() == float(_round_significant(exact, 24)), i
     two_step = s * g + t  # rounded twice: differs somewhere, or the test would not test anything
     assert not torch.equal(two_step, got)
+
+
+def test_only_recipes_that_choose_layers_by_the_models_sites_need_them(tmp_path: Path) -> None:
+    needing = {name for name in Plan.recipes() if Plan.needs_sites(name)}
+    assert needing == {"te_nvfp4", "deepseek_v3"}
+    names = ["a.linear", "b.linear", "lm_head"]
+    for name in Plan.recipes():  # the flag says the truth: the plan changes with the sites exactly there
+        assert (Plan.recipe(name, names).to_dict() != Plan.recipe(name).to_dict()) == (name in needing), name
+    Plan.recipe("te_nvfp4").save(tmp_path / "te_nvfp4.yaml")
+    assert not Plan.needs_sites(tmp_path / "te_nvfp4.yaml") and not Plan.needs_sites("fp8")

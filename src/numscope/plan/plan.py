@@ -255,6 +255,18 @@ class Plan:
         return cls.named(str(spec), sites)
 
     @classmethod
+    def needs_sites(cls, spec: str | os.PathLike[str]) -> bool:
+        """Whether :meth:`resolve` of ``spec`` depends on the model's sites: a named recipe whose layer choice
+        does (a plan file or a preset never does), so that it is resolved once, with the model's sites."""
+        from numscope.plan.recipes import RECIPES
+
+        path = Path(spec)
+        if path.suffix in (".yaml", ".yml") or path.is_file() or str(spec) in _PRESETS:
+            return False
+        found = RECIPES.get(str(spec))
+        return found is not None and found.needs_sites
+
+    @classmethod
     def uniform(cls, name: str) -> Plan:
         """A preset plan: one site spec for every site, accumulation in fp32.
 

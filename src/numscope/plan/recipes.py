@@ -53,6 +53,8 @@ class NamedRecipe:
     build: Callable[[list[str] | None], Plan]
     #: the source code numscope follows: repository, commit or version, files
     code: str = ""
+    #: whether the plan's layer choice depends on the model's sites (``build`` given them differs)
+    needs_sites: bool = False
 
 
 #: torchao's floor under every amax before its scale is computed (``EPS`` in torchao/float8/float8_utils.py,
@@ -278,6 +280,7 @@ RECIPES: dict[str, NamedRecipe] = {
             "NaN, as TE's quantizer (@nan); fp32 accumulation",
             _te_nvfp4,
             f"{_TE_CODE}; transformer_engine/pytorch/tensor/nvfp4_tensor.py (get_wgrad_sign_vector)",
+            needs_sites=True,
         ),
         NamedRecipe(
             "deepseek_v3",
@@ -294,6 +297,7 @@ RECIPES: dict[str, NamedRecipe] = {
             "deepseek-ai/DeepGEMM at 38939a4: deep_gemm/utils/math.py (per_token_cast_to_fp8, "
             "per_block_cast_to_fp8); deep_gemm/include/deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh "
             "(final_accum += scale_a * scale_b * accum at each promotion)",
+            needs_sites=True,
         ),
         NamedRecipe(
             "torchao_tensorwise",

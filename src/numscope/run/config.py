@@ -29,6 +29,9 @@ class RunSpec:
     loss_scaling: str = "none"
     init_scale: float = 2.0**16
     description: str = ""
+    #: the plan ``plan`` names, already resolved with the model's sites (numscope.run.runner.train resolves
+    #: it once and records it); None: :meth:`load_plan` resolves it
+    resolved: Plan | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.loss_scaling not in LOSS_SCALING:
@@ -37,9 +40,9 @@ class RunSpec:
             )
 
     def load_plan(self, sites: Iterable[str] | None = None) -> Plan:
-        """The plan: a YAML file, else a preset or named recipe (given the model's ``sites`` where the
-        recipe's layer choice needs them)."""
-        return Plan.resolve(self.plan, sites)
+        """The plan: :attr:`resolved` when given, else a YAML file, a preset or a named recipe (given the
+        model's ``sites`` where the recipe's layer choice needs them)."""
+        return self.resolved if self.resolved is not None else Plan.resolve(self.plan, sites)
 
 
 def setting(

@@ -103,12 +103,11 @@ def _stored_changes(out_dir: Path, plan: Any, settings: dict[str, Any]) -> list[
 
 
 def _needs_sites(spec: RunSpec) -> bool:
-    """Whether the run's plan is a named recipe (its layer choice depends on the model's sites), not a
-    preset or a plan file."""
+    """Whether the run's plan still has to be resolved with the model's sites (a named recipe whose layer
+    choice depends on them, not already resolved by the caller)."""
     from numscope.plan import Plan
 
-    path = Path(spec.plan)
-    return not (path.suffix in (".yaml", ".yml") or path.is_file() or spec.plan in Plan.presets())
+    return spec.resolved is None and Plan.needs_sites(spec.plan)
 
 
 def _move_aside(folder: Path) -> Path:

@@ -48,6 +48,7 @@ from numscope.run.sources import (
     prepare_data,
     resolve_model,
 )
+from numscope.sites import sites as list_sites
 from numscope.train.adaptive import AdaptiveConfig
 from numscope.train.checkpoint import save_checkpoint
 
@@ -429,6 +430,10 @@ def train(
     # a folder's recorded name wins over its current folder name: a copied or moved run resumes as itself
     run_name = name or stored_run_name(out_dir) or out_dir.resolve().name
     with _process_group():
+        prepared = None
+        if Plan.needs_sites(plan):  # resolved once, with the model's sites: what run.json records trains
+            prepared, factory, resolved = _prepare_run(model, data, config, objective, loaded)
+            loaded = Plan.resolve(plan, (site.name for site in list_sites(factory())))
         settings = _settings(
             "train",
             model,
@@ -445,7 +450,8 @@ def train(
         check_run_settings(out_dir, settings)
         if (finished := finished_result(out_dir)) is not None:
             return finished
-        prepared, factory, resolved = _prepare_run(model, data, config, objective, loaded)
+        if prepared is None:
+            prepared, factory, resolved = _prepare_run(model, data, config, objective, loaded)
         settings["objective_resolved"] = resolved
         settings["vocab_size_built"] = prepared.tokenizer.vocab_size  # a small corpus may give fewer
         writer = distributed.is_rank_zero()
@@ -455,7 +461,7 @@ def train(
         on_step, close = _progress(config.steps, run_name, progress and writer)
         try:  # convert compiles the quantizers of block-format plans (NUMSCOPE_FAST, when set, decides)
             return train_run(
-                RunSpec(run_name, plan_source, loss_scaling, init_scale),
+                RunSpec(run_name, plan_source, loss_scaling, init_scale, resolved=loaded),
                 factory,
                 config,
                 prepared,
