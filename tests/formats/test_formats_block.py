@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import numscope
+from bits import assert_bits_equal
 
 # through the native quantizers (the default) and through the eager reference (tests/formats/conftest.py)
 pytestmark = pytest.mark.usefixtures("quantizer_path")
@@ -118,14 +119,6 @@ def reference(x: np.ndarray, name: str, axis: int = -1) -> np.ndarray:
         moved = np.ascontiguousarray(np.moveaxis(x, axis, -1))
         return np.moveaxis(nvfp4_reference(moved, fmt.scale_math == "divide"), -1, axis)
     return mx_reference(x, fmt, axis)
-
-
-def assert_bits_equal(actual: np.ndarray, expected: np.ndarray) -> None:
-    same = (actual.view(np.uint32) == expected.view(np.uint32)) | (np.isnan(actual) & np.isnan(expected))
-    bad = np.flatnonzero(~same)
-    assert bad.size == 0, (
-        f"{bad.size} differ; first {actual.ravel()[bad[:5]].tolist()} vs {expected.ravel()[bad[:5]].tolist()}"
-    )
 
 
 def sample(shape: tuple[int, ...], seed: int) -> np.ndarray:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import numscope
+from bits import assert_bits_equal
 from numscope.formats import fast, native, set_fast
 
 CASES = ["mxfp8_e4m3", "mxfp4_e2m1", "nvfp4"]
@@ -77,15 +78,6 @@ def flushed_reference(x: torch.Tensor, name: str) -> torch.Tensor:
     subnormal = elements.abs() < fmt.element.min_normal
     assert subnormal[elements != 0].any(), "the data must hold subnormal elements"
     return torch.where(subnormal, plain * 0.0, plain)
-
-
-def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    a, e = actual.numpy(), expected.numpy()
-    same = (a.view(np.uint32) == e.view(np.uint32)) | (np.isnan(a) & np.isnan(e))
-    bad = np.flatnonzero(~same)
-    assert bad.size == 0, (
-        f"{bad.size} of {a.size} differ; first {a.ravel()[bad[:5]].tolist()} vs {e.ravel()[bad[:5]].tolist()}"
-    )
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import numscope
+from bits import assert_bits_equal
 
 # through the native quantizers (the default) and through the eager reference (tests/formats/conftest.py)
 pytestmark = pytest.mark.usefixtures("quantizer_path")
@@ -38,19 +39,6 @@ def reference_cast(x: np.ndarray, name: str) -> np.ndarray:
 
 def ours(x: np.ndarray, name: str, **kwargs) -> np.ndarray:
     return numscope.quantize(torch.from_numpy(np.ascontiguousarray(x)), name, **kwargs).numpy()
-
-
-def mismatches(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
-    same = (actual.view(np.uint32) == expected.view(np.uint32)) | (np.isnan(actual) & np.isnan(expected))
-    return np.flatnonzero(~same)
-
-
-def assert_bits_equal(x: np.ndarray, actual: np.ndarray, expected: np.ndarray) -> None:
-    bad = mismatches(actual, expected)
-    assert bad.size == 0, (
-        f"{bad.size} of {x.size} differ; first inputs {x[bad[:5]].tolist()} -> {actual[bad[:5]].tolist()}, "
-        f"expected {expected[bad[:5]].tolist()}"
-    )
 
 
 def all_codes(name: str) -> np.ndarray:
@@ -96,13 +84,13 @@ def test_random_patterns_cover_the_interesting_classes(random_patterns: np.ndarr
 @pytest.mark.parametrize("name", sorted(REFERENCE))
 def test_every_code_is_returned_unchanged(name: str) -> None:
     codes = all_codes(name)
-    assert_bits_equal(codes, ours(codes, name, overflow="propagate"), reference_cast(codes, name))
+    assert_bits_equal(ours(codes, name, overflow="propagate"), reference_cast(codes, name), inputs=codes)
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE))
 def test_ties_and_their_neighbours_match_the_reference(name: str) -> None:
     x = ties_and_neighbours(name)
-    assert_bits_equal(x, ours(x, name, overflow="propagate"), reference_cast(x, name))
+    assert_bits_equal(ours(x, name, overflow="propagate"), reference_cast(x, name), inputs=x)
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE))
@@ -111,7 +99,7 @@ def test_random_float32_patterns_match_the_reference(name: str, random_patterns:
     actual = ours(x, name, overflow="propagate")
     expected = reference_cast(x, name)
     keep = ~np.isnan(x)  # NaN input: our own rule, tested below
-    assert_bits_equal(x[keep], actual[keep], expected[keep])
+    assert_bits_equal(actual[keep], expected[keep], inputs=x[keep])
 
 
 @pytest.mark.parametrize("name", [*sorted(REFERENCE), "tf32", "int8", "int4", "fp32"])
@@ -140,7 +128,7 @@ def tf32_reference(x: np.ndarray) -> np.ndarray:
 
 def test_tf32_matches_a_bit_rounding_reference(random_patterns: np.ndarray) -> None:
     x = np.concatenate([random_patterns, ties_and_neighbours("bf16")])
-    assert_bits_equal(x, ours(x, "tf32", overflow="propagate"), tf32_reference(x))
+    assert_bits_equal(ours(x, "tf32", overflow="propagate"), tf32_reference(x), inputs=x)
 
 
 def test_tf32_ties_go_to_even() -> None:
@@ -174,7 +162,7 @@ def test_saturate_sends_every_finite_overflow_to_max(name: str, random_patterns:
     assert beyond.sum() > 0
     assert np.array_equal(y[beyond], np.sign(x[beyond]) * np.float32(fmt.max))
     inside = ~beyond
-    assert_bits_equal(x[inside], y[inside], ours(x[inside], name, overflow="propagate"))
+    assert_bits_equal(y[inside], ours(x[inside], name, overflow="propagate"), inputs=x[inside])
 
 
 def test_e8m0_saturates_finite_overflow_and_propagates_nan() -> None:
@@ -185,7 +173,7 @@ def test_e8m0_saturates_finite_overflow_and_propagates_nan() -> None:
     assert np.isnan(ours(x, "e8m0")[3:]).all()
     propagated = ours(x, "e8m0", overflow="propagate")
     assert propagated[0] == 2.0**127 and np.isnan(propagated[1:]).all()
-    assert_bits_equal(x, propagated, reference_cast(x, "e8m0"))
+    assert_bits_equal(propagated, reference_cast(x, "e8m0"), inputs=x)
 
 
 @pytest.mark.parametrize(
@@ -219,7 +207,7 @@ def test_torch_saturates_e4m3fn_where_we_follow_ml_dtypes() -> None:
     native = torch.from_numpy(x).to(torch.float8_e4m3fn).float().numpy()
     assert native.tolist() == [448.0, -448.0, 448.0, 448.0, -448.0, 448.0]
     ours_propagate = ours(x, "fp8_e4m3", overflow="propagate")
-    assert_bits_equal(x, ours_propagate, reference_cast(x, "fp8_e4m3"))
+    assert_bits_equal(ours_propagate, reference_cast(x, "fp8_e4m3"), inputs=x)
     assert np.isnan(ours_propagate[:5]).all() and ours_propagate[5] == 448.0
     assert ours(x, "fp8_e4m3", overflow="saturate")[2:].tolist() == [448.0, 448.0, -448.0, 448.0]
 
@@ -247,7 +235,7 @@ def test_integers_match_rint_and_clip(name: str, random_patterns: np.ndarray) ->
     with np.errstate(all="ignore"):
         # + 0: integer codes have no -0 (numpy's rint keeps the sign of a negative value rounded to 0)
         expected = np.clip(np.rint(x), -fmt.max, fmt.max).astype(np.float32) + np.float32(0)
-    assert_bits_equal(x, ours(x, name), expected)
+    assert_bits_equal(ours(x, name), expected, inputs=x)
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2", "fp6_e2m3", "fp4_e2m1", "bf16", "e3m4"])
@@ -269,8 +257,8 @@ def test_e8m0_below_2_pow_minus_126_rounds_to_nearest_by_value() -> None:
     )
     x = patterns.view(np.float32)
     expected = np.where(x.astype(np.float64) >= 1.5 * 2.0**-127, 2.0**-126, 2.0**-127).astype(np.float32)
-    assert_bits_equal(x, ours(x, "e8m0"), expected)
-    assert_bits_equal(x, ours(x, "e8m0"), reference_cast(x, "e8m0"))
+    assert_bits_equal(ours(x, "e8m0"), expected, inputs=x)
+    assert_bits_equal(ours(x, "e8m0"), reference_cast(x, "e8m0"), inputs=x)
     normal = np.array([1.0, 1.5 * 2.0**-126, np.nextafter(np.float32(1.5), np.float32(0)), 1.5], np.float32)
     assert ours(normal, "e8m0").tolist() == [1.0, 2.0**-125, 1.0, 2.0]
 
@@ -297,3 +285,12 @@ def test_float64_input_rounds_once_not_twice() -> None:
         1 + 2.0**-7
     )
     assert numscope.quantize(torch.tensor([1 + 2.0**-30], dtype=torch.float64), "fp32").item() == 1.0
+
+
+def test_the_bit_comparison_itself_tells_signed_zeros_apart_and_matches_nans() -> None:
+    values = np.array([0.0, np.nan, 1.0], dtype=np.float32)
+    assert_bits_equal(values, values.copy())
+    with pytest.raises(AssertionError, match="1 of 3 differ"):
+        assert_bits_equal(np.array([-0.0, np.nan, 1.0], dtype=np.float32), values)
+    with pytest.raises(AssertionError, match="float32"):
+        assert_bits_equal(values.astype(np.float64), values)

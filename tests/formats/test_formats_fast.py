@@ -19,6 +19,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import numscope
+from bits import assert_bits_equal
 from numscope.formats import fast, native, set_fast
 from numscope.formats.native import set_native
 
@@ -50,16 +51,6 @@ def both(x: torch.Tensor, name: str, **kwargs) -> tuple[torch.Tensor, torch.Tens
     set_fast(True)
     compiled = numscope.quantize(x, name, **kwargs)
     return eager, compiled
-
-
-def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    a, e = actual.numpy(), expected.numpy()
-    assert a.shape == e.shape
-    same = (a.view(np.uint32) == e.view(np.uint32)) | (np.isnan(a) & np.isnan(e))
-    bad = np.flatnonzero(~same)
-    assert bad.size == 0, (
-        f"{bad.size} of {a.size} differ; first {a.ravel()[bad[:5]].tolist()} vs {e.ravel()[bad[:5]].tolist()}"
-    )
 
 
 def spread(shape: tuple[int, ...], seed: int) -> np.ndarray:
