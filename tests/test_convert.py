@@ -10,7 +10,7 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+from transformers import BertForMaskedLM, GPT2LMHeadModel
 
 import numscope
 from numscope.convert import (
@@ -28,7 +28,7 @@ from numscope.formats.cast import native_dtype
 from numscope.formats.scaling import DelayedScaler
 from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec
 from numscope.sites import Site
-from tiny_models import tiny_bert
+from tiny_models import tiny_bert, tiny_gpt2
 
 IDS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
 
@@ -47,19 +47,7 @@ def run(model: nn.Module, seed: int = 1) -> tuple[torch.Tensor, dict[str, torch.
 
 
 def gpt2(impl: str = "eager", dropout: float = 0.1) -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=100,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        n_positions=32,
-        attn_implementation=impl,
-        resid_pdrop=dropout,
-        embd_pdrop=dropout,
-        attn_pdrop=dropout,
-    )
-    return GPT2LMHeadModel(config)
+    return tiny_gpt2(impl=impl, dropout=dropout)
 
 
 @pytest.mark.parametrize("make", [bert, gpt2])

@@ -31,6 +31,7 @@ from numscope.plan.export import (
     to_transformer_engine,
 )
 from numscope.vocab import OPERAND_KEYS
+from tiny_models import tiny_bert
 
 PEERS = Path(sys.prefix) / "peers"
 GOLDEN = Path(__file__).parent / "golden"
@@ -47,12 +48,7 @@ class MLP(nn.Module):
 
 
 def bert_sites() -> list[tuple[str, str]]:
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
-                        intermediate_size=64)  # fmt: skip
-    model = BertForMaskedLM(config)
+    model = tiny_bert(layers=4, max_position=512, impl=None)
     return [
         (site.name, site.kind) for site in numscope.sites(model, {"input_ids": torch.randint(1, 100, (2, 8))})
     ]

@@ -23,6 +23,7 @@ from numscope.plan import (
     Rule,
     SiteSpec,
 )
+from tiny_models import tiny_bert
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "plans"
 
@@ -567,17 +568,8 @@ def bert_site_names() -> list[str]:
     """The Linear sites of a real tiny BertForMaskedLM, plus its attention matmul sites (contract names)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
-    from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-    )
-    model = BertForMaskedLM(config)
+    model = tiny_bert(vocab_size=64, hidden=16, impl=None)
     names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
     attention = [name for name, _ in model.named_modules() if name.endswith("attention.self")]
     return names + [f"{name}.{role}" for name in attention for role in ("scores", "context")]

@@ -11,11 +11,11 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from transformers import BertForMaskedLM, GPT2Config, GPT2LMHeadModel
+from transformers import BertForMaskedLM, GPT2LMHeadModel
 
 import numscope
 from numscope.sites import Site, accumulate_matmul, attach, attached, sdpa_reference, sites
-from tiny_models import tiny_bert
+from tiny_models import tiny_bert, tiny_gpt2
 
 IDS = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
 
@@ -25,18 +25,7 @@ def bert(impl: str) -> BertForMaskedLM:
 
 
 def gpt2(impl: str) -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=100,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        n_positions=32,
-        attn_implementation=impl,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(config)
+    return tiny_gpt2(impl=impl)
 
 
 def identity(site, gemm, operand, tensor, axis):

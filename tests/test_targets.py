@@ -16,6 +16,7 @@ from numscope.plan.spec import PlanError
 from numscope.plan.targets import TARGETS, get_target
 from numscope.vocab import GEMMS, OPERANDS
 from numscope.workflow import analysis_average_bits
+from tiny_models import tiny_bert
 
 CANDIDATES = ["bf16", "fp8_e4m3", "fp8_e5m2", "mxfp8_e4m3@rceil", "nvfp4", "mxfp4_e2m1"]
 NO_LIMITS = dict(max_be_ratio=None, min_sqnr_db=None, max_underflow_pct=None, max_overflow_pct=None)
@@ -24,14 +25,7 @@ STACKS = ("te", "torchao", "megatron")
 
 def observe_bert(vocab_size: int = 96, steps: int = 2):
     """A 2-layer BERT masked LM observed for ``steps`` training steps: its analysis and its sites."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32, attn_implementation="eager",
-    )  # fmt: skip
-    model = BertForMaskedLM(config)
+    model = tiny_bert(vocab_size=vocab_size)
     optimizer = torch.optim.AdamW(model.parameters(), 1e-3)
     with numscope.observe(model, candidates=CANDIDATES) as observer:
         for _ in range(steps):

@@ -18,6 +18,7 @@ from numscope.run.config import RunData, RunError, RunSpec, TrainConfig
 from numscope.run.data import make_blocks
 from numscope.run.loop import read_log, train_run
 from numscope.run.tokenizer import TokenizerInfo
+from tiny_models import tiny_gpt2
 
 SEQ_LEN = 32
 
@@ -28,12 +29,9 @@ def data(small_train: list[str], small_tokenizer: Tokenizer) -> RunData:
     return RunData(blocks[:-8], blocks[-8:], TokenizerInfo.from_tokenizer(small_tokenizer))
 
 
-def tiny_gpt2(vocab_size: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    def make():
-        config = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=1, n_head=2, n_positions=SEQ_LEN)
-        return GPT2LMHeadModel(config)
+def gpt2_factory(vocab_size: int):
+    def make():  # the loop seeds before it builds the model
+        return tiny_gpt2(vocab_size=vocab_size, layers=1, positions=SEQ_LEN, impl=None, seed=None)
 
     return make
 
@@ -43,7 +41,7 @@ def test_a_causal_lm_trains_under_a_plan_and_a_finished_run_is_not_repeated(
 ) -> None:
     config = TrainConfig(steps=8, batch_size=8, lr=3e-3, warmup_steps=2, eval_every=4, checkpoint_every=4)
     spec = RunSpec("fp8", "fp8", loss_scaling="dynamic", init_scale=2.0**8)
-    factory = tiny_gpt2(data.tokenizer.vocab_size)
+    factory = gpt2_factory(data.tokenizer.vocab_size)
     result = train_run(spec, factory, config, data, tmp_path / "run", objective="clm", compiled=False)
     log = read_log(tmp_path / "run" / "log.csv")
     assert [row["step"] for row in log] == list(range(1, 9))
@@ -67,7 +65,7 @@ def test_a_causal_lm_trains_under_a_plan_and_a_finished_run_is_not_repeated(
 
 def test_a_run_of_another_plan_or_training_is_never_reused(data: RunData, tmp_path: Path) -> None:
     config = TrainConfig(steps=2, batch_size=8, eval_every=2, checkpoint_every=2)
-    factory = tiny_gpt2(data.tokenizer.vocab_size)
+    factory = gpt2_factory(data.tokenizer.vocab_size)
     folder = tmp_path / "run"
     first = train_run(RunSpec("a", "bf16"), factory, config, data, folder, objective="clm", compiled=False)
     with pytest.raises(RunError, match=r"holds a run trained with other settings \(plan: another plan"):
@@ -108,12 +106,12 @@ def test_an_unusable_result_or_log_is_one_clear_error(data: RunData, tmp_path: P
     with pytest.raises(
         RunError, match=r"result\.json: not a readable run result .*delete it to run the run again"
     ):
-        train_run(spec, tiny_gpt2(data.tokenizer.vocab_size), config, data, folder, objective="clm")
+        train_run(spec, gpt2_factory(data.tokenizer.vocab_size), config, data, folder, objective="clm")
     (folder / "log.csv").write_text("step,loss\nnot,a number\n")
     with pytest.raises(RunError, match="not a numscope training log"):
         read_log(folder / "log.csv")
     with pytest.raises(ValueError, match=r"batch size 512 exceeds the \d+ training blocks"):
-        train_run(spec, tiny_gpt2(data.tokenizer.vocab_size), TrainConfig(steps=1, batch_size=512), data,
+        train_run(spec, gpt2_factory(data.tokenizer.vocab_size), TrainConfig(steps=1, batch_size=512), data,
                   tmp_path / "big", objective="clm")  # fmt: skip
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from numscope.train import FP32_OPS, keep_fp32_ops
 from numscope.train.fp32_ops import GEMM_OPS
+from tiny_models import tiny_bert, tiny_gpt2
 
 
 class Overflowing(nn.Module):
@@ -149,16 +150,9 @@ def test_bad_arguments_are_named() -> None:
 
 
 def _transformer(kind: str) -> nn.Module:
-    from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
     if kind == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=32))
-    config = BertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=32, attn_implementation=kind.removeprefix("bert-"),
-    )  # fmt: skip
-    return BertForMaskedLM(config)
+        return tiny_gpt2(impl=None)
+    return tiny_bert(impl=kind.removeprefix("bert-"))
 
 
 @pytest.mark.parametrize("kind", ["bert-eager", "bert-sdpa", "gpt2"])

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from numscope.train import LossScaler, underflow_report
+from tiny_models import tiny_bert
 
 INF, NAN = math.inf, math.nan
 
@@ -379,13 +380,7 @@ def test_two_optimizers_skip_independently_and_back_off_once():
 
 
 def test_underflow_per_layer_of_a_tiny_bert_before_and_after_scaling():
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
-    )
-    model = BertForMaskedLM(config)
+    model = tiny_bert(max_position=512, impl=None)
     ids = torch.randint(5, 100, (4, 16), generator=torch.Generator().manual_seed(0))
     (model(input_ids=ids, labels=ids).loss * 2.0**-20).backward()  # gradients as small as late in training
     rows = {row.parameter: row for row in underflow_report(model, scale=2.0**20, working_dtype=torch.float16)}
