@@ -46,3 +46,21 @@ def test_no_module_imports_a_higher_layer() -> None:
             if ORDER.index(_layer(target)) > ORDER.index(_layer(me)):
                 upward.add((me, target))
     assert upward == EXCEPTIONS
+
+
+def test_gemm_names_are_written_through_the_vocabulary() -> None:
+    """The code names the three GEMMs by :class:`numscope.vocab.Gemm`, never by a string literal (docstrings,
+    comments and messages may spell them): a misspelt literal would match nothing without an error."""
+    import io
+    import tokenize
+
+    root = Path(numscope.__file__).parent
+    literals = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "vocab.py":
+            continue
+        tokens = tokenize.generate_tokens(io.StringIO(path.read_text(encoding="utf-8")).readline)
+        for token in tokens:
+            if token.type == tokenize.STRING and token.string.strip("\"'") in ("fprop", "dgrad", "wgrad"):
+                literals.append(f"{path.relative_to(root)}:{token.start[0]}: {token.string}")
+    assert literals == []

@@ -51,6 +51,7 @@ from numscope.sites import (
     register_factors,
     sites,
 )
+from numscope.vocab import Gemm, Operand
 
 HANDLER_NAME = "numscope.convert"
 _HANDLES: dict[int, tuple[Any, Handle, _Quantizer]] = {}
@@ -109,7 +110,7 @@ class _Quantizer:
         with the native quantizers on: in its codes, natively; with ``low_memory`` (MX and NVFP4) in its
         codes, encoded eagerly; through the compiled quantizers (MX only) as bfloat16 values, which hold
         every MX value exactly (checked each time)."""
-        spec = self.spec(site).operand("wgrad", "input")
+        spec = self.spec(site).operand(Gemm.WGRAD, Operand.INPUT)
         fmt = spec.format_spec()
         if not (isinstance(fmt, BlockFormat) and spec.rounding == "nearest" and spec.transform is None):
             return False
@@ -128,7 +129,7 @@ class _Quantizer:
         bfloat16 (an MX value has at most 4 significant bits and an E8M0-scaled exponent: bfloat16 holds it
         unless it lies below bfloat16's subnormal grid; then, or with a NaN, None: the site keeps the input
         and quantizes it in backward)."""
-        spec = self.spec(site).operand("wgrad", "input")
+        spec = self.spec(site).operand(Gemm.WGRAD, Operand.INPUT)
         # one input entering several sites (Q, K and V's projections) is packed once for all of them
         base = tensor if tensor._base is None else tensor._base
         key = (id(base), base._version, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), spec)
@@ -204,15 +205,21 @@ class _Quantizer:
     def shares_input(self, site: Site) -> bool:
         """Whether wgrad's input is fprop's, quantized the same whatever the axis (then it is kept)."""
         spec = self.spec(site)
-        fprop = spec.operand("fprop", "input")
-        return fprop == spec.operand("wgrad", "input") and (fprop.is_high or _axis_independent(fprop))
+        fprop = spec.operand(Gemm.FPROP, Operand.INPUT)
+        return fprop == spec.operand(Gemm.WGRAD, Operand.INPUT) and (
+            fprop.is_high or _axis_independent(fprop)
+        )
 
     def shares_weight(self, site: Site) -> bool:
         """Whether dgrad's weight is fprop's, quantized the same whatever the axis: a weight that is an
         activation (the right operand of a product of activations) is then kept in its codes for dgrad."""
         spec = self.spec(site)
-        fprop = spec.operand("fprop", "weight")
-        return fprop == spec.operand("dgrad", "weight") and not fprop.is_high and _axis_independent(fprop)
+        fprop = spec.operand(Gemm.FPROP, Operand.WEIGHT)
+        return (
+            fprop == spec.operand(Gemm.DGRAD, Operand.WEIGHT)
+            and not fprop.is_high
+            and _axis_independent(fprop)
+        )
 
     def scaler(self, key: str, scaling: Scaling) -> DelayedScaler:
         scaler = self.scalers.get(key)
@@ -232,8 +239,8 @@ class _Quantizer:
 
     def _both_directions(self, site: Site, tensor: torch.Tensor) -> bool:
         spec = self.spec(site)
-        dgrad = spec.operand("dgrad", "grad_output")
-        if dgrad != spec.operand("wgrad", "grad_output") or dgrad.is_high or tensor.dim() != 2:
+        dgrad = spec.operand(Gemm.DGRAD, Operand.GRAD_OUTPUT)
+        if dgrad != spec.operand(Gemm.WGRAD, Operand.GRAD_OUTPUT) or dgrad.is_high or tensor.dim() != 2:
             return False
         fmt = dgrad.format_spec()
         return (
@@ -251,35 +258,35 @@ class _Quantizer:
         operand_spec = spec.operand(gemm, operand)
         if operand_spec.is_high:
             return tensor
-        if operand == "grad_output":
+        if operand == Operand.GRAD_OUTPUT:
             announced, self._announced = self._announced, None
             fresh = announced is not None and announced[0] is tensor and announced[1] == _identity(tensor)
-            if gemm == "dgrad" and fresh and axis in (-1, 1):
+            if gemm == Gemm.DGRAD and fresh and axis in (-1, 1):
                 fmt = operand_spec.format_spec()
                 both = native.block_both(tensor.detach(), fmt)  # type: ignore[arg-type]
                 if both is not None:
                     self._grad_columns = (tensor, _identity(tensor), both[1])
                     return both[0]
-            if gemm == "wgrad" and self._grad_columns is not None:
+            if gemm == Gemm.WGRAD and self._grad_columns is not None:
                 cached, self._grad_columns = self._grad_columns, None
                 if axis == 0 and cached[0] is tensor and cached[1] == _identity(tensor):
                     return cached[2]
         reusable = (
-            operand == "weight"
+            operand == Operand.WEIGHT
             and isinstance(tensor, nn.Parameter)
             and _axis_independent(operand_spec)
-            and spec.operand("fprop", "weight") == spec.operand("dgrad", "weight")
+            and spec.operand(Gemm.FPROP, Operand.WEIGHT) == spec.operand(Gemm.DGRAD, Operand.WEIGHT)
         )
-        if reusable and gemm == "dgrad":
+        if reusable and gemm == Gemm.DGRAD:
             cached = self._weights.get(site.name)
             if cached is not None and cached[0]() is tensor and cached[1] == _identity(tensor):
                 return cached[2]
         shared_grad = (
-            operand == "grad_output"
+            operand == Operand.GRAD_OUTPUT
             and _axis_independent(operand_spec)
-            and spec.operand("dgrad", "grad_output") == spec.operand("wgrad", "grad_output")
+            and spec.operand(Gemm.DGRAD, Operand.GRAD_OUTPUT) == spec.operand(Gemm.WGRAD, Operand.GRAD_OUTPUT)
         )
-        if shared_grad and gemm == "wgrad":
+        if shared_grad and gemm == Gemm.WGRAD:
             cached = self._grad
             if cached is not None and cached[0] is tensor and cached[1] == _identity(tensor):
                 self._grad = None
@@ -290,18 +297,22 @@ class _Quantizer:
             result = self._quantize_operand(site.key(gemm, operand), gemm, operand_spec, tensor, axis)
         finally:
             self._factors = False
-        kept_for_backward = gemm == "fprop" and (
-            (operand == "input" and self.shares_input(site))
-            or (operand == "weight" and not isinstance(tensor, nn.Parameter) and self.shares_weight(site))
+        kept_for_backward = gemm == Gemm.FPROP and (
+            (operand == Operand.INPUT and self.shares_input(site))
+            or (
+                operand == Operand.WEIGHT
+                and not isinstance(tensor, nn.Parameter)
+                and self.shares_weight(site)
+            )
         )
         if kept_for_backward and self._last_codes is not None:  # the site keeps these codes instead
             key = id(result)
             forget = weakref.ref(result, lambda _, key=key: self._codes.pop(key, None))
             self._codes[key] = (forget, *self._last_codes)
         self._last_codes = None
-        if reusable and gemm == "fprop":
+        if reusable and gemm == Gemm.FPROP:
             self._weights[site.name] = (weakref.ref(tensor), _identity(tensor), result)
-        if shared_grad and gemm == "dgrad":
+        if shared_grad and gemm == Gemm.DGRAD:
             self._grad = (tensor, _identity(tensor), result)
         return result
 
@@ -323,7 +334,7 @@ class _Quantizer:
         stochastic = (spec.rounding == "stochastic" or fresh) and self.generator is not None
         scaling = spec.effective_scaling()
         delayed = scaling is not None and scaling.kind == "delayed"
-        if gemm != "fprop" or not (stochastic or delayed):
+        if gemm != Gemm.FPROP or not (stochastic or delayed):
             return self.quantize(key, spec, tensor, axis)
         amax = _amax(tensor.detach().float()).view(torch.int32).item() if tensor.numel() else 0
         fingerprint = (tuple(tensor.shape), amax)

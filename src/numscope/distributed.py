@@ -54,6 +54,7 @@ from numscope.formats.quantize import Encoded, ScalingArg, encode
 from numscope.formats.scaling import DelayedScaler, Scaling
 from numscope.formats.spec import BlockFormat, Format, get_format
 from numscope.sites import Site
+from numscope.vocab import Gemm, Operand
 
 __all__ = [
     "WIRE_DTYPES",
@@ -115,17 +116,17 @@ def parameter_operands(sites: Iterable[Site]) -> frozenset[OperandKey]:
     nothing here).
     """
     return frozenset(
-        (site.name, gemm, "weight")
+        (site.name, gemm, Operand.WEIGHT)
         for site in sites
-        if is_parameter_operand(site, "weight")
-        for gemm in ("fprop", "dgrad")
+        if is_parameter_operand(site, Operand.WEIGHT)
+        for gemm in (Gemm.FPROP, Gemm.DGRAD)
     )
 
 
 def is_parameter_operand(site: Site, operand: str) -> bool:
     """Whether ``operand`` of ``site`` is a parameter, the same on every data-parallel rank: the ``weight``
     of a ``linear`` or ``conv1d`` site (under FSDP2 the unsharded parameter it all-gathered)."""
-    return operand == "weight" and site.kind in ("linear", "conv1d")
+    return operand == Operand.WEIGHT and site.kind in ("linear", "conv1d")
 
 
 def _rms(parts: list[OperandRecord]) -> float:

@@ -11,8 +11,18 @@ from __future__ import annotations
 
 from enum import StrEnum as _StrEnum  # members are their string values, printed and formatted as them
 
+import yaml as _yaml
 
-class Gemm(_StrEnum):
+
+class _Word(_StrEnum):
+    """A word of the vocabulary: equal to, printed, formatted and repr'd as its string value (a message or
+    a key in a message reads ``'wgrad'``, never ``<Gemm.WGRAD: 'wgrad'>``)."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class Gemm(_Word):
     """The three GEMMs of a linear layer."""
 
     FPROP = "fprop"
@@ -20,7 +30,7 @@ class Gemm(_StrEnum):
     WGRAD = "wgrad"
 
 
-class Operand(_StrEnum):
+class Operand(_Word):
     """The tensors that enter a GEMM."""
 
     INPUT = "input"
@@ -28,7 +38,7 @@ class Operand(_StrEnum):
     GRAD_OUTPUT = "grad_output"
 
 
-class Metric(_StrEnum):
+class Metric(_Word):
     """Per-operand, per-candidate statistics as the observer records them (units in the name)."""
 
     SQNR = "sqnr_db"  # signal-to-quantization-noise ratio, dB
@@ -37,6 +47,9 @@ class Metric(_StrEnum):
     MSE = "mse"  # mean squared quantization error
     BE_RATIO = "be_ratio"  # backward error relative to a reference format's (advisor)
 
+
+for _enum in (Gemm, Operand, Metric):  # written to plan files and JSON as their plain string values
+    _yaml.SafeDumper.add_representer(_enum, lambda dumper, value: dumper.represent_str(value.value))
 
 GEMMS: tuple[str, ...] = tuple(gemm.value for gemm in Gemm)
 OPERAND_NAMES: tuple[str, ...] = tuple(operand.value for operand in Operand)

@@ -53,6 +53,25 @@ def test_round_trip(tmp_path):
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as a plain open() would create it
 
 
+def test_vocabulary_enums_in_a_state_are_written_as_plain_strings(tmp_path):
+    # observer and scaler states key their entries by (site, Gemm, Operand): the file must stay plain data
+    from collections import OrderedDict
+
+    from numscope.vocab import Gemm, Operand
+
+    weights = torch.nn.Linear(2, 2).state_dict()
+    state = {
+        "observer": {("fc", Gemm.WGRAD, Operand.INPUT): [Gemm.FPROP, (1, Operand.WEIGHT)]},
+        "model": weights,
+    }
+    save_checkpoint(tmp_path / "c.pt", state)
+    loaded = load_checkpoint(tmp_path / "c.pt")
+    ((key, value),) = loaded["observer"].items()
+    assert key == ("fc", "wgrad", "input") and value == ["fprop", (1, "weight")]
+    assert all(type(part) is str for part in (*key, value[0], value[1][1]))
+    assert isinstance(loaded["model"], OrderedDict) and loaded["model"]._metadata == weights._metadata
+
+
 @pytest.mark.parametrize("failing", ["torch.save", "os.replace"])
 def test_crash_mid_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch, failing):
     path = tmp_path / "checkpoint.pt"

@@ -43,6 +43,7 @@ from numscope.run.folders import read_settings, setting_changes
 from numscope.run.loop import read_log
 from numscope.run.model import ModelConfig
 from numscope.run.pool import RunPool, default_jobs
+from numscope.vocab import Gemm, Operand
 
 WITHIN_PERCENT = 1.0
 """A run "reaches FP32's validation loss" when its loss is at most this many percent above FP32's."""
@@ -726,7 +727,7 @@ def _flush_example(recommendation: Any, analysis: Any, fmt: str = "fp16") -> str
     for choice in recommendation.choices:
         checks = choice.checks.get(fmt, ())
         limit = next((check for check in checks if check.metric == "max_be_ratio"), None)
-        if choice.operand != "grad_output" or limit is None:
+        if choice.operand != Operand.GRAD_OUTPUT or limit is None:
             continue
         share = max(analysis.metric_values(choice.key, fmt, "underflow%"))
         cases.append((not limit.passed, share, choice, limit))
@@ -779,7 +780,7 @@ def fp16_underflow_by_site(analysis: Any, loss_scale: float, fmt: str = "fp16") 
     flush = _flush_binade(fmt)
     rows = []
     for site in analysis.sites():
-        key = (site, "wgrad", "grad_output")
+        key = (site, Gemm.WGRAD, Operand.GRAD_OUTPUT)
         histogram = analysis.histograms.get(key)
         if histogram is None:
             continue

@@ -17,7 +17,7 @@ from numscope.metrics.errors import BE_STATS, backward_error_stats
 from numscope.observe.config import BATCH_ENTRIES, BE_RECORDED, HIGH_LABEL
 from numscope.observe.sampling import _ConvHalf, _Half, _Rows, draw_rows
 from numscope.sites import ConvCall
-from numscope.vocab import OPERANDS
+from numscope.vocab import OPERANDS, Gemm, Operand
 
 #: per (site, gemm), per (left, right) format pair, per step: the recorded statistics
 Records = dict[tuple[str, str], dict[tuple[str, str], dict[int, dict[str, float]]]]
@@ -97,7 +97,7 @@ class BackwardErrors:
         waiting = self._pending_conv.setdefault(gemm_key, {})
         partner = waiting.get(next(o for o in OPERANDS[gemm_key[1]] if o != operand))
         batch = None
-        if operand != "weight":  # input and grad_output carry the batch
+        if operand != Operand.WEIGHT:  # input and grad_output carry the batch
             if partner is not None and partner.batch is not None:
                 batch = partner.batch
             else:
@@ -133,7 +133,9 @@ class BackwardErrors:
         """Every candidate pair's backward error on every output entry of the drawn batch entries: a
         convolution is linear in each operand, so |L·R − Q(L)·Q(R)| / (|L|·|R|) per output entry is the
         convolution's own product of (L, R), (Q(L), Q(R)) and (|L|, |R|), in float64."""
-        product = {"fprop": call.forward, "dgrad": call.grad_input, "wgrad": call.grad_weight}[gemm_key[1]]
+        product = {Gemm.FPROP: call.forward, Gemm.DGRAD: call.grad_input, Gemm.WGRAD: call.grad_weight}[
+            gemm_key[1]
+        ]
         labels = self.labels
         exact_left, exact_right = left.values.double(), right.values.double()
         exact = product(exact_left, exact_right)

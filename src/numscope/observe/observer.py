@@ -39,6 +39,7 @@ from numscope.observe.config import (
 from numscope.observe.sampling import _Half, _identity, _scaling_amax, _Shared, _weak, draw
 from numscope.plan import OperandSpec, Plan
 from numscope.sites import Site, attach, attached, current_conv, forward_has_grad, recomputing, refresh
+from numscope.vocab import Gemm, Operand
 
 
 class _Handler:
@@ -274,14 +275,14 @@ class Observer:
 
     # -- the handler ------------------------------------------------------------------------------
     def _observe(self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        if gemm == "fprop" and (
+        if gemm == Gemm.FPROP and (
             recomputing(self.model) or not (self.config.no_grad_forwards or forward_has_grad(self.model))
         ):
             return tensor  # a forward recomputed by activation checkpointing was measured the first time
         self._site_kinds.setdefault(site.name, site.kind)
         if (
-            operand == "weight"
-            and gemm == "fprop"
+            operand == Operand.WEIGHT
+            and gemm == Gemm.FPROP
             and tensor.dim() == 2
             and site.kind in ("linear", "conv1d")
         ):

@@ -38,27 +38,31 @@ from numscope.formats.spec import BlockFormat
 from numscope.plan.plan import Plan
 from numscope.plan.recipes import FAST_FPROP, TE_RHT, TORCHAO_EPS
 from numscope.plan.spec import OperandSpec, SiteSpec
-from numscope.vocab import GEMMS, OPERAND_KEYS, OPERANDS
+from numscope.vocab import GEMMS, OPERAND_KEYS, OPERANDS, Gemm, Operand
 
 TARGETS: tuple[str, ...] = ("torchao", "te", "megatron")
 #: operands whose contraction axis is their first (the layouts numscope hands to handlers)
-_CONTRACTION_FIRST = {("dgrad", "weight"), ("wgrad", "grad_output"), ("wgrad", "input")}
+_CONTRACTION_FIRST = {
+    (Gemm.DGRAD, Operand.WEIGHT),
+    (Gemm.WGRAD, Operand.GRAD_OUTPUT),
+    (Gemm.WGRAD, Operand.INPUT),
+}
 #: torchao's CastConfig field for each (gemm, operand)
 _TORCHAO_FIELDS = {
-    ("fprop", "input"): "cast_config_input",
-    ("fprop", "weight"): "cast_config_weight",
-    ("dgrad", "grad_output"): "cast_config_grad_output",
-    ("dgrad", "weight"): "cast_config_weight_for_grad_input",
-    ("wgrad", "grad_output"): "cast_config_grad_output_for_grad_weight",
-    ("wgrad", "input"): "cast_config_input_for_grad_weight",
+    (Gemm.FPROP, Operand.INPUT): "cast_config_input",
+    (Gemm.FPROP, Operand.WEIGHT): "cast_config_weight",
+    (Gemm.DGRAD, Operand.GRAD_OUTPUT): "cast_config_grad_output",
+    (Gemm.DGRAD, Operand.WEIGHT): "cast_config_weight_for_grad_input",
+    (Gemm.WGRAD, Operand.GRAD_OUTPUT): "cast_config_grad_output_for_grad_weight",
+    (Gemm.WGRAD, Operand.INPUT): "cast_config_input_for_grad_weight",
 }
 _FP8_DTYPES = {"fp8_e4m3": "E4M3", "fp8_e5m2": "E5M2"}
 #: torchao's per-GEMM configs (Float8GemmConfig.use_fast_accum: True is Hopper's fast accumulation, fp22
 #: here; False promotes to FP32); its defaults: fast for the output GEMM only (torchao/float8/config.py)
 _TORCHAO_GEMMS = {
-    "fprop": "gemm_config_output",
-    "dgrad": "gemm_config_grad_input",
-    "wgrad": "gemm_config_grad_weight",
+    Gemm.FPROP: "gemm_config_output",
+    Gemm.DGRAD: "gemm_config_grad_input",
+    Gemm.WGRAD: "gemm_config_grad_weight",
 }
 
 
@@ -208,7 +212,7 @@ def _torchao_cast(gemm: str, operand: str, spec: OperandSpec) -> tuple[str, bool
 
 
 #: the operand each torchao cast config casts, and the dtype torchao gives a disabled one by default
-_ROLE_DTYPE = {"input": "E4M3", "weight": "E4M3", "grad_output": "E5M2"}
+_ROLE_DTYPE = {Operand.INPUT: "E4M3", Operand.WEIGHT: "E4M3", Operand.GRAD_OUTPUT: "E5M2"}
 
 
 def _torchao_config(spec: SiteSpec) -> str | tuple[str, ...]:
@@ -287,7 +291,7 @@ def _torchao_mx_config(spec: SiteSpec) -> str | tuple[str, ...]:
     problems, rules = [], set()
     for gemm, operand in OPERAND_KEYS:
         operand_spec = spec.operand(gemm, operand)
-        if _high(operand_spec) and gemm == "wgrad":
+        if _high(operand_spec) and gemm == Gemm.WGRAD:
             continue
         rule = _TORCHAO_MX_RULES.get(operand_spec.format)
         exact = (
@@ -303,7 +307,7 @@ def _torchao_mx_config(spec: SiteSpec) -> str | tuple[str, ...]:
             )
         else:
             rules.add(rule)
-    wgrad = {_high(spec.operand("wgrad", operand)) for operand in OPERANDS["wgrad"]}
+    wgrad = {_high(spec.operand(Gemm.WGRAD, operand)) for operand in OPERANDS[Gemm.WGRAD]}
     if len(wgrad) > 1:
         problems.append("wgrad: one operand quantized, the other not; torchao quantizes both or neither")
     if len(rules) > 1:
@@ -435,16 +439,16 @@ def to_torchao(
 
 #: the QParams field of a TE recipe that quantizes each operand
 _TE_QPARAMS = {
-    "input": "fp8_quant_fwd_inp",
-    "weight": "fp8_quant_fwd_weight",
-    "grad_output": "fp8_quant_bwd_grad",
+    Operand.INPUT: "fp8_quant_fwd_inp",
+    Operand.WEIGHT: "fp8_quant_fwd_weight",
+    Operand.GRAD_OUTPUT: "fp8_quant_bwd_grad",
 }
 
 #: the placeholder an NVFP4 operand votes for; its switches are decided over the whole plan
 _NVFP4 = "NVFP4BlockScaling"
 #: Float8CurrentScaling's per-GEMM accumulation switches (MMParams.use_split_accumulator: False is Hopper's
 #: fast accumulation, fp22 here; True promotes to FP32)
-_TE_MMPARAMS = {"fprop": "fp8_gemm_fprop", "dgrad": "fp8_gemm_dgrad", "wgrad": "fp8_gemm_wgrad"}
+_TE_MMPARAMS = {Gemm.FPROP: "fp8_gemm_fprop", Gemm.DGRAD: "fp8_gemm_dgrad", Gemm.WGRAD: "fp8_gemm_wgrad"}
 #: how TE accumulates each GEMM of a recipe by default (a SiteSpec accumulate value): Float8CurrentScaling's
 #: MMParams default to a fast fprop (only this recipe has switches: _TE_MMPARAMS); DelayedScaling takes the
 #: module constants _2X_ACC_FPROP = False, _2X_ACC_DGRAD = _2X_ACC_WGRAD = True
@@ -501,14 +505,14 @@ def _te_recipe(spec: OperandSpec, gemm: str, operand: str) -> str | None:
         options = set(fmt.options)
         if not options <= {"2d", "4over6", "mae", "nan"}:  # per-row scales, divide: not TE's NVFP4
             return None
-        transform_ok = spec.transform is None or (spec.transform == TE_RHT and gemm == "wgrad")
+        transform_ok = spec.transform is None or (spec.transform == TE_RHT and gemm == Gemm.WGRAD)
         rounding_ok = spec.rounding == "nearest" or (
-            spec.rounding == "stochastic" and operand == "grad_output"
+            spec.rounding == "stochastic" and operand == Operand.GRAD_OUTPUT
         )
-        two_d_ok = "2d" not in options or operand == "weight"
+        two_d_ok = "2d" not in options or operand == Operand.WEIGHT
         # TE's Four Over Six: MAE, on inputs and weights only, without RHT or stochastic rounding
         four_ok = "4over6" not in options or (
-            "mae" in options and operand != "grad_output" and spec.transform is None
+            "mae" in options and operand != Operand.GRAD_OUTPUT and spec.transform is None
         )
         plain = spec.scaling is None and not spec.flush_subnormals
         return _NVFP4 if transform_ok and rounding_ok and two_d_ok and four_ok and plain else None
@@ -518,7 +522,7 @@ def _te_recipe(spec: OperandSpec, gemm: str, operand: str) -> str | None:
         plain = spec.scaling is None and not spec.flush_subnormals
         if fmt.name == "mxfp8_e4m3@rceil" and plain:
             return "MXFP8BlockScaling(fp8_format=Format.E4M3)"
-        if fmt.name == "mxfp8_e5m2@rceil" and plain and operand == "grad_output":
+        if fmt.name == "mxfp8_e5m2@rceil" and plain and operand == Operand.GRAD_OUTPUT:
             return "MXFP8BlockScaling(fp8_format=Format.HYBRID)"  # TE's HYBRID: E5M2 gradients
         return None
     if spec.format not in _FP8_DTYPES or scaling is None:
@@ -526,10 +530,10 @@ def _te_recipe(spec: OperandSpec, gemm: str, operand: str) -> str | None:
     if scaling.kind == "block" and spec.format == "fp8_e4m3" and scaling.power_of_two:
         tiles = ((1, 128), (128, 1), (128, 128))
         return "Float8BlockScaling(fp8_format=Format.E4M3)" if scaling.block_shape in tiles else None
-    hybrid = spec.format == ("fp8_e5m2" if operand == "grad_output" else "fp8_e4m3")
+    hybrid = spec.format == ("fp8_e5m2" if operand == Operand.GRAD_OUTPUT else "fp8_e4m3")
     if not hybrid and spec.format != "fp8_e4m3":
         return None
-    fp8_format = "Format.HYBRID" if hybrid and operand == "grad_output" else "Format.E4M3"
+    fp8_format = "Format.HYBRID" if hybrid and operand == Operand.GRAD_OUTPUT else "Format.E4M3"
     if scaling.kind == "tensor" and not scaling.margin:
         if not scaling.power_of_two and not scaling.amax_epsilon:
             return f"Float8CurrentScaling(fp8_format={fp8_format})"
@@ -549,11 +553,11 @@ def _te_recipe(spec: OperandSpec, gemm: str, operand: str) -> str | None:
 #: NVFP4BlockScaling's switches and, for each, the operands whose spec decides it and how
 _NVFP4_SWITCHES = (
     ("disable_rht", f"TE's random Hadamard transform ({TE_RHT}: its fixed signs) on wgrad's operands",
-     lambda g, o, spec: spec.transform != TE_RHT if g == "wgrad" else None),
+     lambda g, o, spec: spec.transform != TE_RHT if g == Gemm.WGRAD else None),
     ("disable_stochastic_rounding", "stochastic rounding of grad_output",
-     lambda g, o, spec: spec.rounding != "stochastic" if o == "grad_output" else None),
+     lambda g, o, spec: spec.rounding != "stochastic" if o == Operand.GRAD_OUTPUT else None),
     ("disable_2d_quantization", "16x16 weight scales (nvfp4@2d)",
-     lambda g, o, spec: "2d" not in spec.format_spec().options if o == "weight" else None),
+     lambda g, o, spec: "2d" not in spec.format_spec().options if o == Operand.WEIGHT else None),
 )  # fmt: skip
 
 
@@ -571,13 +575,13 @@ def _nvfp4_recipe(operands: Sequence[tuple[str, str, OperandSpec]]) -> tuple[str
             )
         settings.append(f"{name}={value}")
     four = {}  # TE's Four Over Six scope: inputs ('activations') and weights, each all or none
-    for role in ("input", "weight"):
+    for role in (Operand.INPUT, Operand.WEIGHT):
         votes = ["4over6" in spec.format_spec().options for _, o, spec in operands if o == role]
         four[role] = bool(votes) and max(set(votes), key=votes.count)
         if len(set(votes)) > 1:
             problems.append(f"NVFP4 {role}s differ in Four Over Six: TE's recipe switches it for every layer")
     scope = {(True, True): "all", (True, False): "activations", (False, True): "weights"}.get(
-        (four["input"], four["weight"]), "none"
+        (four[Operand.INPUT], four[Operand.WEIGHT]), "none"
     )
     settings.append(f"nvfp4_4over6={scope!r}")
     if scope != "none":
@@ -784,10 +788,10 @@ def to_megatron(
     ]
     recipes = {_te_recipe(spec, g, o) for g, o, spec in quantized_operands}
     wgrad_high = all(
-        _high(s.operand("wgrad", o))
+        _high(s.operand(Gemm.WGRAD, o))
         for layer in quantized
         for s in by_layer[layer]
-        for o in OPERANDS["wgrad"]
+        for o in OPERANDS[Gemm.WGRAD]
     )
     flags = []
     if quantized:
@@ -799,7 +803,7 @@ def to_megatron(
                 for layer in quantized
                 for s in by_layer[layer]
                 for g, o in OPERAND_KEYS
-                if _high(s.operand(g, o)) and not (wgrad_high and g == "wgrad")
+                if _high(s.operand(g, o)) and not (wgrad_high and g == Gemm.WGRAD)
             }
         )
         if partly:
@@ -846,7 +850,7 @@ def to_megatron(
                 for layer in quantized
                 for s in by_layer[layer]
                 for g in GEMMS
-                if s.accumulate_for(g) != _te_runs(kind, g) and not (wgrad_high and g == "wgrad")
+                if s.accumulate_for(g) != _te_runs(kind, g) and not (wgrad_high and g == Gemm.WGRAD)
             }
         )
         for gemm, wanted in differing:
@@ -971,7 +975,7 @@ def from_megatron(flags: str | Iterable[str], sites: Iterable[tuple[str, str]]) 
     recipe_object = type(kind, (), {"__module__": "transformer_engine.common.recipe", **attributes})()
     spec = from_transformer_engine(recipe_object).default
     if settings.get("--no-fp8-wgrad"):
-        spec = SiteSpec({k: v for k, v in spec.operands.items() if k[0] != "wgrad"}, spec.accumulate)
+        spec = SiteSpec({k: v for k, v in spec.operands.items() if k[0] != Gemm.WGRAD}, spec.accumulate)
     listed = list(sites)
     layers = sorted({i for name, _ in listed if (i := layer_index(name)) is not None})
     ends = bool(settings.get("--first-last-layers-bf16"))
@@ -1032,7 +1036,7 @@ def from_torchao(config: object) -> Plan:
             raise ExportError(f"scale_calculation_mode {rule}: no numscope MX scale rule of that name")
         high = bool(config.wgrad_with_hp)
         return linear_only(
-            SiteSpec({(g, o): "high" if high and g == "wgrad" else fmt for g, o in OPERAND_KEYS})
+            SiteSpec({(g, o): "high" if high and g == Gemm.WGRAD else fmt for g, o in OPERAND_KEYS})
         )
     power = bool(getattr(config, "round_scales_to_power_of_2", False))
     names = {"FLOAT8_E4M3FN": "fp8_e4m3", "FLOAT8_E5M2": "fp8_e5m2"}
@@ -1053,7 +1057,9 @@ def from_torchao(config: object) -> Plan:
     accumulate = {}
     for gemm, field_name in _TORCHAO_GEMMS.items():
         gemm_config = getattr(config, field_name, None)
-        fast = gemm == "fprop" if gemm_config is None else bool(getattr(gemm_config, "use_fast_accum", False))
+        fast = (
+            gemm == Gemm.FPROP if gemm_config is None else bool(getattr(gemm_config, "use_fast_accum", False))
+        )
         accumulate[gemm] = "fp22" if fast else "fp32"
     return linear_only(SiteSpec(operands, accumulate))
 
@@ -1124,14 +1130,19 @@ def from_transformer_engine(recipe: object) -> Plan:
         raise _te_refuse(kind, f"fp8_format={fmt}", "numscope reads HYBRID and E4M3 (TE's own choices)")
 
     def element(operand: str) -> str:
-        return "fp8_e5m2" if fmt == "HYBRID" and operand == "grad_output" else "fp8_e4m3"
+        return "fp8_e5m2" if fmt == "HYBRID" and operand == Operand.GRAD_OUTPUT else "fp8_e4m3"
 
     operands: dict[tuple[str, str], OperandSpec] = {}
     if kind == "NVFP4BlockScaling":
         if getattr(recipe, "row_scaled_activation", False):
             raise _te_refuse(kind, "row_scaled_activation=True", "numscope's import reads the default only")
         scope = str(getattr(recipe, "nvfp4_4over6", "none"))
-        scopes = {"none": (), "weights": ("weight",), "activations": ("input",), "all": ("input", "weight")}
+        scopes = {
+            "none": (),
+            "weights": (Operand.WEIGHT,),
+            "activations": (Operand.INPUT,),
+            "all": (Operand.INPUT, Operand.WEIGHT),
+        }
         if scope not in scopes:
             raise _te_refuse(kind, f"nvfp4_4over6={scope!r}", "TE allows none, weights, activations, all")
         four_roles = scopes[scope]
@@ -1148,7 +1159,7 @@ def from_transformer_engine(recipe: object) -> Plan:
                     f"nvfp4_4over6_e4m3_use_256={bound!r}",
                     "numscope's Four Over Six uses the 256 bound",
                 )
-            if "input" in four_roles and not getattr(recipe, "disable_rht", False):
+            if Operand.INPUT in four_roles and not getattr(recipe, "disable_rht", False):
                 raise _te_refuse(
                     kind, f"nvfp4_4over6={scope!r} with RHT", "TE raises: 4over6 does not support RHT"
                 )
@@ -1189,8 +1200,10 @@ def from_transformer_engine(recipe: object) -> Plan:
             scaling = Scaling("tensor", power_of_two=power, amax_epsilon=epsilon)
         else:  # Float8BlockScaling
             power, epsilon = _te_qparams(recipe, kind, operand, not getattr(recipe, "use_f32_scales", False))
-            field_name = {"input": "x", "weight": "w", "grad_output": "grad"}[operand] + "_block_scaling_dim"
-            dim = int(getattr(recipe, field_name, 2 if operand == "weight" else 1))
+            field_name = {Operand.INPUT: "x", Operand.WEIGHT: "w", Operand.GRAD_OUTPUT: "grad"}[
+                operand
+            ] + "_block_scaling_dim"
+            dim = int(getattr(recipe, field_name, 2 if operand == Operand.WEIGHT else 1))
             if dim not in (1, 2):
                 raise _te_refuse(
                     kind, f"{field_name}={dim}", "TE allows 1 (1x128 tiles) or 2 (128x128 blocks)"

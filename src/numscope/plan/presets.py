@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from numscope.plan.spec import OperandSpec, SiteSpec
+from numscope.vocab import Gemm, Operand
 
 
 def _hybrid_fp8() -> SiteSpec:
@@ -14,12 +15,12 @@ def _hybrid_fp8() -> SiteSpec:
     e4m3, e5m2 = OperandSpec("fp8_e4m3"), OperandSpec("fp8_e5m2")
     return SiteSpec(
         {
-            ("fprop", "input"): e4m3,
-            ("fprop", "weight"): e4m3,
-            ("dgrad", "grad_output"): e5m2,
-            ("dgrad", "weight"): e4m3,
-            ("wgrad", "grad_output"): e5m2,
-            ("wgrad", "input"): e4m3,
+            (Gemm.FPROP, Operand.INPUT): e4m3,
+            (Gemm.FPROP, Operand.WEIGHT): e4m3,
+            (Gemm.DGRAD, Operand.GRAD_OUTPUT): e5m2,
+            (Gemm.DGRAD, Operand.WEIGHT): e4m3,
+            (Gemm.WGRAD, Operand.GRAD_OUTPUT): e5m2,
+            (Gemm.WGRAD, Operand.INPUT): e4m3,
         }
     )
 
@@ -55,8 +56,8 @@ _PRESETS: dict[str, Any] = {
     # scale too large shows up and the loss scaler backs off.
     "e5m2_grads": lambda: SiteSpec(
         {
-            (gemm, "grad_output"): OperandSpec("fp8_e5m2", scaling="none", overflow="propagate")
-            for gemm in ("dgrad", "wgrad")
+            (gemm, Operand.GRAD_OUTPUT): OperandSpec("fp8_e5m2", scaling="none", overflow="propagate")
+            for gemm in (Gemm.DGRAD, Gemm.WGRAD)
         }
     ),
 }

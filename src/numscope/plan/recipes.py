@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from numscope.formats.scaling import Scaling
 from numscope.plan.plan import Plan
 from numscope.plan.spec import OperandSpec, PlanError, SiteSpec, _unknown
-from numscope.vocab import OPERAND_KEYS
+from numscope.vocab import OPERAND_KEYS, Gemm, Operand
 
 #: the site names of attention's two products (see numscope.sites: ``scores``, ``context``, numbered
 #: ``scores0``, ``scores1``… where a module has several)
@@ -39,7 +39,11 @@ NVFP4_BF16_TAIL = 0.15
 #: with the seed 28389 (diag(signs) · H₁₆ / 4, rows signed, as TE's ``sign_mat @ h``; tested)
 TE_RHT = "rht16:28389"
 #: where the contraction axis of each operand lies: last (fprop, dgrad's grad_output) or first
-CONTRACTION_FIRST = {("dgrad", "weight"), ("wgrad", "grad_output"), ("wgrad", "input")}
+CONTRACTION_FIRST = {
+    (Gemm.DGRAD, Operand.WEIGHT),
+    (Gemm.WGRAD, Operand.GRAD_OUTPUT),
+    (Gemm.WGRAD, Operand.INPUT),
+}
 
 
 @dataclass(frozen=True)
@@ -98,14 +102,14 @@ def linear_only(spec: SiteSpec) -> Plan:
 #: Engine's per-tensor FP8 recipes (``_2X_ACC_FPROP = False`` in transformer_engine/pytorch/module/base.py;
 #: Float8CurrentScaling's ``fp8_gemm_fprop = MMParams(use_split_accumulator=False)``) and torchao's float8
 #: (``gemm_config_output = Float8GemmConfig(use_fast_accum=True)`` in torchao/float8/config.py)
-FAST_FPROP = {"fprop": "fp22", "dgrad": "fp32", "wgrad": "fp32"}
+FAST_FPROP = {Gemm.FPROP: "fp22", Gemm.DGRAD: "fp32", Gemm.WGRAD: "fp32"}
 
 
 def _hybrid(scaling: Scaling | None, accumulate: str | dict[str, str] = "fp32") -> SiteSpec:
     """Transformer Engine's HYBRID format: E4M3 for input and weight, E5M2 for grad_output."""
     operands = {}
     for gemm, operand in OPERAND_KEYS:
-        fmt = "fp8_e5m2" if operand == "grad_output" else "fp8_e4m3"
+        fmt = "fp8_e5m2" if operand == Operand.GRAD_OUTPUT else "fp8_e4m3"
         operands[(gemm, operand)] = OperandSpec(fmt, scaling=scaling)
     return SiteSpec(operands, accumulate)
 
@@ -123,7 +127,7 @@ def _fine_grained(
 ) -> SiteSpec:
     operands = {}
     for gemm, operand in OPERAND_KEYS:
-        if operand == "weight":
+        if operand == Operand.WEIGHT:
             scaling = Scaling(
                 "block",
                 block_shape=(128, 128),
@@ -148,9 +152,9 @@ def _te_mxfp8(sites: list[str] | None) -> Plan:
 def _nvfp4_spec() -> SiteSpec:
     operands = {}
     for gemm, operand in OPERAND_KEYS:
-        rounding = "stochastic" if operand == "grad_output" else "nearest"
-        fmt = "nvfp4@2d@nan" if operand == "weight" else "nvfp4@nan"  # @nan: TE's NaN behaviour
-        transform = TE_RHT if gemm == "wgrad" else None
+        rounding = "stochastic" if operand == Operand.GRAD_OUTPUT else "nearest"
+        fmt = "nvfp4@2d@nan" if operand == Operand.WEIGHT else "nvfp4@nan"  # @nan: TE's NaN behaviour
+        transform = TE_RHT if gemm == Gemm.WGRAD else None
         operands[(gemm, operand)] = OperandSpec(fmt, rounding=rounding, transform=transform)
     return SiteSpec(operands)
 
@@ -202,10 +206,16 @@ def _torchao_rowwise(sites: list[str] | None) -> Plan:
 
 def _torchao_rowwise_with_gw_hp(sites: list[str] | None) -> Plan:
     operands = {
-        ("fprop", "input"): OperandSpec("fp8_e4m3", scaling=_axiswise("fprop", "input", True)),
-        ("fprop", "weight"): OperandSpec("fp8_e4m3", scaling=_axiswise("fprop", "weight", True)),
-        ("dgrad", "grad_output"): OperandSpec("fp8_e4m3", scaling=_axiswise("dgrad", "grad_output", True)),
-        ("dgrad", "weight"): OperandSpec(
+        (Gemm.FPROP, Operand.INPUT): OperandSpec(
+            "fp8_e4m3", scaling=_axiswise(Gemm.FPROP, Operand.INPUT, True)
+        ),
+        (Gemm.FPROP, Operand.WEIGHT): OperandSpec(
+            "fp8_e4m3", scaling=_axiswise(Gemm.FPROP, Operand.WEIGHT, True)
+        ),
+        (Gemm.DGRAD, Operand.GRAD_OUTPUT): OperandSpec(
+            "fp8_e4m3", scaling=_axiswise(Gemm.DGRAD, Operand.GRAD_OUTPUT, True)
+        ),
+        (Gemm.DGRAD, Operand.WEIGHT): OperandSpec(
             "fp8_e4m3", scaling=Scaling("tensor", power_of_two=True, amax_epsilon=TORCHAO_EPS)
         ),
     }  # wgrad: both operands in high precision
@@ -215,7 +225,7 @@ def _torchao_rowwise_with_gw_hp(sites: list[str] | None) -> Plan:
 def _mxfp4_tseng(sites: list[str] | None) -> Plan:
     operands = {}
     for gemm, operand in OPERAND_KEYS:
-        if gemm == "fprop":
+        if gemm == Gemm.FPROP:
             operands[(gemm, operand)] = OperandSpec("bf16", overflow="propagate")
         else:
             operands[(gemm, operand)] = OperandSpec(

@@ -14,7 +14,7 @@ from numscope.formats.cast import OVERFLOWS, ROUNDINGS
 from numscope.formats.scaling import Scaling, default_scaling
 from numscope.formats.spec import BlockFormat, Format, get_format
 from numscope.formats.transform import Rotation
-from numscope.vocab import GEMMS, OPERAND_KEYS, OPERAND_NAMES, OPERANDS
+from numscope.vocab import GEMMS, OPERAND_KEYS, OPERAND_NAMES, OPERANDS, Gemm
 
 #: the accumulators of :data:`numscope.sites.ACCUMULATORS`
 ACCUMULATE: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp22", "fp22_promote128")
@@ -26,7 +26,7 @@ VERSION_KEY = "numscope_plan"
 SCALE_BITS = 32
 
 _ROLE_KEYS: tuple[str, ...] = OPERAND_NAMES
-_GROUP_KEYS: dict[str, tuple[str, ...]] = {"forward": ("fprop",), "backward": ("dgrad", "wgrad")}
+_GROUP_KEYS: dict[str, tuple[str, ...]] = {"forward": (Gemm.FPROP,), "backward": (Gemm.DGRAD, Gemm.WGRAD)}
 _OPERAND_FIELDS: tuple[str, ...] = (
     "format",
     "scaling",

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from numscope.formats.scaling import Scaling
 from numscope.plan.recipes import FAST_FPROP, TORCHAO_EPS
 from numscope.plan.spec import PlanError, _unknown
+from numscope.vocab import Operand
 
 EMULATION = "emulation"
 #: site kinds every stack converts (numscope.sites: nn.Linear and transformers' Conv1D)
@@ -85,7 +86,7 @@ class Target:
 _HYBRID = StackRecipe(
     "fp8",
     "FP8 E4M3 input/weight, E5M2 grad_output, per-tensor current scaling",
-    {"input": "fp8_e4m3", "weight": "fp8_e4m3", "grad_output": "fp8_e5m2"},
+    {Operand.INPUT: "fp8_e4m3", Operand.WEIGHT: "fp8_e4m3", Operand.GRAD_OUTPUT: "fp8_e5m2"},
 )
 #: TE's Float8CurrentScaling with every GEMM promoted to FP32 (fp8_gemm_fprop=MMParams(
 #: use_split_accumulator=True), which the export writes: TE can, and it is the more accurate choice)
@@ -97,12 +98,16 @@ _MEGATRON_HYBRID = StackRecipe(
 _TE_MXFP8 = StackRecipe(
     "mxfp8",
     "MXFP8BlockScaling(fp8_format=Format.E4M3)",
-    {"input": "mxfp8_e4m3@rceil", "weight": "mxfp8_e4m3@rceil", "grad_output": "mxfp8_e4m3@rceil"},
+    {
+        Operand.INPUT: "mxfp8_e4m3@rceil",
+        Operand.WEIGHT: "mxfp8_e4m3@rceil",
+        Operand.GRAD_OUTPUT: "mxfp8_e4m3@rceil",
+    },
 )
 _TE_NVFP4 = StackRecipe(
     "nvfp4",
     "NVFP4BlockScaling(disable_rht=True, disable_stochastic_rounding=True, disable_2d_quantization=True)",
-    {"input": "nvfp4", "weight": "nvfp4", "grad_output": "nvfp4"},
+    {Operand.INPUT: "nvfp4", Operand.WEIGHT: "nvfp4", Operand.GRAD_OUTPUT: "nvfp4"},
     planned={"nvfp4": "nvfp4@nan"},
 )
 _TE_SOURCE = (

@@ -30,7 +30,7 @@ from numscope.report.views import (
     operand_ranges,
     short_site_names,
 )
-from numscope.vocab import OPERAND_KEYS
+from numscope.vocab import OPERAND_KEYS, Gemm, Operand
 
 _CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,Helvetica,Arial,sans-serif;color:#1d2430;
@@ -388,9 +388,11 @@ def _heatmap(view: AnalysisView) -> _Section | None:
 
 def _representative_sites(view: AnalysisView) -> list[OperandView]:
     """First and last site's wgrad/grad_output, and the one fp16 flushes most of, when that is another."""
-    grads = [v for v in view.operands if v.gemm == "wgrad" and v.operand == "grad_output" and v.histogram]
+    grads = [
+        v for v in view.operands if v.gemm == Gemm.WGRAD and v.operand == Operand.GRAD_OUTPUT and v.histogram
+    ]
     if not grads:
-        grads = [v for v in view.operands if v.operand == "grad_output" and v.histogram]
+        grads = [v for v in view.operands if v.operand == Operand.GRAD_OUTPUT and v.histogram]
     if not grads:
         return []
     chosen = [grads[0], grads[-1]]
@@ -416,8 +418,8 @@ def _histograms(view: AnalysisView) -> _Section | None:
             "distribution of log2|x| (all sampled steps together), exact zeros on the left."
         )
         body.append(_figure(png, f"histogram {operand_view.site}", caption))
-    for role in ("grad_output", "input", "weight"):
-        gemm = "wgrad" if role != "weight" else "fprop"
+    for role in (Operand.GRAD_OUTPUT, Operand.INPUT, Operand.WEIGHT):
+        gemm = Gemm.WGRAD if role != Operand.WEIGHT else Gemm.FPROP
         items = [
             (v.histogram, operand_ranges(v, view.candidates))
             for v in view.operands
@@ -488,8 +490,8 @@ def _underflow(view: AnalysisView | None, runs: Sequence[Mapping[str, Any]]) -> 
         per_site: dict[str, float] = {}
         for v in view.operands:
             value = v.metrics.get(UNDERFLOW_FORMAT, {}).get(UNDERFLOW)
-            usable = v.operand == "grad_output" and value is not None and not math.isnan(value)
-            if usable and (v.gemm == "wgrad" or v.site not in per_site):
+            usable = v.operand == Operand.GRAD_OUTPUT and value is not None and not math.isnan(value)
+            if usable and (v.gemm == Gemm.WGRAD or v.site not in per_site):
                 per_site[v.site] = value
         if per_site:
             sites = [site for site in view.sites if site in per_site]

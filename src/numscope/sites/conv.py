@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from numscope.sites.gemm import _Call, _store
+from numscope.vocab import Gemm, Operand
 
 _CONV_FUNCS: dict[Callable[..., Any], tuple[int, bool]] = {
     F.conv1d: (1, False),
@@ -176,8 +177,8 @@ class SiteConv(torch.autograd.Function):
     def forward(ctx, call: _Call, params: _ConvParams, x, weight, bias):  # type: ignore[override]
         fprop_w_axis, _ = params.weight_axes
         with _calling(params, x, weight):
-            x_q = call.chain("fprop", "input", x, 1)
-            w_q = call.chain("fprop", "weight", weight, fprop_w_axis)
+            x_q = call.chain(Gemm.FPROP, Operand.INPUT, x, 1)
+            w_q = call.chain(Gemm.FPROP, Operand.WEIGHT, weight, fprop_w_axis)
         out = params.convolve(x_q, w_q, None if bias is None else bias.to(call.compute_dtype(bias.dtype)))
         ctx.call, ctx.params = call, params
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -194,13 +195,13 @@ class SiteConv(torch.autograd.Function):
         grad_x = grad_w = grad_bias = None
         if need_x:
             with _calling(params, x, weight):
-                dy = call.chain("dgrad", "grad_output", grad_output, 1)
-                w_q = call.chain("dgrad", "weight", weight, dgrad_w_axis)
+                dy = call.chain(Gemm.DGRAD, Operand.GRAD_OUTPUT, grad_output, 1)
+                w_q = call.chain(Gemm.DGRAD, Operand.WEIGHT, weight, dgrad_w_axis)
             grad_x = params.gradients(dy, x.to(dy.dtype), w_q, (True, False, False))[0]
         if need_w:
             with _calling(params, x, weight):
-                dy = call.chain("wgrad", "grad_output", grad_output, 0)
-                x_q = call.chain("wgrad", "input", x, 0)
+                dy = call.chain(Gemm.WGRAD, Operand.GRAD_OUTPUT, grad_output, 0)
+                x_q = call.chain(Gemm.WGRAD, Operand.INPUT, x, 0)
             grad_w = params.gradients(dy, x_q, weight.to(dy.dtype), (False, True, False))[1]
         if need_bias and ctx.dtypes[2] is not None:  # from the unquantized grad_output, as autograd sums it
             channels = [weight.shape[1] * params.groups if params.transposed else weight.shape[0]]

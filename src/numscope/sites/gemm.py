@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from numscope._root_call import save_exactly
-from numscope.vocab import GEMMS
+from numscope.vocab import GEMMS, Gemm, Operand
 
 #: number of products summed exactly (in fp32) before a rounding to a narrow accumulator
 ACCUMULATE_CHUNK = 32
@@ -333,7 +333,7 @@ def _fold_strides(a: torch.Tensor) -> tuple[int, int]:
 def _forward_product(
     call: _Call, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    layout, acc = call.layout, call.acc("fprop")
+    layout, acc = call.layout, call.acc(Gemm.FPROP)
     if acc == "fp32":
         if layout == "linear":
             return F.linear(a, b, bias)
@@ -357,8 +357,8 @@ class SiteGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None):  # type: ignore[override]
         fprop_b_axis, _ = call.weight_axes
-        a_q = call.chain("fprop", "input", a, -1)
-        b_q = call.chain("fprop", "weight", b, fprop_b_axis)
+        a_q = call.chain(Gemm.FPROP, Operand.INPUT, a, -1)
+        b_q = call.chain(Gemm.FPROP, Operand.WEIGHT, b, fprop_b_axis)
         out = _forward_product(
             call, a_q, b_q, None if bias is None else bias.to(call.compute_dtype(bias.dtype))
         )
@@ -428,15 +428,15 @@ class SiteGemm(torch.autograd.Function):
         share = ctx.share
         grad_a = grad_b = grad_bias = None
         layout = call.layout
-        acc_d, acc_w = call.acc("dgrad"), call.acc("wgrad")
+        acc_d, acc_w = call.acc(Gemm.DGRAD), call.acc(Gemm.WGRAD)
         _, dgrad_b_axis = call.weight_axes
         if layout in ("linear", "fold"):
             grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
             if need_a and need_b:
                 call.announce_gradient(grad_2d)
             if need_a:
-                dy = call.chain("dgrad", "grad_output", grad_2d, -1)
-                w = call.chain("dgrad", "weight", b, dgrad_b_axis)
+                dy = call.chain(Gemm.DGRAD, Operand.GRAD_OUTPUT, grad_2d, -1)
+                w = call.chain(Gemm.DGRAD, Operand.WEIGHT, b, dgrad_b_axis)
                 mat2 = w.t() if layout == "linear" else w
                 if acc_d == "fp32":
                     a2_size = (math.prod(a_shape[:-1]), a_shape[-1])
@@ -445,12 +445,12 @@ class SiteGemm(torch.autograd.Function):
                 else:
                     grad_a = accumulate_matmul(dy, mat2.t(), acc_d).reshape(a_shape)
             if need_b:
-                dy = call.chain("wgrad", "grad_output", grad_2d, 0)
+                dy = call.chain(Gemm.WGRAD, Operand.GRAD_OUTPUT, grad_2d, 0)
                 if prepared is not None:
                     x = prepared
                 else:
                     x = a.reshape(-1, a_shape[-1])
-                    x = x if share else call.chain("wgrad", "input", x, 0)
+                    x = x if share else call.chain(Gemm.WGRAD, Operand.INPUT, x, 0)
                 if acc_w != "fp32":
                     product = accumulate_matmul(x.t(), dy, acc_w)
                     grad_b = product.t() if layout == "linear" else product
@@ -464,15 +464,21 @@ class SiteGemm(torch.autograd.Function):
             if need_a and need_b:
                 call.announce_gradient(grad_output)
             if need_a:
-                dy = call.chain("dgrad", "grad_output", grad_output, -1)
-                w = b_q if b_q is not None else call.chain("dgrad", "weight", b, dgrad_b_axis)
+                dy = call.chain(Gemm.DGRAD, Operand.GRAD_OUTPUT, grad_output, -1)
+                w = b_q if b_q is not None else call.chain(Gemm.DGRAD, Operand.WEIGHT, b, dgrad_b_axis)
                 if acc_d == "fp32":
                     grad_a = _mm_mat1_backward(dy, w, a_shape, a_stride)
                 else:
                     grad_a = accumulate_matmul(dy, w.t(), acc_d)
             if need_b:
-                dy = call.chain("wgrad", "grad_output", grad_output, 0)
-                x = prepared if prepared is not None else a if share else call.chain("wgrad", "input", a, 0)
+                dy = call.chain(Gemm.WGRAD, Operand.GRAD_OUTPUT, grad_output, 0)
+                x = (
+                    prepared
+                    if prepared is not None
+                    else a
+                    if share
+                    else call.chain(Gemm.WGRAD, Operand.INPUT, a, 0)
+                )
                 grad_b = (
                     _mm_mat2_backward(dy, x, b_shape, b_stride)
                     if acc_w == "fp32"
@@ -483,8 +489,8 @@ class SiteGemm(torch.autograd.Function):
             count = math.prod(batch)
             n, m, p = a_shape[-2], a_shape[-1], b_shape[-1]
             if need_a:
-                dy = call.chain("dgrad", "grad_output", grad_output, -1).reshape(count, n, p)
-                w = b_q if b_q is not None else call.chain("dgrad", "weight", b, -1)
+                dy = call.chain(Gemm.DGRAD, Operand.GRAD_OUTPUT, grad_output, -1).reshape(count, n, p)
+                w = b_q if b_q is not None else call.chain(Gemm.DGRAD, Operand.WEIGHT, b, -1)
                 w = w.expand(*batch, m, p).reshape(count, m, p)
                 product = (
                     dy.bmm(w.transpose(1, 2))
@@ -493,8 +499,8 @@ class SiteGemm(torch.autograd.Function):
                 )
                 grad_a = product.reshape(*batch, n, m).sum_to_size(a_shape)
             if need_b:
-                dy = call.chain("wgrad", "grad_output", grad_output, -2).reshape(count, n, p)
-                x = a if share else call.chain("wgrad", "input", a, -2)
+                dy = call.chain(Gemm.WGRAD, Operand.GRAD_OUTPUT, grad_output, -2).reshape(count, n, p)
+                x = a if share else call.chain(Gemm.WGRAD, Operand.INPUT, a, -2)
                 x = x.expand(*batch, n, m).reshape(count, n, m)
                 product = (
                     x.transpose(1, 2).bmm(dy)

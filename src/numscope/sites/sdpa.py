@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from numscope.vocab import Gemm, Operand
+
 
 def sdpa_reference(
     query: torch.Tensor,
@@ -85,10 +87,10 @@ def _sdpa_sizes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[dict
 
 def _sizes(a: int, b: int, out: int) -> dict[tuple[str, str], int]:
     return {
-        ("fprop", "input"): a,
-        ("fprop", "weight"): b,
-        ("dgrad", "grad_output"): out,
-        ("dgrad", "weight"): b,
-        ("wgrad", "grad_output"): out,
-        ("wgrad", "input"): a,
+        (Gemm.FPROP, Operand.INPUT): a,
+        (Gemm.FPROP, Operand.WEIGHT): b,
+        (Gemm.DGRAD, Operand.GRAD_OUTPUT): out,
+        (Gemm.DGRAD, Operand.WEIGHT): b,
+        (Gemm.WGRAD, Operand.GRAD_OUTPUT): out,
+        (Gemm.WGRAD, Operand.INPUT): a,
     }

@@ -18,7 +18,7 @@ from numscope.plan import HIGH, OperandSpec, Plan
 from numscope.study.config import PlanStudyConfig, StudyError
 from numscope.study.gap_models import GapModel, SensitivityModel
 from numscope.study.operands import Operands, format_bits
-from numscope.vocab import GEMMS
+from numscope.vocab import GEMMS, Gemm, Operand
 
 
 def order_first_last(operands: Operands) -> list[OperandKey]:
@@ -46,14 +46,16 @@ def order_last_layers(operands: Operands) -> list[OperandKey]:
 
 def order_wgrad_high(operands: Operands) -> list[OperandKey]:
     """torchao's ``rowwise_with_gw_hp``: the weight-gradient GEMM's operands first, then gradients."""
-    role = {"wgrad": 0, "dgrad": 1, "fprop": 2}
-    return sorted(operands.keys, key=lambda k: (role[k[1]], k[2] != "grad_output", operands.keys.index(k)))
+    role = {Gemm.WGRAD: 0, Gemm.DGRAD: 1, Gemm.FPROP: 2}
+    return sorted(
+        operands.keys, key=lambda k: (role[k[1]], k[2] != Operand.GRAD_OUTPUT, operands.keys.index(k))
+    )
 
 
 def order_gradients_high(operands: Operands) -> list[OperandKey]:
     """Per GEMM role, as Transformer Engine's hybrid gives gradients the wide format: every
     ``grad_output`` operand first, then the rest, in site order."""
-    return sorted(operands.keys, key=lambda k: (k[2] != "grad_output", operands.keys.index(k)))
+    return sorted(operands.keys, key=lambda k: (k[2] != Operand.GRAD_OUTPUT, operands.keys.index(k)))
 
 
 def order_objective(order: Sequence[OperandKey]) -> Callable[[OperandKey, str], float]:

@@ -50,8 +50,30 @@ def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> N
     left behind on failure. ``state`` is typically ``{"model": ..., "optimizer": ..., "scaler": ...,
     "master": ..., "rng": rng_state(), "step": n}``.
     """
-    payload = {_VERSION_KEY: FORMAT_VERSION, "state": dict(state)}
+    payload = {_VERSION_KEY: FORMAT_VERSION, "state": _plain(dict(state))}
     atomic_write(path, lambda file: torch.save(payload, file))
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every ``str`` subclass (numscope's vocabulary enums, as state keys) a plain ``str``, in
+    dicts, lists and tuples at any depth, so that :func:`load_checkpoint` unpickles no class of numscope's. A
+    container holding none is returned as it is (a ``state_dict()`` keeps its metadata)."""
+    if isinstance(value, str):
+        return value if type(value) is str else str.__str__(value)
+    if isinstance(value, dict):
+        items = [(_plain(k), _plain(v)) for k, v in value.items()]
+        if all(a is k and b is v for (a, b), (k, v) in zip(items, value.items(), strict=True)):
+            return value
+        out = value.copy()
+        out.clear()
+        out.update(items)
+        return out
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        children = [_plain(v) for v in value]
+        if all(a is v for a, v in zip(children, value, strict=True)):
+            return value
+        return type(value)(children)
+    return value
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
