@@ -1073,6 +1073,29 @@ def test_an_out_folder_nothing_can_be_written_to_is_one_clear_line(ws: Path, com
     assert len(lines) == 1 and "--out /sys/numscope-run: cannot write there" in lines[0]
 
 
+def test_evaluate_rescores_trained_models_on_more_validation_blocks(
+    ws: Path, flow: dict[str, Result]
+) -> None:
+    runs = [ws / "runs" / "planned", ws / "runs" / "fp16-scaled"]
+    own = cli("evaluate", *runs, "--val-blocks", 16)  # the runs' own --val-blocks: their own loss, exactly
+    assert own.code == 0, own.err
+    for run in runs:
+        trained = json.loads((run / "result.json").read_text())["val_loss"]
+        assert json.loads((run / "evaluations.json").read_text())["16"]["val_loss"] == trained
+        assert f"| {trained:.4f} " in own.out
+    fewer = cli("evaluate", *runs, "--val-blocks", 3)  # (this small text's split holds 8 blocks)
+    assert fewer.code == 0, fewer.err
+    for run in runs:
+        scored = json.loads((run / "evaluations.json").read_text())
+        assert scored["16"]["blocks"] == 8 and scored["3"]["blocks"] == 3
+        assert scored["3"]["val_loss"] != scored["16"]["val_loss"]
+    assert "val loss (3 blocks)" in fewer.out
+    not_run = cli("evaluate", ws, "--val-blocks", 16)
+    assert not_run.code == 2 and "not a finished run with its trained model (missing" in not_run.err
+    foreign = cli("evaluate", runs[0], "--val-blocks", 8, "--tokenizer", ws / "bert.json")
+    assert foreign.code == 2 and "not the tokenizer" in foreign.err
+
+
 def test_compare_says_where_runs_differ_from_the_baseline(ws: Path, flow: dict[str, Result]) -> None:
     longer = ws / "runs" / "fp8-longer"
     assert cli("train", *flags(ws, steps=6), "--plan", "fp8", "--out", longer).code == 0
@@ -1430,7 +1453,14 @@ def test_train_with_a_given_tokenizer_file(ws: Path, flow: dict[str, Result], tm
     from tokenizers import Tokenizer, models
 
     assert run["data"]["vocab_size"] == Tokenizer.from_file(str(given)).get_vocab_size() < 200
-    assert len(run["data"]["tokenizer_sha256"]) == 64
+    assert len(run["data"]["tokenizer_sha256"]) == 64 and run["tokenizer_path"] == str(given.resolve())
+    # evaluate finds the tokenizer file from run.json: the run's own loss at its own --val-blocks
+    scored = cli("evaluate", tmp_path / "given", "--val-blocks", 16)
+    assert scored.code == 0, scored.err
+    assert (
+        json.loads((tmp_path / "given" / "evaluations.json").read_text())["16"]["val_loss"]
+        == ours["val_loss"]
+    )
     # bad files: one clear line each
     missing = cli(*args, "dynamic", "--out", tmp_path / "x", "--tokenizer", tmp_path / "nope.json")
     assert missing.code == 2 and "--tokenizer" in missing.err and "no such file" in missing.err

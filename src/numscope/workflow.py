@@ -50,7 +50,14 @@ from numscope.plan import Plan
 from numscope.run.compare import LOSS_LABELS, comparability, compare, comparison, load_run, load_runs
 from numscope.run.config import TrainConfig
 from numscope.run.folders import check_output_file, check_output_folder
-from numscope.run.runner import DEFAULT_CANDIDATES, REFERENCE_FORMAT, analyze, plan_and_source, train
+from numscope.run.runner import (
+    DEFAULT_CANDIDATES,
+    REFERENCE_FORMAT,
+    analyze,
+    evaluate,
+    plan_and_source,
+    train,
+)
 from numscope.run.sources import (
     BUILTIN_MODELS,
     DataSettings,
@@ -73,6 +80,7 @@ __all__ = [
     "comparability",
     "compare",
     "comparison",
+    "evaluate",
     "find_analysis",
     "load_run",
     "prepare_data",

@@ -16,6 +16,7 @@ from numscope.cli.info import _cmd_formats, _cmd_recipes, formats_table
 from numscope.cli.runs import (
     _register_analyze,
     _register_compare,
+    _register_evaluate,
     _register_export,
     _register_report,
     _register_train,
@@ -49,6 +50,7 @@ _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_recommend,
     _register_train,
     _register_compare,
+    _register_evaluate,
     _register_report,
     _register_study,
     _register_calibrate,

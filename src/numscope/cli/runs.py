@@ -382,6 +382,54 @@ def _register_compare(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_compare)
 
 
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from numscope import workflow
+    from numscope.run.config import read_result
+    from numscope.run.runner import EVALUATIONS
+
+    rows = []
+    for folder in args.runs:
+        scored = workflow.evaluate(folder, args.val_blocks, tokenizer=args.tokenizer)
+        result = read_result(Path(folder) / "result.json")
+        rows.append(
+            {
+                "run": result.name,
+                "val loss (training's)": f"{result.val_loss:.4f}",
+                f"val loss ({scored['blocks']} blocks)": f"{scored['val_loss']:.4f}",
+                "val acc": f"{100 * scored['val_accuracy']:.2f}%",
+            }
+        )
+        print(f"[evaluate] {folder}: {scored['val_loss']:.4f}", file=sys.stderr, flush=True)
+    print(render_table(rows))
+    print(f"\neach run's trained model (model.pt) under its plan; stored in each folder's {EVALUATIONS}")
+    return 0
+
+
+def _register_evaluate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "evaluate",
+        help="score finished runs' trained models on more validation blocks than their training evaluated",
+        description="Score each finished run's trained model (model.pt) on up to --val-blocks blocks of its "
+        "validation split, under the plan it trained with and the masks of its seed (at the run's own "
+        "--val-blocks: its own val loss, bit for bit). Comparing plans needs many scored tokens: a masked "
+        "LM's default 128 blocks of 32 tokens score about 600 (docs/plan-study.md).",
+    )
+    p.add_argument("runs", nargs="+", metavar="DIR", help="finished run folders")
+    p.add_argument(
+        "--val-blocks",
+        type=_int_at_least(1),
+        required=True,
+        metavar="N",
+        help="most validation blocks scored (the split may hold fewer: all are then scored)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="JSON",
+        help="the tokenizer file of runs trained with --tokenizer (default: the path their run.json records)",
+    )
+    p.set_defaults(func=_cmd_evaluate)
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from numscope import workflow
 

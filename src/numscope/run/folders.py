@@ -144,6 +144,7 @@ def check_run_settings(out: Path, settings: dict[str, Any]) -> None:
         "objective_resolved",
         "model_path",
         "vocab_size_built",
+        "tokenizer_path",
     }
     changed = setting_changes(
         {k: v for k, v in stored.items() if k not in ignore},

@@ -21,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -52,7 +53,7 @@ from numscope.sites import sites as list_sites
 from numscope.train.adaptive import AdaptiveConfig
 from numscope.train.checkpoint import save_checkpoint
 
-__all__ = ["DEFAULT_CANDIDATES", "REFERENCE_FORMAT", "analyze", "plan_and_source", "train"]
+__all__ = ["DEFAULT_CANDIDATES", "REFERENCE_FORMAT", "analyze", "evaluate", "plan_and_source", "train"]
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = OBSERVED_BY_DEFAULT
@@ -98,6 +99,7 @@ def _settings(
         "corpus_sha256": corpus_digest(data),
         "data": {"vocab_size": data.vocab_size, "seq_len": data.seq_len, "val_blocks": data.val_blocks}
         | ({"tokenizer_sha256": _file_digest(data.tokenizer)} if data.tokenizer else {}),
+        **({"tokenizer_path": str(Path(data.tokenizer).resolve())} if data.tokenizer else {}),
         "train": asdict(config),
         **extra,
         "world_size": distributed.world_size(),
@@ -473,6 +475,79 @@ def train(
             )
         finally:
             close()
+
+
+EVALUATIONS = "evaluations.json"
+"""A run folder's scores of its trained model on more validation blocks (:func:`evaluate`), by block count."""
+
+
+def evaluate(
+    out: str | os.PathLike[str], val_blocks: int, tokenizer: str | os.PathLike[str] | None = None
+) -> dict[str, Any]:
+    """Score a finished run's trained model (``model.pt``) on up to ``val_blocks`` blocks of its validation
+    split, under the plan it trained with (``plan.final.yaml`` of an adaptive run, else ``plan.yaml``) and
+    with the masks its seed gives, as its own evaluations were made (at the run's own ``--val-blocks`` it
+    gives the loss in ``result.json`` bit for bit). A run's evaluations use few blocks to be quick; comparing
+    plans needs more (a masked LM's 128 blocks of 32 tokens score about 600 tokens: docs/plan-study.md).
+
+    Returns ``{"val_blocks", "blocks", "val_loss", "val_accuracy"}`` (``blocks``: how many the split held),
+    also stored in ``out/evaluations.json`` and returned from there on a second call. ``tokenizer``: the
+    tokenizer file of a run trained with ``--tokenizer`` (default: the path its run.json records)."""
+    from numscope.run.folders import read_settings
+    from numscope.train.checkpoint import load_checkpoint
+    from numscope.train.recipe import Recipe
+
+    check_positive("--val-blocks", val_blocks)
+    folder = Path(out)
+    stored = read_settings(folder / "run.json")
+    missing = [name for name in ("run.json", "result.json", "model.pt") if not (folder / name).is_file()]
+    if stored is None or missing:
+        raise WorkflowError(
+            f"{folder}: not a finished run with its trained model (missing {', '.join(missing)}); give the "
+            "folder of a finished 'numscope train' or 'numscope analyze' run"
+        )
+    cache_path = folder / EVALUATIONS
+    cache = json.loads(cache_path.read_text(encoding="utf-8")) if cache_path.is_file() else {}
+    if str(val_blocks) in cache:
+        return cache[str(val_blocks)]
+    stored_data = stored.get("data") or {}
+    tokenizer = tokenizer if tokenizer is not None else stored.get("tokenizer_path")
+    if stored_data.get("tokenizer_sha256") and tokenizer is None:
+        raise WorkflowError(f"{folder}: the run used a tokenizer file; give it with --tokenizer JSON")
+    if tokenizer is not None and _file_digest(str(tokenizer)) != stored_data.get("tokenizer_sha256"):
+        raise WorkflowError(f"--tokenizer {tokenizer}: not the tokenizer {folder} was trained with")
+    data = DataSettings(
+        tuple(stored["text"]),
+        vocab_size=stored_data["vocab_size"],
+        seq_len=stored_data["seq_len"],
+        val_blocks=val_blocks,
+        tokenizer=None if tokenizer is None else str(tokenizer),
+    )
+    if corpus_digest(data) != stored.get("corpus_sha256"):
+        raise WorkflowError(f"{folder}: its text ({', '.join(data.text)}) changed since the run trained")
+    fields = TrainConfig.__dataclass_fields__
+    config = TrainConfig(**{k: v for k, v in stored["train"].items() if k in fields})
+    final = folder / "plan.final.yaml"
+    plan = Plan.load(final if final.is_file() else folder / "plan.yaml")
+    model_spec = stored.get("model_path") or stored["model"]
+    objective = stored.get("objective_resolved") or stored.get("objective", "auto")
+    prepared, factory, resolved = _prepare_run(model_spec, data, config, objective, plan)
+    with fork_rng():
+        torch.manual_seed(config.seed)
+        model = factory()
+    model.load_state_dict(load_checkpoint(folder / "model.pt")["model"])
+    # the plan's quantizers as the training loop sets them up for its evaluations
+    Recipe(model, plan=plan, dtype=torch.float32, fp32_ops=False, activations=None,
+           generator=torch.Generator().manual_seed(config.seed))  # fmt: skip
+    scored = get_objective(resolved).evaluate(model, prepared.val_blocks, prepared.tokenizer, config.seed)
+    result = {
+        "val_blocks": val_blocks,
+        "blocks": int(prepared.val_blocks.shape[0]),
+        "val_loss": float(scored.loss),
+        "val_accuracy": float(scored.accuracy),
+    }
+    atomic_write_text(cache_path, json.dumps({**cache, str(val_blocks): result}, indent=1))
+    return result
 
 
 def plan_and_source(plan: str) -> tuple[Plan, str]:
