@@ -98,7 +98,15 @@ def main() -> None:
         type=int,
         default=None,
         metavar="STEP",
-        help="calibrate --sensitivity-early: measure the sensitivity after STEP steps too (docs/plan-study.md)",
+        help="calibrate --sensitivity-early: measure the sensitivity after STEP steps too (plan-study.md)",
+    )
+    parser.add_argument(
+        "--eval-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="score every trained plan on N validation blocks afterwards (numscope evaluate) and compare "
+        "those losses: the runs' own evaluations (--val-blocks, default 128) are quick but noisy",
     )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -168,6 +176,12 @@ def main() -> None:
             _numscope("train", *common, "--plan", plans[name][2], "--seed", str(seed), "--name", name,
                       "--out", str(folder), log=folder.parent / f"seed{seed}.txt")  # fmt: skip
         loss = float(json.loads(result.read_text())["val_loss"])
+        if args.eval_blocks is not None:
+            scored = folder / "evaluations.json"
+            if not scored.exists() or str(args.eval_blocks) not in json.loads(scored.read_text()):
+                _numscope("evaluate", str(folder), "--val-blocks", str(args.eval_blocks),
+                          *(["--tokenizer", args.tokenizer] if args.tokenizer else []))  # fmt: skip
+            loss = float(json.loads(scored.read_text())[str(args.eval_blocks)]["val_loss"])
         print(f"  {name} seed {seed}: {loss:.4f}", flush=True)
         return loss
 
@@ -210,11 +224,17 @@ def main() -> None:
     }
     calibrated = json.loads(gap_path.read_text())
     extrapolated = sorted({f for r in rows for f in r["extrapolated"]})
+    scored_on = (
+        f"losses on up to {args.eval_blocks} validation blocks (numscope evaluate); "
+        if args.eval_blocks
+        else ""
+    )
     lines = [
         f"model {args.model}, objective {args.objective}, text {' '.join(args.text)}; {args.steps} steps of "
         f"{args.batch_size} × {args.seq_len} tokens, lr {args.lr}, seeds {' '.join(seeds)}",
-        f"FP32 validation loss {fp32.mean():.4f} ± {fp32.std(ddof=1):.4f} nats (sd over seeds); gaps paired "
-        "with FP32 seed by seed, mean ± sd; verdicts at 2 sd of the paired differences.",
+        scored_on
+        + f"FP32 validation loss {fp32.mean():.4f} ± {fp32.std(ddof=1):.4f} nats (sd over seeds); gaps "
+        "paired with FP32 seed by seed, mean ± sd; verdicts at 2 sd of the paired differences.",
         f"gap models calibrated on seeds {' '.join(calibrate_seeds)}, {calibrated.get('low', LOW)} "
         "(one GEMM role at a time and everywhere) and "
         f"{', '.join(calibrated.get('also', [])) or 'no other format'} (everywhere): noise "
