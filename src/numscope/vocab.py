@@ -59,5 +59,11 @@ OPERANDS: dict[str, tuple[str, str]] = {
     Gemm.DGRAD.value: (Operand.GRAD_OUTPUT.value, Operand.WEIGHT.value),
     Gemm.WGRAD.value: (Operand.GRAD_OUTPUT.value, Operand.INPUT.value),
 }
+#: the operands whose contraction axis is their first, as numscope hands them to handlers (the others, the
+#: fprop operands and dgrad's grad_output, contract along their last)
+CONTRACTION_FIRST: frozenset[tuple[str, str]] = frozenset(
+    {(Gemm.DGRAD.value, Operand.WEIGHT.value), (Gemm.WGRAD.value, Operand.GRAD_OUTPUT.value),
+     (Gemm.WGRAD.value, Operand.INPUT.value)}
+)  # fmt: skip
 #: every (gemm, operand) pair, in the canonical order used for files and tables
 OPERAND_KEYS: tuple[tuple[str, str], ...] = tuple((g, o) for g in GEMMS for o in OPERANDS[g])

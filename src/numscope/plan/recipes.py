@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from numscope.formats.scaling import Scaling
 from numscope.plan.plan import Plan
 from numscope.plan.spec import OperandSpec, PlanError, SiteSpec, _unknown
-from numscope.vocab import OPERAND_KEYS, Gemm, Operand
+from numscope.vocab import CONTRACTION_FIRST, OPERAND_KEYS, Gemm, Operand
 
 #: the site names of attention's two products (see numscope.sites: ``scores``, ``context``, numbered
 #: ``scores0``, ``scores1``… where a module has several)
@@ -38,12 +38,6 @@ NVFP4_BF16_TAIL = 0.15
 #: at d0067d0; [1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1]), which numscope's seeded signs give
 #: with the seed 28389 (diag(signs) · H₁₆ / 4, rows signed, as TE's ``sign_mat @ h``; tested)
 TE_RHT = "rht16:28389"
-#: where the contraction axis of each operand lies: last (fprop, dgrad's grad_output) or first
-CONTRACTION_FIRST = {
-    (Gemm.DGRAD, Operand.WEIGHT),
-    (Gemm.WGRAD, Operand.GRAD_OUTPUT),
-    (Gemm.WGRAD, Operand.INPUT),
-}
 
 
 @dataclass(frozen=True)
