@@ -64,3 +64,26 @@ def test_gemm_names_are_written_through_the_vocabulary() -> None:
             if token.type == tokenize.STRING and token.string.strip("\"'") in ("fprop", "dgrad", "wgrad"):
                 literals.append(f"{path.relative_to(root)}:{token.start[0]}: {token.string}")
     assert literals == []
+
+
+#: the plan package's modules, lowest first: each imports only those before it, except plan.py's lookups of
+#: named recipes (Plan.recipe, Plan.needs_sites), which import recipes.py when called
+PLAN_ORDER = ("spec", "presets", "files", "plan", "recipes", "targets", "export")
+PLAN_EXCEPTIONS = {("plan", "recipes")}
+
+
+def test_the_plan_package_has_no_import_circle() -> None:
+    root = Path(numscope.__file__).parent / "plan"
+    upward = set()
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        me = parts[0]
+        for match in IMPORT.finditer(path.read_text(encoding="utf-8")):
+            target = (match.group(1) or match.group(2)).split(".")
+            if target[:2] != ["numscope", "plan"] or len(target) < 3:
+                continue
+            if PLAN_ORDER.index(target[2]) > PLAN_ORDER.index(me):
+                upward.add((me, target[2]))
+    assert upward == PLAN_EXCEPTIONS

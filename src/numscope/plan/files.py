@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
@@ -32,10 +32,6 @@ from numscope.plan.spec import (
     _unknown,
 )
 from numscope.vocab import GEMMS, OPERAND_KEYS, OPERANDS
-
-if TYPE_CHECKING:
-    from numscope.plan.plan import Plan
-
 
 # -- YAML shape: writing --------------------------------------------------------------------------------
 
@@ -239,9 +235,9 @@ def _parse_reasons(value: Any, where: str) -> _FrozenDict:
     return _reasons(reasons)
 
 
-def _plan_from_dict(data: Any, source: str | None) -> Plan:
-    from numscope.plan.plan import Plan  # the plan module reads and writes files through this one
-
+def _plan_parts(data: Any) -> tuple[SiteSpec, tuple[Rule, ...], _FrozenDict]:
+    """A plan file's parsed mapping as the parts of a :class:`numscope.plan.Plan`: its default site spec,
+    its rules and the default's reasons (PlanError naming the key where the file is wrong)."""
     if data is None:
         raise PlanError(f"the plan is empty; a plan starts with '{VERSION_KEY}: {PLAN_VERSION}'")
     data = _expect_mapping(data, "the plan", f"top-level keys {VERSION_KEY}, default, rules")
@@ -288,4 +284,4 @@ def _plan_from_dict(data: Any, source: str | None) -> Plan:
             raise PlanError(f"{where}.optional must be a bool, got {_type_name(optional)}")
         spec, reasons = _parse_site(rule_data, where, ("match", "optional"))
         rules.append(Rule(pattern, spec, reasons, optional))
-    return Plan(default, tuple(rules), default_reasons, source=source)
+    return default, tuple(rules), default_reasons

@@ -14,7 +14,7 @@ import yaml
 from numscope._atomic import atomic_write_text
 from numscope._names import exact_pattern
 from numscope.formats.spec import BlockFormat, get_format
-from numscope.plan.files import _plan_from_dict, _site_to_dict, _StrictLoader
+from numscope.plan.files import _plan_parts, _site_to_dict, _StrictLoader
 from numscope.plan.presets import _PRESETS
 from numscope.plan.spec import (
     DEFAULT_PATTERN,
@@ -314,7 +314,8 @@ class Plan:
         """Read and validate the YAML shape; errors name ``source`` (a file name), the key path and what
         is allowed."""
         try:
-            return _plan_from_dict(data, source)
+            default, rules, reasons = _plan_parts(data)
+            return cls(default, rules, reasons, source=source)
         except PlanError as error:
             if source is None:
                 raise
