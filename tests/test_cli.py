@@ -702,6 +702,30 @@ def test_analyze_measures_the_sensitivity_on_an_early_checkpoint_too(ws: Path, t
     for bad, why in refusals:
         refused = cli(*args, *bad, "--out", tmp_path / "bad")
         assert refused.code == 2 and why in refused.err, refused.err
+    for bad in ("0", "never", "-3"):
+        refused = cli(*args, "--sensitivity-early", bad, "--out", tmp_path / "bad")
+        assert refused.code == 2 and "expected a step (an integer >= 1), auto or off" in refused.err
+
+
+def test_analyze_measures_an_early_model_on_auto_where_the_run_is_long_enough(
+    ws: Path, tmp_path: Path
+) -> None:
+    from numscope.run.runner import AUTO_EARLY_MIN_STEPS, AUTO_SENSITIVITY_EARLY
+
+    base = ["analyze", "--candidates", "mxfp4_e2m1", "--sensitivity", "1", "--sensitivity-early", "auto"]
+    long = flags(ws, steps=AUTO_EARLY_MIN_STEPS, batch_size=2, eval_every=50, checkpoint_every=50)
+    assert cli(*base, *long, "--every", "50", "--out", tmp_path / "long").code == 0
+    settings = json.loads((tmp_path / "long" / "run.json").read_text())
+    assert settings["sensitivity_early"] == AUTO_SENSITIVITY_EARLY
+    assert Analysis.load(tmp_path / "long" / "analysis").sensitivity.meta["checkpoints"] == 2
+    short = flags(ws, steps=AUTO_EARLY_MIN_STEPS - 1, batch_size=2, eval_every=50, checkpoint_every=50)
+    assert cli(*base, *short, "--every", "50", "--out", tmp_path / "short").code == 0
+    assert "sensitivity_early" not in json.loads((tmp_path / "short" / "run.json").read_text())
+    assert not (tmp_path / "short" / "model_early.pt").exists()
+    off = cli(*base, *long, "--every", "50", "--sensitivity-early", "off", "--out", tmp_path / "off")
+    assert off.code == 0 and not (tmp_path / "off" / "model_early.pt").exists()  # the last flag wins
+    unasked = cli(*base[:-2], *long, "--every", "50", "--out", tmp_path / "unasked")  # off by default
+    assert unasked.code == 0 and not (tmp_path / "unasked" / "model_early.pt").exists()
 
 
 def test_train_under_a_named_recipe_gives_it_the_models_sites(ws: Path) -> None:

@@ -403,7 +403,7 @@ def calibrate(
     sensitivity_batches: int = 2,
     jobs: int = 1,
     sensitivity_formats: Sequence[str] | str | None = "auto",
-    sensitivity_early: int | None = None,
+    sensitivity_early: int | str | None = None,
 ) -> Any:
     """:func:`numscope.study.calibrate` into ``out``, with clear errors for bad settings."""
     from numscope.study import StudyError

@@ -74,15 +74,32 @@ def add_sensitivity_formats(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _early_step(value: str) -> int | str | None:
+    """--sensitivity-early: a step (an integer >= 1), auto or off."""
+    if value in ("auto", "off"):
+        return None if value == "off" else value
+    try:
+        step = int(value)
+    except ValueError:
+        step = 0
+    if step < 1:
+        raise argparse.ArgumentTypeError(f"expected a step (an integer >= 1), auto or off; got {value!r}")
+    return step
+
+
 def add_sensitivity_early(p: argparse.ArgumentParser) -> None:
+    from numscope.run.runner import AUTO_EARLY_MIN_STEPS, AUTO_SENSITIVITY_EARLY
+
     p.add_argument(
         "--sensitivity-early",
-        type=_int_at_least(1),
+        type=_early_step,
         default=None,
         metavar="STEP",
         help="also keep the model after STEP steps and measure the sensitivity on it, combined with the "
-        "trained model's (each weighing alike): a plan chosen from both halved its gap on a GQA Llama "
-        "(docs/plan-study.md; STEP 20 of 300 there); costs as many passes again (default: off)",
+        "trained model's (each weighing alike): at 6 bits the plans chosen from both cost less than those "
+        "from the trained model alone on a GQA Llama (beyond the seed noise, also at 5 bits) and tied them "
+        "on MiniLM and the demo's BERT (docs/plan-study.md); costs as many sensitivity passes again; auto: "
+        f"step {AUTO_SENSITIVITY_EARLY} when --steps >= {AUTO_EARLY_MIN_STEPS}, else none (default: off)",
     )
 
 

@@ -139,7 +139,7 @@ def analyze(
     sensitivity_batches: int | None = 0,
     sensitivity_granularity: str = "site",
     sensitivity_formats: Sequence[str] | str | None = None,
-    sensitivity_early: int | None = None,
+    sensitivity_early: int | str | None = None,
 ) -> RunResult:
     """Train ``model`` in FP32 on ``data`` and observe every GEMM operand every ``every`` steps.
 
@@ -158,7 +158,10 @@ def analyze(
     with the observer's noise ratios, a tenth of the passes with the ten default candidates).
     ``sensitivity_early``: a step; the model after that many steps is kept too (``out/model_early.pt``) and
     the sensitivity is measured on it as well, the two combined with each checkpoint weighing alike
-    (:func:`numscope.sensitivity.combine_sensitivities`; docs/plan-study.md says what it changed).
+    (:func:`numscope.sensitivity.combine_sensitivities`; docs/plan-study.md says what it changed);
+    ``"auto"``: step :data:`AUTO_SENSITIVITY_EARLY` where the sensitivity is measured and the run has at
+    least :data:`AUTO_EARLY_MIN_STEPS` steps, else none. Off by default: on three families it was better
+    once and tied twice (docs/plan-study.md), and it doubles the sensitivity's cost.
     Under ``torchrun`` with ``WORLD_SIZE`` > 1 it trains with DDP over gloo, as :func:`train`; the observer
     merges each sampled step across the ranks (:mod:`numscope.distributed`), and rank 0 writes.
     """
@@ -188,6 +191,9 @@ def analyze(
     measured_formats = _sensitivity_formats(sensitivity_formats, names)
     if sensitivity_granularity not in ("site", "operand"):
         raise WorkflowError(f"--sensitivity-granularity {sensitivity_granularity!r}: allowed: site, operand")
+    if sensitivity_early == "auto":
+        long_enough = config.steps >= AUTO_EARLY_MIN_STEPS
+        sensitivity_early = AUTO_SENSITIVITY_EARLY if sensitivity_batches and long_enough else None
     if sensitivity_early is not None:
         if not sensitivity_batches:
             raise WorkflowError("--sensitivity-early measures the sensitivity: it needs --sensitivity N > 0")
@@ -295,6 +301,15 @@ def _sensitivity_formats(asked: Sequence[str] | str | None, names: list[str]) ->
         chosen.append(label)
     return list(dict.fromkeys(chosen)) or list(names)
 
+
+AUTO_SENSITIVITY_EARLY = 20
+"""The step whose model ``--sensitivity-early auto`` measures the sensitivity on beside the trained one: the
+one step tried in plans, each time inside the 30-step warm-up (a GQA Llama, 20 of 300 steps; the pretrained
+MiniLM, 20 of 250; the demo's BERT, 20 of 1,000: docs/plan-study.md)."""
+
+AUTO_EARLY_MIN_STEPS = 100
+"""The fewest steps a run needs for ``sensitivity_early="auto"`` to measure an early model: the step then lies
+in the run's first fifth (the three families' runs had 250 to 1,000 steps; shorter runs were not tried)."""
 
 EARLY_MODEL = "model_early.pt"
 """The model after ``sensitivity_early`` steps, kept in the run folder for the sensitivity measured on it."""

@@ -43,7 +43,7 @@ def calibrate(
     sensitivity_batches: int = 2,
     jobs: int = 1,
     sensitivity_formats: Sequence[str] | str | None = "auto",
-    sensitivity_early: int | None = None,
+    sensitivity_early: int | str | None = None,
     log: Callable[[str], None] = print,
 ) -> Calibration:
     """Fit a :class:`GapModel` on any model :func:`numscope.run.runner.train` can train.
