@@ -1114,6 +1114,10 @@ def test_evaluate_rescores_trained_models_on_more_validation_blocks(
         assert scored["16"]["blocks"] == 8 and scored["3"]["blocks"] == 3
         assert scored["3"]["val_loss"] != scored["16"]["val_loss"]
     assert "val loss (3 blocks)" in fewer.out
+    first = json.loads((runs[0] / "evaluations.json").read_text())["3"]
+    (runs[0] / "evaluations.json").write_text("{torn")  # an unreadable store is scored again, not a traceback
+    again = cli("evaluate", runs[0], "--val-blocks", 3)
+    assert again.code == 0 and json.loads((runs[0] / "evaluations.json").read_text())["3"] == first
     not_run = cli("evaluate", ws, "--val-blocks", 16)
     assert not_run.code == 2 and "not a finished run with its trained model (missing" in not_run.err
     foreign = cli("evaluate", runs[0], "--val-blocks", 8, "--tokenizer", ws / "bert.json")

@@ -522,7 +522,12 @@ def evaluate(
             "folder of a finished 'numscope train' or 'numscope analyze' run"
         )
     cache_path = folder / EVALUATIONS
-    cache = json.loads(cache_path.read_text(encoding="utf-8")) if cache_path.is_file() else {}
+    try:
+        cache = json.loads(cache_path.read_text(encoding="utf-8")) if cache_path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        cache = {}  # unreadable: scored again and rewritten whole
+    if not isinstance(cache, dict):
+        cache = {}
     if str(val_blocks) in cache:
         return cache[str(val_blocks)]
     stored_data = stored.get("data") or {}
