@@ -227,7 +227,8 @@ def test_the_demos_runs_each_get_a_colour_a_row_and_a_legend_entry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """numscope demo's ten runs (fp32, recommended, every baseline: the E5M2 pair, mxfp8, int8...)."""
-    from numscope.demo.main import BASELINES, RECOMMENDED, REFERENCE
+    from numscope.demo.claims import RECOMMENDED, REFERENCE
+    from numscope.demo.main import BASELINES
     from numscope.report import plots
 
     names = [REFERENCE.name, RECOMMENDED, *(spec.name for spec in BASELINES)]

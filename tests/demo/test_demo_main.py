@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from numscope.analysis import Analysis
+from numscope.demo import claims as demo_claims
 from numscope.demo import main as demo_main
 from numscope.demo.main import DemoConfig, fp16_underflow_by_site, run_demo, training_observer
 from numscope.metrics.stats import Log2Histogram
@@ -240,7 +241,7 @@ def test_claims_are_stated_as_held_or_not_with_their_numbers() -> None:
     ]
     underflow = [{"site": "a", "before%": 3.0, "after%": 0.0}, {"site": "b", "before%": 1.0, "after%": 0.5}]
     e5m2 = [{"site": "a", "before%": 40.0, "after%": 1.0}, {"site": "b", "before%": 20.0, "after%": 0.0}]
-    claims = demo_main._claims(rows, underflow, unigram=6.6, e5m2_underflow=e5m2)
+    claims = demo_claims._claims(rows, underflow, unigram=6.6, e5m2_underflow=e5m2)
     assert len(claims) == 6 and all(isinstance(verdict, bool) for _, verdict in claims)
     for start in (
         "FP32 learned from context",
@@ -261,7 +262,7 @@ def test_claims_are_stated_as_held_or_not_with_their_numbers() -> None:
     rows[1] = _row("recommended", 6.09, 7.1)  # 1.5% behind: the plan claim fails, and says so
     rows[9] = _row("mxfp4", 6.05, 4.25)
     rows[4] = _row("e5m2-grads", 6.03, 24.0)  # unscaled within 1% of FP32: no evidence loss scaling matters
-    claims = demo_main._claims(rows, underflow, unigram=6.6)
+    claims = demo_claims._claims(rows, underflow, unigram=6.6)
     assert _verdict(claims, "Recommended plan") is False and _verdict(claims, "Uniform MXFP4") is False
     assert _verdict(claims, "Loss scaling where") is False
     assert "does NOT hold" in next(text for text, _ in claims if text.startswith("Recommended plan"))
@@ -282,7 +283,7 @@ def test_claims_measure_differences_against_the_fp32_seed_noise() -> None:
     ]
     noise = demo_main.fp32_seed_noise(rows)
     assert noise == pytest.approx(0.02)  # sd of 6.00, 6.02, 6.04
-    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)
+    claims = demo_claims._claims(rows, [], unigram=6.6, noise=noise)
     plan = next(text for text, _ in claims if text.startswith("Recommended plan"))
     assert "seed noise is 0.0200 nats (sd over 3 seeds)" in plan
     assert "recommended − fp32 +0.0300 nats = 1.5 sd, within the seed noise" in plan
@@ -295,7 +296,7 @@ def test_claims_measure_differences_against_the_fp32_seed_noise() -> None:
     assert _verdict(claims, "Loss scaling where") is False
     rows[7] = _row("mxfp4", 6.06, 4.25)  # 1% behind FP32 and behind the plan, but only 1.5 sd: a tie
     rows[5] = _row("e5m2-grads+scaling", 6.03, 24.0, scale=2.0**15)  # 1.5 sd: within the noise
-    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)
+    claims = demo_claims._claims(rows, [], unigram=6.6, noise=noise)
     mxfp4 = next(text for text, _ in claims if text.startswith("Uniform MXFP4"))
     assert _verdict(claims, "Uniform MXFP4") is False and "1.5 sd, within the seed noise" in mxfp4
     assert _verdict(claims, "Loss scaling where") is True
@@ -319,27 +320,27 @@ def test_the_plan_claim_pairs_the_recommended_runs_with_fp32_seed_by_seed() -> N
     ]
     noise = demo_main.fp32_seed_noise(rows)
     assert noise == pytest.approx(0.1)  # the fp32 runs only: 6.00, 6.10, 5.90
-    assert demo_main.recommended_pairs(rows) == [
+    assert demo_claims.recommended_pairs(rows) == [
         ("main", pytest.approx(0.01)),
         ("seed1", pytest.approx(0.015)),
         ("seed2", pytest.approx(0.005)),
     ]
-    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)
+    claims = demo_claims._claims(rows, [], unigram=6.6, noise=noise)
     plan = next(text for text, _ in claims if text.startswith("Recommended plan"))
     # 0.010 ± 0.005 nats: 2 sd of the paired differences is 0.010, the mean is not beyond it
     assert "recommended − fp32 = +0.0100 ± 0.0050 nats (main +0.0100, seed1 +0.0150, seed2 +0.0050)" in plan
     assert _verdict(claims, "Recommended plan") is True
     rows[7] = _row("recommended-seed1", 6.20, 7.1)  # 0.01, 0.10, 0.005: one seed 0.10 behind, within
-    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)  # both bars (2 x 0.053; 2 x 0.1): a tie
+    claims = demo_claims._claims(rows, [], unigram=6.6, noise=noise)  # both bars (2 x 0.053; 2 x 0.1): a tie
     assert _verdict(claims, "Recommended plan") is True
     rows[7] = _row("recommended-seed1", 6.40, 7.1)  # 0.30 nats behind on one seed (stuck): beyond 2 x 0.1
-    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)
+    claims = demo_claims._claims(rows, [], unigram=6.6, noise=noise)
     assert _verdict(claims, "Recommended plan") is False
     rows[7], rows[8] = _row("recommended-seed1", 6.13, 7.1), _row("recommended-seed2", 5.95, 7.1)
-    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)  # 0.01, 0.03, 0.05: 0.03 <= 2 x 0.02
+    claims = demo_claims._claims(rows, [], unigram=6.6, noise=noise)  # 0.01, 0.03, 0.05: 0.03 <= 2 x 0.02
     assert _verdict(claims, "Recommended plan") is True
     rows[1] = _row("recommended", 6.03, 7.1)  # 0.03, 0.03, 0.05: 0.037 > 2 x 0.012, consistently behind
-    claims = demo_main._claims(rows, [], unigram=6.6, noise=noise)
+    claims = demo_claims._claims(rows, [], unigram=6.6, noise=noise)
     assert _verdict(claims, "Recommended plan") is False
 
 
@@ -354,7 +355,7 @@ def test_claims_state_their_thresholds_and_the_scale_they_saw() -> None:
     one_value = [
         {"site": "a", "before%": 0.01, "after%": 0.0}
     ]  # one flushed value is not a loss of information
-    claims = demo_main._claims(rows, one_value, unigram=6.03)
+    claims = demo_claims._claims(rows, one_value, unigram=6.03)
     flush = next(text for text, _ in claims if text.startswith("FP16 without loss scaling"))
     assert _verdict(claims, "FP16 without loss scaling") is False
     assert "at least 1% flushed at some site" in flush and "loss scale 3000 " in flush
@@ -542,7 +543,7 @@ def test_a_worker_that_dies_raises_instead_of_leaving_the_pool_waiting(
 
 
 def test_the_heuristic_claim_calls_a_tie_a_tie_and_a_loss_a_loss() -> None:
-    from numscope.demo.main import HEURISTIC, RECOMMENDED, _heuristic_claim
+    from numscope.demo.claims import HEURISTIC, RECOMMENDED, _heuristic_claim
 
     def rows(differences: list[float]) -> list[dict]:
         out = []

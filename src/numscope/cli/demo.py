@@ -11,7 +11,8 @@ from numscope.cli.common import CLIError, _int_at_least, _positive_float, render
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from numscope.demo.main import DemoConfig, DemoError, quick_config, run_demo, summary_table
+    from numscope.demo.claims import summary_table
+    from numscope.demo.main import DemoConfig, DemoError, quick_config, run_demo
     from numscope.run.config import RunError
     from numscope.run.corpus import CorpusError, CorpusNotFoundError
 
