@@ -48,6 +48,7 @@ from numscope.run.sources import (
     model_path,
     prepare_data,
     resolve_model,
+    run_model,
 )
 from numscope.sites import sites as list_sites
 from numscope.train.adaptive import AdaptiveConfig
@@ -450,7 +451,9 @@ def train(
         prepared = None
         if Plan.needs_sites(plan):  # resolved once, with the model's sites: what run.json records trains
             prepared, factory, resolved = _prepare_run(model, data, config, objective, loaded)
-            loaded = Plan.resolve(plan, (site.name for site in list_sites(factory())))
+            with fork_rng():  # building a model draws from the global generator
+                names = [site.name for site in list_sites(factory())]
+            loaded = Plan.resolve(plan, names)
         settings = _settings(
             "train",
             model,
@@ -549,8 +552,7 @@ def evaluate(
     config = TrainConfig(**{k: v for k, v in stored["train"].items() if k in fields})
     final = folder / "plan.final.yaml"
     plan = Plan.load(final if final.is_file() else folder / "plan.yaml")
-    model_spec = stored.get("model_path") or stored["model"]
-    objective = stored.get("objective_resolved") or stored.get("objective", "auto")
+    model_spec, objective, _ = run_model(str(folder))  # type: ignore[misc]  # a run folder: never None
     prepared, factory, resolved = _prepare_run(model_spec, data, config, objective, plan)
     with fork_rng():
         torch.manual_seed(config.seed)
