@@ -59,3 +59,20 @@ def test_family_study_runs_the_default_path_and_compares_every_plan(
     fp32, ours = scored("fp32"), scored("numscope@6")
     row = next(r for r in result["rows"] if r["name"] == "numscope@6")
     assert row["gaps"][1] == ours - fp32
+
+
+def test_the_bert_example_config_is_the_demos_model() -> None:
+    """examples/bert_demo.json (docs/plan-study.md's BERT through the CLI) has the demo's shape."""
+    from numscope.run.experiment import Experiment
+
+    config = json.loads((ROOT / "examples" / "bert_demo.json").read_text())
+    demo = Experiment()
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"]) == (
+        demo.hidden,
+        demo.layers,
+        demo.heads,
+    )
+    assert (
+        config["intermediate_size"] == demo.intermediate and config["max_position_embeddings"] == demo.seq_len
+    )
+    assert config["hidden_dropout_prob"] == config["attention_probs_dropout_prob"] == demo.dropout
