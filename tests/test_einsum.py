@@ -13,7 +13,7 @@ from torch import nn
 
 import numscope
 from numscope.sites import attach, sites
-from numscope.sites.runtime import _einsum_as_matmul
+from numscope.sites.calls import _einsum_as_matmul
 
 
 @pytest.mark.parametrize(
