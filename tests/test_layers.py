@@ -87,3 +87,28 @@ def test_the_plan_package_has_no_import_circle() -> None:
             if PLAN_ORDER.index(target[2]) > PLAN_ORDER.index(me):
                 upward.add((me, target[2]))
     assert upward == PLAN_EXCEPTIONS
+
+
+#: the questions that decide which quantizer computes a cast (native C, torch dtype, compiled, eager)
+PATH_QUESTIONS = re.compile(
+    r"\b(?:native\.covers|covers_block|native_enabled|native\.available|fast_enabled|fast\.supports"
+    r"|packs_columns)\("
+)
+
+
+def test_only_the_path_module_chooses_the_quantizer() -> None:
+    """:func:`numscope.formats.path.quantizer_paths` is the one place that asks which quantizer path
+    covers a cast; quantize, convert and the metrics call it (native.py and fast.py answer the questions
+    and check their own inputs; the public switches live in formats/__init__.py)."""
+    root = Path(numscope.__file__).parent
+    answering = {"formats/path.py", "formats/native.py", "formats/fast.py", "formats/__init__.py"}
+    askers = []
+    for path in sorted(root.rglob("*.py")):
+        name = path.relative_to(root).as_posix()
+        if name in answering:
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            code = line.split("#")[0]
+            if PATH_QUESTIONS.search(code) and not code.lstrip().startswith("def "):
+                askers.append(f"{name}:{number}: {line.strip()}")
+    assert askers == []

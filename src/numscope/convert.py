@@ -15,7 +15,8 @@ the raw input) under the same conditions. Each reuse is bit-identical to quantiz
 with nearest rounding go through torch's native fp16/bf16/fp8 conversion, which equals
 ``numscope.quantize`` bit for bit (checked in the tests); with the ``torch.compile`` fast path on (by
 default for plans with block formats, ``convert(..., compiled=...)`` to choose, or ``NUMSCOPE_FAST``) they
-go through ``numscope.quantize`` and its fused kernels instead, the same bits.
+go through ``numscope.quantize`` and its fused kernels instead, the same bits. Which path computes an
+operand is :func:`numscope.formats.path.quantizer_paths`'s decision, as for ``quantize`` and the metrics.
 
 ``unconvert(model)`` detaches it; parameters and ``state_dict`` are never touched.
 """
@@ -34,8 +35,14 @@ from torch import nn
 
 from numscope._callable import make_callable as _make_callable
 from numscope.formats import native
-from numscope.formats.cast import native_dtype
-from numscope.formats.fast import fast_enabled, reduced_tensor_amax
+from numscope.formats.fast import reduced_tensor_amax
+from numscope.formats.path import (
+    QuantizerPath,
+    compiled_wanted,
+    native_covers,
+    packs_block_codes,
+    quantizer_paths,
+)
 from numscope.formats.quantize import Encoded, as_float32, encode, quantize, tile_quantize
 from numscope.formats.scaling import DelayedScaler, Scaling, element_scale
 from numscope.formats.spec import BlockFormat, FloatFormat
@@ -115,11 +122,8 @@ class _Quantizer:
         if not (isinstance(fmt, BlockFormat) and spec.rounding == "nearest" and spec.transform is None):
             return False
         # MX and NVFP4 with float elements: their codes, natively
-        native_codes = native.native_enabled() and not spec.flush_subnormals and native.packs_columns(fmt)
-        return self.low_memory or native_codes or (self._compiled() and not fmt.tensor_scale)
-
-    def _compiled(self) -> bool:
-        return fast_enabled() if self.compiled is None else self.compiled
+        native_codes = packs_block_codes(spec.cast())
+        return self.low_memory or native_codes or (compiled_wanted(self.compiled) and not fmt.tensor_scale)
 
     def pack_wgrad_input(self, site: Site, tensor: torch.Tensor):
         """wgrad's input (tokens, features) quantized along the token axis now, decoded in backward to
@@ -146,14 +150,14 @@ class _Quantizer:
         reduce = scaling is None or scaling.reduce_amax
         along_tokens = Scaling("block", axis=0, reduce_amax=reduce)
         fmt = spec.format_spec()
-        if tensor.dim() == 2 and not spec.flush_subnormals and native.packs_columns(fmt):  # type: ignore[arg-type]
+        if tensor.dim() == 2 and packs_block_codes(spec.cast()):
             # element and scale codes, 1 + 1/32 (MX) or 1 + 1/16 (NVFP4) bytes per element
             x = tensor.detach().float()
             tensor_amax = reduced_tensor_amax(x, fmt, reduce)  # type: ignore[arg-type]
             packed = native.block_pack_columns(x, fmt, tensor_amax)  # type: ignore[arg-type]
             if packed is not None:
                 return packed
-        if not self.low_memory and not self._compiled():
+        if not self.low_memory and not compiled_wanted(self.compiled):
             return None  # the site keeps the input and quantizes it in backward
         if not self.low_memory:
             values = quantize(tensor.float(), spec.format_spec(), scaling=along_tokens, compiled=True)  # type: ignore[arg-type]
@@ -250,7 +254,7 @@ class _Quantizer:
             and dgrad.rounding == "nearest"
             and not dgrad.flush_subnormals
             and tensor.shape[1] % fmt.block_size == 0
-            and native.covers_block(fmt, tensor.detach())  # a float32 CPU tensor, the native code on
+            and native_covers(dgrad.cast(), tensor.detach())  # a float32 CPU tensor, the native code on
         )
 
     def __call__(self, site: Site, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
@@ -412,14 +416,15 @@ class _Quantizer:
     def _quantize(self, key: str, spec: OperandSpec, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         fmt = spec.format_spec()
         scaling = spec.effective_scaling()
-        compiled = self._compiled()
-        dtype = None if compiled else _native_cast(spec, fmt, scaling)
+        cast = spec.cast()
+        xf = tensor.detach().float()
+        paths = quantizer_paths(cast, xf, compiled=self.compiled, codes=True)
         self._last_codes = None
-        if dtype is not None and tensor.numel() > 0:
-            xf = tensor.detach().float()
+        if QuantizerPath.DTYPE in paths and tensor.numel() > 0:  # codes in a torch dtype
+            dtype = cast.torch_dtype()
             # fp8: the native quantizers write the codes (torch's fp8 conversion is scalar code; its
             # fp16/bf16 conversions are single vector instructions, faster than any rounding arithmetic)
-            by_library = dtype.itemsize == 1 and native.covers(fmt, spec.overflow, False, xf)
+            by_library = paths[0] is QuantizerPath.NATIVE
             amax = None
             if scaling is not None or (spec.overflow == "saturate" and not by_library):
                 amax = native.abs_amax(xf.reshape(1, -1), "tensor") if by_library else _amax(xf)
@@ -456,14 +461,14 @@ class _Quantizer:
         else:
             scaling_arg = scaling
         return quantize(
-            tensor.float(),
+            xf,
             fmt,  # type: ignore[arg-type]
             scaling=scaling_arg,
             rounding=spec.rounding,
             overflow=spec.overflow,
             flush_subnormals=spec.flush_subnormals,
             generator=self.generator,
-            compiled=compiled,
+            compiled=QuantizerPath.COMPILED in paths,
         )
 
 
@@ -494,32 +499,6 @@ class _ReplayScaler(DelayedScaler):
             return self.fixed
         self.used = self.real.scale_for(x, fmt_max, amax)
         return self.used
-
-
-def _native_cast(spec: OperandSpec, fmt: Any, scaling: Scaling | None) -> torch.dtype | None:
-    """The torch dtype whose conversion equals ``numscope.quantize`` for this spec, where there is one.
-
-    Nearest rounding, no flushing, no scaling or tensor/delayed scaling: torch's float32 → fp16/bf16/fp8
-    conversion rounds to nearest even with subnormals, like :mod:`numscope.formats.cast`. With
-    ``overflow="saturate"`` a clamp that leaves ±inf alone is added where a value is out of range (so inf
-    stays inf, or NaN where the format has no inf); ``overflow="propagate"`` is torch's own overflow to
-    inf, used for the formats that have an inf (fp16, bf16, fp8_e5m2).
-    """
-    if spec.rounding != "nearest" or spec.flush_subnormals:
-        return None
-    if scaling is not None and scaling.kind not in ("tensor", "delayed"):
-        return None
-    if not isinstance(fmt, FloatFormat) or fmt.name == "fp32":
-        return None
-    if spec.overflow == "propagate" and not (fmt.has_inf and fmt.name in _PROPAGATING_CASTS):
-        return None
-    if spec.overflow not in ("saturate", "propagate"):
-        return None
-    return native_dtype(fmt)
-
-
-_PROPAGATING_CASTS = ("fp16", "bf16", "fp8_e5m2")
-"""Formats whose torch conversion overflows to inf exactly as ``overflow="propagate"`` does."""
 
 
 def _cast_native(values: torch.Tensor, dtype: torch.dtype, fmt: FloatFormat) -> torch.Tensor:
@@ -568,8 +547,9 @@ def _fake_cast(
     amax: torch.Tensor | None,
     overflow: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``cast(values · scale) · (1 / scale)`` through torch's ``dtype`` (see :func:`_native_cast`),
-    and the codes in ``dtype`` it was decoded from (``codes.float() · (1 / scale)`` gives it bit for bit).
+    """float32 ``cast(values · scale) · (1 / scale)`` through torch's ``dtype`` (see
+    :meth:`numscope.formats.path.Cast.torch_dtype`), and the codes in ``dtype`` it was decoded from
+    (``codes.float() · (1 / scale)`` gives it bit for bit).
 
     ``amax`` bounds ``|values|`` (saturation needs it; ``None`` otherwise): where ``amax · scale`` is below
     the format's max plus half its unit in the last place (every scaled value then rounds to at most the

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from numscope.formats import fast, native
+from numscope.formats import fast
 from numscope.formats.blocks import (
     axis_last_2d,
     block_parts,
@@ -39,6 +39,7 @@ from numscope.formats.blocks import (
     unblock,
 )
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS, cast, scale_then_cast
+from numscope.formats.path import Cast, QuantizerPath, quantizer_paths
 from numscope.formats.scaling import (
     DelayedScaler,
     Scaling,
@@ -193,10 +194,11 @@ def quantize(
         _check_layout(xf, spec, parsed)
         _share_empty_amax(xf, spec, parsed, delayed)
         return x.detach().clone()
-    use_compiled = fast.fast_enabled() if compiled is None else compiled
+    paths = quantizer_paths(Cast(spec, kind, rounding, overflow, flush_subnormals), xf, compiled=compiled)
     out = None
-    if fast.supports(spec, kind, rounding) and (use_compiled or native.available()):
-        out = _quantize_fast(xf, spec, parsed, delayed, overflow, flush_subnormals, use_compiled)
+    if paths[0] is not QuantizerPath.EAGER:  # native, then compiled where allowed
+        compile = QuantizerPath.COMPILED in paths
+        out = _quantize_fast(xf, spec, parsed, delayed, overflow, flush_subnormals, compile)
     if out is None and isinstance(spec, BlockFormat):
         axis = _block_axis(spec, parsed)
         parts = block_parts(xf, spec, axis, rounding, generator, _reduces(parsed), flush_subnormals)
@@ -268,9 +270,11 @@ def _quantize_fast(
     flush_subnormals: bool,
     compile: bool,
 ) -> torch.Tensor | None:
-    """Nearest rounding through :mod:`numscope.formats.fast` (same results): its native quantizers where
-    they cover the call, else its compiled kernels, or (``compile=False``) None, which leaves the call to
-    the eager path. A delayed scaler records this tensor's amax only where a result comes back."""
+    """Nearest rounding through :mod:`numscope.formats.fast` (same results), on the paths
+    :func:`numscope.formats.path.quantizer_paths` chose: its native quantizers where they cover the call,
+    else its compiled kernels, or (``compile=False``) None, which leaves the call to the eager path. With
+    ``compile=False`` the native code covers the format (checked by the caller), so a delayed scaler
+    records this tensor's amax only where a result comes back."""
     if isinstance(spec, BlockFormat):
         axis = checked_axis(xf, _block_axis(spec, parsed))
         if xf.dim() >= 2 and xf.is_contiguous() and _down_columns(xf.shape, axis, spec.block_size):
@@ -287,9 +291,7 @@ def _quantize_fast(
         out = out.reshape(moved)
         return out.reshape(xf.shape) if xf.dim() == 0 else out.movedim(-1, axis)
     x2d = xf.reshape(-1, xf.shape[-1]) if xf.dim() > 0 else xf.reshape(1, 1)
-    if delayed is not None:
-        if not compile and not native.covers(spec, overflow, flush_subnormals, x2d):
-            return None  # decided before scale_for, which records the amax
+    if delayed is not None:  # native (the caller checked it covers the call) or compiled: scale_for records
         scale = delayed.scale_for(xf, spec.max, amax=fast.abs_amax(x2d, "tensor"))
         out = fast.element(x2d, spec, overflow, flush_subnormals, scale=scale, compile=compile)
     else:

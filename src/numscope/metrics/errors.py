@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from numscope.formats import native
 from numscope.formats.blocks import block_parts_2d, block_values
 from numscope.formats.cast import scale_then_cast
+from numscope.formats.path import Cast, QuantizerPath, quantizer_paths
 from numscope.formats.quantize import ScalingArg, quantize
 from numscope.formats.scaling import DelayedScaler, Scaling, element_scale, tensor_amax
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat, get_format
@@ -187,7 +188,8 @@ def quantize_kept(
         return Quantized(q, None, None, spec, axis)
     # the sample's amax stands for the whole tensor's under per-tensor scaling only
     scale = element_scale(xf, spec, parsed, delayed, amax=amax if parsed.kind == "tensor" else None)
-    q = _native_scaled_cast(xf, spec, scale) if rounding == "nearest" else None
+    native_first = quantizer_paths(Cast(spec, parsed.kind, rounding), xf, compiled=False)[0]
+    q = _native_scaled_cast(xf, spec, scale) if native_first is QuantizerPath.NATIVE else None
     if q is not None:
         return Quantized(q, xf * scale, None, spec, axis)
     q, scaled = scale_then_cast(xf, spec, scale, rounding, generator=generator)
@@ -198,8 +200,9 @@ def _native_scaled_cast(
     xf: torch.Tensor, spec: FloatFormat | IntFormat, scale: torch.Tensor
 ) -> torch.Tensor | None:
     """``scale_then_cast``'s values (nearest, saturating) by the native quantizers, for a scale per tensor,
-    per row (..., 1) or per column (1, ..., C); None where they do not cover it."""
-    if xf.dim() == 0 or not native.covers(spec, "saturate", False, xf):
+    per row (..., 1) or per column (1, ..., C), where they cover the format (the caller asked
+    :func:`numscope.formats.path.quantizer_paths`); None where they do not cover this layout."""
+    if xf.dim() == 0:
         return None
     x2d = xf.reshape(-1, xf.shape[-1])
     if scale.numel() == 1:
@@ -237,7 +240,8 @@ def _quantize_blocks(
     whole_amax = tensor_amax(xf, amax) if spec.tensor_scale and not spec.row_scale else None
     padded = F.pad(rows, (0, (-length) % spec.block_size))
     # the native quantizers where they cover it (the same bits and scales as the block arithmetic)
-    fast = native.block_with_scales(padded, spec, whole_amax) if rounding == "nearest" else None
+    paths = quantizer_paths(Cast(spec, "block", rounding), padded, compiled=False)
+    fast = native.block_with_scales(padded, spec, whole_amax) if paths[0] is QuantizerPath.NATIVE else None
     if fast is not None:
         values, scales = fast
     else:

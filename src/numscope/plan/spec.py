@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from numscope.errors import NumscopeError
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS
+from numscope.formats.path import Cast
 from numscope.formats.scaling import Scaling, default_scaling
 from numscope.formats.spec import BlockFormat, Format, get_format
 from numscope.formats.transform import Rotation
@@ -203,6 +205,11 @@ class OperandSpec:
         if scaling is not None and scaling.kind == "none":
             return None
         return scaling
+
+    def cast(self) -> Cast:
+        """The cast this operand asks of a quantizer (for :func:`numscope.formats.path.quantizer_paths`);
+        ``high`` has none. Made once per spec (a quantized operand asks on every call)."""
+        return _cast_of(self)
 
     def bits_per_element(self, high_bits: float = 32.0) -> float:
         """Storage bits per element: element bits plus the share of block or tile scales.
@@ -448,3 +455,12 @@ class PlanRow(NamedTuple):
 
 
 DEFAULT_PATTERN = "(default)"
+
+
+@functools.lru_cache(maxsize=1024)
+def _cast_of(spec: OperandSpec) -> Cast:
+    fmt = spec.format_spec()
+    if fmt is None:
+        raise ValueError("a 'high' operand is not cast")
+    kind = None if (scaling := spec.effective_scaling()) is None else scaling.kind
+    return Cast(fmt, kind, spec.rounding, spec.overflow, spec.flush_subnormals)
