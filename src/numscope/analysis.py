@@ -12,7 +12,7 @@ An :class:`Analysis` is plain data, keyed by names a person can read:
   p99 and max of BE = |L·R − Q(L)·Q(R)| / (|L|·|R|) over the measured output entries whose denominator
   |L|·|R| is nonzero (``count`` of them; ``excluded``: those with a zero denominator, whose product is
   exactly 0 in every format — e.g. the rows of a gradient that is zero at unmasked positions; see
-  :func:`numscope.metrics.errors.backward_error_stats`). The pair ``(fmt, "fp32")``
+  :func:`numscope.metrics.backward_error.backward_error_stats`). The pair ``(fmt, "fp32")``
   quantizes only the left operand (``fprop``: input, ``dgrad``: grad_output, ``wgrad``: grad_output — the
   first operand in :data:`numscope.plan.OPERANDS`), ``("fp32", fmt)`` only the right one, ``(fmt, fmt)``
   both;

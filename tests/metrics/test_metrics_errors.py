@@ -151,7 +151,7 @@ def test_backward_error_matches_a_float64_loop():
 
 
 def test_backward_error_stats_exclude_zero_denominators_and_flag_nonfinite_products():
-    from numscope.metrics.errors import BE_STATS, backward_error_stats
+    from numscope.metrics.backward_error import BE_STATS, backward_error_stats
 
     exact = torch.tensor([[1.0, 0.0], [2.0, 0.0]], dtype=torch.float64)
     magnitude = torch.tensor([[2.0, 0.0], [4.0, 1.0]], dtype=torch.float64)
@@ -178,7 +178,7 @@ def test_backward_error_stats_exclude_zero_denominators_and_flag_nonfinite_produ
 def test_backward_error_p99_without_the_median_is_the_same_bits(entries: int) -> None:
     """median=False finds the 99th percentile among each row's largest entries (topk) instead of a sort:
     every other column is the same bits, with excluded, infinite and all-excluded rows among them."""
-    from numscope.metrics.errors import backward_error_stats
+    from numscope.metrics.backward_error import backward_error_stats
 
     generator = torch.Generator().manual_seed(entries)
     exact = torch.randn(entries, generator=generator, dtype=torch.float64)

@@ -1,23 +1,25 @@
 """Metrics of tensors and of what number formats do to them (pure tensor functions, no I/O).
 
 :mod:`numscope.metrics.stats` describes one high-precision tensor (range, binade histogram, tails);
-:mod:`numscope.metrics.errors` measures a format against it (SQNR, under/overflow, block scales) and the
-backward error of a quantized GEMM.
+:mod:`numscope.metrics.errors` measures a format against it (SQNR, under/overflow, block scales);
+:mod:`numscope.metrics.backward_error` the backward error of a quantized GEMM.
 """
 
-from numscope.metrics.errors import (
-    AUTO,
+from numscope.metrics.backward_error import (
     BackwardError,
-    BlockScaleSpread,
     ProductReference,
     backward_error,
     backward_error_from,
+    product_reference,
+)
+from numscope.metrics.errors import (
+    AUTO,
+    BlockScaleSpread,
     block_scale_spread,
     candidate_metrics,
     cosine_similarity,
     operand_metrics,
     overflow_fraction,
-    product_reference,
     quantize_sample,
     relative_error,
     saturated_block_fraction,

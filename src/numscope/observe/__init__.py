@@ -31,7 +31,7 @@ and without it is bit-identical. On a *sampled* step (``step % every == 0``; ste
   where both are candidates), on a
   sub-product of sampled rows (see below): its mean, p99 and max over the output entries whose |L|·|R| is
   nonzero, with ``count`` (those entries) and ``excluded`` (the others: e.g. the rows of a gradient that
-  is zero at positions without loss), as :func:`numscope.metrics.errors.backward_error_stats` and
+  is zero at positions without loss), as :func:`numscope.metrics.backward_error.backward_error_stats` and
   :func:`numscope.metrics.backward_error` compute them.
 
 Only training forwards are measured: a forward run under ``torch.no_grad()`` (an evaluation between steps)

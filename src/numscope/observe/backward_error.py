@@ -13,7 +13,7 @@ import torch
 
 from numscope.analysis import merge_be_stats
 from numscope.metrics import quantize_sample
-from numscope.metrics.errors import BE_STATS, backward_error_stats
+from numscope.metrics.backward_error import BE_STATS, backward_error_stats
 from numscope.observe.config import BATCH_ENTRIES, BE_RECORDED, HIGH_LABEL
 from numscope.observe.sampling import _ConvHalf, _Half, _Rows, draw_rows
 from numscope.sites import ConvCall

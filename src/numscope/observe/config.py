@@ -28,7 +28,7 @@ reference), fp16, the 8-bit element formats, and the 8-, 6- and 4-bit block form
 HIGH_LABEL = "fp32"
 BE_RECORDED = ("mean", "p99", "max", "count", "excluded")
 """The backward-error statistics recorded per GEMM, pair and step (see
-:func:`numscope.metrics.errors.backward_error_stats`)."""
+:func:`numscope.metrics.backward_error.backward_error_stats`)."""
 BATCH_ENTRIES = 4
 MIN_ROWS = 8
 """Rows drawn at least (fewer if ``be_rows`` is smaller), whatever the contraction length."""

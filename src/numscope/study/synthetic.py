@@ -26,7 +26,7 @@ from numscope._atomic import atomic_write_text
 from numscope.formats.quantize import quantize
 from numscope.formats.scaling import Scaling
 from numscope.formats.spec import get_format
-from numscope.metrics.errors import backward_error_from, product_reference
+from numscope.metrics.backward_error import backward_error_from, product_reference
 from numscope.metrics.stats import student_t_dof
 
 DOFS: tuple[float, ...] = (1.5, 2, 3, 4, 5, 6, 8, 12, 20, 50, math.inf)
