@@ -487,7 +487,7 @@ def test_a_step_without_signal_does_not_make_an_operand_free():
     table = {A: {"bf16": GOOD, "mxfp4_e2m1": [metrics(18), metrics(math.inf)]}}  # two steps
     analysis = build(table, {A: 1000}, {})
     assert operand_noise(analysis, A, "mxfp4_e2m1") == pytest.approx(10 ** (-1.8))
-    from numscope.advisor import Limits, _option
+    from numscope.advisor.limits import Limits, _option
 
     option = _option(analysis, A, "mxfp4_e2m1", Limits(max_be_ratio=None), "bf16")  # the noise objective's
     assert option.mean_sqnr == pytest.approx(18.0) and option.noise == pytest.approx(10 ** (-1.8))

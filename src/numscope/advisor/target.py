@@ -22,6 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from numscope._names import layer_index
+from numscope.advisor.budget import _solve_budget
+from numscope.advisor.choice import Choice, Recommendation
+from numscope.advisor.limits import HIGH_BITS, AdvisorError, Limits, _bits, _Option, _option
 from numscope.analysis import Analysis, OperandKey, Sensitivity
 from numscope.plan import HIGH, OperandSpec, Plan
 from numscope.plan.export import shape_problem
@@ -36,8 +39,6 @@ def site_kinds(analysis: Analysis) -> dict[str, str]:
     order, as the observer recorded them (``analysis.meta["site_kinds"]``)."""
     recorded = analysis.meta.get("site_kinds")
     if not recorded:
-        from numscope.advisor import AdvisorError
-
         raise AdvisorError(
             "this analysis does not record its sites' kinds (made by an earlier numscope, or by hand): a "
             "target needs them to know which sites its stack converts; analyze again"
@@ -79,8 +80,6 @@ def advise_for_target(
     objective_name: str,
 ) -> object:
     """A :class:`~numscope.advisor.Recommendation` for ``target`` (see the module docstring)."""
-    from numscope.advisor import AdvisorError, Choice, Recommendation, _option
-
     kinds = site_kinds(analysis)
     usable = [r for r in target.recipes if all(f in candidates for f in r.measured)]
     if not usable:
@@ -161,8 +160,6 @@ def advise_for_target(
                 reason = best.high_reasons.get(key, "high")
                 _, _, value = judged(key, usable[0].format_for(operand))
             choices.append(Choice(site, gemm, operand, HIGH, 32.0, n, objective_name, value, reason))
-    from numscope.advisor import Limits
-
     assert isinstance(limits, Limits)
     specs: dict[OperandKey, str | OperandSpec] = {
         c.key: OperandSpec(
@@ -180,12 +177,6 @@ def advise_for_target(
                 accumulate.setdefault(site, {})[gemm] = wanted if isinstance(wanted, str) else wanted[gemm]
     plan = Plan.per_operand(specs, {c.key: c.reason for c in choices}, accumulate)
     return Recommendation(plan, tuple(choices), best.bits, bit_budget, best.optimal, limits, reference)
-
-
-def _bits(label: str) -> float:
-    from numscope.advisor import _bits as bits
-
-    return bits(label)
 
 
 def _number(value: float) -> str:
@@ -227,8 +218,6 @@ def _solve_gemms(
     ``one_recipe``: the units are single GEMMs and ``recipes`` holds the one recipe of the model. Otherwise
     each site takes one of ``recipes`` for its quantized GEMMs (TE's autocast per module): the unit is the
     site, its options every recipe with every non-empty set of its GEMMs that meet the limits."""
-    from numscope.advisor import HIGH_BITS, _Option, _solve_budget
-
     grouped: dict[tuple[str, str], list[OperandKey]] = {}
     for key in convertible:
         grouped.setdefault((key[0], key[1]), []).append(key)
