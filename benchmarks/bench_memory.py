@@ -25,7 +25,8 @@ codes); the mxfp8 plan with ``compiled=True`` (``convert``'s default for block f
 builds what the native code does not cover, none here) and with ``low_memory=True``; the fp8 plan with
 ``storage="fp16"``; the paper's ``numscope.Recipe`` (fp16 model, fp32 masters and ops, fp16 activations,
 dropout masks in bits, loss scaling), alone, with the fp8 plan, and with the fp8 plan and
-:class:`numscope.train.AdamWFp8` (AdamW's moments in FP8 blocks, as torchao's ``AdamWFp8``);
+:class:`numscope.train.AdamWFp8` (AdamW's moments in FP8 blocks, as torchao's ``AdamWFp8``) and with
+:class:`numscope.train.AdamW4bit` (4-bit blocks, as torchao's ``AdamW4bit``);
 ``observed``, an FP32 step that ``numscope.observe`` samples with its default candidates (what
 ``numscope analyze`` runs on a sampled step). ``--size base`` takes BERT-base's shape instead (vocab 30522,
 hidden 768, 12 layers, 12 heads, FFN 3072; seq 128, batch 8).
@@ -57,6 +58,7 @@ ROWS = (
     "Recipe fp16",
     "Recipe fp16 + plan fp8",
     "Recipe fp16 + plan fp8 + AdamWFp8",
+    "Recipe fp16 + plan fp8 + AdamW4bit",
     "observed",
 )
 #: glibc's mmap threshold fixed (128 KiB, its initial value): every freed tensor of that size or more is
@@ -104,8 +106,9 @@ def run_row(row: str, size: str = "default") -> dict[str, float]:
     elif row.startswith("Recipe fp16"):
         plan = "fp8" if "plan fp8" in row else None
         recipe = numscope.Recipe(model, dtype=torch.float16, plan=plan, compiled=False)
-        if row.endswith("AdamWFp8"):
-            optimizer = numscope.train.AdamWFp8(recipe.parameters(), lr=1e-4)
+        low_bit = row.rpartition(" + ")[2]
+        if low_bit in ("AdamWFp8", "AdamW4bit"):
+            optimizer = getattr(numscope.train, low_bit)(recipe.parameters(), lr=1e-4)
         else:
             optimizer = torch.optim.AdamW(recipe.parameters(), lr=1e-4)
     observer = numscope.observe(model, every=1).__enter__() if row == "observed" else None

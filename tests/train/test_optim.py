@@ -1,6 +1,7 @@
-"""AdamW with FP8 moments (:class:`numscope.train.AdamWFp8`) against torchao's own: the update
-(``single_param_adam``) run eagerly by torchao on its FP8 state subclass, in a subprocess with torchao on the
-path; the memory of the moments; a resume from the optimizer's state dict."""
+"""AdamW with low-precision moments (:class:`numscope.train.AdamWFp8`, ``AdamW8bit``, ``AdamW4bit``) against
+torchao's own: the update (``single_param_adam``) run eagerly by torchao on its FP8, 8-bit and 4-bit state
+subclasses, in a subprocess with torchao on the path; the maps; the memory of the moments; a resume from the
+optimizer's state dict."""
 
 from __future__ import annotations
 
@@ -8,12 +9,22 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from tests.test_cli import ws  # noqa: F401 (the CLI tests' workspace fixture)
 
-from numscope.train.optim import AdamWFp8, OptimizerError, quantize_blocks
+from numscope.train.optim import (
+    AdamW4bit,
+    AdamW8bit,
+    AdamWFp8,
+    OptimizerError,
+    dynamic_map,
+    linear_map,
+    quantize_blocks,
+    quantize_map,
+)
 
 PEERS = Path(sys.prefix) / "peers"
 WIDE_BERT = textwrap.dedent(
@@ -44,23 +55,40 @@ TORCHAO = textwrap.dedent(
     """
     import sys, torch
     from torchao.optim.adam import single_param_adam
+    from torchao.optim.quant_utils import create_dynamic_map
+    from torchao.optim.subclass_4bit import OptimState4bit, get_qmap_unsigned
+    from torchao.optim.subclass_8bit import OptimState8bit
     from torchao.optim.subclass_fp8 import OptimStateFp8, quantize_fp8
 
     params, grads, out = torch.load(sys.argv[1])
-    results = {"params": [], "exp_avg": [], "quantized": quantize_fp8(grads[0][0], 256)}
-    for p, steps in zip(params, grads):
-        big = p.numel() >= 4096 and p.numel() % 256 == 0
-        new = (lambda: OptimStateFp8.zeros(p.shape, 256, p.device)) if big else (lambda: torch.zeros_like(p))
-        exp_avg, exp_avg_sq, step = new(), new(), torch.tensor(0.0)
-        for grad in steps:
-            step += 1
-            single_param_adam(p, grad, step, exp_avg, exp_avg_sq, None, torch.tensor(1e-3), 0.9, 0.999,
-                              1e-2, 1e-8, True, False)
-        results["params"].append(p)
-        results["exp_avg"].append((exp_avg.codes, exp_avg.scale) if big else exp_avg)
+    results = {"quantized": quantize_fp8(grads[0][0], 256), "maps": {
+        "8 signed": create_dynamic_map(True), "8 unsigned": create_dynamic_map(False),
+        "4 signed": create_dynamic_map(True, 3, 4), "4 unsigned": list(get_qmap_unsigned())}}
+    for kind, block in (("fp8", 256), ("8bit", 256), ("4bit", 128)):
+        trained, moments = [], []
+        for p, steps in zip(params, grads):
+            p = p.clone()
+            big = p.numel() >= 4096 and p.numel() % block == 0
+            if not big:
+                new = lambda signed: torch.zeros_like(p)
+            elif kind == "fp8":
+                new = lambda signed: OptimStateFp8.zeros(p.shape, block, p.device)
+            elif kind == "8bit":
+                new = lambda signed: OptimState8bit.zeros(p.shape, signed, block, p.device)
+            else:
+                new = lambda signed: OptimState4bit.zeros(p.shape, signed, block, p.device)
+            exp_avg, exp_avg_sq, step = new(True), new(False), torch.tensor(0.0)
+            for grad in steps:
+                step += 1
+                single_param_adam(p, grad, step, exp_avg, exp_avg_sq, None, torch.tensor(1e-3), 0.9, 0.999,
+                                  1e-2, 1e-8, True, False)
+            trained.append(p)
+            moments.append([(m.codes, m.scale) if big else m for m in (exp_avg, exp_avg_sq)])
+        results[kind] = {"params": trained, "moments": moments}
     torch.save(results, out)
     """
 )
+OPTIMIZERS = {"fp8": AdamWFp8, "8bit": AdamW8bit, "4bit": AdamW4bit}
 
 
 def _inputs() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
@@ -72,9 +100,11 @@ def _inputs() -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
     return params, grads
 
 
-def _numscope(params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> tuple[list, AdamWFp8]:
+def _numscope(
+    params: list[torch.Tensor], grads: list[list[torch.Tensor]], kind: str = "fp8"
+) -> tuple[list, Any]:
     trained = [torch.nn.Parameter(p.clone()) for p in params]
-    optimizer = AdamWFp8(trained, lr=1e-3)
+    optimizer = OPTIMIZERS[kind](trained, lr=1e-3)
     for step in range(STEPS):
         for p, steps in zip(trained, grads, strict=True):
             p.grad = steps[step]
@@ -82,48 +112,90 @@ def _numscope(params: list[torch.Tensor], grads: list[list[torch.Tensor]]) -> tu
     return trained, optimizer
 
 
-@pytest.mark.skipif(not (PEERS / "torchao").is_dir(), reason="./run installs torchao into .venv/peers")
-def test_the_update_and_the_moments_are_torchaos_bit_for_bit(tmp_path: Path) -> None:
-    """torchao's step is the same code under ``torch.compile``, whose fused kernel rounds some parameters
-    1 ulp apart from its own eager run (measured: 1.2e-7 on N(0, 1) weights after 2 steps); numscope runs it
-    eagerly, so it is compared with torchao's eager run."""
+@pytest.fixture(scope="module")
+def torchao_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """torchao's eager updates of :func:`_inputs` with each state format, and its maps."""
+    if not (PEERS / "torchao").is_dir():
+        pytest.skip("./run installs torchao into .venv/peers")
+    folder = tmp_path_factory.mktemp("torchao")
     params, grads = _inputs()
-    torch.save(([p.clone() for p in params], grads, str(tmp_path / "out.pt")), tmp_path / "in.pt")
-    script = tmp_path / "torchao_adam.py"
+    torch.save(([p.clone() for p in params], grads, str(folder / "out.pt")), folder / "in.pt")
+    script = folder / "torchao_adam.py"
     script.write_text(TORCHAO)
     env = {"PYTHONPATH": str(PEERS), "PATH": "/usr/bin:/bin"}
     done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "in.pt")], capture_output=True, text=True, env=env
+        [sys.executable, str(script), str(folder / "in.pt")], capture_output=True, text=True, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    reference = torch.load(tmp_path / "out.pt", weights_only=False)
-    trained, optimizer = _numscope(params, grads)
+    return torch.load(folder / "out.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "8bit", "4bit"])
+def test_the_update_and_the_moments_are_torchaos_bit_for_bit(torchao_reference, kind: str) -> None:
+    """torchao's step is the same code under ``torch.compile``, whose fused kernel rounds some parameters
+    1 ulp apart from its own eager run (measured: 1.2e-7 on N(0, 1) weights after 2 steps); numscope runs it
+    eagerly, so it is compared with torchao's eager run: the parameters and both moments' codes and scales."""
+    params, grads = _inputs()
+    reference = torchao_reference[kind]
+    trained, optimizer = _numscope(params, grads, kind)
     for mine, theirs in zip(trained, reference["params"], strict=True):
         assert torch.equal(mine.detach(), theirs)
-    big = optimizer.state[trained[0]]["exp_avg"]
-    codes, scale = reference["exp_avg"][0]
-    assert torch.equal(big.codes.view(torch.uint8), codes.view(torch.uint8)) and torch.equal(big.scale, scale)
-    assert torch.equal(optimizer.state[trained[1]]["exp_avg"], reference["exp_avg"][1])
+    for p, moments in zip(trained, reference["moments"], strict=True):
+        for name, theirs in zip(("exp_avg", "exp_avg_sq"), moments, strict=True):
+            mine = optimizer.state[p][name]
+            if isinstance(theirs, torch.Tensor):  # a small parameter: FP32 moments
+                assert torch.equal(mine, theirs)
+                continue
+            codes, scale = theirs
+            assert torch.equal(mine.codes.view(torch.uint8).flatten(), codes.view(torch.uint8).flatten())
+            assert torch.equal(mine.scale, scale)
+
+
+def test_the_fp8_blocks_and_the_maps_are_torchaos(torchao_reference) -> None:
+    _, grads = _inputs()
     mine_codes, mine_scale = quantize_blocks(grads[0][0], 256)
-    assert torch.equal(mine_codes.view(torch.uint8), reference["quantized"][0].view(torch.uint8))
-    assert torch.equal(mine_scale, reference["quantized"][1])
+    assert torch.equal(mine_codes.view(torch.uint8), torchao_reference["quantized"][0].view(torch.uint8))
+    assert torch.equal(mine_scale, torchao_reference["quantized"][1])
+    maps = torchao_reference["maps"]
+    assert dynamic_map(True, 8).tolist() == maps["8 signed"]
+    assert dynamic_map(False, 8).tolist() == maps["8 unsigned"]
+    assert dynamic_map(True, 4).tolist() == maps["4 signed"]
+    assert linear_map(4).tolist() == maps["4 unsigned"]
 
 
-def test_the_moments_take_a_quarter_of_fp32s_and_resume_exactly() -> None:
+def test_a_map_code_is_the_nearest_value_a_tie_going_up() -> None:
+    qmap = dynamic_map(True, 8)
+    midpoints = (qmap[:-1] + qmap[1:]) / 2
+    nan_block = torch.cat([torch.tensor([float("nan")]), torch.zeros(255)])
+    # three blocks of 256, the first two with amax 1 (scale 1): the map, its midpoints and 1; then a NaN
+    codes, scale = quantize_map(torch.cat([qmap, midpoints, torch.ones(1), nan_block]), qmap, 256)
+    assert scale[:2].tolist() == [1.0, 1.0]
+    assert torch.equal(codes[:256].long(), torch.arange(256))  # every map value is its own code
+    exact = midpoints - qmap[:-1] == (qmap[1:] - qmap[:-1]) * 0.5  # float32 midpoints that are exact ties
+    assert exact.sum() > 100
+    assert torch.equal(codes[256:511].long()[exact], torch.arange(1, 256)[exact])  # a tie to the larger
+    assert codes[512] == 0  # NaN: the first code, as torchao's search gives
+
+
+@pytest.mark.parametrize(
+    ("kind", "code_bytes", "block"), [("fp8", 1.0, 256), ("8bit", 1.0, 256), ("4bit", 0.5, 128)]
+)
+def test_the_moments_take_a_quarter_or_an_eighth_of_fp32s_and_resume_exactly(kind, code_bytes, block) -> None:
     params, grads = _inputs()
-    trained, optimizer = _numscope(params, grads)
+    trained, optimizer = _numscope(params, grads, kind)
     big, small = (p.numel() for p in params)
-    assert optimizer.state_bytes() == 2 * (big + big // 256 * 4) + 2 * small * 4  # vs 8 bytes per element
+    expected = 2 * (big * code_bytes + big // block * 4) + 2 * small * 4  # vs 8 bytes per element
+    assert optimizer.state_bytes() == expected
     # two steps, the state dict saved and loaded into a fresh optimizer, the rest: as one run
     resumed = [torch.nn.Parameter(p.clone()) for p in params]
-    first = AdamWFp8(resumed, lr=1e-3)
+    first = OPTIMIZERS[kind](resumed, lr=1e-3)
     for step in range(2):
         for p, steps in zip(resumed, grads, strict=True):
             p.grad = steps[step]
         first.step()
-    second = AdamWFp8(resumed, lr=1e-3)
+    second = OPTIMIZERS[kind](resumed, lr=1e-3)
     second.load_state_dict(first.state_dict())
-    assert second.state_bytes() == first.state_bytes()  # the codes stay one byte each
+    assert second.state_bytes() == first.state_bytes()  # the codes keep their bytes
     for step in range(2, STEPS):
         for p, steps in zip(resumed, grads, strict=True):
             p.grad = steps[step]
@@ -139,34 +211,49 @@ def test_the_moments_take_a_quarter_of_fp32s_and_resume_exactly() -> None:
         ({"block_size": 0}, "block_size"),
     ],
 )
-def test_bad_settings_are_refused(settings, message) -> None:
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_bad_settings_are_refused(settings, message, kind) -> None:
     with pytest.raises(OptimizerError, match=message):
-        AdamWFp8([torch.nn.Parameter(torch.zeros(4))], **settings)
+        OPTIMIZERS[kind]([torch.nn.Parameter(torch.zeros(4))], **settings)
 
 
-def test_train_with_fp8_moments_resumes_from_its_checkpoint_bit_for_bit(ws, monkeypatch) -> None:  # noqa: F811
-    """``numscope train --optimizer adamw_fp8`` on a small BERT whose FFN weights have 16,384 elements (FP8
-    moments), crashed after its checkpoint and resumed: the parameters of the run that never stopped."""
+def test_four_bit_codes_need_an_even_block() -> None:
+    with pytest.raises(OptimizerError, match="block_size must be even"):
+        AdamW4bit([torch.nn.Parameter(torch.zeros(4))], block_size=63)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "codes"), [("adamw_fp8", torch.float8_e4m3fn), ("adamw_4bit", torch.uint8)]
+)
+def test_train_with_low_bit_moments_resumes_from_its_checkpoint_bit_for_bit(
+    ws,  # noqa: F811
+    monkeypatch,
+    optimizer,
+    codes,
+) -> None:
+    """``numscope train --optimizer adamw_fp8`` (or ``adamw_4bit``) on a small BERT whose FFN weights have
+    16,384 elements (low-bit moments), crashed after its checkpoint and resumed: the parameters of the run
+    that never stopped."""
     from tests.test_cli import cli, flags
 
     import numscope
 
     (ws / "wide_bert.py").write_text(WIDE_BERT)
     model = f"{ws / 'wide_bert.py'}:stopping"
-    args = [*flags(ws, model), "--plan", "fp8", "--optimizer", "adamw_fp8"]
-    whole = cli("train", *args, "--out", ws / "runs" / "fp8-moments")
+    args = [*flags(ws, model), "--plan", "fp8", "--optimizer", optimizer]
+    whole = cli("train", *args, "--out", ws / "runs" / optimizer)
     assert whole.code == 0, whole.err
     monkeypatch.setenv("NUMSCOPE_TEST_STOP", "1")
     with pytest.raises(RuntimeError, match="the machine went away"):
-        cli("train", *args, "--out", ws / "runs" / "fp8-moments-resumed")
+        cli("train", *args, "--out", ws / "runs" / f"{optimizer}-resumed")
     monkeypatch.delenv("NUMSCOPE_TEST_STOP")
-    state = numscope.load_checkpoint(ws / "runs" / "fp8-moments-resumed" / "checkpoint.pt")["optimizer"]
+    state = numscope.load_checkpoint(ws / "runs" / f"{optimizer}-resumed" / "checkpoint.pt")["optimizer"]
     moments = [s["exp_avg"] for s in state["state"].values() if isinstance(s["exp_avg"], dict)]
-    assert moments and all(m["codes"].dtype == torch.float8_e4m3fn for m in moments)
-    resumed = cli("train", *args, "--out", ws / "runs" / "fp8-moments-resumed")
+    assert moments and all(m["codes"].dtype == codes for m in moments)
+    resumed = cli("train", *args, "--out", ws / "runs" / f"{optimizer}-resumed")
     assert resumed.code == 0, resumed.err
-    first = numscope.load_checkpoint(ws / "runs" / "fp8-moments" / "model.pt")["model"]
-    second = numscope.load_checkpoint(ws / "runs" / "fp8-moments-resumed" / "model.pt")["model"]
+    first = numscope.load_checkpoint(ws / "runs" / optimizer / "model.pt")["model"]
+    second = numscope.load_checkpoint(ws / "runs" / f"{optimizer}-resumed" / "model.pt")["model"]
     assert all(torch.equal(first[name], second[name]) for name in first)
     plain = cli("train", *flags(ws, model), "--plan", "fp8", "--out", ws / "runs" / "adamw")
     assert plain.code == 0, plain.err

@@ -59,8 +59,9 @@ def setting(
     return field(default=default, metadata=metadata)
 
 
-OPTIMIZERS = ("adamw", "adamw_fp8")
-"""``adamw``: ``torch.optim.AdamW``; ``adamw_fp8``: :class:`numscope.train.AdamWFp8` (FP8 moments)."""
+OPTIMIZERS = ("adamw", "adamw_fp8", "adamw_8bit", "adamw_4bit")
+"""``adamw``: ``torch.optim.AdamW``; ``adamw_fp8``, ``adamw_8bit``, ``adamw_4bit``:
+:class:`numscope.train.AdamWFp8`, ``AdamW8bit``, ``AdamW4bit`` (moments in FP8, 8-bit or 4-bit blocks)."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,9 @@ class TrainConfig:
     seed: int = setting(0, "seed of initialisation, data order and masks")
     optimizer: str = setting(
         "adamw",
-        "adamw (torch.optim.AdamW) or adamw_fp8 (its moments in FP8 blocks, as torchao's AdamWFp8: a quarter "
-        "of the optimizer's memory)",
+        "adamw (torch.optim.AdamW), adamw_fp8 or adamw_8bit (its moments in FP8 or 8-bit dynamic-map blocks, "
+        "as torchao's AdamWFp8 and AdamW8bit: a quarter of the optimizer's memory) or adamw_4bit (4-bit "
+        "blocks, as torchao's AdamW4bit: an eighth)",
         choices=OPTIMIZERS,
     )
     mask_probability: float = setting(

@@ -38,7 +38,7 @@ from numscope.sites import sites
 from numscope.train.adaptive import Adapter, AdaptiveConfig, observer_for, write_history
 from numscope.train.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from numscope.train.loss_scaler import LossScaler
-from numscope.train.optim import AdamWFp8
+from numscope.train.optim import AdamW4bit, AdamW8bit, AdamWFp8
 from numscope.train.recipe import Recipe
 
 if TYPE_CHECKING:  # the model module imports transformers; train_run imports it when it needs it
@@ -225,12 +225,9 @@ def train_run(
         generator=torch.Generator().manual_seed(cfg.seed),
         compiled=compiled,
     )
-    if cfg.optimizer == "adamw_fp8":
-        optimizer: torch.optim.Optimizer = AdamWFp8(
-            recipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay
-        )
-    else:
-        optimizer = torch.optim.AdamW(recipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    low_bit = {"adamw_fp8": AdamWFp8, "adamw_8bit": AdamW8bit, "adamw_4bit": AdamW4bit}.get(cfg.optimizer)
+    kind = torch.optim.AdamW if low_bit is None else low_bit
+    optimizer: torch.optim.Optimizer = kind(recipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     adapter = Adapter(model, plan, adaptive, observer) if adaptive is not None else None  # type: ignore[arg-type]
     start, curve, elapsed = 0, [], 0.0
     if checkpoint_path.is_file():

@@ -15,13 +15,15 @@ from numscope.train.checkpoint import (
 from numscope.train.fp32_ops import FP32_OPS, keep_fp32_ops
 from numscope.train.loss_scaler import LossScaler, Overflow, UnderflowRow, underflow_report
 from numscope.train.master import DEFAULT_FP32_MODULES, MasterWeights
-from numscope.train.optim import AdamWFp8
+from numscope.train.optim import AdamW4bit, AdamW8bit, AdamWFp8
 from numscope.train.recipe import Recipe
 
 __all__ = [
     "DEFAULT_FP32_MODULES",
     "FP32_OPS",
     "ActivationStore",
+    "AdamW4bit",
+    "AdamW8bit",
     "AdamWFp8",
     "Adapter",
     "AdaptiveConfig",
