@@ -60,21 +60,20 @@ def dequantize_blocks(codes: Tensor, scale: Tensor) -> Tensor:
 
 
 def dynamic_map(signed: bool, bits: int = 8) -> Tensor:
-    """bitsandbytes' dynamic tree map of ``bits`` (8 or 4) as float32, ascending: in decade ``d`` (the
-    ``exponents`` decades below 1, ``exponents`` = bits − 1), the midpoints of ``linspace(0.1, 1)`` cut into
-    2^(d + bits − 1 − exponents) parts (twice as many unsigned) times 10^(d + 1 − exponents), with their
-    negatives when signed, then 0 and 1: 2^bits values in [−1, 1] (unsigned [0, 1]), denser near 0."""
+    """bitsandbytes' dynamic tree map of ``bits`` (8 or 4) as float32, ascending: in each of the bits − 1
+    decades below 1 (decade d = 0 … bits − 2 spans 10^(d + 2 − bits) × [0.1, 1]), the midpoints of
+    ``linspace(0.1, 1)`` cut into 2^d parts (2^(d + 1) unsigned), with their negatives when signed; then 0 and
+    1: 2^bits values in [−1, 1] (unsigned [0, 1]), denser near 0."""
     if bits not in (4, 8):
         raise OptimizerError(f"a dynamic map has 8 or 4 bits, got {bits!r}")
-    exponents = bits - 1
     values: list[float] = [0.0, 1.0]
-    for decade in range(exponents):
-        parts = 2 ** (decade + (0 if signed else 1))
-        edges = torch.linspace(0.1, 1, parts + 1)
-        magnitudes = (10 ** (decade + 1 - exponents)) * ((edges[:-1] + edges[1:]) / 2.0)
-        values += magnitudes.tolist()
+    for decade in range(bits - 1):
+        edges = torch.linspace(0.1, 1, 2 ** (decade + (0 if signed else 1)) + 1)
+        midpoints = (edges[:-1] + edges[1:]) / 2.0
+        unit = 10 ** (decade + 2 - bits)
+        values += (unit * midpoints).tolist()
         if signed:
-            values += (-(10 ** (decade + 1 - exponents)) * ((edges[:-1] + edges[1:]) / 2.0)).tolist()
+            values += (-unit * midpoints).tolist()
     assert len(values) == 2**bits
     return torch.tensor(sorted(values), dtype=torch.float32)
 
