@@ -402,6 +402,14 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
     )
     assert recommended.code == 0, recommended.err
     assert "predicted validation-loss gap to FP32" in recommended.out
+    assert "read it as a lower bound" not in recommended.out  # not the sensitivity objective's plan
+    budgeted = cli(
+        "recommend", out / "fp32" / "seed0", "-o", ws / "cal6.yaml", "--gap-model", out / "gap_model.json",
+        "--bit-budget", "8",
+    )  # fmt: skip
+    assert budgeted.code == 0, budgeted.err
+    # numscope's own sensitivity plan: its predicted gap read as a lower bound (plan-study.md's measurements)
+    assert "objective: sensitivity" in budgeted.out and "read it as a lower bound" in budgeted.out
     assert cli("calibrate", *flags(ws), "--seed", "3", "--out", out).code == 2
     # the sensitivity model: fitted on each operand's measured gradient error (S), as the noise model is
     analysis = Analysis.load(out / "fp32" / "seed0" / "analysis")
