@@ -241,6 +241,26 @@ def test_native_cast_path_equals_quantize(monkeypatch, fmt: str, overflow: str, 
             assert torch.equal(torch.signbit(got[numbers]), torch.signbit(expected[numbers]))
 
 
+@pytest.mark.parametrize(
+    ("fmt", "scaling"),
+    [("fp8_e4m3", "none"), ("fp8_e5m2", "tensor"), ("bf16", "none"), ("int8", "row"), ("mxfp8_e4m3", None)],
+)
+def test_a_float64_operand_is_quantized_as_quantize_does(fmt: str, scaling: str | None) -> None:
+    """A float64 operand (a model in double precision) is rounded once, to the format's nearest value, as
+    numscope.quantize rounds it: not first to float32's nearest (which lands values just off a midpoint of
+    the format's grid on the midpoint, and a second rounding then goes to even, the wrong way)."""
+    grid = _grid_and_ties("fp8_e4m3" if fmt.startswith(("mx", "int")) else fmt).double()
+    grid = grid[(grid > 0) & (grid < 200)]
+    nudged = torch.cat([grid * (1 + 2.0**-40), grid * (1 - 2.0**-40), -grid * (1 + 2.0**-40)])
+    x = nudged[: nudged.numel() // 32 * 32].reshape(-1, 32)
+    spec = OperandSpec(fmt, scaling=scaling)
+    quantizer = _Quantizer(Plan(SiteSpec.uniform(spec)), None)
+    got = quantizer.quantize(Site("s", "s", "linear").key("fprop", "input"), spec, x, -1)
+    expected = numscope.quantize(x, fmt, scaling=spec.effective_scaling())
+    assert got.dtype == torch.float32
+    assert torch.equal(got.double(), expected)
+
+
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp16"])
 def test_native_cast_path_with_a_margin_near_float32s_max_equals_quantize(fmt: str) -> None:
     # 2^8 / scale overflows float32 here: E4M3 leaves its fp16 decode for the plain descale

@@ -417,7 +417,7 @@ class _Quantizer:
         fmt = spec.format_spec()
         scaling = spec.effective_scaling()
         cast = spec.cast()
-        xf = tensor.detach().float()
+        xf = as_float32(tensor.detach(), fmt)  # as quantize() takes it (float64: rounded to odd)
         paths = quantizer_paths(cast, xf, compiled=self.compiled, codes=True)
         self._last_codes = None
         if QuantizerPath.DTYPE in paths and tensor.numel() > 0:  # codes in a torch dtype
@@ -441,7 +441,7 @@ class _Quantizer:
         tiles = scaling is not None and scaling.kind == "block" and not isinstance(fmt, BlockFormat)
         if tiles and self._factors and tensor.numel() > 0:
             values, codes, decode = tile_quantize(
-                as_float32(tensor.detach(), fmt),  # as quantize() takes it (float64: rounded to odd)
+                xf,
                 fmt,  # type: ignore[arg-type]
                 scaling,  # type: ignore[arg-type]
                 spec.rounding,
