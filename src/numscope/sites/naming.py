@@ -156,12 +156,18 @@ class SiteNames:
         return entry
 
     def site_for(self, frame: _Frame, layout: str, weight: torch.Tensor) -> Site:
-        named = self.module_site(frame, layout, weight) or (
-            self.projection(frame, layout, weight)
+        named = self.named_by_weight(frame, layout, weight)
+        return named if named is not None else self.anonymous(frame, "matmul")[0]
+
+    def named_by_weight(self, frame: _Frame, layout: str, weight: torch.Tensor) -> Site | None:
+        """The named site a GEMM by ``weight`` belongs to (its module's, an attention projection's, a
+        module's own weight, one expert's), or ``None``: an anonymous GEMM, named by its call order."""
+        return (
+            self.module_site(frame, layout, weight)
+            or self.projection(frame, layout, weight)
             or self.own_weight(frame, layout, weight)
             or (self.expert(frame, weight) if layout in ("linear", "mm") else None)
         )
-        return named if named is not None else self.anonymous(frame, "matmul")[0]
 
     def module_site(self, frame: _Frame, layout: str, weight: torch.Tensor) -> Site | None:
         """The site of the Linear/Conv1D module whose weight this GEMM multiplies by, wherever it runs: the
@@ -291,11 +297,7 @@ class SiteNames:
             ("linear", "mm", "conv") if static is not None and static.kind == "conv" else ("linear", "mm")
         )
         if static is None or layout not in allowed or getattr(frame.module, "weight", None) is not b:
-            static = self.module_site(frame, layout, b) or (
-                self.projection(frame, layout, b)
-                or self.own_weight(frame, layout, b)
-                or (self.expert(frame, b) if layout in ("linear", "mm") else None)
-            )
+            static = self.named_by_weight(frame, layout, b)
         if static is not None:
             self.ran(static.name)
             return None
