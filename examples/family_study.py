@@ -106,7 +106,9 @@ def main() -> None:
         default=None,
         metavar="N",
         help="score every trained plan on N validation blocks afterwards (numscope evaluate) and compare "
-        "those losses: the runs' own evaluations (--val-blocks, default 128) are quick but noisy",
+        "those losses: the runs' own evaluations (--val-blocks, default 128) are quick but noisy; the "
+        "calibration runs are then scored on N blocks too (calibrate --val-blocks N, once, after the last "
+        "step), so that the gap model is fitted to losses of the kind it predicts",
     )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -134,6 +136,8 @@ def main() -> None:
     also += ["--sensitivity-formats", *args.sensitivity_formats]
     if args.sensitivity_early is not None:
         also += ["--sensitivity-early", str(args.sensitivity_early)]
+    if args.eval_blocks is not None:
+        also += ["--val-blocks", str(args.eval_blocks), "--eval-every", args.steps]
     _numscope("calibrate", *common, "--seeds", *calibrate_seeds, *also, "--jobs", str(args.jobs),
               "--out", str(out / "calibrate"), log=out / "logs" / "calibrate.txt")  # fmt: skip
     gap_path = out / "calibrate" / "gap_model.json"

@@ -31,7 +31,7 @@ def test_family_study_runs_the_default_path_and_compares_every_plan(
         "--objective", "clm", "--text", str(text), "--vocab-size", "300", "--seq-len", "32",
         "--batch-size", "4", "--steps", "4",
         "--seeds", "0", "1", "2", "--calibrate-seeds", "0", "1", "--random-plans", "1", "--also", "fp8_e4m3",
-        "--sensitivity-early", "2", "--eval-blocks", "4", "--jobs", "2", "--out", str(out),
+        "--sensitivity-early", "2", "--eval-blocks", "8", "--jobs", "2", "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NUMSCOPE_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=env, cwd=tmp_path)
@@ -51,10 +51,13 @@ def test_family_study_runs_the_default_path_and_compares_every_plan(
     assert "gap models calibrated on seeds 0 1" in table and "| numscope@6 | numscope | 6.00 |" in table
     # the early checkpoint measured too, and every gap from the losses numscope evaluate scored
     analysis = json.loads((out / "calibrate" / "fp32" / "seed0" / "run.json").read_text())
-    assert analysis["sensitivity_early"] == 2 and "losses on up to 4 validation blocks" in table
+    assert analysis["sensitivity_early"] == 2 and "losses on up to 8 validation blocks" in table
+    # the calibration runs scored as the plans are: on the same blocks, once, after the last step
+    calibration = json.loads((out / "calibrate" / "mxfp4_wgrad_only" / "seed1" / "run.json").read_text())
+    assert calibration["data"]["val_blocks"] == 8 and calibration["train"]["eval_every"] == 4
 
     def scored(name: str) -> float:
-        return json.loads((out / "runs" / name / "seed1" / "evaluations.json").read_text())["4"]["val_loss"]
+        return json.loads((out / "runs" / name / "seed1" / "evaluations.json").read_text())["8"]["val_loss"]
 
     fp32, ours = scored("fp32"), scored("numscope@6")
     row = next(r for r in result["rows"] if r["name"] == "numscope@6")
