@@ -110,6 +110,14 @@ def main() -> None:
         "calibration runs are then scored on N blocks too (calibrate --val-blocks N, once, after the last "
         "step), so that the gap model is fitted to losses of the kind it predicts",
     )
+    parser.add_argument(
+        "--shuffled",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also train N controls of numscope's plan: its formats dealt out again at random among operands "
+        "of the same size (the same formats and bits, other places; study.plans.shuffle_formats)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -118,7 +126,14 @@ def main() -> None:
     from numscope.plan import Plan
     from numscope.study.gap_models import GapModel, spearman
     from numscope.study.operands import Operands
-    from numscope.study.plans import HEURISTIC_ORDERS, fill_order, order_inverse, order_random, plan_of
+    from numscope.study.plans import (
+        HEURISTIC_ORDERS,
+        fill_order,
+        order_inverse,
+        order_random,
+        plan_of,
+        shuffle_formats,
+    )
     from numscope.study.table import factor_two_share, verdict
 
     out: Path = args.out
@@ -159,6 +174,14 @@ def main() -> None:
             flags = ["--bit-budget", f"{budget:g}", "--gap-model", str(gap_path), *extra, "-o", str(path)]
             _numscope("recommend", str(run_folder), *flags, log=path.with_suffix(".txt"))
             plans[name] = ("numscope", budget, str(path))
+        ours = Plan.load(plans[f"numscope{tag}"][2])
+        chosen = {k: ours.for_site(k[0]).operand(k[1], k[2]) for k in operands.keys}
+        for index in range(args.shuffled):
+            name = f"numscope shuffled {index + 1}{tag}"
+            path = plan_dir / f"{_slug(name)}.yaml"
+            seed = int(1000 * budget) * 100 + 50 + index
+            plan_of(shuffle_formats(chosen, operands, seed), name).save(path)
+            plans[name] = ("control", budget, str(path))
         orders = {name: ("heuristic", order(operands)) for name, order in HEURISTIC_ORDERS.items()}
         for index in range(args.random_plans):
             seed = int(1000 * budget) * 100 + index  # the plan study's random orders

@@ -31,7 +31,7 @@ def test_family_study_runs_the_default_path_and_compares_every_plan(
         "--objective", "clm", "--text", str(text), "--vocab-size", "300", "--seq-len", "32",
         "--batch-size", "4", "--steps", "4",
         "--seeds", "0", "1", "2", "--calibrate-seeds", "0", "1", "--random-plans", "1", "--also", "fp8_e4m3",
-        "--sensitivity-early", "2", "--eval-blocks", "8", "--jobs", "2", "--out", str(out),
+        "--sensitivity-early", "2", "--eval-blocks", "8", "--shuffled", "1", "--jobs", "2", "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "NUMSCOPE_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(command, capture_output=True, text=True, timeout=1500, env=env, cwd=tmp_path)
@@ -39,6 +39,11 @@ def test_family_study_runs_the_default_path_and_compares_every_plan(
     result = json.loads((out / "family_study.json").read_text())
     names = {row["name"] for row in result["rows"]}
     assert {"fp32", "numscope@6", "last layers@6", "first/last layers@6", "random 1@6", "inverse@6"} <= names
+    # the control: numscope's formats in other places, at its very bits
+    rows = {row["name"]: row for row in result["rows"]}
+    assert rows["numscope shuffled 1@6"]["family"] == "control"
+    assert rows["numscope shuffled 1@6"]["bits"] == pytest.approx(rows["numscope@6"]["bits"], abs=1e-9)
+    assert rows["numscope shuffled 1@6"]["formats"] == rows["numscope@6"]["formats"]
     for row in result["rows"]:
         assert len(row["gaps"]) == 3  # paired with FP32 on every seed
         if row["family"] != "reference":

@@ -30,6 +30,7 @@ from numscope.study.plans import (
     order_inverse,
     order_last_layers,
     order_wgrad_high,
+    shuffle_formats,
 )
 from numscope.vocab import GEMMS
 from tiny_models import tiny_bert
@@ -123,6 +124,20 @@ def test_fill_order_upgrades_in_order_and_refuses_a_budget_below_all_low(observe
     assert upgraded[0] == order[0] and order.index(first_skipped) > 0
     with pytest.raises(StudyError, match="below all-mxfp4_e2m1"):
         fill_order(order, operands, 4.0, LOW, HIGH)
+
+
+def test_a_shuffled_plan_keeps_its_formats_and_bits_in_other_places(observed):
+    _, operands = observed
+    formats = fill_order(list(operands.keys), operands, 6.0, LOW, HIGH)
+    formats[operands.keys[-1]] = "bf16"
+    shuffled = shuffle_formats(formats, operands, seed=3)
+    assert shuffled.keys() == formats.keys() and shuffled != formats
+    assert operands.average_bits(shuffled) == operands.average_bits(formats)
+    for size in set(operands.elements.values()):  # each format dealt out among operands of one size
+        same = [k for k in operands.keys if operands.elements[k] == size]
+        assert sorted(shuffled[k] for k in same) == sorted(formats[k] for k in same)
+    assert shuffle_formats(formats, operands, seed=3) == shuffled
+    assert shuffle_formats(formats, operands, seed=4) != shuffled
 
 
 def test_inverse_spends_bits_where_the_advisor_does_not(observed):

@@ -84,6 +84,24 @@ def order_random(operands: Operands, seed: int) -> list[OperandKey]:
     return [operands.keys[i] for i in rng.permutation(len(operands.keys))]
 
 
+def shuffle_formats(
+    formats: Mapping[OperandKey, str | OperandSpec], operands: Operands, seed: int
+) -> dict[OperandKey, str | OperandSpec]:
+    """A control for a chosen plan: the same formats moved to random places. Each format is dealt out again
+    among the operands with the same element count, so the plan keeps its formats and its exact average
+    bits (and each format's share of the elements) while where they sit is drawn at random: what is left
+    of its lead over the heuristics is due to where it put its bits, not to which formats it used."""
+    rng = np.random.default_rng(seed)
+    groups: dict[int, list[OperandKey]] = {}
+    for key in operands.keys:
+        groups.setdefault(operands.elements[key], []).append(key)
+    out: dict[OperandKey, str | OperandSpec] = {}
+    for keys in groups.values():
+        labels = [formats[k] for k in keys]
+        out.update(zip(keys, (labels[i] for i in rng.permutation(len(labels))), strict=True))
+    return out
+
+
 def benefit_per_bit(analysis: Analysis, operands: Operands, low: str, high: str) -> dict[OperandKey, float]:
     """The advisor's metric of where bits pay: noise removed by going ``low`` → ``high``, per bit spent."""
     from numscope.advisor import operand_noise
@@ -121,7 +139,7 @@ def fill_order(
     return formats
 
 
-def plan_of(formats: Mapping[OperandKey, str], reason: str = "") -> Plan:
+def plan_of(formats: Mapping[OperandKey, str | OperandSpec], reason: str = "") -> Plan:
     """A plan with one exact-name rule per site giving each operand its format; other sites stay high."""
     return Plan.per_operand(formats, dict.fromkeys(formats, reason) if reason else None)
 
