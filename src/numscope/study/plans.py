@@ -89,8 +89,8 @@ def shuffle_formats(
 ) -> dict[OperandKey, str | OperandSpec]:
     """A control for a chosen plan: the same formats moved to random places. Each format is dealt out again
     among the operands with the same element count, so the plan keeps its formats and its exact average
-    bits (and each format's share of the elements) while where they sit is drawn at random: what is left
-    of its lead over the heuristics is due to where it put its bits, not to which formats it used."""
+    bits (and each format's share of the elements) while where they sit is drawn at random: what the plan
+    gains over its shuffled self is due to where it put its bits, not to which formats it used."""
     rng = np.random.default_rng(seed)
     groups: dict[int, list[OperandKey]] = {}
     for key in operands.keys:
