@@ -174,8 +174,9 @@ def main() -> None:
             flags = ["--bit-budget", f"{budget:g}", "--gap-model", str(gap_path), *extra, "-o", str(path)]
             _numscope("recommend", str(run_folder), *flags, log=path.with_suffix(".txt"))
             plans[name] = ("numscope", budget, str(path))
-        ours = Plan.load(plans[f"numscope{tag}"][2])
-        chosen = {k: ours.for_site(k[0]).operand(k[1], k[2]) for k in operands.keys}
+        if args.shuffled:
+            ours = Plan.load(plans[f"numscope{tag}"][2])
+            chosen = {k: ours.for_site(k[0]).operand(k[1], k[2]) for k in operands.keys}
         for index in range(args.shuffled):
             name = f"numscope shuffled {index + 1}{tag}"
             path = plan_dir / f"{_slug(name)}.yaml"

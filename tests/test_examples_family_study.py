@@ -72,6 +72,7 @@ def test_family_study_runs_the_default_path_and_compares_every_plan(
 def test_the_bert_example_config_is_the_demos_model() -> None:
     """examples/bert_demo.json (docs/plan-study.md's BERT through the CLI) has the demo's shape."""
     from numscope.run.experiment import Experiment
+    from numscope.study import PlanStudyConfig
 
     config = json.loads((ROOT / "examples" / "bert_demo.json").read_text())
     demo = Experiment()
@@ -83,4 +84,7 @@ def test_the_bert_example_config_is_the_demos_model() -> None:
     assert (
         config["intermediate_size"] == demo.intermediate and config["max_position_embeddings"] == demo.seq_len
     )
+    # examples/bert_study.json: the same model at the plan study's 128-token blocks
+    study = json.loads((ROOT / "examples" / "bert_study.json").read_text())
+    assert study == {**config, "max_position_embeddings": PlanStudyConfig().seq_len}
     assert config["hidden_dropout_prob"] == config["attention_probs_dropout_prob"] == demo.dropout
