@@ -848,13 +848,11 @@ ERRORS = {
     ),
     "missing model path": (
         lambda ws: ["train", *flags(ws, ws / "nowhere/"), "--plan", "fp8", "--out", ws / "e"],
-        "no such file or directory; use a local directory holding config.json",
+        "no such file or directory; use a checkpoint folder",
     ),
     "hub name offline": (
         lambda ws: ["train", *flags(ws, "bert-base-uncased"), "--plan", "fp8", "--out", ws / "e"],
-        "cannot be fetched with HF_HUB_OFFLINE=1; use a local directory holding config.json, "
-        "a config .json file, a Python 'module:factory' (or 'file.py:factory'), or a built-in: "
-        "tiny-bert, tiny-gpt2",
+        "cannot be fetched with HF_HUB_OFFLINE=1; use a checkpoint folder",
     ),
     "folder without config.json": (
         lambda ws: ["train", *flags(ws, ws / "cache"), "--plan", "fp8", "--out", ws / "e"],

@@ -208,7 +208,7 @@ def model_sites(
         resolved.config, "n_positions", None
     )
     length = min(int(positions or seq_len), seq_len)
-    factory, kind = resolved.build(tokenizer, length)
+    factory, kind = resolved.build(tokenizer, length, weights=False)
     with fork_rng():
         torch.manual_seed(0)
         blocks = torch.randint(5, max(vocab, 6), (2, length))

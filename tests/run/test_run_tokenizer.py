@@ -74,6 +74,6 @@ def test_bad_arguments_are_named() -> None:
         train_tokenizer(["text"], 5)
     with pytest.raises(ValueError, match="no documents"):
         train_tokenizer([], 100)
-    with pytest.raises(ValueError, match=r"lacks special tokens \['\[PAD\]'"):
+    with pytest.raises(ValueError, match=r"lacks special tokens \['\[CLS\]', '\[SEP\]'\]"):
         TokenizerInfo.from_tokenizer(Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
     assert SPECIAL_TOKENS == ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")

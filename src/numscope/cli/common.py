@@ -43,10 +43,13 @@ def render_table(rows: Sequence[dict[str, str]]) -> str:
 
 
 _MODEL_HELP = (
-    "the model: a built-in tiny config (tiny-bert: masked LM; tiny-gpt2: causal LM), a directory holding a "
-    "transformers config.json or such a .json file, or a Python 'module:factory' / 'file.py:factory' whose "
-    "callable (given vocab_size= if it takes it) returns an nn.Module or a transformers config. Hub names "
-    "(e.g. bert-base-uncased) need network access: only their config is fetched, never weights"
+    "the model: a checkpoint folder (config.json with model.safetensors or pytorch_model.bin, as "
+    "save_pretrained writes it: training starts from its weights, with its own tokenizer.json), a "
+    "built-in tiny config (tiny-bert: masked LM; tiny-gpt2: causal LM), a folder holding only a "
+    "transformers config.json or such a .json file (random weights), or a Python 'module:factory' / "
+    "'file.py:factory' whose callable (given vocab_size= if it takes it) returns an nn.Module or a "
+    "transformers config. Hub names (e.g. bert-base-uncased) need network access: only their config is "
+    "fetched, never weights"
 )
 
 
@@ -155,9 +158,16 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--tokenizer",
         metavar="JSON",
-        help="a tokenizers JSON file (e.g. a pretrained model's tokenizer.json, with BERT's [PAD] [UNK] "
-        "[CLS] [SEP] [MASK]) used as it is instead of a WordPiece vocabulary trained on your text; "
-        "--vocab-size is then its size (default: train one)",
+        help="a tokenizers JSON file (e.g. a pretrained model's tokenizer.json; its special tokens as the "
+        "special_tokens_map.json beside it names them, else BERT's, RoBERTa's or GPT's) used as it is "
+        "instead of a WordPiece vocabulary trained on your text; --vocab-size is then its size (default: "
+        "a checkpoint folder's own tokenizer.json, else train one)",
+    )
+    model.add_argument(
+        "--train-tokenizer",
+        action="store_true",
+        help="train a WordPiece vocabulary of --vocab-size on your text even for a checkpoint folder with "
+        "its own tokenizer: its embedding and output layer are then initialised anew (said in a note)",
     )
     model.add_argument(
         "--cache",
@@ -179,7 +189,12 @@ def _run_inputs(args: argparse.Namespace) -> tuple[Any, Any]:
     from numscope.run.sources import DataSettings
 
     data = _settings_from_flags(
-        DataSettings, args, text=tuple(args.text), cache_dir=args.cache, tokenizer=args.tokenizer
+        DataSettings,
+        args,
+        text=tuple(args.text),
+        cache_dir=args.cache,
+        tokenizer=args.tokenizer,
+        train_tokenizer=args.train_tokenizer,
     )
     config = _settings_from_flags(TrainConfig, args)
     return data, config

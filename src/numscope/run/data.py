@@ -38,12 +38,17 @@ DATA_VERSION = 1
 
 
 def make_blocks(
-    documents: Sequence[str], tokenizer: Tokenizer, seq_len: int = DEFAULT_SEQ_LEN
+    documents: Sequence[str],
+    tokenizer: Tokenizer,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    info: TokenizerInfo | None = None,
 ) -> torch.Tensor:
     """Token ids of ``documents`` as blocks: an int64 tensor ``[number of blocks, seq_len]`` (no caching).
 
     Each block is ``[CLS]``, ``seq_len − 2`` tokens of the document stream (documents joined by [SEP]), and
     ``[SEP]``; the last block holds the stream's remainder and is padded with [PAD] to ``seq_len``.
+    ``info``: the tokenizer's special-token ids (default: :meth:`TokenizerInfo.from_tokenizer` by their
+    names); a model's own tokenizer frames with its own (``<s> … </s>``).
 
     Raises:
         ValueError: ``seq_len`` < 3.
@@ -51,7 +56,7 @@ def make_blocks(
     """
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 3:
         raise ValueError(f"seq_len must be an integer ≥ 3 ([CLS], a token, [SEP]); got {seq_len!r}")
-    info = TokenizerInfo.from_tokenizer(tokenizer)
+    info = info if info is not None else TokenizerInfo.from_tokenizer(tokenizer)
     stream: list[int] = []
     for encoding in tokenizer.encode_batch(list(documents), add_special_tokens=False):
         if encoding.ids:
@@ -78,11 +83,19 @@ def make_blocks(
 
 
 def blocks_cache_path(
-    documents: Sequence[str], tokenizer: Tokenizer, seq_len: int, cache_dir: Path | None = None
+    documents: Sequence[str],
+    tokenizer: Tokenizer,
+    seq_len: int,
+    cache_dir: Path | None = None,
+    info: TokenizerInfo | None = None,
 ) -> Path:
-    """Where :func:`load_or_make_blocks` keeps the blocks for these documents, tokenizer and ``seq_len``."""
+    """Where :func:`load_or_make_blocks` keeps the blocks for these documents, tokenizer (and its special
+    ids, where given) and ``seq_len``."""
     digest = hashlib.sha256()
-    for part in (tokenizer.to_str(), corpus_hash(documents), str(seq_len), str(DATA_VERSION)):
+    parts = [tokenizer.to_str(), corpus_hash(documents), str(seq_len), str(DATA_VERSION)]
+    if info is not None:
+        parts.append(repr((info.pad_id, info.cls_id, info.sep_id)))
+    for part in parts:
         digest.update(part.encode("utf-8"))
         digest.update(b"\0")
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -94,17 +107,19 @@ def load_or_make_blocks(
     tokenizer: Tokenizer,
     seq_len: int = DEFAULT_SEQ_LEN,
     cache_dir: Path | None = None,
+    info: TokenizerInfo | None = None,
 ) -> torch.Tensor:
     """The blocks of :func:`make_blocks`, loaded from the cache when present, else made and saved there.
 
     Args:
         cache_dir: cache root (``blocks/`` is made under it); default
             :func:`numscope.run.tokenizer.default_cache_dir`.
+        info: the special-token ids (:func:`make_blocks`).
     """
-    path = blocks_cache_path(documents, tokenizer, seq_len, cache_dir)
+    path = blocks_cache_path(documents, tokenizer, seq_len, cache_dir, info)
     if path.is_file():
         return torch.load(path, weights_only=True)
-    blocks = make_blocks(documents, tokenizer, seq_len)
+    blocks = make_blocks(documents, tokenizer, seq_len, info)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda file: torch.save(blocks, file))
     return blocks
@@ -132,6 +147,8 @@ def mlm_mask(
     """
     if not 0.0 < probability <= 1.0:
         raise ValueError(f"mask probability must be in (0, 1]; got {probability!r}")
+    if tokenizer_info.mask_id is None:
+        raise ValueError("the tokenizer has no mask token, which the masked LM needs; train a causal LM")
     special = torch.tensor(tokenizer_info.special_ids, dtype=input_ids.dtype, device=input_ids.device)
     replacements = torch.tensor(
         sorted(set(range(tokenizer_info.vocab_size)) - set(tokenizer_info.special_ids)), dtype=input_ids.dtype
@@ -340,17 +357,17 @@ def load_run_data(
         bar.update()
         bar.set_postfix_str(f"tokenizer ({vocab_size} tokens)")
         if tokenizer_file is not None:
-            from tokenizers import Tokenizer
+            from numscope.run.tokenizer import load_tokenizer_file
 
-            tokenizer = Tokenizer.from_file(str(tokenizer_file))
+            tokenizer, info = load_tokenizer_file(tokenizer_file)
         else:
             tokenizer = load_or_train_tokenizer(train_docs, vocab_size, cache_dir)
-        info = TokenizerInfo.from_tokenizer(tokenizer)
+            info = TokenizerInfo.from_tokenizer(tokenizer)
         bar.update()
         bar.set_postfix_str(f"{seq_len}-token blocks")
-        train = load_or_make_blocks(train_docs, tokenizer, seq_len, cache_dir)
+        train = load_or_make_blocks(train_docs, tokenizer, seq_len, cache_dir, info)
         bar.update()
-        val = load_or_make_blocks(val_docs, tokenizer, seq_len, cache_dir)
+        val = load_or_make_blocks(val_docs, tokenizer, seq_len, cache_dir, info)
         bar.update()
     if max_train_blocks is not None:
         train = train[:max_train_blocks]

@@ -49,6 +49,7 @@ from numscope.run.sources import (
     prepare_data,
     resolve_model,
     run_model,
+    settle_tokenizer,
 )
 from numscope.sites import sites as list_sites
 from numscope.train.adaptive import AdaptiveConfig
@@ -71,7 +72,14 @@ def _prepare_run(
     source = resolve_model(model, objective)
     prepared = prepare_data(data)
     check_train_config(config, prepared)
-    factory, resolved = source.build(prepared.tokenizer, data.seq_len)
+    factory, resolved = source.build(
+        prepared.tokenizer, data.seq_len, replace_vocabulary=data.train_tokenizer
+    )
+    if resolved == "mlm" and prepared.tokenizer.mask_id is None:
+        raise WorkflowError(
+            f"--model {model}: the tokenizer has no mask token, which the masked LM needs; train it as a "
+            "causal LM (--objective clm) or give a tokenizer with one"
+        )
     try:
         objective_for_training = get_objective(resolved).for_training(config.mask_probability)
     except ValueError as error:
@@ -99,7 +107,8 @@ def _settings(
         "text": [str(Path(p).resolve()) for p in data.text],
         "corpus_sha256": corpus_digest(data),
         "data": {"vocab_size": data.vocab_size, "seq_len": data.seq_len, "val_blocks": data.val_blocks}
-        | ({"tokenizer_sha256": _file_digest(data.tokenizer)} if data.tokenizer else {}),
+        | ({"tokenizer_sha256": _file_digest(data.tokenizer)} if data.tokenizer else {})
+        | ({"train_tokenizer": True} if data.train_tokenizer else {}),
         **({"tokenizer_path": str(Path(data.tokenizer).resolve())} if data.tokenizer else {}),
         "train": asdict(config),
         **extra,
@@ -169,6 +178,7 @@ def analyze(
     from numscope.observe import observe
 
     config = config if config is not None else TrainConfig()
+    data = settle_tokenizer(model, data, objective)
     if tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         raise WorkflowError("--tensorboard needs the tensorboard package: pip install tensorboard")
     check_positive("--every", every)
@@ -439,6 +449,7 @@ def train(
     folder then also holds ``plan_history.csv``, ``plan.final.yaml`` and ``adaptive.json``).
     """
     config = config if config is not None else TrainConfig()
+    data = settle_tokenizer(model, data, objective)
     if loss_scaling not in LOSS_SCALING:
         raise WorkflowError(f"unknown loss scaling {loss_scaling!r}; allowed: {', '.join(LOSS_SCALING)}")
     if not (math.isfinite(init_scale) and init_scale > 0):
@@ -545,6 +556,7 @@ def evaluate(
         seq_len=stored_data["seq_len"],
         val_blocks=val_blocks,
         tokenizer=None if tokenizer is None else str(tokenizer),
+        train_tokenizer=bool(stored_data.get("train_tokenizer", False)),
     )
     if corpus_digest(data) != stored.get("corpus_sha256"):
         raise WorkflowError(f"{folder}: its text ({', '.join(data.text)}) changed since the run trained")

@@ -1,10 +1,19 @@
-"""Where a run's model and data come from: ``--model`` (a built-in tiny config, a transformers config file or
-hub name, or a ``module:factory``) resolved to a factory of fresh models with its objective, and the text,
-tokenizer and blocks a run trains on, each checked with an error that names the flag and the remedy."""
+"""Where a run's model and data come from: ``--model`` (a built-in tiny config, a checkpoint folder, a
+transformers config file or hub name, or a ``module:factory``) resolved to a factory of models with its
+objective, and the text, tokenizer and blocks a run trains on, each checked with an error that names the flag
+and the remedy.
+
+A **checkpoint folder** (``config.json`` beside ``model.safetensors`` or ``pytorch_model.bin``, sharded or
+not: any Hugging Face checkpoint) gives models that start from its weights, bit for bit; the tensors it lacks
+(a masked-LM head a sentence encoder was saved without) are initialised from the run's seed, and one note
+says which. Its ``tokenizer.json`` is the run's tokenizer unless another is asked for; its vocabulary is
+never replaced silently (``train_tokenizer``, ``--train-tokenizer``: a WordPiece vocabulary trained on the
+text, the embedding and output layer then initialised anew, said in a note)."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -58,22 +67,54 @@ FFN 256) and ``tiny-gpt2`` (causal LM, the same sizes); eager attention, so atte
 
 
 # -- models ------------------------------------------------------------------------------------------
+WEIGHT_FILES: tuple[str, ...] = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+"""The files whose presence beside ``config.json`` makes a folder a checkpoint (Hugging Face's names)."""
+
+
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model comes from: ``kind`` is ``built-in``, ``config`` (a file or hub name) or ``factory``."""
+    """Where a model comes from: ``kind`` is ``built-in``, ``checkpoint`` (a folder with weights),
+    ``config`` (a config file, a folder without weights, or a hub name) or ``factory``."""
 
     spec: str
     kind: str
     objective: str  # "auto", "mlm" or "clm" as asked; resolved by :meth:`build`
-    config: Any = None  # a transformers config (built-in and config kinds)
+    config: Any = None  # a transformers config (built-in, checkpoint and config kinds)
     factory: Callable[..., Any] | None = None
 
-    def build(self, tokenizer: TokenizerInfo, seq_len: int) -> tuple[Callable[[], nn.Module], str]:
-        """A factory of freshly initialised models for this tokenizer and block length, and the objective.
+    @property
+    def tokenizer_file(self) -> str | None:
+        """A checkpoint folder's own ``tokenizer.json`` (None: not a checkpoint, or it has none)."""
+        if self.kind != "checkpoint":
+            return None
+        file = Path(self.spec) / "tokenizer.json"
+        return str(file) if file.is_file() else None
+
+    def build(
+        self,
+        tokenizer: TokenizerInfo,
+        seq_len: int,
+        *,
+        replace_vocabulary: bool = False,
+        weights: bool = True,
+    ) -> tuple[Callable[[], nn.Module], str]:
+        """A factory of models for this tokenizer and block length, and the objective: freshly initialised,
+        or for a checkpoint its weights (read once here; ``weights=False``: its architecture only, e.g. to
+        list its sites) with what it lacks initialised by each call; ``replace_vocabulary``: a checkpoint
+        whose tokenizer was trained anew, its embedding and output layer sized to it and initialised.
 
         Raises WorkflowError when the model does not fit: too few positions for ``seq_len``, an input
         embedding smaller than the vocabulary, an objective it has no head for, or a factory that fails.
         """
+        if self.kind == "checkpoint":
+            return _checkpoint_factory(
+                self.spec, self.config, self.objective, tokenizer, seq_len, replace_vocabulary, weights
+            )
         if self.factory is None:
             return _config_factory(self.spec, self.config, self.objective, tokenizer, seq_len)
         made = self._call_factory(tokenizer)
@@ -124,8 +165,9 @@ def _offline() -> bool:
 
 
 _WHAT_WORKS = (
-    "use a local directory holding config.json, a config .json file, a Python 'module:factory' "
-    "(or 'file.py:factory'), or a built-in: " + ", ".join(BUILTIN_MODELS)
+    "use a checkpoint folder (config.json and its weights), a folder holding config.json or a config "
+    ".json file (random weights), a Python 'module:factory' (or 'file.py:factory'), or a built-in: "
+    + ", ".join(BUILTIN_MODELS)
 )
 
 
@@ -143,7 +185,8 @@ def resolve_model(spec: str, objective: str = "auto") -> ModelSource:
         return ModelSource(spec, "built-in", objective, config=BUILTIN_MODELS[spec]())
     path = Path(spec)
     if path.exists():
-        return ModelSource(spec, "config", objective, config=_load_config(spec, path))
+        kind = "checkpoint" if checkpoint_weights(path) is not None else "config"
+        return ModelSource(spec, kind, objective, config=_load_config(spec, path))
     if ":" in spec:
         return ModelSource(spec, "factory", objective, factory=_import_factory(spec))
     if spec.endswith(".json") or spec.startswith((".", "/", "~")):
@@ -209,6 +252,40 @@ def run_model(folder: str) -> tuple[str, str, int] | None:
     return spec, objective, vocab
 
 
+def checkpoint_weights(path: Path) -> Path | None:
+    """The weights file a checkpoint folder holds (the first of :data:`WEIGHT_FILES` there); None for a
+    file or a folder without weights."""
+    if not path.is_dir():
+        return None
+    return next((path / name for name in WEIGHT_FILES if (path / name).is_file()), None)
+
+
+def settle_tokenizer(model: str, data: DataSettings, objective: str = "auto") -> DataSettings:
+    """``data`` with the tokenizer a run on ``model`` uses: a checkpoint folder's own ``tokenizer.json``
+    where no tokenizer file is given and ``data.train_tokenizer`` is off; else ``data`` as it is. Raises
+    WorkflowError for a checkpoint without a tokenizer.json, asked for neither another nor a trained one, and
+    for ``train_tokenizer`` beside a tokenizer file."""
+    if data.train_tokenizer and data.tokenizer is not None:
+        raise WorkflowError(
+            "--train-tokenizer trains a vocabulary on your text and --tokenizer gives one: choose one"
+        )
+    if data.tokenizer is not None or data.train_tokenizer:
+        return data
+    try:
+        source = resolve_model(model, objective)
+    except WorkflowError:
+        return data  # the run reports the model's problem itself, where it builds it
+    if source.kind != "checkpoint":
+        return data
+    if source.tokenizer_file is None:
+        raise WorkflowError(
+            f"--model {model}: the checkpoint folder holds no tokenizer.json; give its tokenizer with "
+            "--tokenizer JSON, or --train-tokenizer to train one on your text (the embedding and the "
+            "output layer are then initialised anew)"
+        )
+    return dataclasses.replace(data, tokenizer=source.tokenizer_file, vocab_size=data.vocab_size)
+
+
 def first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
@@ -269,6 +346,33 @@ def _import_factory(spec: str) -> Callable[..., Any]:
 def _config_factory(
     spec: str, config: Any, objective: str, tokenizer: TokenizerInfo, seq_len: int
 ) -> tuple[Callable[[], nn.Module], str]:
+    auto, objective, masked = _head(spec, config, objective)
+    config = copy.deepcopy(config)
+    _check_positions(spec, config, seq_len)
+    given = getattr(config, "vocab_size", None)
+    if isinstance(given, int) and given != tokenizer.vocab_size and spec not in BUILTIN_MODELS:
+        warnings.warn(
+            f"--model {spec}: its vocab_size {given} is replaced by the tokenizer's {tokenizer.vocab_size} "
+            "(--vocab-size or --tokenizer decide it; the embedding and the output layer are sized to it)",
+            UserWarning,
+            stacklevel=2,
+        )
+    config.vocab_size = tokenizer.vocab_size
+    config.pad_token_id = tokenizer.pad_id
+    if objective == "clm":
+        config.bos_token_id, config.eos_token_id = tokenizer.cls_id, tokenizer.sep_id
+        if masked:  # an encoder (e.g. BERT) as a causal LM
+            config.is_decoder = True
+
+    def make() -> nn.Module:
+        return auto.from_config(config)
+
+    return make, objective
+
+
+def _head(spec: str, config: Any, objective: str) -> tuple[Any, str, bool]:
+    """The transformers auto class of the objective's head for ``config``, the objective resolved, and
+    whether the model type has a masked-LM head (an encoder, made a decoder for the causal LM)."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
@@ -288,7 +392,10 @@ def _config_factory(
             f"--model {spec}: transformers has no {objective or 'language-model'} head for model type "
             f"{model_type!r}; objectives it supports: {', '.join(heads) or 'none'}"
         )
-    config = copy.deepcopy(config)
+    return (AutoModelForMaskedLM if objective == "mlm" else AutoModelForCausalLM), objective, masked
+
+
+def _check_positions(spec: str, config: Any, seq_len: int) -> None:
     for name in ("max_position_embeddings", "n_positions"):
         positions = getattr(config, name, None)
         if isinstance(positions, int) and positions < seq_len:
@@ -296,26 +403,93 @@ def _config_factory(
                 f"--model {spec}: {name}={positions} is shorter than --seq-len {seq_len}; "
                 f"use --seq-len {positions} or less"
             )
-    given = getattr(config, "vocab_size", None)
-    if isinstance(given, int) and given != tokenizer.vocab_size and spec not in BUILTIN_MODELS:
-        warnings.warn(
-            f"--model {spec}: its vocab_size {given} is replaced by the tokenizer's {tokenizer.vocab_size} "
-            "(--vocab-size or --tokenizer decide it; the embedding and the output layer are sized to it)",
-            UserWarning,
-            stacklevel=2,
+
+
+def _checkpoint_factory(
+    spec: str,
+    config: Any,
+    objective: str,
+    tokenizer: TokenizerInfo,
+    seq_len: int,
+    replace_vocabulary: bool,
+    weights: bool,
+) -> tuple[Callable[[], nn.Module], str]:
+    """Models that start from a checkpoint folder's weights (see the module docstring)."""
+    auto, objective, masked = _head(spec, config, objective)
+    _check_positions(spec, config, seq_len)
+    config = copy.deepcopy(config)
+    rows = getattr(config, "vocab_size", None)
+    if replace_vocabulary:
+        config.vocab_size, config.pad_token_id = tokenizer.vocab_size, tokenizer.pad_id
+    elif isinstance(rows, int) and tokenizer.vocab_size > rows:
+        raise WorkflowError(
+            f"--model {spec}: the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint embeds "
+            f"{rows}; use the checkpoint's own tokenizer (its folder's tokenizer.json, the default), or "
+            "--train-tokenizer to train one (the embedding and the output layer are then initialised anew)"
         )
-    config.vocab_size = tokenizer.vocab_size
-    config.pad_token_id = tokenizer.pad_id
-    if objective == "clm":
-        config.bos_token_id, config.eos_token_id = tokenizer.cls_id, tokenizer.sep_id
-        if masked:  # an encoder (e.g. BERT) as a causal LM
-            config.is_decoder = True
-    auto = AutoModelForMaskedLM if objective == "mlm" else AutoModelForCausalLM
+    if objective == "clm" and masked:  # an encoder (e.g. BERT) as a causal LM
+        config.is_decoder = True
+    if not weights:
+        return (lambda: auto.from_config(config)), objective
+    state, note = _read_checkpoint(spec, config, auto, replace_vocabulary)
+    warnings.warn(note, UserWarning, stacklevel=3)
 
     def make() -> nn.Module:
-        return auto.from_config(config)
+        model = auto.from_config(config)  # what the checkpoint lacks: initialised from the global RNG
+        model.load_state_dict(state, strict=False)
+        return model
 
     return make, objective
+
+
+def _read_checkpoint(
+    spec: str, config: Any, auto: Any, replace_vocabulary: bool
+) -> tuple[dict[str, torch.Tensor], str]:
+    """The tensors a checkpoint folder gives the model (Hugging Face's own loading: its key renames,
+    sharded files, safetensors or pickles), and a one-line note of what was loaded and what was not."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        loaded, info = auto.from_pretrained(
+            spec,
+            config=config,
+            output_loading_info=True,
+            ignore_mismatched_sizes=replace_vocabulary,
+            dtype=torch.float32,
+        )
+    except ImportError:
+        raise
+    except Exception as error:  # the user's file: safetensors, pickle and transformers each raise their own
+        raise WorkflowError(f"--model {spec}: cannot read its weights ({first_line(error)})") from error
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    absent = set(info.get("missing_keys") or ()) | {
+        item[0] if isinstance(item, tuple | list) else item for item in info.get("mismatched_keys") or ()
+    }
+    state = {k: v.detach().clone() for k, v in loaded.state_dict().items() if k not in absent}
+    parameters = sum(p.numel() for p in loaded.parameters())
+    file = checkpoint_weights(Path(spec))
+    count = f"{parameters / 1e6:.1f}M" if parameters >= 100_000 else f"{parameters:,}"
+    note = (
+        f"--model {spec}: {len(state)} tensors loaded from {file.name if file else 'the checkpoint'} "
+        f"({type(loaded).__name__}, {count} parameters)"
+    )
+    if absent:
+        groups = sorted({key.split(".")[0] + ".*" for key in absent})
+        shown = ", ".join(groups[:4]) + (", …" if len(groups) > 4 else "")
+        why = "a new vocabulary, or " if replace_vocabulary else ""
+        note += f"; {len(absent)} initialised from the run's seed ({shown}: {why}not in the checkpoint)"
+    if replace_vocabulary:
+        note += f"; its vocabulary replaced by the {config.vocab_size} tokens trained on your text"
+    unused = info.get("unexpected_keys") or ()
+    if unused:
+        note += f"; {len(unused)} checkpoint tensors unused (e.g. {sorted(unused)[0]})"
+    del loaded
+    return state, note
 
 
 def _module_objective(spec: str, model: nn.Module) -> str:
@@ -378,8 +552,13 @@ class DataSettings:
     cache_dir: str | None = None  # tokenizer and block cache; default $NUMSCOPE_CACHE or ~/.cache/numscope
     tokenizer: str | None = None
     """A ``tokenizers`` JSON file (a pretrained model's ``tokenizer.json``) used as it is instead of a
-    WordPiece vocabulary trained on the text; ``vocab_size`` is then the file's. It needs BERT's special
-    tokens."""
+    WordPiece vocabulary trained on the text; ``vocab_size`` is then the file's. Its special tokens are those
+    its folder's ``special_tokens_map.json`` names, else found by BERT's, RoBERTa's or GPT's names
+    (:meth:`numscope.run.tokenizer.TokenizerInfo.from_tokenizer`). None: a checkpoint folder's own
+    ``tokenizer.json`` (:func:`settle_tokenizer`), else one trained on the text."""
+    train_tokenizer: bool = False
+    """Train a WordPiece vocabulary on the text even for a checkpoint folder that has its own tokenizer (its
+    embedding and output layer are then initialised anew)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.text, str | os.PathLike):
@@ -401,22 +580,21 @@ class DataSettings:
 
 def _tokenizer_info(path: str) -> TokenizerInfo:
     """The special-token ids and size of the tokenizer file ``path``, or a clear error."""
-    from tokenizers import Tokenizer
+    from numscope.run.tokenizer import load_tokenizer_file
 
     if not Path(path).is_file():
         raise WorkflowError(
             f"--tokenizer {path}: no such file (a tokenizers JSON, e.g. a model's tokenizer.json)"
         )
     try:
-        loaded = Tokenizer.from_file(str(path))
+        _, info = load_tokenizer_file(path)
+    except ValueError as error:
+        raise WorkflowError(f"--tokenizer {path}: {error}") from error
     except Exception as error:  # tokenizers raises its own Exception type for a malformed file
         raise WorkflowError(
             f"--tokenizer {path}: not a tokenizers JSON file ({first_line(error)})"
         ) from error
-    try:
-        return TokenizerInfo.from_tokenizer(loaded)
-    except ValueError as error:
-        raise WorkflowError(f"--tokenizer {path}: {error}") from error
+    return info
 
 
 def check_positive(flag: str, value: Any, minimum: int = 1) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,39 +48,120 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "numscope"
 
 
+ROLES: tuple[str, ...] = ("pad", "unk", "cls", "sep", "mask")
+"""What numscope needs of a tokenizer's special tokens: padding, unknown, the block's first and last token
+(BERT's [CLS] and [SEP]; a decoder's bos and eos) and, for the masked LM, the mask."""
+
+ROLE_NAMES: dict[str, tuple[str, ...]] = {
+    "pad": (PAD, "<pad>", "<|pad|>"),
+    "unk": (UNK, "<unk>", "<|endoftext|>"),
+    "cls": (CLS, "<s>", "<|begin_of_text|>", "<|endoftext|>"),
+    "sep": (SEP, "</s>", "<|end_of_text|>", "<|endoftext|>"),
+    "mask": (MASK, "<mask>"),
+}
+"""The token names a role is looked up by where the tokenizer's folder does not name it (in order): BERT's,
+then RoBERTa/MPNet's, then the GPT and Llama families'."""
+
+#: Hugging Face's names of the special tokens in ``special_tokens_map.json`` / ``tokenizer_config.json``,
+#: per role, in order of preference (a decoder has bos/eos where an encoder has cls/sep)
+_HF_KEYS: dict[str, tuple[str, ...]] = {
+    "pad": ("pad_token",),
+    "unk": ("unk_token",),
+    "cls": ("cls_token", "bos_token"),
+    "sep": ("sep_token", "eos_token"),
+    "mask": ("mask_token",),
+}
+
+
 @dataclass(frozen=True)
 class TokenizerInfo:
-    """The ids that masking, batching and the model need to know, and the vocabulary size (tokens)."""
+    """The ids that masking, batching and the model need to know, and the vocabulary size (tokens).
+
+    ``mask_id`` is None for a tokenizer without a mask token (a decoder's): such a tokenizer serves the
+    causal LM only."""
 
     vocab_size: int
     pad_id: int
     unk_id: int
     cls_id: int
     sep_id: int
-    mask_id: int
+    mask_id: int | None
 
     @property
     def special_ids(self) -> tuple[int, ...]:
         """Ids that are never masked nor drawn as random replacements."""
-        return (self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id)
+        ids = (self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id)
+        return tuple(dict.fromkeys(i for i in ids if i is not None))
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Tokenizer) -> TokenizerInfo:
-        """The special-token ids of ``tokenizer``; raises ValueError naming any special token it lacks."""
-        ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
-        missing = [token for token, token_id in ids.items() if token_id is None]
+    def from_tokenizer(cls, tokenizer: Tokenizer, roles: Mapping[str, str] | None = None) -> TokenizerInfo:
+        """The special-token ids of ``tokenizer``: each role's token as ``roles`` names it (role → token
+        text, e.g. :func:`special_tokens_beside` of a model folder), else the first of
+        :data:`ROLE_NAMES` the vocabulary holds. Without a pad token the sequence end pads (as Hugging
+        Face's decoders do), without an unknown token the pad stands for it, and without a mask token
+        ``mask_id`` is None. Raises ValueError naming what it lacks where it has no first or last token."""
+        roles = dict(roles or {})
+        ids: dict[str, int | None] = {}
+        for role in ROLES:
+            names = ([roles[role]] if role in roles else []) + list(ROLE_NAMES[role])
+            ids[role] = next((i for i in map(tokenizer.token_to_id, names) if i is not None), None)
+        missing = [role for role in ("cls", "sep") if ids[role] is None]
         if missing:
+            wanted = [roles.get(role) or ROLE_NAMES[role][0] for role in missing]
             raise ValueError(
-                f"tokenizer lacks special tokens {missing}; a demo tokenizer has {list(SPECIAL_TOKENS)}"
+                f"tokenizer lacks special tokens {wanted} (roles {', '.join(missing)}); numscope "
+                f"frames blocks with a first and a last token and pads: a BERT-style tokenizer has "
+                f"{list(SPECIAL_TOKENS)}, a RoBERTa-style one <s> </s> <pad> <unk> <mask>, or name them in a "
+                "special_tokens_map.json beside the tokenizer file"
             )
+        pad = ids["pad"] if ids["pad"] is not None else ids["sep"]
         return cls(
             vocab_size=tokenizer.get_vocab_size(),
-            pad_id=ids[PAD],
-            unk_id=ids[UNK],
-            cls_id=ids[CLS],
-            sep_id=ids[SEP],
-            mask_id=ids[MASK],
+            pad_id=pad,  # type: ignore[arg-type]
+            unk_id=ids["unk"] if ids["unk"] is not None else pad,  # type: ignore[arg-type]
+            cls_id=ids["cls"],  # type: ignore[arg-type]
+            sep_id=ids["sep"],  # type: ignore[arg-type]
+            mask_id=ids["mask"],
         )
+
+
+def special_tokens_beside(path: str | os.PathLike[str]) -> dict[str, str]:
+    """The roles a tokenizer file's folder names (role → token text), from Hugging Face's
+    ``special_tokens_map.json`` and then ``tokenizer_config.json`` beside ``path``; empty when neither
+    exists or names any. A token may be written as its text or as ``{"content": text, ...}``."""
+    import json
+
+    folder = Path(path).parent
+    roles: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        for role, keys in _HF_KEYS.items():
+            for key in keys:
+                value = data.get(key)
+                text = value.get("content") if isinstance(value, dict) else value
+                if isinstance(text, str) and text and role not in roles:
+                    roles[role] = text
+    return roles
+
+
+def load_tokenizer_file(path: str | os.PathLike[str]) -> tuple[Tokenizer, TokenizerInfo]:
+    """A ``tokenizers`` JSON file as numscope uses it: truncation and padding switched off (numscope cuts
+    and pads its own blocks; a saved model's file often truncates at its training length), and its
+    special-token ids (:meth:`TokenizerInfo.from_tokenizer` with the roles its folder names). Raises
+    ValueError where its special tokens are lacking; the tokenizers library's own error where the file is
+    not a tokenizer."""
+    tokenizer = require("tokenizers", "a tokenizer").Tokenizer.from_file(str(path))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer, TokenizerInfo.from_tokenizer(tokenizer, special_tokens_beside(path))
 
 
 def train_tokenizer(documents: Sequence[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
