@@ -405,6 +405,30 @@ def test_fp22_accumulation_and_promotion() -> None:
     assert error["fp32"] < error["fp22_promote128"] < error["fp22"]
 
 
+@pytest.mark.skipif(not native.available(), reason="the native quantizers could not be built")
+@pytest.mark.parametrize("name", ["fp22", "fp22_promote128"])
+def test_the_native_narrow_accumulation_gives_the_eager_loops_bits(name: str) -> None:
+    """accumulate_matmul's one-pass C fold of the chunk sums against its eager loop, on shapes with batch
+    dimensions, a contraction that is no multiple of 32, ties of the 13-bit rounding, overflow to inf and
+    NaN inputs."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 5, 300, generator=generator) * 1e3
+    b = torch.randn(300, 7, generator=generator)
+    a[0, 0, :64] = 3e38  # products past float32's range: inf, and inf - inf: NaN
+    a[0, 1, 5] = float("nan")
+    a[1, 2] = torch.ldexp(torch.ones(300), torch.randint(-140, -120, (300,), generator=generator))
+    b[:, 3] = 1.0 + 2.0**-14  # sums on the midpoints of e8m13's grid
+    before = native.native_enabled()
+    try:
+        fused = accumulate_matmul(a, b, name)
+        native.set_native(False)
+        eager = accumulate_matmul(a, b, name)
+    finally:
+        native.set_native(before)
+    assert fused.isinf().any() and fused.isnan().any()
+    assert torch.equal(fused.view(torch.int32), eager.view(torch.int32))
+
+
 # -- MX blocks near float32's largest value: finite in, finite out ------------------------------------------
 
 NEAR_MAX_CASES = [

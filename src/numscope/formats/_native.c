@@ -659,3 +659,38 @@ void numscope_abs_amax(const float *restrict x, float *restrict out, int64_t row
         out[r] = float_of(top);
     }
 }
+
+/* gemm.py accumulate_matmul's narrow accumulator: `chunks` partial sums of each of n outputs (partials laid
+ * out [batch][chunks][n]), each rounded, added in order with a rounding after every addition; with
+ * per_group < chunks, each run of per_group partials so and the runs' sums added in float32 (the promotion).
+ * An e8 format (fp22 = e8m13) under "propagate" overflow without flushing, as accumulate_matmul's rounding;
+ * returns -1 for any other format (the caller then loops eagerly). Tiles of outputs keep a run's sum in L1. */
+int numscope_rounded_sum(const float *restrict partials, float *restrict out, int64_t batch, int64_t chunks,
+                         int64_t n, int64_t per_group, numscope_format format) {
+    const numscope_format local = format, *f = &local;
+    if (f->kind != 1 || f->overflow != 1 || f->nonfinite != 0 || f->flush != 0 || per_group < 1) return -1;
+    enum { TILE = 2048 };
+    float run[TILE];
+    for (int64_t b = 0; b < batch; ++b) {
+        const float *restrict p = partials + b * chunks * n;
+        float *restrict o = out + b * n;
+        for (int64_t start = 0; start < n; start += TILE) {
+            const int64_t width = n - start < TILE ? n - start : TILE;
+            for (int64_t first = 0; first < chunks; first += per_group) {
+                const int64_t last = first + per_group < chunks ? first + per_group : chunks;
+                const float *restrict q = p + first * n + start;
+                for (int64_t j = 0; j < width; ++j) run[j] = cast_e8(q[j], f, 1, 0, 0);
+                for (int64_t i = first + 1; i < last; ++i) {
+                    q = p + i * n + start;
+                    for (int64_t j = 0; j < width; ++j) run[j] = cast_e8(run[j] + cast_e8(q[j], f, 1, 0, 0), f, 1, 0, 0);
+                }
+                if (first == 0) {
+                    for (int64_t j = 0; j < width; ++j) o[start + j] = run[j];
+                } else {
+                    for (int64_t j = 0; j < width; ++j) o[start + j] = o[start + j] + run[j];
+                }
+            }
+        }
+    }
+    return 0;
+}

@@ -277,6 +277,8 @@ def _library() -> ctypes.CDLL | None:
     library.numscope_block_unpack_columns.restype = ctypes.c_int
     library.numscope_abs_amax.argtypes = [pointer, pointer, i64, i64, i32]
     library.numscope_abs_amax.restype = None
+    library.numscope_rounded_sum.argtypes = [pointer, pointer, i64, i64, i64, i64, _Format]
+    library.numscope_rounded_sum.restype = ctypes.c_int
     return library
 
 
@@ -724,3 +726,26 @@ def _blocks_quantize(
         if done != 0:
             return None
     return out, scales
+
+
+def rounded_sum(partials: torch.Tensor, fmt: FloatFormat, per_group: int) -> torch.Tensor | None:
+    """:func:`numscope.sites.gemm.accumulate_matmul`'s narrow accumulation of ``partials`` (shape
+    ``(..., chunks, M, N)``: each run of ``chunks`` products' float32 sum), in one pass: each partial rounded
+    to ``fmt`` (nearest, overflow propagated), added in order with a rounding after every addition, and every
+    ``per_group`` partials' sum added in float32 to the total; returns ``(..., M, N)``. None where the native
+    code does not cover it (the caller loops eagerly: the same bits)."""
+    if not (available() and _cpu_float(partials)) or partials.dim() < 3:
+        return None
+    spec = _format(fmt, "propagate", False)
+    if spec is None or spec.kind != 1:
+        return None
+    partials = partials.contiguous()
+    chunks, rows, cols = partials.shape[-3:]
+    batch = partials.numel() // max(1, chunks * rows * cols)
+    out = _empty((*partials.shape[:-3], rows, cols))
+    if out.numel() == 0 or chunks == 0:
+        return None
+    done = _library().numscope_rounded_sum(  # type: ignore[union-attr]
+        partials.data_ptr(), out.data_ptr(), batch, chunks, rows * cols, per_group, spec
+    )
+    return out if done == 0 else None

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from numscope._root_call import save_exactly
+from numscope.formats import native
 from numscope.vocab import GEMMS, Gemm, Operand
 
 #: number of products summed exactly (in fp32) before a rounding to a narrow accumulator
@@ -230,8 +231,12 @@ def accumulate_matmul(
     chunks = (length + pad) // chunk
     a_chunks = a.reshape(*a.shape[:-1], chunks, chunk).movedim(-2, -3)
     b_chunks = b.reshape(*b.shape[:-2], chunks, chunk, b.shape[-1])
-    partials = rounded(torch.matmul(a_chunks, b_chunks))
     per_group = chunks if accumulator.promote_every is None else max(accumulator.promote_every // chunk, 1)
+    sums = torch.matmul(a_chunks, b_chunks)
+    fused = native.rounded_sum(sums, narrow, per_group)  # type: ignore[arg-type]
+    if fused is not None:  # the loop below in one pass of C: the same roundings in the same order
+        return fused.to(out_dtype)
+    partials = rounded(sums)
     total = None
     for first in range(0, chunks, per_group):
         group = partials.select(-3, first)
