@@ -14,6 +14,7 @@ import tiny_models
 from numscope.analysis import ALL, Analysis, Sensitivity
 from numscope.plan import Plan, Rule, SiteSpec
 from numscope.sensitivity import sensitivity
+from numscope.sites import attached
 from numscope.vocab import OPERANDS
 
 BATCH, SEQ, VOCAB = 4, 16, 100
@@ -240,3 +241,67 @@ def test_checkpoints_combine_each_weighing_alike():
     fewer = sensitivity(model, data, candidates=("bf16",), granularity="operand", sites=sites[:1])
     with pytest.raises(ValueError, match="same targets"):
         combine_sensitivities([first, fewer], "bf16")
+
+
+# -- the local method ---------------------------------------------------------------------------------------
+
+
+def test_the_local_method_reads_every_operand_from_a_few_passes_and_matches_one_at_a_time():
+    """Weight-gradient operands exactly (their GEMM's output error is the gradient's error); the others
+    through their group's measured gain, ranked as one at a time ranks them; the model left as it was."""
+    from scipy.stats import spearmanr
+
+    from numscope.sensitivity import local_sensitivity
+
+    model, data = tiny_bert(), batches(2)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    model.train()
+    local = local_sensitivity(model, data, candidates=["bf16", "mxfp4_e2m1"])
+    assert model.training and not attached(model)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    alone = sensitivity(model, data, candidates=["bf16", "mxfp4_e2m1"], granularity="operand")
+    assert set(local.results) == set(alone.results) and local.granularity == "operand"
+    assert local.meta["method"] == "local" and local.meta["gain_format"] == "mxfp4_e2m1"
+    kinds = {site.name: site.kind for site in numscope.sites(model, data[0])}
+    pairs = []
+    for key, per in alone.results.items():
+        for label in ("bf16", "mxfp4_e2m1"):
+            estimate, truth = local.results[key][label]["grad_rel_error"], per[label]["grad_rel_error"]
+            pairs.append((truth, estimate))
+            if key[1] == "wgrad" and kinds[key[0]] == "linear":  # exact but for the mean over batches:
+                assert estimate == pytest.approx(truth, rel=0.05), key  # of ratios there, of powers here
+    assert spearmanr(*zip(*pairs, strict=True)).statistic > 0.85
+
+
+def test_the_local_methods_passes_do_not_grow_with_the_operands():
+    from numscope.sensitivity import local_sensitivity
+
+    counts = {}
+    for layers in (1, 4):
+        model = tiny_models.tiny_bert(vocab_size=VOCAB, max_position=SEQ, layers=layers)
+        forwards: list[int] = []
+        hook = model.register_forward_hook(lambda *_, seen=forwards: seen.append(1))
+        result = local_sensitivity(model, batches(1), candidates=["mxfp4_e2m1"], depth_bins=2)
+        hook.remove()
+        counts[layers] = (len(result.results), len(forwards), result.meta["passes_per_batch"])
+    assert counts[4][0] > 2 * counts[1][0]  # four times the operands (the head aside)
+    # the passes (2 + 5 groups × 2 bins), each with site discovery's forward (no gradient) before it
+    assert counts[4][1] == counts[1][1] <= 2 * (2 + 5 * 2)
+
+
+def test_the_local_method_measures_convolutions_one_at_a_time():
+    from numscope.sensitivity import local_sensitivity
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    data = [(torch.randn(2, 3, 8, 8), torch.tensor([1, 3]))]
+
+    def loss_fn(m: nn.Module, batch) -> torch.Tensor:
+        return nn.functional.cross_entropy(m(batch[0]), batch[1])
+
+    result = local_sensitivity(model, data, candidates=["fp8_e4m3"], loss_fn=loss_fn)
+    assert result.meta["one_at_a_time_sites"] == ["0"]
+    assert {key[0] for key in result.results} == {"0", "2"} and len(result.results) == 12
+    with pytest.raises(ValueError, match="gain_format 'nvfp4' is not among the candidates"):
+        local_sensitivity(model, data, candidates=["fp8_e4m3"], loss_fn=loss_fn, gain_format="nvfp4")

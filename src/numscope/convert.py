@@ -713,6 +713,18 @@ def convert(
     return model
 
 
+def quantize_operand(
+    spec: OperandSpec, tensor: torch.Tensor, axis: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``tensor``, an operand in its GEMM's layout contracted along ``axis``, quantized as :func:`convert`
+    quantizes an operand of that spec (its scaling, blocks along ``axis``, rounding and transform), as
+    float32 values; a spec with delayed scaling takes the current amax (a first step). For measuring what
+    one operand's quantization does without converting a model."""
+    if spec.is_high:
+        return tensor.detach().float()
+    return _Quantizer(Plan(SiteSpec.uniform(spec)), generator).quantize("operand", spec, tensor, axis)
+
+
 def unconvert(model: nn.Module) -> nn.Module:
     """Undo :func:`convert` (the model computes exactly as before it); returns the model."""
     entry = _entry(model)

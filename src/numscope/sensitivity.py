@@ -37,12 +37,12 @@ from numscope._callable import make_callable as _make_callable
 from numscope._names import exact_pattern
 from numscope._rng import fork_rng
 from numscope.analysis import ALL, OperandKey, Sensitivity
-from numscope.convert import convert, unconvert
+from numscope.convert import convert, quantize_operand, unconvert
 from numscope.formats.spec import get_format
 from numscope.plan import HIGH, OperandSpec, Plan, Rule, SiteSpec
 from numscope.sites import attach, attached, operand_sizes
 from numscope.sites import sites as find_sites
-from numscope.vocab import OPERANDS
+from numscope.vocab import OPERANDS, Gemm, Operand
 
 PLAN_LABEL = "plan"
 GRANULARITIES = ("site", "operand")
@@ -317,3 +317,273 @@ def _describe(value: Any) -> str:
 
 
 _make_callable(__name__, "sensitivity")
+
+
+# -- the local method: every operand and format from a few passes per batch ---------------------------------
+
+METHODS = ("local", "one_at_a_time")
+"""How :func:`local_sensitivity` and :func:`sensitivity` measure an operand's sensitivity."""
+
+#: site kinds whose operands the local method measures at their GEMM (the others: one at a time)
+LOCAL_KINDS = ("linear", "conv1d", "matmul", "sdpa")
+#: site kinds whose wgrad output is a weight's gradient (its error changes that gradient and nothing else)
+WEIGHT_KINDS = ("linear", "conv1d")
+
+
+def _mm(x: torch.Tensor, x_axis: int, y: torch.Tensor, y_axis: int) -> torch.Tensor:
+    """The GEMM of two operands in numscope's layout: contracted along their given axes."""
+    return torch.matmul(x.movedim(x_axis, -1).float(), y.movedim(y_axis, -2).float())
+
+
+def _power(x: torch.Tensor) -> float:
+    return float(x.double().pow(2).sum())
+
+
+class _LocalErrors:
+    """An operand handler that measures, for every candidate, each operand's error at its own GEMM.
+
+    Per site and batch, in backward (every operand of the site is then at hand): fprop's input and weight
+    by Σ over the output's rows of ⟨dY, ΔY⟩² (ΔY: the output's change when the operand alone is quantized,
+    dY: the output's gradient; the loss change's second moment), dgrad's and wgrad's operands by ‖ΔOut‖²
+    (the change of the input gradient, or of the weight gradient, that their GEMM computes). Returns every
+    operand unchanged."""
+
+    def __init__(self, specs: Mapping[str, OperandSpec], sites: set[str]) -> None:
+        self.specs = dict(specs)
+        self.sites = sites
+        self.pending: dict[str, dict[tuple[str, str], tuple[torch.Tensor, int]]] = {}
+        self.values: dict[OperandKey, dict[str, float]] = {}
+
+    def wants(self, site: Any) -> bool:
+        return site.name in self.sites
+
+    def __call__(self, site: Any, gemm: str, operand: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        entry = self.pending.setdefault(site.name, {})
+        entry[(gemm, operand)] = (tensor.detach(), axis)
+        partner = next(o for o in OPERANDS[gemm] if o != operand)
+        if gemm != Gemm.FPROP and (gemm, partner) in entry:
+            self._backward(site.name, gemm, entry)
+        return tensor
+
+    def _quantized(self, label: str, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        return quantize_operand(self.specs[label], tensor, axis)
+
+    def _add(self, key: OperandKey, label: str, value: float) -> None:
+        per = self.values.setdefault(key, {})
+        per[label] = per.get(label, 0.0) + value
+
+    def _backward(self, site: str, gemm: str, entry: dict) -> None:
+        first, second = OPERANDS[gemm]
+        (a, a_axis), (b, b_axis) = entry.pop((gemm, first)), entry.pop((gemm, second))
+        for label in self.specs:
+            change = _mm(self._quantized(label, a, a_axis) - a.float(), a_axis, b, b_axis)
+            self._add((site, gemm, first), label, _power(change))
+            change = _mm(a, a_axis, self._quantized(label, b, b_axis) - b.float(), b_axis)
+            self._add((site, gemm, second), label, _power(change))
+        # fprop's operands, once its output's gradient is known (grad_output: `first` of both backward GEMMs)
+        if (Gemm.FPROP, Operand.INPUT) in entry and (Gemm.FPROP, Operand.WEIGHT) in entry:
+            gradient = a.float() if gemm == Gemm.DGRAD or a.dim() == 2 else None
+            x, x_axis = entry.pop((Gemm.FPROP, Operand.INPUT))
+            w, w_axis = entry.pop((Gemm.FPROP, Operand.WEIGHT))
+            if gradient is None:
+                return
+            for label in self.specs:
+                for operand, change in (
+                    (Operand.INPUT, _mm(self._quantized(label, x, x_axis) - x.float(), x_axis, w, w_axis)),
+                    (Operand.WEIGHT, _mm(x, x_axis, self._quantized(label, w, w_axis) - w.float(), w_axis)),
+                ):
+                    if change.numel() != gradient.numel():
+                        continue
+                    rows = (change * gradient.reshape(change.shape)).sum(-1)
+                    self._add((site, Gemm.FPROP, operand), label, _power(rows))
+
+    def end_batch(self) -> dict[OperandKey, dict[str, float]]:
+        """This batch's values, and a fresh start for the next one."""
+        values, self.values = self.values, {}
+        self.pending.clear()
+        return values
+
+
+def _group(kind: str, gemm: str) -> str:
+    """The group an operand's gain is measured for: its GEMM role, and whether its site has a weight."""
+    return f"{'weight' if kind in WEIGHT_KINDS else 'activation'}:{gemm}"
+
+
+def _groups(
+    targets: Sequence[OperandKey], local_sites: set[str], kinds: Mapping[str, str], depth_bins: int
+) -> dict[str, list[OperandKey]]:
+    """The operands of the local sites by group (:func:`_group`), each group cut into ``depth_bins``
+    consecutive runs of its sites in call order (``weight:fprop@0`` the first): an error travels through
+    what follows it, so its gain depends on where it enters."""
+    by_role: dict[str, list[OperandKey]] = {}
+    for key in targets:
+        if key[0] in local_sites:
+            by_role.setdefault(_group(kinds[key[0]], key[1]), []).append(key)
+    groups: dict[str, list[OperandKey]] = {}
+    for role, keys in by_role.items():
+        names = list(dict.fromkeys(key[0] for key in keys))
+        bins = max(1, min(depth_bins, len(names)))
+        for index, name in enumerate(names):
+            group = f"{role}@{index * bins // len(names)}"
+            groups.setdefault(group, []).extend(key for key in keys if key[0] == name)
+    return groups
+
+
+def local_sensitivity(
+    model: nn.Module,
+    batches: Iterable[Any],
+    *,
+    candidates: Sequence[str],
+    loss_fn: LossFn | None = None,
+    sites: Sequence[str] | None = None,
+    gain_format: str | None = None,
+    depth_bins: int = 4,
+    seed: int = 0,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> Sensitivity:
+    """Every operand's sensitivity in every candidate, at a cost that does not grow with the operand count.
+
+    One forward and backward pass per batch measures, for every operand of every site and every candidate,
+    the operand's error where it enters its GEMM (:class:`_LocalErrors`): an fprop operand by the second
+    moment of the loss change its output error makes, Σ over output rows of ⟨dY, ΔY⟩²; a dgrad or wgrad
+    operand by the power of the gradient error its GEMM's output carries, ‖ΔOut‖². A wgrad operand of a
+    weight's site changes that weight's gradient and nothing else: its ‖ΔOut‖² *is* the parameter gradient's
+    error. The others travel on through the model; how far is measured, not assumed: one more pass per
+    batch and group of operands (fprop, dgrad of weight sites; fprop, dgrad, wgrad of activation products
+    such as attention's) quantizes the whole group in ``gain_format`` (default: the candidate with the
+    fewest bits, whose errors are the largest) and gives the group's **gain**, the parameter gradient's
+    error power over the sum of the group's local values. An operand's estimate is its local value times
+    its group's gain (each group cut into ``depth_bins`` runs of sites in call order, each with its own
+    gain: an error's reach depends on where it enters), as ``grad_rel_error`` = √(estimate / ‖g‖²): the
+    metric :func:`sensitivity` measures one operand at a time, which the advisor's sensitivity objective
+    reads (docs/forecast.md compares them).
+
+    Cost per batch: 2 + (groups present, at most 5, times ``depth_bins``) passes, plus the measurement's
+    own GEMMs (five per site and candidate, each the size of one of the site's GEMMs); sites of other kinds
+    (convolutions, recurrent cells) are measured one at a time (:func:`sensitivity`). Run in eval mode (no
+    dropout); the model, its gradients and its training flags are left as they were."""
+    labels = tuple(dict.fromkeys(get_format(c).name for c in candidates))
+    if not labels:
+        raise ValueError("local_sensitivity needs at least one candidate format")
+    if gain_format is None:
+        gain_format = min(labels, key=lambda name: (get_format(name).bits_per_element, labels.index(name)))
+    elif get_format(gain_format).name not in labels:
+        raise ValueError(f"gain_format {gain_format!r} is not among the candidates ({', '.join(labels)})")
+    gain_format = get_format(gain_format).name
+    data = list(batches)
+    if not data:
+        raise ValueError("local_sensitivity needs at least one batch")
+    if attached(model):
+        raise ValueError(
+            "local_sensitivity needs a model without numscope handlers attached (it converts the model "
+            f"itself); attached: {', '.join(attached(model))}"
+        )
+    loss_fn = loss_fn or default_loss
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    if not parameters:
+        raise ValueError("the model has no parameters that require gradients")
+    saved_grads = [p.grad for p in parameters]
+    training = {name: module.training for name, module in model.named_modules()}
+    model.train(False)
+    run = _Runner(model, parameters, data, loss_fn, False, seed)
+    try:
+        keeper = attach(model, _KeepSites(), name=HANDLER_NAME)
+        try:
+            reference = run()
+            targets = _targets(model, sites, "operand")
+            kinds = {site.name: site.kind for site in find_sites(model)}
+        finally:
+            keeper.remove()
+        local_sites = {name for name, _, _ in targets if kinds.get(name) in LOCAL_KINDS}
+        others = sorted({name for name, _, _ in targets if name not in local_sites})
+        specs = {label: OperandSpec(label) for label in labels}
+        measuring = _LocalErrors(specs, local_sites)
+        handle = attach(model, measuring, name=HANDLER_NAME)
+        per_batch: list[dict[OperandKey, dict[str, float]]] = []
+        try:
+            for batch in data:
+                _Runner(model, parameters, [batch], loss_fn, False, seed)()
+                per_batch.append(measuring.end_batch())
+        finally:
+            handle.remove()
+        groups = _groups(targets, local_sites, kinds, depth_bins)
+        gains: dict[str, float] = {g: 1.0 for g in groups if g.startswith(_group("linear", Gemm.WGRAD))}
+        passes = [g for g in groups if g not in gains]
+        total = len(passes) + len(others)
+        for done, group in enumerate(passes):
+            rules = []
+            for site, gemm, operand in groups[group]:
+                spec = SiteSpec().with_operand(gemm, operand, OperandSpec(gain_format))
+                rules.append((site, spec))
+            plan = Plan(SiteSpec(), tuple(_merged_rules(rules)))
+            convert(model, plan)
+            try:
+                measured = run()
+            finally:
+                unconvert(model)
+            error = sum(
+                float((grad.double() - ref.double()).pow(2).sum())
+                for (_, grad), (_, ref) in zip(measured, reference, strict=True)
+            )
+            local = sum(
+                values.get(key, {}).get(gain_format, 0.0) for values in per_batch for key in groups[group]
+            )
+            gains[group] = error / local if local > 0 else 0.0
+            if on_progress is not None:
+                on_progress(done + 1, total)
+    finally:
+        for name, module in model.named_modules():
+            module.training = training.get(name, module.training)
+        for parameter, grad in zip(parameters, saved_grads, strict=True):
+            parameter.grad = grad
+    gradient_power = sum(float(ref.double().pow(2).sum()) for _, ref in reference) / len(reference)
+    results: dict[OperandKey, dict[str, dict[str, float]]] = {}
+    for group, keys in groups.items():
+        for key in keys:
+            for label in labels:
+                estimate = gains[group] * sum(v.get(key, {}).get(label, 0.0) for v in per_batch) / len(data)
+                results.setdefault(key, {})[label] = {
+                    "grad_rel_error": math.sqrt(estimate / gradient_power) if gradient_power > 0 else 0.0,
+                    "local": estimate,
+                }
+    meta: dict[str, Any] = {
+        "batches": len(data),
+        "train_mode": False,
+        "targets": len(targets),
+        "method": "local",
+        "gain_format": gain_format,
+        "gains": gains,
+        "passes_per_batch": 2 + len(passes),
+    }
+    if others:  # sites the local method does not read: one operand at a time
+        measured_alone = sensitivity(
+            model,
+            data,
+            candidates=list(labels),
+            loss_fn=loss_fn,
+            sites=others,
+            granularity="operand",
+            seed=seed,
+            on_progress=(lambda d, t: on_progress(len(passes) + d, len(passes) + t)) if on_progress else None,
+        )
+        results.update(measured_alone.results)
+        meta["one_at_a_time_sites"] = others
+    return Sensitivity(
+        candidates=labels,
+        granularity="operand",
+        reference_loss=[loss for loss, _ in reference],
+        results=results,
+        meta=meta,
+    )
+
+
+def _merged_rules(rules: list[tuple[str, SiteSpec]]) -> list[Rule]:
+    """One exact rule per site, its operands' specs merged (a group may hold several operands of a site)."""
+    merged: dict[str, SiteSpec] = {}
+    for site, spec in rules:
+        current = merged.get(site, SiteSpec())
+        for (gemm, operand), operand_spec in spec.operands.items():
+            if operand_spec.format != HIGH:
+                current = current.with_operand(gemm, operand, operand_spec)
+        merged[site] = current
+    return [Rule(exact_pattern(site), spec) for site, spec in merged.items()]

@@ -12,6 +12,7 @@ from pathlib import Path
 from numscope.cli.advice import _register_calibrate, _register_recommend
 from numscope.cli.common import CLIError, render_table
 from numscope.cli.demo import _register_demo
+from numscope.cli.forecast import _register_forecast
 from numscope.cli.info import _cmd_formats, _cmd_recipes, formats_table
 from numscope.cli.runs import (
     _register_analyze,
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_demo,
     _register_analyze,
+    _register_forecast,
     _register_recommend,
     _register_train,
     _register_compare,

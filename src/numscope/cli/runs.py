@@ -39,6 +39,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         sensitivity_granularity=args.sensitivity_granularity,
         sensitivity_formats=sensitivity_formats(args.sensitivity_formats),
         sensitivity_early=args.sensitivity_early,
+        sensitivity_method=args.sensitivity_method and args.sensitivity_method.replace("-", "_"),
         progress=not args.no_progress,
     )
     if _launched_as_rank_zero():
@@ -103,6 +104,19 @@ def add_sensitivity_early(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_sensitivity_method(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sensitivity-method",
+        choices=("local", "one-at-a-time"),
+        default=None,
+        help="local: every operand and format from a few passes per batch (each operand's error at its own "
+        "GEMM, times the gain its group of GEMMs shows when quantized whole: numscope.sensitivity."
+        "local_sensitivity; operands only); one-at-a-time: one pass per operand (or site) and format, as "
+        "before (default: local, one-at-a-time with --sensitivity-granularity site; docs/forecast.md "
+        "compares them)",
+    )
+
+
 def _register_analyze(sub: argparse._SubParsersAction) -> None:
     from numscope.run.runner import AUTO_SENSITIVITY_BATCHES
     from numscope.workflow import DEFAULT_CANDIDATES
@@ -153,6 +167,7 @@ def _register_analyze(sub: argparse._SubParsersAction) -> None:
     )
     add_sensitivity_formats(p)
     add_sensitivity_early(p)
+    add_sensitivity_method(p)
     p.add_argument(
         "--tensorboard",
         metavar="LOGDIR",

@@ -216,6 +216,10 @@ def _torchao_rowwise_with_gw_hp(sites: list[str] | None) -> Plan:
     return linear_only(SiteSpec(operands, FAST_FPROP))
 
 
+def _torchao_mxfp8(sites: list[str] | None) -> Plan:
+    return linear_only(SiteSpec.uniform("mxfp8_e4m3"))
+
+
 def _mxfp4_tseng(sites: list[str] | None) -> Plan:
     operands = {}
     for gemm, operand in OPERAND_KEYS:
@@ -330,6 +334,16 @@ RECIPES: dict[str, NamedRecipe] = {
             "(fp22)",
             _torchao_rowwise_with_gw_hp,
             _TORCHAO_CODE,
+        ),
+        NamedRecipe(
+            "torchao_mxfp8",
+            "torchao, MXLinearConfig.from_recipe_name('mxfp8_cublas') (torchao.prototype.mx_formats)",
+            "MXFP8 E4M3 for every operand, E8M0 block scales by the OCP rule (floor), blocks of 32",
+            "blocks along each GEMM's contraction axis; fp32 accumulation; torchao's 'mxfp8_cublas_rceil' "
+            "rounds the scale up instead (te_mxfp8's numerics); torchao 0.18's MX training drops a Linear's "
+            "bias and needs every dimension a multiple of 32, which this emulation does not",
+            _torchao_mxfp8,
+            "pytorch/ao: torchao/prototype/mx_formats/config.py (MXLinearRecipeName), README.md",
         ),
         NamedRecipe(
             "mxfp4_tseng2025",

@@ -865,3 +865,57 @@ def plan_history_figure(
     bottom.set_xlim(0, steps)
     bottom.legend(loc="upper right")
     return _png(fig)
+
+
+def forecast_figure(rows: Sequence[Mapping], noise: float | None, title: str) -> bytes:
+    """A forecast: every plan's average bits against its predicted gap to FP32 with its interval; the plans
+    no other plan beats in both (fewer or equal bits and a smaller predicted gap) joined as the front and
+    labelled in bold; numscope's own plans starred. The band is ± twice FP32's seed-to-seed standard
+    deviation where it was measured. rows: ``name``, ``bits``, ``gap``, ``low``, ``high``, ``numscope``."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    finite = [r for r in rows if math.isfinite(r["gap"])]
+    front = []
+    for row in sorted(finite, key=lambda r: (r["bits"], r["gap"])):
+        if not front or row["gap"] < front[-1]["gap"]:
+            front.append(row)
+    on_front = {id(r) for r in front}
+    if front:
+        ax.plot(
+            [r["bits"] for r in front],
+            [r["gap"] for r in front],
+            color="#2ca02c",
+            linewidth=1.2,
+            alpha=0.6,
+            label="front (fewest bits for its gap)",
+            zorder=1,
+        )
+    for row in finite:
+        ours = bool(row.get("numscope"))
+        colour = "#d62728" if ours else _BAR_COLOUR
+        low, high = row["gap"] - row["low"], row["high"] - row["gap"]
+        ax.errorbar(
+            row["bits"],
+            row["gap"],
+            yerr=[[max(low, 0.0)], [max(high, 0.0)]],
+            fmt="*" if ours else "o",
+            color=colour,
+            markersize=11 if ours else 6,
+            capsize=2,
+            zorder=3,
+        )
+        ax.annotate(
+            row["name"],
+            (row["bits"], row["gap"]),
+            fontsize=7,
+            xytext=(4, 3),
+            textcoords="offset points",
+            fontweight="bold" if id(row) in on_front else "normal",
+        )
+    if noise is not None and math.isfinite(noise):
+        ax.axhspan(-2 * noise, 2 * noise, color="#222222", alpha=0.07, label="±2 sd FP32 seed noise")
+    ax.axhline(0.0, color=_REFERENCE_COLOUR, linewidth=0.8)
+    ax.set_xlabel("average bits per GEMM operand element")
+    ax.set_ylabel("predicted validation-loss gap to FP32 (nats)")
+    ax.set_title(title)
+    ax.legend(loc="upper right", fontsize=7)
+    return _png(fig)

@@ -136,6 +136,7 @@ def train_run(
     compiled: bool | str = "auto",
     replace_changed: bool = False,
     adaptive: AdaptiveConfig | None = None,
+    save_optimizer: bool = False,
 ) -> RunResult:
     """Train one run (or resume it, or return its finished result) and write its files to ``out_dir``.
 
@@ -147,6 +148,8 @@ def train_run(
     once per optimizer step and whose ``analysis()`` is saved to ``out_dir/analysis`` at the end.
     objective: ``mlm`` (masked LM), ``clm`` (causal LM) or an :class:`Objective`.
     save_model: also write the trained parameters to ``out_dir/model.pt`` (atomically).
+    save_optimizer: with ``save_model``, the optimizer's final state too (``model.pt``'s ``"optimizer"``:
+        Adam's moments, what :func:`numscope.forecast.measure.adam_preconditioner` reads).
     compiled: whether the plan's quantizers run compiled (:func:`numscope.convert`'s ``compiled``).
     replace_changed: what to do with a folder holding a run (finished or not) of another plan or training
         configuration (the ``plan.yaml`` and ``train.json`` it wrote): False raises :class:`RunError`;
@@ -355,7 +358,10 @@ def train_run(
     )
     if writer:
         if save_model:
-            save_checkpoint(out_dir / "model.pt", {"model": model.state_dict()})
+            kept = {"model": model.state_dict()}
+            if save_optimizer:
+                kept["optimizer"] = optimizer.state_dict()
+            save_checkpoint(out_dir / "model.pt", kept)
         atomic_write_text(result_path, json.dumps(result.to_dict(), indent=1))
         if checkpoint_path.exists():
             checkpoint_path.unlink()

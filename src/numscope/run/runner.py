@@ -55,7 +55,15 @@ from numscope.sites import sites as list_sites
 from numscope.train.adaptive import AdaptiveConfig
 from numscope.train.checkpoint import save_checkpoint
 
-__all__ = ["DEFAULT_CANDIDATES", "REFERENCE_FORMAT", "analyze", "evaluate", "plan_and_source", "train"]
+__all__ = [
+    "DEFAULT_CANDIDATES",
+    "REFERENCE_FORMAT",
+    "analyze",
+    "evaluate",
+    "plan_and_source",
+    "prepare",
+    "train",
+]
 
 
 DEFAULT_CANDIDATES: tuple[str, ...] = OBSERVED_BY_DEFAULT
@@ -93,6 +101,15 @@ def _prepare_run(
             check_interface(model, probe, example)
         convert(probe, plan, example_inputs={k: v for k, v in example.items() if k != "labels"})
     return prepared, factory, resolved
+
+
+def prepare(
+    model: str, data: DataSettings, config: TrainConfig, objective: str = "auto"
+) -> tuple[RunData, Callable[[], nn.Module], str]:
+    """What a run on ``model`` trains with, checked as :func:`train` checks it: the data (with the
+    tokenizer a checkpoint folder brings), a factory of the model and the objective resolved."""
+    data = settle_tokenizer(model, data, objective)
+    return _prepare_run(model, data, config, objective, Plan.uniform("fp32"))
 
 
 def _settings(
@@ -150,6 +167,8 @@ def analyze(
     sensitivity_granularity: str = "site",
     sensitivity_formats: Sequence[str] | str | None = None,
     sensitivity_early: int | str | None = None,
+    keep_optimizer: bool = False,
+    sensitivity_method: str | None = None,
 ) -> RunResult:
     """Train ``model`` in FP32 on ``data`` and observe every GEMM operand every ``every`` steps.
 
@@ -172,6 +191,12 @@ def analyze(
     ``"auto"``: step :data:`AUTO_SENSITIVITY_EARLY` where the sensitivity is measured and the run has at
     least :data:`AUTO_EARLY_MIN_STEPS` steps, else none. Off by default: on three families it was better
     once and tied twice (docs/plan-study.md), and it doubles the sensitivity's cost.
+    ``sensitivity_method``: ``"local"`` (every operand and format from a few passes per batch,
+    :func:`numscope.sensitivity.local_sensitivity`; per operand only) or ``"one_at_a_time"``
+    (:func:`numscope.sensitivity`, one pass per operand or site and format); None: local per operand, one
+    at a time per site.
+    ``keep_optimizer``: keep the trained model and the optimizer's final state in ``out/model.pt`` (what
+    the forecast weighs gradient errors with).
     Under ``torchrun`` with ``WORLD_SIZE`` > 1 it trains with DDP over gloo, as :func:`train`; the observer
     merges each sampled step across the ranks (:mod:`numscope.distributed`), and rank 0 writes.
     """
@@ -202,6 +227,17 @@ def analyze(
     measured_formats = _sensitivity_formats(sensitivity_formats, names)
     if sensitivity_granularity not in ("site", "operand"):
         raise WorkflowError(f"--sensitivity-granularity {sensitivity_granularity!r}: allowed: site, operand")
+    if sensitivity_method is None:
+        sensitivity_method = "local" if sensitivity_granularity == "operand" else "one_at_a_time"
+    if sensitivity_method not in SENSITIVITY_METHODS:
+        raise WorkflowError(
+            f"--sensitivity-method {sensitivity_method!r}: allowed: {', '.join(SENSITIVITY_METHODS)}"
+        )
+    if sensitivity_method == "local" and sensitivity_granularity != "operand":
+        raise WorkflowError(
+            "--sensitivity-method local measures every operand; with --sensitivity-granularity site use "
+            "--sensitivity-method one_at_a_time"
+        )
     if sensitivity_early == "auto":
         long_enough = config.steps >= AUTO_EARLY_MIN_STEPS
         sensitivity_early = AUTO_SENSITIVITY_EARLY if sensitivity_batches and long_enough else None
@@ -226,6 +262,8 @@ def analyze(
             extra["sensitivity_granularity"] = sensitivity_granularity
         if sensitivity_batches and measured_formats != names:
             extra["sensitivity_formats"] = measured_formats
+        if sensitivity_batches and sensitivity_method != "one_at_a_time":
+            extra["sensitivity_method"] = sensitivity_method
         settings = _settings(
             "analyze", model, objective, data, config, candidates=names, every=every, plan="fp32", **extra
         )
@@ -270,7 +308,8 @@ def analyze(
                     step_done,
                     observer,
                     objective=resolved,
-                    save_model=bool(sensitivity_batches),
+                    save_model=bool(sensitivity_batches) or keep_optimizer,
+                    save_optimizer=keep_optimizer,
                 )
             finally:
                 close()
@@ -286,6 +325,7 @@ def analyze(
                 sensitivity_granularity,
                 progress and writer,
                 early=sensitivity_early is not None,
+                method=sensitivity_method,
             )
         if writer:
             _write_tensorboard(out_dir, tensorboard)
@@ -312,6 +352,9 @@ def _sensitivity_formats(asked: Sequence[str] | str | None, names: list[str]) ->
         chosen.append(label)
     return list(dict.fromkeys(chosen)) or list(names)
 
+
+SENSITIVITY_METHODS = ("local", "one_at_a_time")
+"""How ``analyze`` measures the sensitivity (:data:`numscope.sensitivity.METHODS`)."""
 
 AUTO_SENSITIVITY_EARLY = 20
 """The step whose model ``--sensitivity-early auto`` measures the sensitivity on beside the trained one: the
@@ -343,14 +386,16 @@ def measure_sensitivity(
     progress: bool = False,
     sites: Sequence[str] | None = None,
     early: bool = False,
+    method: str = "one_at_a_time",
 ) -> Analysis:
     """The trained model's (``out_dir/model.pt``) sensitivity on ``count`` validation batches, stored in
     ``out_dir/analysis`` and returned with it (a progress bar of the (target, format) measurements with
     ``progress``; ``sites``: glob patterns of the sites measured, default all; ``early``: measure the early
     checkpoint ``out_dir/model_early.pt`` too and combine the two with
-    :func:`numscope.sensitivity.combine_sensitivities`, normalised by the candidate with the fewest bits);
-    skipped when the analysis already holds it (a finished run asked again)."""
-    from numscope.sensitivity import combine_sensitivities, sensitivity
+    :func:`numscope.sensitivity.combine_sensitivities`, normalised by the candidate with the fewest bits;
+    ``method``: ``"local"`` (:func:`numscope.sensitivity.local_sensitivity`, per operand) or
+    ``"one_at_a_time"``); skipped when the analysis already holds it (a finished run asked again)."""
+    from numscope.sensitivity import combine_sensitivities, local_sensitivity, sensitivity
     from numscope.train.checkpoint import load_checkpoint
 
     analysis = Analysis.load(out_dir / "analysis")
@@ -371,7 +416,8 @@ def measure_sensitivity(
         model = factory()
         model.load_state_dict(load_checkpoint(path)["model"])
         which = "" if path.name == "model.pt" else f", {path.stem}"
-        desc = f"sensitivity (per {granularity}, {count} batches{which})"
+        how = "local, per operand" if method == "local" else f"per {granularity}"
+        desc = f"sensitivity ({how}, {count} batches{which})"
         bar = tqdm(desc=desc, disable=not progress, leave=True)
 
         def advance(done: int, total: int, bar: Any = bar) -> None:
@@ -380,16 +426,23 @@ def measure_sensitivity(
             bar.refresh()
 
         try:
-            measured.append(
-                sensitivity(
-                    model,
-                    batches,
-                    candidates=list(candidates),
-                    granularity=granularity,
-                    sites=sites,
-                    on_progress=advance,
+            if method == "local":
+                measured.append(
+                    local_sensitivity(
+                        model, batches, candidates=list(candidates), sites=sites, on_progress=advance
+                    )
                 )
-            )
+            else:
+                measured.append(
+                    sensitivity(
+                        model,
+                        batches,
+                        candidates=list(candidates),
+                        granularity=granularity,
+                        sites=sites,
+                        on_progress=advance,
+                    )
+                )
         finally:
             bar.close()
     if len(measured) == 1:

@@ -1,0 +1,120 @@
+"""``numscope forecast``: every recipe of a training stack and numscope's plans, predicted on your model
+from one observed FP32 run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from numscope.cli.common import _add_run_flags, _int_at_least, _run_inputs, render_table
+
+
+def _cmd_forecast(args: argparse.Namespace) -> int:
+    from numscope.forecast import ForecastSettings, forecast
+
+    data, config = _run_inputs(args)
+    settings = ForecastSettings(
+        target=args.target,
+        seeds=args.seeds,
+        batches=args.batches,
+        val_blocks=args.measure_blocks,
+        sensitivity_batches=args.sensitivity,
+        every=args.every,
+        lr_rule=args.lr_rule,
+    )
+    result = forecast(
+        args.model,
+        data,
+        args.out,
+        config=config,
+        settings=settings,
+        objective=args.objective,
+        progress=not args.no_progress,
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print(render_table(result.table()))
+    noise = "not measured (--seeds 1)" if result.noise is None else f"{result.noise:.4f} nats"
+    print(
+        f"\nFP32 validation loss per seed: {', '.join(f'{v:.4f}' for v in result.fp32_losses)}; "
+        f"seed sd {noise}; "
+        f"'beyond noise': the predicted gap exceeds 2 sd. Interval: the measurement's spread and the "
+        "predictor's factor 2 (docs/forecast.md: how the predictions compared with trained runs)."
+    )
+    print(
+        f"took {result.seconds['total']:.0f}s: "
+        + ", ".join(f"{name} {value:.0f}s" for name, value in result.seconds.items() if name != "total")
+    )
+    for kind, path in result.files.items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+def _register_forecast(sub: argparse._SubParsersAction) -> None:
+    from numscope.forecast import ForecastSettings
+    from numscope.plan.targets import STACKS
+
+    defaults = ForecastSettings()
+    p = sub.add_parser(
+        "forecast",
+        help="predict every recipe of a training stack (and numscope's plans) on your model from one FP32 "
+        "run",
+        description="Fine-tune your model briefly in FP32 (observed), then put every recipe of a training "
+        "stack and numscope's own plans at two budgets side by side: each with its average bits, its loss "
+        "gap to FP32 predicted from that run alone (the loss its forward adds to the trained model, plus the "
+        "update noise its gradient error adds, weighed by Adam's preconditioner), an interval, whether the "
+        "gap lies beyond FP32's seed noise and which GEMMs stay high. Writes forecast.json, forecast.md, "
+        "forecast.png and every plan's YAML into --out; finished runs are reused on a rerun.",
+    )
+    _add_run_flags(p)
+    group = p.add_argument_group("forecast")
+    group.add_argument(
+        "--target",
+        choices=STACKS,
+        default=defaults.target,
+        help="the training stack whose recipes are forecast (default: %(default)s)",
+    )
+    group.add_argument(
+        "--seeds",
+        type=_int_at_least(1),
+        default=defaults.seeds,
+        metavar="N",
+        help="FP32 runs, the first observed; 2 or more measure the seed noise each gap is judged "
+        "against (default: %(default)s)",
+    )
+    group.add_argument(
+        "--batches",
+        type=_int_at_least(1),
+        default=defaults.batches,
+        metavar="N",
+        help="training batches each plan's gradient error is measured on (default: %(default)s)",
+    )
+    group.add_argument(
+        "--measure-blocks",
+        type=_int_at_least(1),
+        default=defaults.val_blocks,
+        metavar="N",
+        help="validation blocks each plan's forward loss change is measured on (default: %(default)s)",
+    )
+    group.add_argument(
+        "--sensitivity",
+        type=_int_at_least(1),
+        default=defaults.sensitivity_batches,
+        metavar="N",
+        help="validation batches of the local sensitivity numscope's plans are chosen from "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--every",
+        type=_int_at_least(1),
+        default=defaults.every,
+        metavar="K",
+        help="observe every K-th step (default: %(default)s)",
+    )
+    group.add_argument(
+        "--lr-rule",
+        choices=("mean", "final", "peak"),
+        default=defaults.lr_rule,
+        help="the learning rate the update noise is weighed with: the run's mean, final or peak "
+        "rate (default: %(default)s; docs/forecast.md)",
+    )
+    p.set_defaults(func=_cmd_forecast)

@@ -1,0 +1,369 @@
+"""``numscope forecast``: one short FP32 fine-tune, observed, then every recipe of a training stack and
+numscope's own plans at two budgets, each with its average bits and its gap to FP32 predicted from that run
+alone (:mod:`numscope.forecast.predict`), in one table, a JSON file and a figure.
+
+Stages (each reports progress): (1) FP32, observed, on the first seed: the analysis, the local
+sensitivity of every operand (:func:`numscope.sensitivity.local_sensitivity`), the trained model and
+Adam's state; (2) FP32 on the other seeds, unobserved: the seed noise the gaps are judged against;
+(3) numscope's plans for the stack at two budgets (the sensitivity objective); (4) every plan's effect on
+the trained model (:func:`numscope.forecast.measure.measure_plans`); (5) the predictions."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from numscope._atomic import atomic_write_bytes, atomic_write_text
+from numscope.analysis import Analysis
+from numscope.errors import NumscopeError
+from numscope.forecast.measure import PlanEffect, adam_preconditioner, measure_plans
+from numscope.forecast.predict import ACCURACY, LR_RULES, effective_lr, predict, signal_lost, table_row
+from numscope.forecast.stacks import StackPlan, stack_plans
+from numscope.plan import HIGH, Plan
+from numscope.plan.targets import LINEAR_KINDS, STACKS, get_target
+
+
+class ForecastError(NumscopeError, ValueError):
+    """A forecast that cannot be made as asked: an unknown stack, too few seeds or batches."""
+
+
+@dataclass(frozen=True)
+class ForecastSettings:
+    """What a forecast measures besides the FP32 run's training (counts of batches, blocks and seeds)."""
+
+    target: str = "te"
+    seeds: int = 2
+    """FP32 runs, the first observed: with 2 or more the seed noise is measured and each gap judged
+    against it."""
+    batches: int = 2
+    """Training batches each plan's gradient error is measured on."""
+    val_blocks: int = 32
+    """Validation blocks each plan's forward loss change is measured on (the run's own evaluation, on the
+    same tokens for every plan)."""
+    sensitivity_batches: int = 2
+    """Validation batches the local sensitivity (numscope's plans) is measured on."""
+    every: int = 25
+    """The observer's sampling interval (steps)."""
+    lr_rule: str = "mean"
+    """How the run's learning rates weigh the update noise
+    (:func:`numscope.forecast.predict.effective_lr`)."""
+
+    def __post_init__(self) -> None:
+        if self.target not in STACKS:
+            raise ForecastError(f"--target {self.target!r}: a training stack, one of {', '.join(STACKS)}")
+        for name, minimum in (
+            ("seeds", 1),
+            ("batches", 1),
+            ("val_blocks", 1),
+            ("sensitivity_batches", 1),
+            ("every", 1),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ForecastError(
+                    f"--{name.replace('_', '-')} must be an integer >= {minimum}; got {value!r}"
+                )
+        if self.lr_rule not in LR_RULES:
+            raise ForecastError(f"--lr-rule {self.lr_rule!r}: allowed: {', '.join(LR_RULES)}")
+
+
+def _candidates(target: str) -> list[str]:
+    from numscope.run.runner import DEFAULT_CANDIDATES
+
+    formats = [f for recipe in get_target(target).recipes for f in recipe.measured]
+    return list(dict.fromkeys([*DEFAULT_CANDIDATES, *formats]))
+
+
+def _high_summary(plan: Plan, sites: Sequence[tuple[str, str]]) -> str:
+    """Which GEMMs a plan keeps high, in a few words: whole sites by kind (attention products, linear
+    sites, with the first few named), then single GEMMs by role."""
+    whole_linear, whole_other, gemms = [], 0, {}
+    for name, kind in sites:
+        spec = plan.for_site(name)
+        if spec.is_high:
+            if kind in LINEAR_KINDS:
+                whole_linear.append(name)
+            else:
+                whole_other += 1
+            continue
+        for (gemm, _operand), operand_spec in spec.operands.items():
+            if operand_spec.format == HIGH:
+                gemms.setdefault(gemm, set()).add(name)
+    parts = []
+    if whole_other:
+        parts.append(f"{whole_other} attention/matmul sites")
+    if whole_linear:
+        shown = ", ".join(
+            n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] if "." in n else n for n in whole_linear[:2]
+        )
+        more = f" +{len(whole_linear) - 2}" if len(whole_linear) > 2 else ""
+        parts.append(f"{len(whole_linear)} linear site{'s' if len(whole_linear) > 1 else ''} ({shown}{more})")
+    for gemm, names in gemms.items():
+        parts.append(f"{gemm} of {len(names)} sites")
+    return "; ".join(parts) or "none"
+
+
+def _budgets(analysis: Analysis, target: str) -> tuple[float, float]:
+    """numscope's two budgets for ``target``: a third and two thirds of the way from the stack's cheapest
+    recipe (everything it converts in it) to its 8-bit one (or, where the two lie within a bit, to
+    everything high)."""
+    from numscope.advisor.target import recipe_bits
+
+    bits = recipe_bits(analysis, get_target(target), analysis.candidates)
+    low = min(bits.values())
+    high = max(bits.values())
+    if high - low < 1.0:
+        high = 32.0
+    return low + (high - low) / 3, low + 2 * (high - low) / 3
+
+
+def _numscope_plans(analysis: Analysis, target: str, budgets: Sequence[float]) -> list[StackPlan]:
+    from numscope.advisor import recommend, sensitivity_objective
+
+    objective = sensitivity_objective(analysis.sensitivity, None, analysis)
+    out = []
+    for budget in budgets:
+        plan = recommend(
+            analysis,
+            objective=objective,
+            bit_budget=budget,
+            target=target,
+            max_be_ratio=None,
+            max_underflow_pct=None,
+            max_overflow_pct=None,
+            min_sqnr_db=None,
+        )
+        out.append(
+            StackPlan(
+                f"numscope@{budget:.1f}", f"numscope's plan for {target} within {budget:.2f} bits", plan
+            )
+        )
+    return out
+
+
+@dataclass
+class Forecast:
+    """What :func:`forecast` found: per plan its row (bits, prediction, high GEMMs), and the run's facts."""
+
+    target: str
+    rows: list[dict[str, Any]]
+    fp32_losses: list[float]
+    noise: float | None
+    lr: float
+    files: dict[str, str]
+    seconds: dict[str, float]
+
+    def table(self) -> list[dict[str, str]]:
+        return [table_row(row["name"], row) for row in self.rows]
+
+
+def forecast(
+    model: str,
+    data: Any,
+    out: str | os.PathLike[str],
+    *,
+    config: Any = None,
+    settings: ForecastSettings | None = None,
+    objective: str = "auto",
+    progress: bool = False,
+    log: Callable[[str], None] = lambda line: None,
+) -> Forecast:
+    """Forecast every recipe of ``settings.target`` and numscope's plans on ``model`` (see the module
+    docstring); writes into ``out``: ``fp32/`` (the observed run), ``fp32-seed<k>/``, ``plans/<name>.yaml``,
+    ``forecast.json``, ``forecast.md`` and ``forecast.png``. Finished runs are reused on a rerun."""
+    from numscope.run import runner
+    from numscope.run.config import TrainConfig
+    from numscope.run.objectives import get_objective
+    from numscope.sites import sites as list_sites
+    from numscope.train.checkpoint import load_checkpoint
+
+    settings = settings or ForecastSettings()
+    config = config if config is not None else TrainConfig()
+    folder = Path(out)
+    seconds: dict[str, float] = {}
+    began = time.perf_counter()
+    log(f"[forecast] 1/5 FP32, observed (seed {config.seed}, {config.steps} steps)")
+    observed = runner.analyze(
+        model,
+        data,
+        folder / "fp32",
+        config=config,
+        candidates=_candidates(settings.target),
+        every=settings.every,
+        objective=objective,
+        progress=progress,
+        sensitivity_batches=settings.sensitivity_batches,
+        sensitivity_granularity="operand",
+        sensitivity_formats="auto",
+        sensitivity_method="local",
+        keep_optimizer=True,
+    )
+    seconds["fp32 observed"] = time.perf_counter() - began
+    losses = [observed.val_loss]
+    for k in range(1, settings.seeds):
+        stage = time.perf_counter()
+        log(f"[forecast] 2/5 FP32, seed {config.seed + k}")
+        other = runner.train(
+            model,
+            data,
+            folder / f"fp32-seed{config.seed + k}",
+            plan="fp32",
+            config=replace(config, seed=config.seed + k),
+            objective=objective,
+            name="fp32",
+            progress=progress,
+        )
+        losses.append(other.val_loss)
+        seconds[f"fp32 seed {config.seed + k}"] = time.perf_counter() - stage
+    noise = statistics.stdev(losses) if len(losses) > 1 else None
+
+    stage = time.perf_counter()
+    log("[forecast] 3/5 numscope's plans")
+    analysis = Analysis.load(folder / "fp32" / "analysis")
+    prepared, factory, resolved = runner.prepare(model, data, config, objective)
+    state = load_checkpoint(folder / "fp32" / "model.pt")
+    if "optimizer" not in state:
+        raise ForecastError(
+            f"{folder / 'fp32'}: its model.pt holds no optimizer state; forecast into a new --out"
+        )
+    trained = factory()
+    trained.load_state_dict(state["model"])
+    task = get_objective(resolved)
+    stream = task.for_training(config.mask_probability).batches(
+        prepared.train_blocks, config.batch_size, prepared.tokenizer, config.seed + 7919, 0
+    )
+    train_batches = [batch for _, batch in zip(range(settings.batches), stream, strict=False)]
+    if len(train_batches) < settings.batches:
+        raise ForecastError(f"--batches {settings.batches}: the training split holds {len(train_batches)}")
+    example = {k: v for k, v in train_batches[0].items() if k != "labels"}
+    found = [(site.name, site.kind) for site in list_sites(trained, example)]
+    budgets = _budgets(analysis, settings.target)
+    candidates = stack_plans(settings.target, found) + _numscope_plans(analysis, settings.target, budgets)
+    plans_dir = folder / "plans"
+    plans_dir.mkdir(parents=True, exist_ok=True)
+    for entry in candidates:
+        entry.plan.save(plans_dir / f"{entry.name.replace('@', '_at_')}.yaml")
+    seconds["numscope plans"] = time.perf_counter() - stage
+
+    stage = time.perf_counter()
+    log(f"[forecast] 4/5 {len(candidates)} plans measured on the trained model")
+    val = prepared.val_blocks[: settings.val_blocks]
+    chunk = max(1, min(16, len(val)))
+
+    def evaluate(model_: torch.nn.Module) -> list[float]:
+        return [
+            task.evaluate(model_, part, prepared.tokenizer, config.seed).loss
+            for part in torch.split(val, chunk)
+        ]
+
+    parameters = [p for p in trained.parameters() if p.requires_grad]
+    effects_path = folder / "effects.json"
+    stored = json.loads(effects_path.read_text()) if effects_path.is_file() else {}
+    missing = {c.name: c.plan for c in candidates if c.name not in stored}
+    if missing:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(missing), desc="plans measured", disable=not progress, leave=True)
+
+        def advance(done: int, total: int) -> None:
+            bar.n = done
+            bar.refresh()
+
+        try:
+            measured = measure_plans(
+                trained,
+                missing,
+                train_batches,
+                evaluate,
+                adam_preconditioner(parameters, state["optimizer"]),
+                clip=config.grad_clip,
+                seed=config.seed,
+                on_progress=advance,
+            )
+        finally:
+            bar.close()
+        stored.update({name: effect.to_dict() for name, effect in measured.items()})
+        atomic_write_text(effects_path, json.dumps(stored, indent=1))
+    seconds["plans measured"] = time.perf_counter() - stage
+
+    log("[forecast] 5/5 predictions")
+    lr = effective_lr([config.lr_at(step) for step in range(config.steps)], settings.lr_rule)
+    sizes: dict[str, dict[tuple[str, str], int]] = {}
+    for (site, gemm, operand), count in analysis.elements.items():
+        sizes.setdefault(site, {})[(gemm, operand)] = count
+    rows = []
+    for entry in candidates:
+        effect = PlanEffect.from_dict(stored[entry.name])
+        prediction = predict(effect, lr, lost=signal_lost(analysis, entry.plan))
+        rows.append(
+            {
+                "name": entry.name,
+                "label": entry.label,
+                "numscope": entry.name.startswith("numscope@"),
+                "bits": entry.plan.average_bits(sizes),
+                **prediction.to_dict(),
+                "beyond_noise": prediction.beyond(noise),
+                "high_summary": _high_summary(entry.plan, found),
+                "plan": str(plans_dir / f"{entry.name.replace('@', '_at_')}.yaml"),
+                "effect": stored[entry.name],
+            }
+        )
+    seconds["total"] = time.perf_counter() - began
+    result = Forecast(settings.target, rows, losses, noise, lr, {}, seconds)
+    payload = {
+        "model": model,
+        "target": settings.target,
+        "settings": asdict(settings),
+        "train": asdict(config),
+        "fp32_val_loss": losses,
+        "fp32_seed_sd": noise,
+        "lr_effective": lr,
+        "accuracy_factor": ACCURACY,
+        "budgets": list(budgets),
+        "rows": rows,
+        "seconds": seconds,
+    }
+    json_path, table_path, figure_path = (
+        folder / "forecast.json",
+        folder / "forecast.md",
+        folder / "forecast.png",
+    )
+    atomic_write_text(json_path, json.dumps(payload, indent=1, default=_plain))
+    atomic_write_text(table_path, _markdown(result) + "\n")
+    result.files = {"json": str(json_path), "table": str(table_path)}
+    try:
+        from numscope.report.plots import forecast_figure
+
+        title = f"{settings.target}: predicted gap to FP32 ({model if len(model) < 40 else Path(model).name})"
+        atomic_write_bytes(figure_path, forecast_figure(rows, noise, title))
+        result.files["figure"] = str(figure_path)
+    except ImportError:  # matplotlib is the report's extra
+        pass
+    return result
+
+
+def _plain(value: Any) -> Any:
+    """JSON for what json cannot write (sets, paths)."""
+    return sorted(value) if isinstance(value, set) else str(value)
+
+
+def _markdown(result: Forecast) -> str:
+    rows = result.table()
+    columns = list(rows[0]) if rows else []
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(row[c] for c in columns) + " |" for row in rows]
+    noise = "not measured (one seed)" if result.noise is None else f"{result.noise:.4f} nats"
+    lines += [
+        "",
+        f"FP32 validation loss per seed: {', '.join(f'{v:.4f}' for v in result.fp32_losses)}; "
+        f"seed sd {noise}; update noise weighed with lr {result.lr:.3g}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,147 @@
+"""The forecast: what a plan does to a trained model (measured), the gap predicted from it, every recipe of
+a stack as plans, and ``numscope forecast`` end to end on a user's checkpoint folder, its numscope plan then
+trained from the file the forecast wrote."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numscope
+import tiny_models
+from numscope.forecast import PlanEffect, adam_preconditioner, measure_plans, predict, stack_plans
+from numscope.forecast.predict import agrees, effective_lr
+from numscope.plan import Plan
+from numscope.sites import attached
+
+VOCAB, SEQ = 100, 16
+
+
+def _batches(count: int, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(5, VOCAB, (4, SEQ), generator=generator)
+        labels = torch.where(torch.rand(4, SEQ, generator=generator) < 0.3, ids, torch.full_like(ids, -100))
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained() -> tuple[torch.nn.Module, dict]:
+    """A tiny BERT after 5 AdamW steps, and the optimizer's state."""
+    model = tiny_models.tiny_bert(vocab_size=VOCAB, max_position=SEQ, dropout=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for batch in _batches(5, seed=2):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer.state_dict()
+
+
+def test_a_plan_that_changes_no_bit_has_no_effect_and_the_model_is_left_as_it_was(trained) -> None:
+    model, state = trained
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    weights = adam_preconditioner(parameters, state)
+    assert all(w.shape == p.shape and bool((w > 0).all()) for w, p in zip(weights, parameters, strict=True))
+    data, validation = _batches(2), _batches(2, seed=3)
+
+    def evaluate(m: torch.nn.Module) -> list[float]:
+        with torch.no_grad():
+            return [float(m(**batch).loss) for batch in validation]
+
+    model.train()
+    plans = {"fp32": Plan.uniform("fp32"), "bf16": Plan.uniform("bf16"), "mxfp4": Plan.uniform("mxfp4")}
+    effects = measure_plans(model, plans, data, evaluate, weights, clip=1.0)
+    assert model.training and not attached(model) and all(p.grad is None for p in parameters)
+    assert effects["fp32"].loss_change == (0.0, 0.0) and effects["fp32"].update_noise == (0.0, 0.0)
+    assert effects["fp32"].retained == 1.0
+    noise = {name: sum(e.update_noise) for name, e in effects.items()}
+    assert 0 < noise["bf16"] < noise["mxfp4"]
+    assert effects["mxfp4"].retained < effects["bf16"].retained <= 1.0 + 1e-3
+    again = PlanEffect.from_dict(json.loads(json.dumps(effects["mxfp4"].to_dict())))
+    assert again == effects["mxfp4"]
+
+
+def test_the_prediction_is_the_forward_loss_plus_the_weighted_update_noise() -> None:
+    effect = PlanEffect(loss_change=(0.01, 0.03), update_noise=(100.0, 300.0))
+    prediction = predict(effect, lr=1e-3)
+    assert prediction.forward == pytest.approx(0.02) and prediction.update == pytest.approx(1e-3 / 4 * 200)
+    assert prediction.gap == pytest.approx(0.07)
+    assert prediction.low < prediction.gap / 2 and prediction.high > prediction.gap * 2  # and the spread
+    assert (
+        prediction.beyond(0.01) is True
+        and prediction.beyond(0.05) is False
+        and prediction.beyond(None) is None
+    )
+    failed = predict(effect, lr=1e-3, lost="head/dgrad/grad_output in int8: SQNR 0.0 dB at step 0")
+    assert math.isinf(failed.gap) and failed.beyond(1.0) is True
+    schedule = [1.0, 2.0, 3.0]
+    assert (effective_lr(schedule), effective_lr(schedule, "final"), effective_lr(schedule, "peak")) == (
+        2.0,
+        3.0,
+        3.0,
+    )
+    assert agrees(0.001, -0.002, noise=0.01) and agrees(0.05, 0.03, noise=0.01)
+    assert not agrees(0.05, 0.01, noise=0.001) and not agrees(0.05, -0.03, noise=0.01)
+
+
+def test_every_stack_offers_its_recipes_as_plans_for_the_model() -> None:
+    model = tiny_models.tiny_bert(vocab_size=VOCAB, max_position=SEQ, layers=3)
+    sites = [(site.name, site.kind) for site in numscope.sites(model, _batches(1)[0])]
+    names = {target: [p.name for p in stack_plans(target, sites)] for target in ("te", "torchao", "megatron")}
+    assert names["te"] == ["te_current", "te_delayed", "te_block", "te_mxfp8", "te_nvfp4"]
+    assert names["torchao"] == [
+        "torchao_tensorwise",
+        "torchao_rowwise",
+        "torchao_rowwise_with_gw_hp",
+        "torchao_mxfp8",
+    ]
+    assert len(names["megatron"]) == 6
+    ends = {p.name: p.plan for p in stack_plans("megatron", sites)}["megatron_mxfp8+ends"]
+    layer = {name: ends.for_site(name).is_high for name, kind in sites if kind == "linear"}
+    assert all(high for name, high in layer.items() if ".layer.0." in name or ".layer.2." in name)
+    assert not any(high for name, high in layer.items() if ".layer.1." in name)
+    assert all(high for name, high in layer.items() if name.startswith("cls."))  # outside the layers
+    with pytest.raises(ValueError, match="unknown stack 'tpu'"):
+        stack_plans("tpu", sites)
+
+
+@pytest.mark.slow
+def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) -> None:
+    from checkpoints import bert_checkpoint, cli, write_text
+
+    text = write_text(tmp_path / "text.txt", paragraphs=150)
+    checkpoint = bert_checkpoint(tmp_path / "ckpt", text)
+    run = ["--model", checkpoint, "--text", text, "--seq-len", 32, "--batch-size", 4, "--steps", 12]
+    run += ["--eval-every", 12, "--val-blocks", 16, "--cache", tmp_path / "cache", "--no-progress"]
+    code, out, err = cli("forecast", *run, "--every", 4, "--out", tmp_path / "fc")
+    assert code == 0, err
+    for stage in ("1/5", "2/5", "3/5", "4/5", "5/5"):
+        assert f"[forecast] {stage}" in err
+    for name in ("te_current", "te_delayed", "te_block", "te_mxfp8", "te_nvfp4", "numscope@"):
+        assert f"| {name}" in out
+    saved = json.loads((tmp_path / "fc" / "forecast.json").read_text())
+    assert len(saved["rows"]) == 7 and len(saved["fp32_val_loss"]) == 2 and saved["fp32_seed_sd"] > 0
+    assert (tmp_path / "fc" / "forecast.png").stat().st_size > 10_000
+    ours = [row for row in saved["rows"] if row["numscope"]]
+    assert [row["bits"] <= budget + 1e-6 for row, budget in zip(ours, saved["budgets"], strict=True)] == [
+        True
+    ] * 2
+    for row in saved["rows"]:
+        assert row["lost"] or row["low"] <= row["gap"] <= row["high"]
+        Plan.load(row["plan"])  # every plan it names is a file train takes
+    code, again, _ = cli("forecast", *run, "--every", 4, "--out", tmp_path / "fc")  # reused, not retrained
+    assert code == 0 and again.split("took")[0] == out.split("took")[0]
+    code, out, err = cli("train", *run, "--plan", ours[0]["plan"], "--out", tmp_path / "planned")
+    assert code == 0, err
+    assert json.loads((tmp_path / "planned" / "result.json").read_text())["avg_bits"] == pytest.approx(
+        ours[0]["bits"], rel=0.02
+    )
