@@ -292,6 +292,9 @@ def test_recommend_prints_its_choices_and_writes_the_plan(ws: Path, flow: dict[s
         if row.reason:
             assert row.reason in out
     assert f"(weighted by operand size): {analysis_average_bits(plan, analysis):.2f}" in out
+    # analyze measured every operand's sensitivity: no flag needed for the measured objective, at FP8's bits
+    assert "objective: sensitivity" in out and "bit budget: 8 bits per operand element (the default" in out
+    assert analysis_average_bits(plan, analysis) <= 8.0 + 1e-9
 
 
 def test_recommend_passes_its_criteria_to_the_advisor(ws: Path, flow: dict[str, Result]) -> None:
@@ -402,7 +405,8 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
     )
     assert recommended.code == 0, recommended.err
     assert "predicted validation-loss gap to FP32" in recommended.out
-    assert "read it as a lower bound" not in recommended.out  # not the sensitivity objective's plan
+    # no flags but the gap model: the measured objective at its default budget (FP8 everywhere's bits)
+    assert "objective: sensitivity" in recommended.out and "(the default; --bit-budget" in recommended.out
     budgeted = cli(
         "recommend", out / "fp32" / "seed0", "-o", ws / "cal6.yaml", "--gap-model", out / "gap_model.json",
         "--bit-budget", "8",
@@ -483,7 +487,12 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
     chosen = numscope.Plan.load(ws / "sens.yaml")
     assert chosen.average_bits(analysis_sizes(analysis)) <= 6.0
     no_budget = cli("recommend", out / "fp32" / "seed0", "-o", ws / "x.yaml", "--objective", "sensitivity")
-    assert no_budget.code == 2 and "--bit-budget" in no_budget.err
+    default = workflow.default_budget(analysis)  # FP8 everywhere's bits: the stated default
+    assert (
+        no_budget.code == 0
+        and f"bit budget: {default:g} bits per operand element (the default" in no_budget.out
+    )
+    assert numscope.Plan.load(ws / "x.yaml").average_bits(analysis_sizes(analysis)) <= default + 1e-9
     unmeasured_run = ws / "runs" / "no-sensitivity"
     plain = ("--candidates", "mxfp4_e2m1", "mxfp8_e4m3", "--every", "4", "--sensitivity", "0")
     assert cli("analyze", *flags(ws), *plain, "--out", unmeasured_run).code == 0
@@ -643,7 +652,8 @@ def test_every_recommended_plan_exports_and_a_target_plan_exports_whole(
     assert settings["vocab_size_built"] == 112 and settings["model_path"] == str(spec.resolve())
     plain = cli("recommend", out, "-o", ws / f"{model}_plain.yaml")
     assert plain.code == 0, plain.err
-    assert "objective: noise" in plain.out  # no bit budget: the noise objective under limits, said so
+    # no flag: the measured sensitivity within FP8 everywhere's bits, said so
+    assert "objective: sensitivity" in plain.out and "(the default; --bit-budget" in plain.out
     no_limits = ["--min-sqnr-db", "none", "--max-underflow-pct", "none", "--max-overflow-pct", "none"]
     no_limits += ["--max-be-ratio", "none"]
     for target in ("torchao", "te", "megatron"):

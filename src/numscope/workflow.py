@@ -340,6 +340,11 @@ def has_sensitivity_model(path: str | os.PathLike[str]) -> bool:
 
 OBJECTIVE_WHY = {
     "sensitivity": "the analysis measured every operand's sensitivity and a bit budget or gap is given",
+    "sensitivity default budget": "the analysis measured every operand's sensitivity; with no --bit-budget "
+    "or --max-gap the budget is the bits of FP8 everywhere (the stack's FP8 recipe with --target): the same "
+    "cost as uniform FP8, spent where the measurement says",
+    "noise limits": "limits or candidates are given without a --bit-budget or --max-gap: the cheapest format "
+    "within them per operand",
     "noise gap model": "the gap model was fitted without sensitivities, so it weighs noise; a 'numscope "
     "calibrate' that measures them (its default) fits both",
     "noise": "the analysis holds no operand sensitivity, or no bit budget or gap is given; 'numscope "
@@ -348,10 +353,28 @@ OBJECTIVE_WHY = {
 
 
 def default_objective(analysis: Analysis, bit_budget: float | None, max_gap: float | None = None) -> str:
-    """``sensitivity`` where the analysis measured every operand's sensitivity and a bit budget (or a gap
-    target) is given (the objective that tied the best heuristics in the plan study), else ``noise``."""
+    """``sensitivity`` where the analysis measured every operand's sensitivity (the objective that tied the
+    best heuristics in the plan study; without a bit budget or a gap target it takes
+    :func:`default_budget`), else ``noise``."""
     measured = analysis.sensitivity is not None and analysis.sensitivity.granularity == "operand"
-    return "sensitivity" if measured and (bit_budget is not None or max_gap is not None) else "noise"
+    return "sensitivity" if measured else "noise"
+
+
+def default_budget(analysis: Analysis, target: str | None = None) -> float:
+    """The bit budget ``recommend`` takes with the sensitivity objective when none is given: the average bits
+    of FP8 everywhere (``fp8_e4m3`` on every measured operand; for a training stack, its FP8 recipe on
+    everything it converts, the rest high), so that the plan costs what uniform FP8 costs."""
+    from numscope.advisor.target import recipe_bits
+    from numscope.plan.targets import get_target
+
+    if target and target != "emulation":
+        bits = recipe_bits(analysis, get_target(target), analysis.candidates)
+        if "fp8" not in bits:
+            raise WorkflowError(
+                f"--target {target}: its FP8 recipe's formats were not observed; give --bit-budget"
+            )
+        return round(bits["fp8"], 2)
+    return round(analysis_average_bits(Plan.uniform("fp8_e4m3"), analysis), 2)
 
 
 def sensitivity_objective(analysis: Analysis, gap_model: Any = None) -> Callable[[Any, str], float]:

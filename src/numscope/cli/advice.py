@@ -83,15 +83,22 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     if objective == "auto":
         objective = workflow.default_objective(analysis, args.bit_budget, args.max_gap)
         why = workflow.OBJECTIVE_WHY[objective]
+        limited = set(criteria) - {"target"} or args.criterion  # the classic choice: cheapest within limits
+        if objective == "sensitivity" and args.bit_budget is None and args.max_gap is None and limited:
+            objective, why = "noise", workflow.OBJECTIVE_WHY["noise limits"]
         noise_only = args.gap_model and not workflow.has_sensitivity_model(args.gap_model)
         if objective == "sensitivity" and noise_only:
             objective, why = "noise", workflow.OBJECTIVE_WHY["noise gap model"]
     gap_model = workflow.load_gap_model(args.gap_model, objective) if args.gap_model else None
     if args.max_gap is not None:  # checked against --gap-model and --bit-budget by recommend_plan
         criteria["max_gap"], criteria["gap_model"] = args.max_gap, gap_model
+    default_budget = None
     if objective == "sensitivity":
         if args.bit_budget is None and args.max_gap is None:
-            raise CLIError("--objective sensitivity chooses within a --bit-budget or a --max-gap; give one")
+            default_budget = workflow.default_budget(analysis, args.target)
+            criteria["bit_budget"] = default_budget
+            if args.objective == "auto":
+                why = workflow.OBJECTIVE_WHY["sensitivity default budget"]
         criteria["objective"] = workflow.sensitivity_objective(analysis, gap_model)
         for name, _ in _CRITERIA:  # the noise objective's guards: off unless asked for
             criteria.setdefault(name, None)
@@ -100,6 +107,10 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     plan, rows = workflow.recommend_plan(analysis, args.output, **criteria)
     print(render_table(rows))
     print(f"\nobjective: {objective} ({why})")
+    if default_budget is not None:
+        print(
+            f"  bit budget: {default_budget:g} bits per operand element (the default; --bit-budget sets one)"
+        )
     if objective == "sensitivity":
         if gap_model is not None and gap_model.role_weights():
             weights = ", ".join(f"{g} {w:.2g}" for g, w in gap_model.role_weights().items())

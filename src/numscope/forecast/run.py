@@ -83,32 +83,36 @@ def _candidates(target: str) -> list[str]:
 
 
 def _high_summary(plan: Plan, sites: Sequence[tuple[str, str]]) -> str:
-    """Which GEMMs a plan keeps high, in a few words: whole sites by kind (attention products, linear
-    sites, with the first few named), then single GEMMs by role."""
+    """Which GEMMs a plan keeps high (16 bits or more), in a few words: whole sites by kind (attention
+    products; linear sites, the first two named), then single GEMMs by role."""
     whole_linear, whole_other, gemms = [], 0, {}
     for name, kind in sites:
         spec = plan.for_site(name)
-        if spec.is_high:
+        high = {key for key, operand in spec.operands.items() if _is_high(operand)}
+        if len(high) == len(spec.operands):
             if kind in LINEAR_KINDS:
                 whole_linear.append(name)
             else:
                 whole_other += 1
             continue
-        for (gemm, _operand), operand_spec in spec.operands.items():
-            if operand_spec.format == HIGH:
-                gemms.setdefault(gemm, set()).add(name)
+        for gemm, _ in high:
+            gemms.setdefault(gemm, set()).add(name)
     parts = []
     if whole_other:
         parts.append(f"{whole_other} attention/matmul sites")
     if whole_linear:
-        shown = ", ".join(
-            n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1] if "." in n else n for n in whole_linear[:2]
-        )
+        shown = ", ".join(".".join(n.split(".")[-2:]) for n in whole_linear[:2])
         more = f" +{len(whole_linear) - 2}" if len(whole_linear) > 2 else ""
-        parts.append(f"{len(whole_linear)} linear site{'s' if len(whole_linear) > 1 else ''} ({shown}{more})")
+        plural = "s" if len(whole_linear) > 1 else ""
+        parts.append(f"{len(whole_linear)} linear site{plural} ({shown}{more})")
     for gemm, names in gemms.items():
-        parts.append(f"{gemm} of {len(names)} sites")
+        parts.append(f"{gemm} of {len(names)} site{'s' if len(names) > 1 else ''}")
     return "; ".join(parts) or "none"
+
+
+def _is_high(spec: Any) -> bool:
+    """An operand left high or given 16 bits or more (BF16, FP16: what a stack's 'high precision' runs)."""
+    return spec.format == HIGH or spec.bits_per_element() >= 16
 
 
 def _budgets(analysis: Analysis, target: str) -> tuple[float, float]:

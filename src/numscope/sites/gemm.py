@@ -19,6 +19,9 @@ from numscope.vocab import GEMMS, Gemm, Operand
 
 #: number of products summed exactly (in fp32) before a rounding to a narrow accumulator
 ACCUMULATE_CHUNK = 32
+#: the most memory the chunk sums of one narrow-accumulated GEMM take at once (bytes); a larger output is
+#: computed in slices of its rows
+PARTIALS_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -203,12 +206,25 @@ def accumulate_matmul(
     See the module docstring for the model (chunks of ``chunk`` products exact in fp32, then sequential
     additions rounded to the accumulator's format; with promotion, each run of ``promote_every`` products
     summed so and then added into an fp32 total). ``fp32`` is ``torch.matmul``. Returns ``a``'s dtype.
+    An output whose chunk sums would take more than :data:`PARTIALS_BYTES` is computed in slices of rows
+    (equal in value; in bits only as torch's matmul is between shapes).
     """
     accumulator = ACCUMULATORS.get(accumulate)
     if accumulator is None:
         raise ValueError(f"unknown accumulate {accumulate!r}; allowed: {', '.join(ACCUMULATORS)}")
     if accumulator.format is None:
         return torch.matmul(a, b)
+    rows = math.prod(a.shape[:-1])
+    per_row = math.ceil(a.shape[-1] / chunk) * b.shape[-1] * 4  # bytes of one output row's chunk sums
+    if b.dim() == 2 and a.dim() >= 2 and rows > 1 and rows * per_row > PARTIALS_BYTES:
+        # a vocabulary-sized output over many tokens (an evaluation batch) would hold gigabytes of chunk
+        # sums at once (24 GB for MPNet's head on 64 x 128 tokens): the rows in slices. torch's float32
+        # sums of 32 products may then differ in their last bit (its kernels differ between shapes), and
+        # an output element by one rounding of the accumulator where it differs
+        step = max(1, PARTIALS_BYTES // per_row)
+        flat = a.reshape(rows, a.shape[-1])
+        parts = [accumulate_matmul(flat[i : i + step], b, accumulate, chunk) for i in range(0, rows, step)]
+        return torch.cat(parts).reshape(*a.shape[:-1], b.shape[-1])
     from numscope.formats.cast import cast_float
     from numscope.formats.spec import get_format
 
