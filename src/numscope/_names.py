@@ -25,6 +25,15 @@ def layer_index(site: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def layer_role(site: str) -> str:
+    """A site's name with its layer index replaced by ``*`` (``model.layers.*.mlp.down_proj``): the role the
+    site plays in every layer; a site outside the layers keeps its name."""
+    match = _LAYER.search(site)
+    if match is None:
+        return site
+    return site[: match.start(1)] + "*" + site[match.end(1) :]
+
+
 def seed_run_name(name: str, seed: int) -> str:
     """The name of run ``name`` trained again from another seed: ``fp32-seed1``."""
     return f"{name}-seed{seed}"

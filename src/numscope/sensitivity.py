@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from numscope._callable import make_callable as _make_callable
-from numscope._names import exact_pattern
+from numscope._names import exact_pattern, layer_role
 from numscope._rng import fork_rng
 from numscope.analysis import ALL, OperandKey, Sensitivity
 from numscope.convert import convert, quantize_operand, unconvert
@@ -412,13 +412,17 @@ def _group(kind: str, gemm: str) -> str:
 def _groups(
     targets: Sequence[OperandKey], local_sites: set[str], kinds: Mapping[str, str], depth_bins: int
 ) -> dict[str, list[OperandKey]]:
-    """The operands of the local sites by group (:func:`_group`), each group cut into ``depth_bins``
-    consecutive runs of its sites in call order (``weight:fprop@0`` the first): an error travels through
-    what follows it, so its gain depends on where it enters."""
+    """The operands of the local sites by group: their GEMM role and whether their site has a weight
+    (:func:`_group`), the role their site plays in its layer (``layer_role``: every layer's ``down_proj``
+    together, a site outside the layers alone) and, within that, ``depth_bins`` consecutive runs of its sites
+    in call order (``weight:dgrad|model.layers.*.mlp.down_proj@0`` the first). An error's reach depends on
+    what its GEMM's output feeds (a projection entering a branch from a normalisation, or one leaving it for
+    the residual stream) and on where it enters."""
     by_role: dict[str, list[OperandKey]] = {}
     for key in targets:
         if key[0] in local_sites:
-            by_role.setdefault(_group(kinds[key[0]], key[1]), []).append(key)
+            role = f"{_group(kinds[key[0]], key[1])}|{layer_role(key[0])}"
+            by_role.setdefault(role, []).append(key)
     groups: dict[str, list[OperandKey]] = {}
     for role, keys in by_role.items():
         names = list(dict.fromkeys(key[0] for key in keys))
@@ -437,7 +441,8 @@ def local_sensitivity(
     loss_fn: LossFn | None = None,
     sites: Sequence[str] | None = None,
     gain_format: str | None = None,
-    depth_bins: int = 4,
+    depth_bins: int = 2,
+    gain_batches: int = 1,
     seed: int = 0,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> Sensitivity:
@@ -449,19 +454,22 @@ def local_sensitivity(
     operand by the power of the gradient error its GEMM's output carries, ‖ΔOut‖². A wgrad operand of a
     weight's site changes that weight's gradient and nothing else: its ‖ΔOut‖² *is* the parameter gradient's
     error. The others travel on through the model; how far is measured, not assumed: one more pass per
-    batch and group of operands (fprop, dgrad of weight sites; fprop, dgrad, wgrad of activation products
-    such as attention's) quantizes the whole group in ``gain_format`` (default: the candidate with the
-    fewest bits, whose errors are the largest) and gives the group's **gain**, the parameter gradient's
-    error power over the sum of the group's local values. An operand's estimate is its local value times
-    its group's gain (each group cut into ``depth_bins`` runs of sites in call order, each with its own
-    gain: an error's reach depends on where it enters), as ``grad_rel_error`` = √(estimate / ‖g‖²): the
-    metric :func:`sensitivity` measures one operand at a time, which the advisor's sensitivity objective
-    reads (docs/forecast.md compares them).
+    group of operands quantizes the whole group in ``gain_format`` (default: the candidate with the fewest
+    bits, whose errors are the largest) and gives the group's **gain**, the parameter gradient's error power
+    over the sum of the group's local values. A group is a GEMM role (fprop, dgrad, wgrad) at the sites of
+    one role in their layers (every layer's ``down_proj``; a site outside the layers alone; weight sites and
+    activation products apart), cut into ``depth_bins`` runs of those sites in call order: an error's reach
+    depends on what its GEMM's output feeds (a projection entering a branch from a normalisation, one
+    leaving it for the residual stream) and on where it enters. An operand's estimate is its local value
+    times its group's gain, as ``grad_rel_error`` = √(estimate / ‖g‖²): the metric :func:`sensitivity`
+    measures one operand at a time, which the advisor's sensitivity objective reads (docs/forecast.md
+    compares them on four models).
 
-    Cost per batch: 2 + (groups present, at most 5, times ``depth_bins``) passes, plus the measurement's
-    own GEMMs (five per site and candidate, each the size of one of the site's GEMMs); sites of other kinds
-    (convolutions, recurrent cells) are measured one at a time (:func:`sensitivity`). Run in eval mode (no
-    dropout); the model, its gradients and its training flags are left as they were."""
+    Cost: 2 passes per batch, plus one pass per group on ``gain_batches`` batches (the number of groups
+    grows with the kinds of sites in a layer and ``depth_bins``, not with the layers or operands), plus the
+    measurement's own GEMMs (five per site and candidate, each the size of one of the site's GEMMs); sites
+    of other kinds (convolutions, recurrent cells) are measured one at a time (:func:`sensitivity`). Run in
+    eval mode (no dropout); the model, its gradients and its training flags are left as they were."""
     labels = tuple(dict.fromkeys(get_format(c).name for c in candidates))
     if not labels:
         raise ValueError("local_sensitivity needs at least one candidate format")
@@ -486,19 +494,17 @@ def local_sensitivity(
     training = {name: module.training for name, module in model.named_modules()}
     model.train(False)
     run = _Runner(model, parameters, data, loss_fn, False, seed)
+    gain_run = _Runner(model, parameters, data[:gain_batches], loss_fn, False, seed)
+    keeper = attach(model, _KeepSites(), name=HANDLER_NAME)  # the site table, found once for every pass
     try:
-        keeper = attach(model, _KeepSites(), name=HANDLER_NAME)
-        try:
-            reference = run()
-            targets = _targets(model, sites, "operand")
-            kinds = {site.name: site.kind for site in find_sites(model)}
-        finally:
-            keeper.remove()
+        reference = run()
+        targets = _targets(model, sites, "operand")
+        kinds = {site.name: site.kind for site in find_sites(model)}
         local_sites = {name for name, _, _ in targets if kinds.get(name) in LOCAL_KINDS}
         others = sorted({name for name, _, _ in targets if name not in local_sites})
         specs = {label: OperandSpec(label) for label in labels}
         measuring = _LocalErrors(specs, local_sites)
-        handle = attach(model, measuring, name=HANDLER_NAME)
+        handle = attach(model, measuring, name=HANDLER_NAME + ".local")
         per_batch: list[dict[OperandKey, dict[str, float]]] = []
         try:
             for batch in data:
@@ -518,20 +524,23 @@ def local_sensitivity(
             plan = Plan(SiteSpec(), tuple(_merged_rules(rules)))
             convert(model, plan)
             try:
-                measured = run()
+                measured = gain_run()
             finally:
                 unconvert(model)
             error = sum(
                 float((grad.double() - ref.double()).pow(2).sum())
-                for (_, grad), (_, ref) in zip(measured, reference, strict=True)
+                for (_, grad), (_, ref) in zip(measured, reference, strict=False)
             )
             local = sum(
-                values.get(key, {}).get(gain_format, 0.0) for values in per_batch for key in groups[group]
+                values.get(key, {}).get(gain_format, 0.0)
+                for values in per_batch[:gain_batches]
+                for key in groups[group]
             )
             gains[group] = error / local if local > 0 else 0.0
             if on_progress is not None:
                 on_progress(done + 1, total)
     finally:
+        keeper.remove()
         for name, module in model.named_modules():
             module.training = training.get(name, module.training)
         for parameter, grad in zip(parameters, saved_grads, strict=True):
@@ -553,7 +562,8 @@ def local_sensitivity(
         "method": "local",
         "gain_format": gain_format,
         "gains": gains,
-        "passes_per_batch": 2 + len(passes),
+        "passes_per_batch": 2 + len(passes) * min(gain_batches, len(data)) / len(data),
+        "gain_passes": len(passes),
     }
     if others:  # sites the local method does not read: one operand at a time
         measured_alone = sensitivity(
