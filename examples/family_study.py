@@ -94,6 +94,13 @@ def main() -> None:
         help="formats calibrated besides MXFP4 (calibrate --also): every other format the analysis measures",
     )
     parser.add_argument(
+        "--sensitivity-method",
+        default="one-at-a-time",
+        choices=("local", "one-at-a-time"),
+        help="calibrate --sensitivity-method: the studies of docs/plan-study.md measured one at a time "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--sensitivity-early",
         type=int,
         default=None,
@@ -149,6 +156,7 @@ def main() -> None:
     print(f"[calibrate] {out / 'calibrate'}", flush=True)
     also = ["--also", *args.also] if args.also else []
     also += ["--sensitivity-formats", *args.sensitivity_formats]
+    also += ["--sensitivity-method", args.sensitivity_method]
     if args.sensitivity_early is not None:
         also += ["--sensitivity-early", str(args.sensitivity_early)]
     if args.eval_blocks is not None:

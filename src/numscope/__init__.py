@@ -56,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "recommend": "numscope.advisor",
     "Sensitivity": "numscope.analysis",
     "sensitivity": "numscope.sensitivity",
+    "local_sensitivity": "numscope.sensitivity",
 }
 
 _CALLABLE_MODULES = ("formats", "sites", "convert", "observe", "sensitivity")
@@ -66,6 +67,7 @@ _SUBMODULES = (
     "advisor",
     "analysis",
     "distributed",
+    "forecast",
     "metrics",
     "plan",
     "report",

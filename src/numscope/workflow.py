@@ -427,6 +427,7 @@ def calibrate(
     jobs: int = 1,
     sensitivity_formats: Sequence[str] | str | None = "auto",
     sensitivity_early: int | str | None = None,
+    sensitivity_method: str | None = None,
 ) -> Any:
     """:func:`numscope.study.calibrate` into ``out``, with clear errors for bad settings."""
     from numscope.study import StudyError
@@ -454,6 +455,7 @@ def calibrate(
             jobs=jobs,
             sensitivity_formats=sensitivity_formats,
             sensitivity_early=sensitivity_early,
+            sensitivity_method=sensitivity_method,
         )
     except StudyError as error:
         raise WorkflowError(str(error)) from error

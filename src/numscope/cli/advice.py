@@ -266,6 +266,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         sensitivity_formats=sensitivity_formats(args.sensitivity_formats),
         sensitivity_batches=args.sensitivity,
         sensitivity_early=args.sensitivity_early,
+        sensitivity_method=args.sensitivity_method and args.sensitivity_method.replace("-", "_"),
     )
     model = result.gap_model
     print(f"gap ≈ {model.formula()}; FP32 seed noise {result.noise:.4f} nats over {len(args.seeds)} seeds")
@@ -284,7 +285,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _register_calibrate(sub: argparse._SubParsersAction) -> None:
-    from numscope.cli.runs import add_sensitivity_early, add_sensitivity_formats
+    from numscope.cli.runs import add_sensitivity_early, add_sensitivity_formats, add_sensitivity_method
 
     p = sub.add_parser(
         "calibrate",
@@ -310,6 +311,7 @@ def _register_calibrate(sub: argparse._SubParsersAction) -> None:
     )
     add_sensitivity_formats(p)
     add_sensitivity_early(p)
+    add_sensitivity_method(p)
     p.add_argument(
         "--jobs",
         type=_int_at_least(1),

@@ -117,8 +117,8 @@ def _is_high(spec: Any) -> bool:
 
 def _budgets(analysis: Analysis, target: str) -> tuple[float, float]:
     """numscope's two budgets for ``target``: a third and two thirds of the way from the stack's cheapest
-    recipe (everything it converts in it) to its 8-bit one (or, where the two lie within a bit, to
-    everything high)."""
+    recipe (everything it converts in it) to its costliest (or, where the two lie within a bit, as
+    torchao's FP8 recipes do, to everything high)."""
     from numscope.advisor.target import recipe_bits
 
     bits = recipe_bits(analysis, get_target(target), analysis.candidates)

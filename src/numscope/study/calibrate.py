@@ -44,6 +44,7 @@ def calibrate(
     jobs: int = 1,
     sensitivity_formats: Sequence[str] | str | None = "auto",
     sensitivity_early: int | str | None = None,
+    sensitivity_method: str | None = None,
     log: Callable[[str], None] = print,
 ) -> Calibration:
     """Fit a :class:`GapModel` on any model :func:`numscope.run.runner.train` can train.
@@ -56,7 +57,8 @@ def calibrate(
     gap model is fitted on those sensitivities (``features="sensitivity"``, stored under ``sensitivity``),
     the one ``numscope recommend --objective sensitivity`` weighs roles with; ``sensitivity_early``: measured
     on the model after that many steps too (:func:`numscope.run.runner.analyze`), the gap model fitted on the
-    combined sensitivity. Writes ``gap_model.json`` into
+    combined sensitivity; ``sensitivity_method``: ``local`` (None: the default) or ``one_at_a_time``, as
+    :func:`numscope.run.runner.analyze` takes it. Writes ``gap_model.json`` into
     ``out_dir``; finished runs are reused on a rerun. ``jobs`` > 1 trains the runs after the observed one
     that many at a time, each in its own process with an equal share of the cores (every run seeds
     itself: the results do not depend on ``jobs``).
@@ -87,6 +89,7 @@ def calibrate(
         sensitivity_granularity="operand",
         sensitivity_formats=sensitivity_formats,
         sensitivity_early=sensitivity_early,
+        sensitivity_method=sensitivity_method,
     ).val_loss
     analysis = Analysis.load(first / "analysis")
     operands = Operands.from_analysis(analysis)
