@@ -145,3 +145,23 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
     assert json.loads((tmp_path / "planned" / "result.json").read_text())["avg_bits"] == pytest.approx(
         ours[0]["bits"], rel=0.02
     )
+
+
+def test_a_plan_that_flushes_the_heads_gradient_is_said_to_fail() -> None:
+    """Per-tensor INT8 on an MLM head's output gradient over a 2,000-token vocabulary: the target tokens'
+    large entries set the scale, every other entry flushes to zero (the failure the noise model cannot
+    describe); FP8 and MXFP4 keep it."""
+    from numscope.forecast.predict import signal_lost
+
+    model = tiny_models.tiny_bert(vocab_size=2000, max_position=SEQ, dropout=0.0)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 2000, (8, SEQ), generator=generator)
+    labels = torch.where(torch.rand(8, SEQ, generator=generator) < 0.3, ids, torch.full_like(ids, -100))
+    with numscope.observe(model, candidates=["int8", "fp8_e4m3", "mxfp4_e2m1"]) as observer:
+        model(input_ids=ids, labels=labels).loss.backward()
+        observer.step()
+    analysis = observer.analysis()
+    lost = signal_lost(analysis, Plan.named("int8"))
+    assert lost.startswith("cls.predictions.decoder/") and "nonzeros flushed to zero at step 0" in lost
+    assert signal_lost(analysis, Plan.named("fp8")) == "" and signal_lost(analysis, Plan.named("mxfp4")) == ""
+    assert signal_lost(analysis, Plan.named("int8"), flushed=100.1) == ""  # its SQNR alone does not say

@@ -28,6 +28,15 @@ SIGNAL_LOST_DB = 3.0
 quantization (a gradient flushed to zero sits at 0 dB): the plan then starves what learns from it, which the
 noise model does not describe; its prediction says so instead of giving a number."""
 
+SIGNAL_LOST_FLUSHED_PCT = 95.0
+"""An operand of which this share of the nonzero elements or more is flushed to zero at an observed step
+has lost its signal too, whatever its SQNR: per-tensor INT8 keeps an LM head's output gradient at 32 dB on a
+GQA Llama (the target token's large entry survives) while flushing 99.96% of its entries (the small entries
+of every other token, which together carry as much as the target's), and that run ended 2.1 nats behind
+FP32. Chosen between what trained and what failed in the validation of docs/forecast.md: the largest
+flushed share of a plan that trained was 88.8% (MXFP4 on the demo's BERT, attention scores' gradient), the
+smallest of one that failed 98.1% (INT8, the same BERT's MLM head)."""
+
 ACCURACY = 2.0
 """The factor within which a prediction is taken to hold (the interval is [gap / ACCURACY, gap · ACCURACY]
 widened by the measurement's spread); docs/forecast.md shows how often predictions fell inside it."""
@@ -102,10 +111,13 @@ def predict(effect: PlanEffect, lr: float, accuracy: float = ACCURACY, lost: str
     return Prediction(gap, forward, update, scaled[0] - spread, scaled[1] + spread)
 
 
-def signal_lost(analysis: Any, plan: Any, threshold: float = SIGNAL_LOST_DB) -> str:
+def signal_lost(
+    analysis: Any, plan: Any, threshold: float = SIGNAL_LOST_DB, flushed: float = SIGNAL_LOST_FLUSHED_PCT
+) -> str:
     """The first operand (in the analysis's order) to which ``plan`` gives a format the observer measured
-    and whose SQNR in it falls below ``threshold`` dB at some observed step, described in a few words; ''
-    where none does. Operands in formats the observer did not measure are not checked."""
+    and whose SQNR in it falls below ``threshold`` dB, or whose flushed share of nonzeros reaches
+    ``flushed`` %, at some observed step, described in a few words; '' where none does. Operands in formats
+    the observer did not measure are not checked."""
     from numscope.plan import HIGH
 
     for key in analysis.keys():  # noqa: SIM118  (an Analysis is not a mapping)
@@ -115,14 +127,19 @@ def signal_lost(analysis: Any, plan: Any, threshold: float = SIGNAL_LOST_DB) -> 
         label = spec.format_spec().name
         if label not in analysis.candidates:
             continue
-        try:
-            values = analysis.metric_values(key, label, "sqnr_db")
-        except Exception:  # an operand the observer saw without this metric
-            continue
-        if values and min(values) < threshold:
-            steps = sorted(analysis.operands.get(key, {}))
-            step = steps[values.index(min(values))] if len(steps) == len(values) else "?"
-            return f"{'/'.join(key)} in {label}: SQNR {min(values):.1f} dB at step {step}"
+        steps = sorted(analysis.operands.get(key, {}))
+        for metric, worst, bad, say in (
+            ("sqnr_db", min, lambda v: v < threshold, "SQNR {:.1f} dB"),
+            ("underflow%", max, lambda v: v >= flushed, "{:.1f}% of its nonzeros flushed to zero"),
+        ):
+            try:
+                values = analysis.metric_values(key, label, metric)
+            except Exception:  # an operand the observer saw without this metric
+                continue
+            if values and bad(worst(values)):
+                value = worst(values)
+                step = steps[values.index(value)] if len(steps) == len(values) else "?"
+                return f"{'/'.join(key)} in {label}: {say.format(value)} at step {step}"
     return ""
 
 
