@@ -215,7 +215,7 @@ def measure_also(args: argparse.Namespace, run_flags: list[str], out: Path, fore
     )
     settings = forecast["settings"]
     batches = [b for _, b in zip(range(settings["batches"]), stream, strict=False)]
-    val = prepared.val_blocks[: settings["val_blocks"]]
+    val = prepared.val_blocks[: forecast["measured_blocks"]]
     chunk = max(1, min(16, len(val)))
 
     def evaluate(m: torch.nn.Module) -> list[float]:

@@ -130,6 +130,7 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
         assert f"| {name}" in out
     saved = json.loads((tmp_path / "fc" / "forecast.json").read_text())
     assert len(saved["rows"]) == 7 and len(saved["fp32_val_loss"]) == 2 and saved["fp32_seed_sd"] > 0
+    assert saved["measured_blocks"] == 11  # every block of the split: fewer than 2,048 scored tokens
     assert (tmp_path / "fc" / "forecast.png").stat().st_size > 10_000
     ours = [row for row in saved["rows"] if row["numscope"]]
     assert [row["bits"] <= budget + 1e-6 for row, budget in zip(ours, saved["budgets"], strict=True)] == [
@@ -165,3 +166,14 @@ def test_a_plan_that_flushes_the_heads_gradient_is_said_to_fail() -> None:
     assert lost.startswith("cls.predictions.decoder/") and "nonzeros flushed to zero at step 0" in lost
     assert signal_lost(analysis, Plan.named("fp8")) == "" and signal_lost(analysis, Plan.named("mxfp4")) == ""
     assert signal_lost(analysis, Plan.named("int8"), flushed=100.1) == ""  # its SQNR alone does not say
+
+
+def test_the_forward_effect_is_measured_on_about_2048_scored_tokens_unless_asked() -> None:
+    from numscope.forecast.run import MEASURED_TOKENS, measured_blocks
+
+    assert MEASURED_TOKENS == 2048
+    assert measured_blocks(None, 128, "mlm", 500) == 107  # 15% of 128 tokens are scored: 19.2 a block
+    assert measured_blocks(None, 128, "clm", 500) == 16
+    assert measured_blocks(None, 32, "mlm", 100) == 100  # the split holds fewer
+    assert measured_blocks(5, 128, "mlm", 500) == 5
+    assert measured_blocks(50, 128, "mlm", 20) == 20

@@ -11,6 +11,7 @@ the trained model (:func:`numscope.forecast.measure.measure_plans`); (5) the pre
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -30,6 +31,21 @@ from numscope.forecast.stacks import StackPlan, stack_plans
 from numscope.plan import HIGH, Plan
 from numscope.plan.targets import LINEAR_KINDS, STACKS, get_target
 
+MEASURED_TOKENS = 2048
+"""The scored validation tokens a plan's forward loss change is measured on by default (masked tokens of a
+masked LM, every predicted token of a causal one): the per-token loss changes a quantized forward makes
+are noisy, and on the demo's BERT 32 blocks of 32 tokens (about 150 masked tokens) put an NVFP4 plan's
+forward cost at +0.013 nats where 256 blocks put it at +0.002 (docs/forecast.md)."""
+
+
+def measured_blocks(settings_blocks: int | None, seq_len: int, objective: str, available: int) -> int:
+    """The validation blocks the forecast measures: as asked, or as many as score :data:`MEASURED_TOKENS`
+    tokens (15% of a masked LM's), at most ``available``."""
+    if settings_blocks is not None:
+        return min(settings_blocks, available)
+    scored = seq_len * (0.15 if objective == "mlm" else 1.0)
+    return max(1, min(available, math.ceil(MEASURED_TOKENS / scored)))
+
 
 class ForecastError(NumscopeError, ValueError):
     """A forecast that cannot be made as asked: an unknown stack, too few seeds or batches."""
@@ -45,9 +61,10 @@ class ForecastSettings:
     against it."""
     batches: int = 2
     """Training batches each plan's gradient error is measured on."""
-    val_blocks: int = 32
+    val_blocks: int | None = None
     """Validation blocks each plan's forward loss change is measured on (the run's own evaluation, on the
-    same tokens for every plan)."""
+    same tokens for every plan); None: as many as score :data:`MEASURED_TOKENS` tokens (the split
+    permitting)."""
     sensitivity_batches: int = 2
     """Validation batches the local sensitivity (numscope's plans) is measured on."""
     every: int = 25
@@ -67,6 +84,8 @@ class ForecastSettings:
             ("every", 1),
         ):
             value = getattr(self, name)
+            if name == "val_blocks" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ForecastError(
                     f"--{name.replace('_', '-')} must be an integer >= {minimum}; got {value!r}"
@@ -259,7 +278,10 @@ def forecast(
 
     stage = time.perf_counter()
     log(f"[forecast] 4/5 {len(candidates)} plans measured on the trained model")
-    val = prepared.val_blocks[: settings.val_blocks]
+    blocks = measured_blocks(
+        settings.val_blocks, prepared.val_blocks.shape[1], resolved, len(prepared.val_blocks)
+    )
+    val = prepared.val_blocks[:blocks]
     chunk = max(1, min(16, len(val)))
 
     def evaluate(model_: torch.nn.Module) -> list[float]:
@@ -269,8 +291,13 @@ def forecast(
         ]
 
     parameters = [p for p in trained.parameters() if p.requires_grad]
+    entries = {c.name: c.plan for c in candidates}
     effects_path = folder / "effects.json"
-    stored = json.loads(effects_path.read_text()) if effects_path.is_file() else {}
+    measured_on = {"batches": settings.batches, "blocks": blocks, "seed": config.seed}
+    saved = json.loads(effects_path.read_text()) if effects_path.is_file() else {}
+    # effects measured on other batches or blocks are measured again, and the plans by their YAML
+    stored = saved.get("plans", {}) if saved.get("measured_on") == measured_on else {}
+    stored = {name: e for name, e in stored.items() if e.get("plan") == _plan_key(entries.get(name))}
     missing = {c.name: c.plan for c in candidates if c.name not in stored}
     if missing:
         from tqdm.auto import tqdm
@@ -294,8 +321,13 @@ def forecast(
             )
         finally:
             bar.close()
-        stored.update({name: effect.to_dict() for name, effect in measured.items()})
-        atomic_write_text(effects_path, json.dumps(stored, indent=1))
+        stored.update(
+            {
+                name: {**effect.to_dict(), "plan": _plan_key(missing[name])}
+                for name, effect in measured.items()
+            }
+        )
+        atomic_write_text(effects_path, json.dumps({"measured_on": measured_on, "plans": stored}, indent=1))
     seconds["plans measured"] = time.perf_counter() - stage
 
     log("[forecast] 5/5 predictions")
@@ -317,7 +349,7 @@ def forecast(
                 "beyond_noise": prediction.beyond(noise),
                 "high_summary": _high_summary(entry.plan, found),
                 "plan": str(plans_dir / f"{entry.name.replace('@', '_at_')}.yaml"),
-                "effect": stored[entry.name],
+                "effect": {k: v for k, v in stored[entry.name].items() if k != "plan"},
             }
         )
     seconds["total"] = time.perf_counter() - began
@@ -332,6 +364,7 @@ def forecast(
         "lr_effective": lr,
         "accuracy_factor": ACCURACY,
         "budgets": list(budgets),
+        "measured_blocks": blocks,
         "rows": rows,
         "seconds": seconds,
     }
@@ -352,6 +385,11 @@ def forecast(
     except ImportError:  # matplotlib is the report's extra
         pass
     return result
+
+
+def _plan_key(plan: Plan | None) -> str:
+    """A plan's identity for the effects cache: its YAML text."""
+    return "" if plan is None else json.dumps(plan.to_dict(), sort_keys=True)
 
 
 def _plain(value: Any) -> Any:
