@@ -22,7 +22,15 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["mxfp4_e2m1", "fp8_e4m3"])
     parser.add_argument("--batches", type=int, default=2)
     parser.add_argument(
-        "--depth-bins", type=int, nargs="+", default=[4], help="local_sensitivity's, each tried"
+        "--depth-bins", type=int, nargs="+", default=[2], help="local_sensitivity's, each tried"
+    )
+    parser.add_argument(
+        "--sample-sites",
+        type=int,
+        default=0,
+        metavar="N",
+        help="measure one at a time only N sites spread over the model (its wall time scaled to every "
+        "site is then an estimate, said so in the output); 0: every site",
     )
     args = parser.parse_args()
 
@@ -57,9 +65,15 @@ def main() -> None:
         locals_[bins] = local_sensitivity(model, batches, candidates=args.formats, depth_bins=bins)
         local_seconds[bins] = time.perf_counter() - began
     local = locals_[args.depth_bins[0]]
+    every_site = list(dict.fromkeys(key[0] for key in local.results))  # call order
+    chosen_sites = every_site
+    if 0 < args.sample_sites < len(every_site):
+        step = len(every_site) / args.sample_sites
+        chosen_sites = [every_site[int(i * step)] for i in range(args.sample_sites)]
     began = time.perf_counter()
-    alone = sensitivity(model, batches, candidates=args.formats, granularity="operand")
+    alone = sensitivity(model, batches, candidates=args.formats, granularity="operand", sites=chosen_sites)
     alone_seconds = time.perf_counter() - began
+    alone_estimate = alone_seconds * len(every_site) / len(chosen_sites)
     pairs = [
         (key, label, metrics["grad_rel_error"] ** 2, local.results[key][label]["grad_rel_error"] ** 2)
         for key, per in alone.results.items()
@@ -88,7 +102,15 @@ def main() -> None:
         "all": summary(pairs),
         "per_format": {f: summary([p for p in pairs if p[1] == f]) for f in args.formats},
         "per_gemm": {g: summary([p for p in pairs if p[0][1] == g]) for g in ("fprop", "dgrad", "wgrad")},
-        "seconds": {"local": local_seconds[args.depth_bins[0]], "one_at_a_time": alone_seconds},
+        "sites": {"every": len(every_site), "one_at_a_time": len(chosen_sites)},
+        "seconds": {
+            "local": local_seconds[args.depth_bins[0]],
+            "one_at_a_time": alone_seconds,
+            "one_at_a_time_every_site": alone_estimate,
+            "one_at_a_time_every_site_is": "measured"
+            if chosen_sites == every_site
+            else "scaled from the sample",
+        },
         "local_passes_per_batch": local.meta["passes_per_batch"],
     }
     (args.run / "sensitivity_check.json").write_text(json.dumps(result, indent=1))
