@@ -689,3 +689,21 @@ def test_accumulation_per_gemm_round_trips_and_runs_per_gemm(tmp_path) -> None:
     out.backward(grad)
     gb = grad.bfloat16().float()
     assert torch.equal(q.weight.grad, (gb.t() @ xb))  # wgrad in fp32, torch's own product
+
+
+def test_what_a_plan_leaves_high_can_run_in_bf16_instead_as_the_stacks_run_it():
+    from numscope.plan import OperandSpec
+
+    sites = ["bert.encoder.layer.0.attention.self.scores", "bert.encoder.layer.0.output.dense"]
+    plan = Plan.recipe("te_nvfp4", sites)
+    bf16 = OperandSpec("bf16", overflow="propagate")
+    around = plan.with_high_as(bf16)
+    scores, dense = (around.for_site(name) for name in sites)
+    assert all(spec == bf16 for spec in scores.operands.values()) and len(scores.operands) == 6
+    quantized = plan.for_site(sites[1]).operands
+    assert {k: v for k, v in dense.operands.items() if k in quantized} == dict(quantized)
+    assert around.for_site(sites[1]).accumulate == plan.for_site(sites[1]).accumulate
+    sizes = {name: {("fprop", "input"): 100, ("fprop", "weight"): 100} for name in sites}
+    assert around.average_bits(sizes) == pytest.approx(plan.average_bits(sizes) - 8.0)  # half the elements
+    assert Plan.from_dict(around.to_dict()) == around  # a file train takes
+    assert plan.with_high_as("high") is plan

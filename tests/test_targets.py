@@ -300,3 +300,28 @@ def test_a_target_plan_keeps_high_a_module_the_stack_cannot_quantize_at_its_shap
         assert quantized, target  # the rest of the model is still quantized
         exported = export(recommendation.plan, target, sites, target, shapes)
         assert all("(matmul)" in line for line in exported.unexpressed), exported.unexpressed
+
+
+@pytest.mark.parametrize("target", STACKS)
+def test_what_a_stack_runs_in_bf16_counts_16_bits_and_its_plan_fits_a_budget_only_that_makes_possible(
+    observed, target: str
+) -> None:
+    from numscope.advisor.target import recipe_bits
+
+    analysis, sites = observed
+    at32, at16 = (_cheapest(analysis, target), advise(analysis, target=target, high_bits=16, **NO_LIMITS))
+    fixed = 1 - sum(  # the share of elements the stack cannot convert: attention products, the outside
+        n for k, n in analysis.elements.items() if dict(sites).get(k[0]) == "linear"
+    ) / sum(analysis.elements.values())
+    assert fixed > 0.05 and at16.average_bits <= at32 - 16 * fixed + 1e-6  # at least those 16 bits cheaper
+    budget = (at16.average_bits + at32) / 2  # below what FP32 around the GEMMs allows
+    with pytest.raises(AdvisorError, match="stays high, 32 bits"):
+        advise(analysis, target=target, bit_budget=budget, **NO_LIMITS)
+    planned = advise(analysis, target=target, bit_budget=budget, high_bits=16, **NO_LIMITS)
+    assert planned.average_bits <= budget + 1e-9
+    assert all(c.bits == 16 for c in planned.choices if c.format == HIGH)
+    bits32 = recipe_bits(analysis, get_target(target), analysis.candidates)
+    bits16 = recipe_bits(analysis, get_target(target), analysis.candidates, high_bits=16)
+    assert all(bits16[name] < bits32[name] for name in bits32)
+    with pytest.raises(AdvisorError, match="high_bits 16: only with a stack target"):
+        advise(analysis, high_bits=16, **NO_LIMITS)

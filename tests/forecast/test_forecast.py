@@ -139,8 +139,24 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
     for row in saved["rows"]:
         assert row["lost"] or row["low"] <= row["gap"] <= row["high"]
         Plan.load(row["plan"])  # every plan it names is a file train takes
+    assert "Around the quantized GEMMs, and in the GEMMs kept high: BF16" in out
+    te_current = Plan.load(next(r["plan"] for r in saved["rows"] if r["name"] == "te_current"))
+    scores = te_current.for_site("bert.encoder.layer.0.attention.self.scores")
+    assert {spec.format for spec in scores.operands.values()} == {"bf16"} and len(scores.operands) == 6
     code, again, _ = cli("forecast", *run, "--every", 4, "--out", tmp_path / "fc")  # reused, not retrained
     assert code == 0 and again.split("took")[0] == out.split("took")[0]
+    code, fp32, _ = cli("forecast", *run, "--every", 4, "--around", "fp32", "--out", tmp_path / "fc")
+    assert code == 0 and "kept high: FP32" in fp32
+    around = {r["name"]: r for r in json.loads((tmp_path / "fc" / "forecast.json").read_text())["rows"]}
+    assert Plan.load(around["te_current"]["plan"]).for_site("bert.encoder.layer.0.attention.self.scores") == (
+        Plan.recipe("te_current").for_site("bert.encoder.layer.0.attention.self.scores")
+    )
+    for row in saved["rows"]:
+        if not row["numscope"]:  # the same recipe, its high parts counted at 32 bits instead of 16
+            assert around[row["name"]]["bits"] > row["bits"] + 1
+    ours = [
+        row for row in json.loads((tmp_path / "fc" / "forecast.json").read_text())["rows"] if row["numscope"]
+    ]
     code, out, err = cli("train", *run, "--plan", ours[0]["plan"], "--out", tmp_path / "planned")
     assert code == 0, err
     assert json.loads((tmp_path / "planned" / "result.json").read_text())["avg_bits"] == pytest.approx(

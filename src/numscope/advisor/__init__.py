@@ -135,6 +135,7 @@ def advise(
     objective: Callable[[OperandKey, str], float] | None = None,
     target: str | None = None,
     objective_name: str | None = None,
+    high_bits: float = HIGH_BITS,
     **criteria: float | None,
 ) -> Recommendation:
     """Choose a format for every operand the analysis holds; see the module docstring for the rules.
@@ -161,6 +162,8 @@ def advise(
         ``emulation``: every measured candidate, per operand.
     objective_name: what a target plan's reasons call ``objective`` (default ``sensitivity``; ``noise``
         without an objective).
+    high_bits: what an operand left high costs against the budget with a stack ``target``: 32 (FP32), or
+        16 where the stack runs what it does not quantize in BF16 (its autocast dtype).
     """
     if not isinstance(analysis, Analysis):
         raise TypeError(f"advise expects a numscope.Analysis, got {type(analysis).__name__}")
@@ -180,6 +183,11 @@ def advise(
     ):
         raise AdvisorError(f"bit_budget must be a positive number of bits per element, got {bit_budget!r}")
     stack = _target(target)
+    if high_bits != HIGH_BITS and (stack is None or stack.is_emulation):
+        raise AdvisorError(
+            f"high_bits {high_bits!r}: only with a stack target (te, torchao, megatron), which runs what it "
+            "does not quantize in its autocast dtype; emulation plans keep high operands in FP32"
+        )
     if stack is not None and not stack.is_emulation:
         if per_operand:
             raise AdvisorError(
@@ -205,6 +213,7 @@ def advise(
                 sensitivity=sensitivity,
                 objective=scored,
                 objective_name=objective_name or ("sensitivity" if objective is not None else "noise"),
+                high_bits=high_bits,
             )
         except AnalysisError as error:
             raise AdvisorError(str(error)) from error
@@ -304,6 +313,7 @@ def recommend(
     noise_weights: Mapping[str, float] | None = None,
     objective: Callable[[OperandKey, str], float] | None = None,
     target: str | None = None,
+    high_bits: float = HIGH_BITS,
     **criteria: float | None,
 ) -> Plan:
     """The plan :func:`advise` recommends (one exact-name rule per site; unobserved sites stay high).
@@ -321,6 +331,7 @@ def recommend(
         noise_weights=noise_weights,
         objective=objective,
         target=target,
+        high_bits=high_bits,
         **criteria,
     ).plan
 

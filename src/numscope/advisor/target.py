@@ -78,8 +78,10 @@ def advise_for_target(
     sensitivity: Sensitivity | None,
     objective: Objective,
     objective_name: str,
+    high_bits: float = HIGH_BITS,
 ) -> object:
-    """A :class:`~numscope.advisor.Recommendation` for ``target`` (see the module docstring)."""
+    """A :class:`~numscope.advisor.Recommendation` for ``target`` (see the module docstring); an operand
+    left high counts ``high_bits`` (32; 16 where the stack runs it in BF16)."""
     kinds = site_kinds(analysis)
     usable = [r for r in target.recipes if all(f in candidates for f in r.measured)]
     if not usable:
@@ -116,21 +118,25 @@ def advise_for_target(
     solutions = [
         solution
         for recipes in _recipe_sets(target, usable)
-        if (solution := _solve(target, recipes, convertible, elements, total, bit_budget, judged)) is not None
+        if (solution := _solve(target, recipes, convertible, elements, total, bit_budget, judged, high_bits))
+        is not None
     ]
     if not solutions:
         cheapest = min(
             (
                 solution.bits
                 for recipes in _recipe_sets(target, usable)
-                if (solution := _solve(target, recipes, convertible, elements, total, None, judged))
+                if (
+                    solution := _solve(target, recipes, convertible, elements, total, None, judged, high_bits)
+                )
                 is not None
             ),
             default=math.inf,
         )
         raise AdvisorError(
             f"bit budget {bit_budget:g} bits/element is impossible for target {target.name!r}: its cheapest "
-            f"plan within the limits needs {cheapest:.4g} bits/element (what it cannot convert stays at 32); "
+            f"plan within the limits needs {cheapest:.4g} bits/element (what it cannot convert stays high, "
+            f"{high_bits:g} bits); "
             "raise --bit-budget, or relax the limits (--min-sqnr-db, --max-underflow-pct, "
             "--max-overflow-pct, --max-be-ratio: 'none' switches one off)"
         )
@@ -159,7 +165,7 @@ def advise_for_target(
             else:
                 reason = best.high_reasons.get(key, "high")
                 _, _, value = judged(key, usable[0].format_for(operand))
-            choices.append(Choice(site, gemm, operand, HIGH, 32.0, n, objective_name, value, reason))
+            choices.append(Choice(site, gemm, operand, HIGH, high_bits, n, objective_name, value, reason))
     assert isinstance(limits, Limits)
     specs: dict[OperandKey, str | OperandSpec] = {
         c.key: OperandSpec(
@@ -198,10 +204,11 @@ def _solve(
     total: int,
     budget: float | None,
     judged: Callable[[OperandKey, str], tuple[bool, str, float]],
+    high_bits: float = HIGH_BITS,
 ) -> _Solution | None:
     if target.granularity == "layer_ends":
-        return _solve_layer_ends(recipes[0], convertible, elements, total, budget, judged)
-    return _solve_gemms(recipes, target.one_recipe, convertible, elements, total, budget, judged)
+        return _solve_layer_ends(recipes[0], convertible, elements, total, budget, judged, high_bits)
+    return _solve_gemms(recipes, target.one_recipe, convertible, elements, total, budget, judged, high_bits)
 
 
 def _solve_gemms(
@@ -212,6 +219,7 @@ def _solve_gemms(
     total: int,
     budget: float | None,
     judged: Callable[[OperandKey, str], tuple[bool, str, float]],
+    high_bits: float = HIGH_BITS,
 ) -> _Solution | None:
     """Each GEMM of each Linear site in a recipe or high: the knapsack (or the cheapest within the limits).
 
@@ -257,7 +265,7 @@ def _solve_gemms(
         [
             _Option(
                 str(index),
-                _unit_bits(option.formats, _keys_of(units[u], grouped), elements, HIGH_BITS),
+                _unit_bits(option.formats, _keys_of(units[u], grouped), elements, high_bits),
                 option.objective,
                 math.inf,
                 [],
@@ -273,7 +281,7 @@ def _solve_gemms(
         fixed = total - sum(sizes)
         problem, problem_sizes = list(costed), list(sizes)
         if fixed:
-            problem.append([_Option(HIGH, HIGH_BITS, 0.0, math.inf, [])])
+            problem.append([_Option(HIGH, high_bits, 0.0, math.inf, [])])
             problem_sizes.append(fixed)
         cheapest = sum(min(o.bits for o in opts) * n for opts, n in zip(problem, problem_sizes, strict=True))
         if cheapest > budget * total + 1e-6 * total:
@@ -300,7 +308,7 @@ def _solve_gemms(
                     f"high: within the bit budget, quantizing other GEMMs costs less; this GEMM in "
                     f"{recipe.name} would add {_number(added)} to the objective"
                 )
-    bits = _average_bits(formats, elements, total)
+    bits = _average_bits(formats, elements, total, high_bits)
     return _Solution(formats, site_recipes, objective_total, bits, optimal, high_reasons)
 
 
@@ -317,10 +325,14 @@ def _unit_bits(
     return sum((_bits(formats[k]) if k in formats else high) * elements[k] for k in keys) / size
 
 
-def _average_bits(formats: dict[OperandKey, str], elements: dict[OperandKey, int], total: int) -> float:
+def _average_bits(
+    formats: dict[OperandKey, str], elements: dict[OperandKey, int], total: int, high_bits: float = HIGH_BITS
+) -> float:
     if total == 0:
         return math.nan
-    return sum((_bits(formats[key]) if key in formats else 32.0) * n for key, n in elements.items()) / total
+    return (
+        sum((_bits(formats[key]) if key in formats else high_bits) * n for key, n in elements.items()) / total
+    )
 
 
 def _solve_layer_ends(
@@ -330,6 +342,7 @@ def _solve_layer_ends(
     total: int,
     budget: float | None,
     judged: Callable[[OperandKey, str], tuple[bool, str, float]],
+    high_bits: float = HIGH_BITS,
 ) -> _Solution | None:
     """Every (leading k, trailing m) count of transformer layers kept high, the rest in ``recipe``; the
     least objective within the budget (or the fewest bits without one)."""
@@ -350,7 +363,7 @@ def _solve_layer_ends(
             if not all(ok for ok, _, _ in results):
                 continue
             quantized = {k: recipe.format_for(k[2]) for k in keys}
-            bits = _average_bits(quantized, elements, total)
+            bits = _average_bits(quantized, elements, total, high_bits)
             if budget is not None and bits > budget + 1e-9:
                 continue
             objective = sum(value for _, _, value in results)
@@ -373,16 +386,18 @@ def _solve_layer_ends(
                         f"high: layer {layer} is among the {where} {amount} layer(s) kept in BF16 "
                         "(--first-last-layers-bf16), the least objective the budget allows"
                     )
-    bits = _average_bits(quantized, elements, total)
+    bits = _average_bits(quantized, elements, total, high_bits)
     sites = {key[0]: recipe for key in quantized}
     return _Solution(quantized, sites, objective, bits, True, reasons)
 
 
-def recipe_bits(analysis: Analysis, target: Target, candidates: Sequence[str]) -> dict[str, float]:
+def recipe_bits(
+    analysis: Analysis, target: Target, candidates: Sequence[str], high_bits: float = HIGH_BITS
+) -> dict[str, float]:
     """The average bits of each of ``target``'s recipes whose formats are in ``candidates``, applied to
-    everything the target converts (the rest high; a module whose weight shape the recipe's kernels cannot
-    take, :func:`numscope.plan.export.shape_problem`, stays high too): e.g. TE's uniform FP8 and NVFP4
-    plans on this model."""
+    everything the target converts (the rest high, counted as ``high_bits``: 16 where it runs in BF16; a
+    module whose weight shape the recipe's kernels cannot take, :func:`numscope.plan.export.shape_problem`,
+    stays high too): e.g. TE's uniform FP8 and NVFP4 plans on this model."""
     kinds = site_kinds(analysis)
     keys = analysis.keys()
     elements = {key: int(analysis.elements.get(key, 0)) for key in keys}
@@ -397,7 +412,10 @@ def recipe_bits(analysis: Analysis, target: Target, candidates: Sequence[str]) -
 
     return {
         recipe.name: _average_bits(
-            {k: recipe.format_for(k[2]) for k in convertible if runs(recipe, k[0])}, elements, total
+            {k: recipe.format_for(k[2]) for k in convertible if runs(recipe, k[0])},
+            elements,
+            total,
+            high_bits,
         )
         for recipe in target.recipes
         if all(f in candidates for f in recipe.measured)

@@ -11,6 +11,7 @@ from numscope.cli.common import _add_run_flags, _int_at_least, _run_inputs, rend
 
 def _cmd_forecast(args: argparse.Namespace) -> int:
     from numscope.forecast import ForecastSettings, forecast
+    from numscope.forecast.run import _AROUND_SAYS
 
     data, config = _run_inputs(args)
     settings = ForecastSettings(
@@ -21,6 +22,7 @@ def _cmd_forecast(args: argparse.Namespace) -> int:
         sensitivity_batches=args.sensitivity,
         every=args.every,
         lr_rule=args.lr_rule,
+        around=args.around,
     )
     result = forecast(
         args.model,
@@ -40,6 +42,7 @@ def _cmd_forecast(args: argparse.Namespace) -> int:
         f"'beyond noise': the predicted gap exceeds 2 sd. Interval: the measurement's spread and the "
         "predictor's factor 2 (docs/forecast.md: how the predictions compared with trained runs)."
     )
+    print(_AROUND_SAYS[result.around] + " --around chooses.")
     print(
         f"took {result.seconds['total']:.0f}s: "
         + ", ".join(f"{name} {value:.0f}s" for name, value in result.seconds.items() if name != "total")
@@ -51,6 +54,7 @@ def _cmd_forecast(args: argparse.Namespace) -> int:
 
 def _register_forecast(sub: argparse._SubParsersAction) -> None:
     from numscope.forecast import ForecastSettings
+    from numscope.forecast.run import AROUND
     from numscope.plan.targets import STACKS
 
     defaults = ForecastSettings()
@@ -117,5 +121,13 @@ def _register_forecast(sub: argparse._SubParsersAction) -> None:
         default=defaults.lr_rule,
         help="the learning rate the update noise is weighed with: the run's mean, final or peak "
         "rate (default: %(default)s; docs/forecast.md)",
+    )
+    group.add_argument(
+        "--around",
+        choices=AROUND,
+        default=defaults.around,
+        help="what runs around the GEMMs a plan quantizes and the GEMMs it keeps high: bf16, as the stacks "
+        "train under BF16 autocast (counted as 16 bits), or fp32, as `numscope train --plan te_current` "
+        "does (default: %(default)s)",
     )
     p.set_defaults(func=_cmd_forecast)

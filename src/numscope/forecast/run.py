@@ -28,7 +28,7 @@ from numscope.errors import NumscopeError
 from numscope.forecast.measure import PlanEffect, adam_preconditioner, measure_plans
 from numscope.forecast.predict import ACCURACY, LR_RULES, effective_lr, predict, signal_lost, table_row
 from numscope.forecast.stacks import StackPlan, stack_plans
-from numscope.plan import HIGH, Plan
+from numscope.plan import HIGH, OperandSpec, Plan
 from numscope.plan.targets import LINEAR_KINDS, STACKS, get_target
 
 MEASURED_TOKENS = 2048
@@ -47,6 +47,10 @@ def measured_blocks(settings_blocks: int | None, seq_len: int, objective: str, a
         return min(settings_blocks, available)
     scored = seq_len * (0.15 if objective == "mlm" else 1.0)
     return max(1, min(available, math.ceil(MEASURED_TOKENS / scored)))
+
+
+AROUND = ("bf16", "fp32")
+"""What may run around a plan's quantized GEMMs (:attr:`ForecastSettings.around`)."""
 
 
 class ForecastError(NumscopeError, ValueError):
@@ -74,6 +78,12 @@ class ForecastSettings:
     lr_rule: str = "mean"
     """How the run's learning rates weigh the update noise
     (:func:`numscope.forecast.predict.effective_lr`)."""
+    around: str = "bf16"
+    """What runs around the GEMMs a plan quantizes, and the GEMMs it keeps high: ``bf16``, as Transformer
+    Engine, torchao and Megatron-LM train (the model under BF16 autocast; attention products, the LM head
+    and the layers a recipe keeps high in BF16 with FP32 accumulation, softmax, norms and the loss in FP32),
+    counted as 16 bits; ``fp32``: as the named recipes train in numscope (``--plan te_current``), the rest
+    in FP32, counted as 32."""
 
     def __post_init__(self) -> None:
         if self.target not in STACKS:
@@ -92,6 +102,8 @@ class ForecastSettings:
                 raise ForecastError(
                     f"--{name.replace('_', '-')} must be an integer >= {minimum}; got {value!r}"
                 )
+        if self.around not in AROUND:
+            raise ForecastError(f"--around {self.around!r}: allowed: {', '.join(AROUND)}")
         if self.lr_rule not in LR_RULES:
             raise ForecastError(f"--lr-rule {self.lr_rule!r}: allowed: {', '.join(LR_RULES)}")
 
@@ -136,21 +148,23 @@ def _is_high(spec: Any) -> bool:
     return spec.format == HIGH or spec.bits_per_element() >= 16
 
 
-def _budgets(analysis: Analysis, target: str) -> tuple[float, float]:
+def _budgets(analysis: Analysis, target: str, high_bits: float = 32.0) -> tuple[float, float]:
     """numscope's two budgets for ``target``: a third and two thirds of the way from the stack's cheapest
-    recipe (everything it converts in it) to its costliest (or, where the two lie within a bit, as
-    torchao's FP8 recipes do, to everything high)."""
+    recipe (everything it converts in it, the rest counted as ``high_bits``) to its costliest (or, where
+    the two lie within a bit, as torchao's FP8 recipes do, to everything high)."""
     from numscope.advisor.target import recipe_bits
 
-    bits = recipe_bits(analysis, get_target(target), analysis.candidates)
+    bits = recipe_bits(analysis, get_target(target), analysis.candidates, high_bits)
     low = min(bits.values())
     high = max(bits.values())
     if high - low < 1.0:
-        high = 32.0
+        high = high_bits
     return low + (high - low) / 3, low + 2 * (high - low) / 3
 
 
-def _numscope_plans(analysis: Analysis, target: str, budgets: Sequence[float]) -> list[StackPlan]:
+def _numscope_plans(
+    analysis: Analysis, target: str, budgets: Sequence[float], high_bits: float = 32.0
+) -> list[StackPlan]:
     from numscope.advisor import recommend, sensitivity_objective
 
     objective = sensitivity_objective(analysis.sensitivity, None, analysis)
@@ -165,6 +179,7 @@ def _numscope_plans(analysis: Analysis, target: str, budgets: Sequence[float]) -
             max_underflow_pct=None,
             max_overflow_pct=None,
             min_sqnr_db=None,
+            high_bits=high_bits,
         )
         out.append(
             StackPlan(
@@ -185,6 +200,8 @@ class Forecast:
     lr: float
     files: dict[str, str]
     seconds: dict[str, float]
+    around: str = "bf16"
+    """What ran around the quantized GEMMs (:attr:`ForecastSettings.around`)."""
 
     def table(self) -> list[dict[str, str]]:
         return [table_row(row["name"], row) for row in self.rows]
@@ -270,8 +287,13 @@ def forecast(
         raise ForecastError(f"--batches {settings.batches}: the training split holds {len(train_batches)}")
     example = {k: v for k, v in train_batches[0].items() if k != "labels"}
     found = [(site.name, site.kind) for site in list_sites(trained, example)]
-    budgets = _budgets(analysis, settings.target)
-    candidates = stack_plans(settings.target, found) + _numscope_plans(analysis, settings.target, budgets)
+    high_bits = 16.0 if settings.around == "bf16" else 32.0
+    budgets = _budgets(analysis, settings.target, high_bits)
+    candidates = stack_plans(settings.target, found)
+    candidates += _numscope_plans(analysis, settings.target, budgets, high_bits)
+    if settings.around == "bf16":
+        around = OperandSpec("bf16", overflow="propagate")
+        candidates = [replace(c, plan=c.plan.with_high_as(around)) for c in candidates]
     plans_dir = folder / "plans"
     plans_dir.mkdir(parents=True, exist_ok=True)
     for entry in candidates:
@@ -355,7 +377,7 @@ def forecast(
             }
         )
     seconds["total"] = time.perf_counter() - began
-    result = Forecast(settings.target, rows, losses, noise, lr, {}, seconds)
+    result = Forecast(settings.target, rows, losses, noise, lr, {}, seconds, settings.around)
     payload = {
         "model": model,
         "target": settings.target,
@@ -399,6 +421,13 @@ def _plain(value: Any) -> Any:
     return sorted(value) if isinstance(value, set) else str(value)
 
 
+_AROUND_SAYS = {
+    "bf16": "Around the quantized GEMMs, and in the GEMMs kept high: BF16 (as the stacks train under BF16 "
+    "autocast; counted as 16 bits).",
+    "fp32": "Around the quantized GEMMs, and in the GEMMs kept high: FP32 (counted as 32 bits).",
+}
+
+
 def _markdown(result: Forecast) -> str:
     rows = result.table()
     columns = list(rows[0]) if rows else []
@@ -409,5 +438,7 @@ def _markdown(result: Forecast) -> str:
         "",
         f"FP32 validation loss per seed: {', '.join(f'{v:.4f}' for v in result.fp32_losses)}; "
         f"seed sd {noise}; update noise weighed with lr {result.lr:.3g}",
+        "",
+        _AROUND_SAYS[result.around],
     ]
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from numscope.plan.spec import (
     Rule,
     SiteSpec,
     _names,
+    _operand_spec,
     _reasons,
     _split_key,
     _type_name,
@@ -197,6 +198,21 @@ class Plan:
     def with_default(self, spec: SiteSpec, reasons: Mapping[str, str] | None = None) -> Plan:
         """A new plan with another default site spec."""
         return Plan(spec, self.rules, reasons or {})
+
+    def with_high_as(self, spec: OperandSpec | str) -> Plan:
+        """The plan with every operand it leaves high given ``spec`` instead, in its default and every rule
+        (accumulation, reasons and patterns kept): e.g. ``OperandSpec("bf16", overflow="propagate")`` for
+        what a training stack runs in its autocast dtype around the GEMMs its recipe quantizes."""
+        given = _operand_spec(spec)
+        if given.is_high:
+            return self
+
+        def filled(site: SiteSpec) -> SiteSpec:
+            return SiteSpec({key: site.operand(*key) if key in site.operands else given
+                             for key in OPERAND_KEYS}, site.accumulate)  # fmt: skip
+
+        rules = tuple(Rule(r.pattern, filled(r.spec), r.reasons, r.optional) for r in self.rules)
+        return Plan(filled(self.default), rules, self.default_reasons, self.source)
 
     @staticmethod
     def presets() -> tuple[str, ...]:
