@@ -12,7 +12,7 @@ Finished runs are reused on a rerun. Example (the demo's BERT on its corpus, doc
 
     python examples/forecast_validation.py --model examples/bert_demo.json --text wiki.txt \\
         --vocab-size 2000 --seq-len 32 --batch-size 32 --steps 300 --lr 2e-3 --val-blocks 256 \\
-        --also fp8 mxfp8 mxfp6 mxfp4 nvfp4 int8 --out runs/validate_bert
+        --also fp8 mxfp8 mxfp6 mxfp4 nvfp4 int8 --around fp32 --out runs/validate_bert
 """
 
 from __future__ import annotations
@@ -45,7 +45,21 @@ def main() -> None:
     parser.add_argument("--objective", default="auto")
     parser.add_argument("--target", default="te")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--also", nargs="*", default=[], help="more plans to predict and train")
+    parser.add_argument(
+        "--also", nargs="*", default=[], help="more plans to predict and train: presets, recipes, YAML files"
+    )
+    parser.add_argument(
+        "--around",
+        default="bf16",
+        choices=("bf16", "fp32"),
+        help="the forecast's --around: what its plans (the files trained) run around their quantized GEMMs",
+    )
+    parser.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="stop after the predictions (predictions.json in --out): for plans whose gaps were measured "
+        "elsewhere with the same settings",
+    )
     parser.add_argument("--skip", nargs="*", default=[], help="forecast plans not to train (e.g. slow ones)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
@@ -62,6 +76,8 @@ def main() -> None:
         args.target,
         "--seeds",
         str(args.seeds),
+        "--around",
+        args.around,
         "--no-progress",
         "--out",
         str(out / "forecast"),
@@ -73,7 +89,13 @@ def main() -> None:
     if args.also:
         print(f"[validate] measuring {', '.join(args.also)} on the trained FP32 model", flush=True)
         predicted.update(measure_also(args, run_flags, out, forecast))
-        plans.update({name: name for name in args.also})
+        plans.update({_also_name(name): name for name in args.also})
+    if args.predict_only:
+        (out / "predictions.json").write_text(json.dumps(predicted, indent=1))
+        for name, row in predicted.items():
+            shown = "fails: " + row["lost"] if row.get("lost") else f"{row['gap']:+.4f}"
+            print(f"{name}: {row['bits']:.2f} bits, predicted gap {shown}")
+        return
 
     seed0 = forecast["train"]["seed"]
     seeds = [seed0 + k for k in range(args.seeds)]
@@ -147,6 +169,7 @@ def main() -> None:
         "plans": len(rows),
         "rows": rows,
         "lr_effective": forecast["lr_effective"],
+        "around": args.around,
         "seconds": forecast["seconds"],
     }
     (out / "validation.json").write_text(json.dumps(summary, indent=1))
@@ -224,7 +247,7 @@ def measure_also(args: argparse.Namespace, run_flags: list[str], out: Path, fore
         ]
 
     names = [s.name for s in sites(model, {k: v for k, v in batches[0].items() if k != "labels"})]
-    plans = {name: Plan.resolve(name, names) for name in args.also}
+    plans = {_also_name(name): Plan.resolve(name, names) for name in args.also}
     stored_path = out / "also_effects.json"
     stored = json.loads(stored_path.read_text()) if stored_path.is_file() else {}
     todo = {n: p for n, p in plans.items() if n not in stored}
@@ -252,6 +275,11 @@ def measure_also(args: argparse.Namespace, run_flags: list[str], out: Path, fore
         )
         rows[name] = {"name": name, "bits": plan.average_bits(sizes), **prediction.to_dict()}
     return rows
+
+
+def _also_name(spec: str) -> str:
+    """An --also plan's name: a file's stem, else the preset or recipe name."""
+    return Path(spec).stem if spec.endswith((".yaml", ".yml")) else spec
 
 
 if __name__ == "__main__":

@@ -568,3 +568,24 @@ def test_both_block_directions_of_a_gradient_in_one_pass_give_the_same_training(
     assert len(passes) == linear_sites  # nothing announced: no single pass
     assert torch.equal(fused[0], separate[0])
     assert all(torch.equal(fused[1][n], separate[1][n]) for n in separate[1])
+
+
+def test_convert_takes_a_plan_by_the_name_or_file_plan_takes(tmp_path) -> None:
+    inputs = {"input_ids": torch.randint(5, 96, (2, 16))}
+    by_name, by_plan = bert(dropout=0.0), bert(dropout=0.0)
+    by_plan.load_state_dict(by_name.state_dict())
+    numscope.convert(by_name, "fp8")
+    numscope.convert(by_plan, Plan.named("fp8"))
+    assert converted_plan(by_name) == Plan.named("fp8")
+    assert torch.equal(by_name(**inputs).logits, by_plan(**inputs).logits)
+    Plan.named("mxfp4").save(tmp_path / "plan.yaml")
+    assert converted_plan(numscope.convert(bert(), tmp_path / "plan.yaml")) == Plan.named("mxfp4")
+    with pytest.raises(PlanError, match=r"te_nvfp4.*keeps high by their place.*example_inputs="):
+        numscope.convert(bert(), "te_nvfp4")
+    placed = numscope.convert(bert(), "te_nvfp4", example_inputs=inputs)
+    head = converted_plan(placed).for_site("cls.predictions.decoder")
+    assert {spec.format for spec in head.operands.values()} == {"bf16"}  # the last layers stay in BF16
+    with pytest.raises(PlanError, match="unknown preset or recipe 'fp9'"):
+        numscope.convert(bert(), "fp9")
+    with pytest.raises(TypeError, match="a preset or recipe name, or a YAML path; got int"):
+        numscope.convert(bert(), 8)

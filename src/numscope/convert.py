@@ -657,7 +657,7 @@ def _quantizer(model: nn.Module) -> _Quantizer:
 
 def convert(
     model: nn.Module,
-    plan: Plan,
+    plan: Plan | str | os.PathLike[str],
     *,
     example_inputs: Mapping[str, Any] | tuple | torch.Tensor | None = None,
     generator: torch.Generator | None = None,
@@ -667,6 +667,9 @@ def convert(
 ) -> nn.Module:
     """Apply ``plan`` to ``model`` in place and return it (see the module docstring).
 
+    plan: a :class:`~numscope.plan.Plan`, or what ``--plan`` takes (:meth:`Plan.resolve`): a preset
+        (``"fp8"``), a named recipe (``"te_current"``; one that keeps layers high by their place, such as
+        ``"te_nvfp4"``, needs ``example_inputs`` to find them) or a YAML file.
     example_inputs: used to find the matmul sites now (:func:`numscope.sites`), so that the plan is checked
         against every site before returning; without them the check runs at the first forward, which
         raises :class:`numscope.plan.PlanError` if a rule's pattern matches no site.
@@ -686,8 +689,20 @@ def convert(
         input in forward and keep it as bfloat16 values (exact; half of float32), at no cost in compute.
         Element formats (fp8, fp16, bf16) keep their quantized inputs in codes always: that is free.
     """
+    if isinstance(plan, str | os.PathLike):
+        if Plan.needs_sites(plan) and example_inputs is None:
+            raise PlanError(
+                f"convert(model, {str(plan)!r}): this recipe chooses the layers it keeps high by their place "
+                "in the model; pass example_inputs= (one batch) so that its sites are found, or give "
+                "Plan.resolve(name, site_names)"
+            )
+        found = [s.name for s in sites(model, example_inputs)] if example_inputs is not None else None
+        plan = Plan.resolve(plan, found)
     if not isinstance(plan, Plan):
-        raise TypeError(f"convert expects a numscope.Plan, got {type(plan).__name__}")
+        raise TypeError(
+            "convert expects a numscope.Plan, a preset or recipe name, or a YAML path; got "
+            f"{type(plan).__name__}"
+        )
     if compiled == "auto":
         compiled = None if "NUMSCOPE_FAST" in os.environ else plan.uses_block_formats()
     elif not isinstance(compiled, bool):
