@@ -114,6 +114,25 @@ def test_every_stack_offers_its_recipes_as_plans_for_the_model() -> None:
         stack_plans("tpu", sites)
 
 
+def test_a_module_the_stacks_kernels_cannot_take_at_its_shape_stays_high_in_its_recipes() -> None:
+    model = tiny_models.tiny_bert(vocab_size=VOCAB, max_position=SEQ)
+    sites = [(site.name, site.kind) for site in numscope.sites(model, _batches(1)[0])]
+    shapes = {
+        name: list(module.weight.shape) for name, module in model.named_modules() if hasattr(module, "weight")
+    }
+    assert shapes["cls.predictions.decoder"][0] == VOCAB  # 100 rows: not a multiple of 16 or 32
+    for target in ("te", "torchao", "megatron"):
+        for entry in stack_plans(target, sites, shapes):
+            decoder = entry.plan.for_site("cls.predictions.decoder")
+            assert decoder.is_high, (target, entry.name)
+            rule = entry.plan.rule_for("cls.predictions.decoder")
+            assert rule is None or "in multiples of" in rule.reasons.get("fprop/input", "")
+            query = entry.plan.for_site("bert.encoder.layer.1.attention.self.query")  # 64 x 64: runs
+            assert query.is_high == (target == "megatron" and "+ends" in entry.name), (target, entry.name)
+    unshaped = {p.name: p.plan for p in stack_plans("te", sites)}["te_current"]
+    assert not unshaped.for_site("cls.predictions.decoder").is_high
+
+
 @pytest.mark.slow
 def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) -> None:
     from checkpoints import bert_checkpoint, cli, write_text

@@ -1,13 +1,16 @@
 """The recipes a training stack offers, as plans for one model: what ``numscope forecast --target T``
 puts side by side. Transformer Engine's and torchao's are the named recipes (:mod:`numscope.plan.recipes`);
 Megatron-LM's are its ``--fp8-recipe`` / ``--fp4-recipe`` numerics on the transformer layers' Linear
-sites, each with and without ``--first-last-layers-bf16`` (one layer at each end in BF16)."""
+sites, each with and without ``--first-last-layers-bf16`` (one layer at each end in BF16). A Linear
+module whose weight shape the stack's kernels cannot take (:func:`numscope.plan.export.shape_problem`, e.g.
+an LM head of 30,527 rows for TE's FP8 GEMMs, which need multiples of 16) stays high in every recipe, as
+it would in the stack, and as ``recommend --target`` keeps it."""
 
 from __future__ import annotations
 
 import glob
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 from numscope._names import layer_index
 from numscope.plan import Plan, SiteSpec
@@ -33,19 +36,39 @@ class StackPlan:
     plan: Plan
 
 
-def stack_plans(target: str, sites: Sequence[tuple[str, str]]) -> list[StackPlan]:
+def stack_plans(
+    target: str, sites: Sequence[tuple[str, str]], shapes: Mapping[str, Sequence[int]] | None = None
+) -> list[StackPlan]:
     """Every recipe of ``target`` (``te``, ``torchao`` or ``megatron``) as a plan for the model whose
-    ``sites`` are ``(name, kind)`` in call order."""
+    ``sites`` are ``(name, kind)`` in call order; ``shapes``: site name → its weight's shape (out, in),
+    for the modules the stack's kernels cannot take (kept high)."""
     from numscope.plan.recipes import RECIPES
 
     names = [name for name, _ in sites]
     if target == "te":
-        return [StackPlan(n, RECIPES[n].source.split(";")[0], Plan.recipe(n, names)) for n in TE_RECIPES]
-    if target == "torchao":
-        return [StackPlan(n, RECIPES[n].source, Plan.recipe(n, names)) for n in TORCHAO_RECIPES]
-    if target == "megatron":
-        return _megatron(sites)
-    raise ValueError(f"unknown stack {target!r}; allowed: {', '.join(STACKS)}")
+        plans = [StackPlan(n, RECIPES[n].source.split(";")[0], Plan.recipe(n, names)) for n in TE_RECIPES]
+    elif target == "torchao":
+        plans = [StackPlan(n, RECIPES[n].source, Plan.recipe(n, names)) for n in TORCHAO_RECIPES]
+    elif target == "megatron":
+        plans = _megatron(sites)
+    else:
+        raise ValueError(f"unknown stack {target!r}; allowed: {', '.join(STACKS)}")
+    return [replace(p, plan=_high_where_shapes_fail(p.plan, target, sites, shapes or {})) for p in plans]
+
+
+def _high_where_shapes_fail(
+    plan: Plan, target: str, sites: Sequence[tuple[str, str]], shapes: Mapping[str, Sequence[int]]
+) -> Plan:
+    from numscope.plan.export import shape_problem
+
+    for name, kind in sites:
+        if kind not in LINEAR_KINDS or name not in shapes:
+            continue
+        formats = [spec.format for spec in plan.for_site(name).operands.values() if not spec.is_high]
+        problem = shape_problem(shapes[name], formats, target)
+        if problem is not None:
+            plan = plan.with_rule(glob.escape(name), SiteSpec(), {"fprop/input": f"high: {problem}"})
+    return plan
 
 
 def _megatron(sites: Sequence[tuple[str, str]]) -> list[StackPlan]:
