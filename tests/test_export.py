@@ -276,6 +276,7 @@ def test_transformer_engine_export_follows_the_documented_api() -> None:
     listed = to_transformer_engine(seeded, sites)
     wgrad = [line for line in listed.unexpressed if " wgrad/input nvfp4 " in line]
     assert wgrad and all("rht16" in line and "no TE recipe has these numerics" in line for line in wgrad)
+    assert all("TE runs it under NVFP4BlockScaling(" in line for line in wgrad)  # what runs instead
     hybrid = to_transformer_engine(Plan.recipe("te_delayed"), sites)
     assert (
         "RECIPE = DelayedScaling(fp8_format=Format.HYBRID, margin=0, amax_history_len=1024"
@@ -402,6 +403,12 @@ def test_torchao_export_checks_shapes_against_the_model(tmp_path: Path) -> None:
 def test_cli_export_checks_shapes_of_the_model(tmp_path: Path, capsys) -> None:
     assert main(["export", "mxfp8", "--to", "te", "--model", "tiny-bert", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
+    # the OCP scale rule runs as TE's MXFP8 (it rounds its scale up), said once per module, not "no recipe"
+    assert "RECIPE = MXFP8BlockScaling(fp8_format=Format.E4M3)" in (tmp_path / "numscope_te.py").read_text()
+    assert "no TE recipe" not in out
+    query = [line for line in out.splitlines() if "layer.0.attention.self.query" in line]
+    assert len(query) == 1 and "6 MXFP8 operands by the OCP rule's scale" in query[0]
+    assert "MXFP8BlockScaling, whose scale rounds up" in query[0]
     assert "cls.predictions.decoder: weight 30522 x 64: TE's MXFP8 quantizer needs both dimensions" in out
     assert main(["export", "fp8", "--to", "megatron", "--model", "tiny-bert", "--out", str(tmp_path)]) == 0
     assert "weight 30522" not in capsys.readouterr().out  # Megatron's flags leave the output layer high

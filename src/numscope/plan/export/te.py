@@ -90,6 +90,27 @@ def _te_accumulation(recipe: str, site: SiteSpec) -> tuple[str, list[str]]:
     return recipe, problems
 
 
+_MXFP8_NEAR = (
+    "by the OCP rule's scale (2^(floor(log2 amax) - emax)), which TE does not run: they run under TE's "
+    "MXFP8BlockScaling, whose scale rounds up (@rceil): a block whose amax has a mantissa above 1.75 "
+    "(the E4M3 and E5M2 maxima, 448 and 57344, are 1.75 times a power of two) is scaled a power of two "
+    "higher by TE, where the OCP rule clamps its largest elements to the maximum; every other block is "
+    "scaled the same"
+)
+
+
+def _near_recipe(spec: OperandSpec) -> str | None:
+    """The TE recipe nearest an operand no TE recipe runs exactly: MXFP8 by the OCP scale rule (TE's
+    MXFP8BlockScaling rounds its scale up), else None."""
+    fmt = spec.format_spec()
+    plain = spec.scaling is None and not spec.flush_subnormals and spec.rounding == "nearest"
+    if isinstance(fmt, BlockFormat) and plain and spec.transform is None and fmt.name == "mxfp8_e4m3":
+        return "MXFP8BlockScaling(fp8_format=Format.E4M3)"
+    if isinstance(fmt, BlockFormat) and plain and spec.transform is None and fmt.name == "mxfp8_e5m2":
+        return "MXFP8BlockScaling(fp8_format=Format.HYBRID)"
+    return None
+
+
 def _te_recipe(spec: OperandSpec, gemm: str, operand: str) -> str | None:
     """The TE recipe an operand's spec is an instance of (``None``: none is); NVFP4 operands give
     :data:`_NVFP4`, whose switches :func:`_nvfp4_recipe` sets from every NVFP4 operand of the plan."""
@@ -227,6 +248,8 @@ def to_transformer_engine(
     recipes: dict[str, int] = {}
     planned: dict[tuple[str, str, str], str] = {}
     nvfp4: list[tuple[str, str, OperandSpec]] = []
+    unmatched: list[tuple[str, str]] = []  # (module, operand described) that no TE recipe runs as planned
+    nearly: dict[str, list[str]] = {}  # module -> its MXFP8 operands by the OCP scale rule
     without_nan: list[str] = []
     high: dict[str, list[str]] = {}
     for name, spec in linear.items():
@@ -237,16 +260,17 @@ def to_transformer_engine(
                 continue
             for operand, operand_spec in zip(OPERANDS[gemm], specs, strict=True):
                 recipe = None if _high(operand_spec) else _te_recipe(operand_spec, gemm, operand)
+                near = None if recipe is not None or _high(operand_spec) else _near_recipe(operand_spec)
+                if near is not None:  # TE's MXFP8 for the OCP scale rule: listed, and counted as what runs
+                    recipe = near
+                    nearly.setdefault(name, []).append(f"{gemm}/{operand}")
                 if _high(operand_spec):
                     unexpressed.append(
                         f"{name} {gemm}/{operand} high beside a quantized operand: TE quantizes both "
                         "operands of a GEMM or neither; the GEMM runs quantized"
                     )
                 elif recipe is None:
-                    unexpressed.append(
-                        f"{name} {gemm}/{operand} {_describe(operand_spec)}: no TE recipe has these numerics "
-                        "for this operand"
-                    )
+                    unmatched.append((name, f"{name} {gemm}/{operand} {_describe(operand_spec)}"))
                 else:
                     recipes[recipe] = recipes.get(recipe, 0) + 1
                     planned[(name, gemm, operand)] = recipe
@@ -255,7 +279,9 @@ def to_transformer_engine(
                         if "nan" not in operand_spec.format_spec().options and name not in without_nan:
                             without_nan.append(name)
                             unexpressed.append(f"{name} {_NVFP4_NAN}")
+    unexpressed += [f"{name}: {len(keys)} MXFP8 operands {_MXFP8_NEAR}" for name, keys in nearly.items()]
     base = _one_recipe(recipes)
+    unmatched_at = len(unexpressed)  # their lines go here once each module's recipe is known
     per_module: dict[str, set[str]] = {}
     for (name, _, _), recipe in planned.items():
         per_module.setdefault(name, set()).add(recipe)
@@ -280,6 +306,11 @@ def to_transformer_engine(
         unexpressed += problems
         chosen = spelled if chosen == _NVFP4 else chosen
         module_recipes = {n: spelled if r == _NVFP4 else r for n, r in module_recipes.items()}
+    unexpressed[unmatched_at:unmatched_at] = [
+        f"{described}: no TE recipe has these numerics for this operand; TE runs it under "
+        f"{module_recipes.get(name, chosen)}"
+        for name, described in unmatched
+    ]
     sections = {}
     for index, (name, gemms) in enumerate(sorted(high.items())):
         sections[f"numscope_high_{index}"] = {
