@@ -30,12 +30,9 @@ noise model does not describe; its prediction says so instead of giving a number
 
 SIGNAL_LOST_FLUSHED_PCT = 95.0
 """An operand of which this share of the nonzero elements or more is flushed to zero at an observed step
-has lost its signal too, whatever its SQNR: per-tensor INT8 keeps an LM head's output gradient at 32 dB on a
-GQA Llama (the target token's large entry survives) while flushing 99.96% of its entries (the small entries
-of every other token, which together carry as much as the target's), and that run ended 2.1 nats behind
-FP32. Chosen between what trained and what failed in the validation of docs/forecast.md: the largest
-flushed share of a plan that trained was 88.8% (MXFP4 on the demo's BERT, attention scores' gradient), the
-smallest of one that failed 98.1% (INT8, the same BERT's MLM head)."""
+has lost its signal too, whatever its SQNR (an LM head's output gradient can keep the target token's large
+entry, and a high SQNR, while losing every other token's small ones); the threshold and the runs it was
+chosen between are in docs/forecast.md ("Where the model does not apply")."""
 
 ACCURACY = 2.0
 """The factor within which a prediction is taken to hold (the interval is [gap / ACCURACY, gap · ACCURACY]

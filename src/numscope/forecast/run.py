@@ -33,11 +33,8 @@ from numscope.plan.targets import LINEAR_KINDS, STACKS, get_target
 
 MEASURED_TOKENS = 2048
 """The scored validation tokens a plan's forward loss change is measured on by default (masked tokens of a
-masked LM, every predicted token of a causal one). The per-token loss changes a quantized forward makes are
-noisy: on the demo's BERT, 32 blocks of 32 tokens (about 150 masked tokens) leave the forward term of TE's
-recipes a standard error of 0.001-0.002 nats, as large as their predicted gaps, and MXFP4's 0.010 against
-its 0.011; 256 blocks (about 1,230 masked tokens) bring those to 0.0004-0.0007 and 0.0036
-(docs/forecast.md)."""
+masked LM, every predicted token of a causal one): the per-token loss changes a quantized forward makes are
+noisy; docs/forecast.md ("What it runs") shows the standard errors that set it."""
 
 
 def measured_blocks(settings_blocks: int | None, seq_len: int, objective: str, available: int) -> int:

@@ -99,16 +99,18 @@ _MXFP8_NEAR = (
 )
 
 
+#: TE's recipe for MXFP8 by the OCP scale rule, which it runs with the scale rounded up (@rceil)
+_NEAR_RECIPES = {
+    "mxfp8_e4m3": "MXFP8BlockScaling(fp8_format=Format.E4M3)",
+    "mxfp8_e5m2": "MXFP8BlockScaling(fp8_format=Format.HYBRID)",
+}
+
+
 def _near_recipe(spec: OperandSpec) -> str | None:
     """The TE recipe nearest an operand no TE recipe runs exactly: MXFP8 by the OCP scale rule (TE's
     MXFP8BlockScaling rounds its scale up), else None."""
-    fmt = spec.format_spec()
     plain = spec.scaling is None and not spec.flush_subnormals and spec.rounding == "nearest"
-    if isinstance(fmt, BlockFormat) and plain and spec.transform is None and fmt.name == "mxfp8_e4m3":
-        return "MXFP8BlockScaling(fp8_format=Format.E4M3)"
-    if isinstance(fmt, BlockFormat) and plain and spec.transform is None and fmt.name == "mxfp8_e5m2":
-        return "MXFP8BlockScaling(fp8_format=Format.HYBRID)"
-    return None
+    return _NEAR_RECIPES.get(spec.format_spec().name) if plain and spec.transform is None else None
 
 
 def _te_recipe(spec: OperandSpec, gemm: str, operand: str) -> str | None:
