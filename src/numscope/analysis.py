@@ -139,6 +139,11 @@ class Analysis:
                 found.update(per_step)
         return sorted(found)
 
+    def weight_shapes(self) -> dict[str, list[int]]:
+        """Each observed Linear site's weight shape (``meta["weight_shapes"]``; empty for analyses that
+        predate it), for the stacks' shape rules."""
+        return {str(name): [int(d) for d in shape] for name, shape in self.meta.get("weight_shapes", [])}
+
     def keys(self) -> list[OperandKey]:
         """Every operand key, sorted."""
         return sorted(self.operands)

@@ -100,7 +100,7 @@ def advise_for_target(
     fixed_high = set(keys) - set(convertible)
     cache: dict[tuple[OperandKey, str], tuple[bool, str, float]] = {}
 
-    shapes = {str(name): [int(d) for d in shape] for name, shape in analysis.meta.get("weight_shapes", [])}
+    shapes = analysis.weight_shapes()
 
     def judged(key: OperandKey, label: str) -> tuple[bool, str, float]:
         """(passes the limits and the stack's shape rule, the failed check's text, the objective) of one
@@ -405,7 +405,7 @@ def recipe_bits(
     convertible = {k for k in keys if kinds.get(k[0]) in LINEAR_KINDS}
     if target.granularity == "layer_ends":
         convertible = {k for k in convertible if layer_index(k[0]) is not None}
-    shapes = {str(name): [int(d) for d in shape] for name, shape in analysis.meta.get("weight_shapes", [])}
+    shapes = analysis.weight_shapes()
 
     def runs(recipe: StackRecipe, site: str) -> bool:  # the stack's kernels take the module's shape
         return shape_problem(shapes.get(site, ()), recipe.measured, target.name) is None

@@ -286,7 +286,7 @@ def forecast(
     found = [(site.name, site.kind) for site in list_sites(trained, example)]
     high_bits = 16.0 if settings.around == "bf16" else 32.0
     budgets = _budgets(analysis, settings.target, high_bits)
-    shapes = {str(name): [int(d) for d in shape] for name, shape in analysis.meta.get("weight_shapes", [])}
+    shapes = analysis.weight_shapes()
     candidates = stack_plans(settings.target, found, shapes)
     candidates += _numscope_plans(analysis, settings.target, budgets, high_bits)
     if settings.around == "bf16":
