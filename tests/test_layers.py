@@ -12,7 +12,7 @@ import numscope
 ORDER = (
     "errors", "_names", "_atomic", "_rng", "_callable", "_lazy", "vocab", "formats", "metrics", "_root_call",
     "sites", "plan", "convert", "analysis", "distributed", "observe", "sensitivity", "advisor", "train",
-    "run", "report", "study", "forecast", "integrations", "demo", "workflow", "cli",
+    "run", "report", "study", "forecast", "diagnose", "integrations", "demo", "workflow", "cli",
 )  # fmt: skip
 #: none: the plan study and the demo share their experiment through numscope.run.experiment
 EXCEPTIONS: set[tuple[str, str]] = set()

@@ -66,6 +66,7 @@ for _name in _CALLABLE_MODULES:
 _SUBMODULES = (
     "advisor",
     "analysis",
+    "diagnose",
     "distributed",
     "forecast",
     "metrics",

@@ -12,6 +12,7 @@ from pathlib import Path
 from numscope.cli.advice import _register_calibrate, _register_recommend
 from numscope.cli.common import CLIError, render_table
 from numscope.cli.demo import _register_demo
+from numscope.cli.diagnose import _register_band, _register_localize
 from numscope.cli.forecast import _register_forecast
 from numscope.cli.info import _cmd_formats, _cmd_recipes, formats_table
 from numscope.cli.runs import (
@@ -57,6 +58,8 @@ _EXTRA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _register_study,
     _register_calibrate,
     _register_export,
+    _register_localize,
+    _register_band,
 ]
 
 

@@ -919,3 +919,107 @@ def forecast_figure(rows: Sequence[Mapping], noise: float | None, title: str) ->
     ax.set_title(title)
     ax.legend(loc="upper right", fontsize=7)
     return _png(fig)
+
+
+def _short_site(name: str) -> str:
+    """A site name shortened for an axis: the path before a transformer layer's index dropped
+    (``bert.encoder.layer.0.attention.self.query`` → ``L0.attention.self.query``); other names whole."""
+    import re
+
+    return re.sub(r"^.*?\b(?:layers|layer|h|blocks|block)\.(\d+)\.", r"L\1.", name)
+
+
+def localize_figure(data: Mapping, title: str) -> bytes:
+    """A localization (:mod:`numscope.diagnose.localize`): two heat maps, sites × recorded steps, of the error
+    the plan's casts add at each site and of how far the gradient arriving at each site has drifted from
+    FP32's (log colour scale), and the ranked attribution: each site's effect on the final validation loss
+    with its 95% interval, the sites beyond FP32's seed noise in red, the noise shaded.
+    data: :meth:`numscope.diagnose.Localization.to_dict`."""
+    drift = data["drift"]
+    sites, steps = drift["sites"], drift["steps"]
+    fig, axes = plt.subplots(
+        1, 3, figsize=(15, max(4.0, 0.28 * len(sites) + 1.5)), gridspec_kw={"width_ratios": [1, 1, 1.1]}
+    )
+    panels = (("local", "relative error the plan's casts add"), ("grad_output", "incoming gradient's drift"))
+    for ax, (figure, label) in zip(axes[:2], panels, strict=True):
+        rows = drift["figures"][figure]
+        grid = np.array([[np.nan if v is None else v for v in row] for row in rows], dtype=float).T
+        positive = grid[np.isfinite(grid) & (grid > 0)]
+        floor = float(positive.min()) if positive.size else 1e-6
+        shown = np.where(np.isfinite(grid), np.maximum(grid, floor), np.nan)
+        top = float(np.nanmax(shown)) if np.isfinite(shown).any() else 1.0
+        image = ax.imshow(
+            shown,
+            aspect="auto",
+            cmap="magma",
+            norm=mcolors.LogNorm(vmin=floor, vmax=max(top, floor * 1.0001)),
+            interpolation="nearest",
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, len(sites) - 0.5, -0.5) if steps else None,
+        )
+        ax.grid(False)
+        ax.set_yticks(range(len(sites)))
+        ax.set_yticklabels([_short_site(s) for s in sites] if ax is axes[0] else [], fontsize=7)
+        ax.set_xlabel("step")
+        ax.set_title(label, fontsize=9)
+        fig.colorbar(image, ax=ax, fraction=0.04)
+    ax = axes[2]
+    rows = data["attributions"]
+    noise = data.get("fp32_seed_sd")
+    y = np.arange(len(rows))
+    for k, row in enumerate(rows):
+        interval = row["interval"]
+        low, high = interval if interval is not None else (row["mean"], row["mean"])
+        ax.errorbar(
+            row["mean"],
+            k,
+            xerr=[[max(row["mean"] - low, 0.0)], [max(high - row["mean"], 0.0)]],
+            fmt="o",
+            color="#d62728" if row["named"] else _BAR_COLOUR,
+            capsize=3,
+        )
+    if noise is not None and math.isfinite(noise):
+        ax.axvspan(-noise, noise, color="#222222", alpha=0.08, label="± FP32 seed sd")
+        ax.legend(loc="lower right", fontsize=7)
+    ax.axvline(0.0, color=_REFERENCE_COLOUR, linewidth=0.8)
+    ax.set_yticks(y)
+    ax.set_yticklabels([_short_site(r["site"]) for r in rows], fontsize=7)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # the largest effect on top
+    ax.set_xlabel("effect on validation loss (nats): plan − plan with the site in FP32")
+    ax.set_title("attribution (95% interval over seeds)", fontsize=9)
+    fig.suptitle(title)
+    return _png(fig)
+
+
+def band_figure(data: Mapping, title: str, compared: Mapping | None = None) -> bytes:
+    """A recipe's emulated gap band (:mod:`numscope.diagnose.band`): each seed's smoothed gap to FP32, the
+    band's mean and edges; with ``compared`` (``steps`` and ``gap``, the smoothed gap of a user's runs, and
+    ``left_at``) that gap over it, the step it leaves the band marked. data: ``Band.to_dict()``."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps = data["steps"]
+    window = data["settings"]["window"]
+    for k, gaps in enumerate(data["gaps"].values()):
+        running = np.convolve(gaps, np.ones(window), mode="full")[: len(gaps)] / np.minimum(
+            np.arange(1, len(gaps) + 1), window
+        )
+        ax.plot(
+            steps,
+            running,
+            color=_BAR_COLOUR,
+            linewidth=0.8,
+            alpha=0.6,
+            label="emulated seeds" if k == 0 else None,
+        )
+    ax.fill_between(steps, data["lower"], data["upper"], color="#1f77b4", alpha=0.15,
+                    label=f"band ({int(data['settings']['level'] * 100)}% for one more seed)")  # fmt: skip
+    ax.plot(steps, data["mean"], color="#1f77b4", linewidth=1.2, label="mean")
+    if compared is not None:
+        ax.plot(compared["steps"], compared["gap"], color="#d62728", linewidth=1.2, label="your runs")
+        if compared.get("left_at") is not None:
+            ax.axvline(compared["left_at"], color="#d62728", linestyle="--", linewidth=0.9,
+                       label=f"leaves the band (step {compared['left_at']})")  # fmt: skip
+    ax.axhline(0.0, color=_REFERENCE_COLOUR, linewidth=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training-loss gap to FP32 (nats, mean of {window} steps)")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=7)
+    return _png(fig)

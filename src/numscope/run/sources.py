@@ -61,9 +61,30 @@ def _tiny_gpt2() -> Any:
     return GPT2Config(n_embd=64, n_layer=2, n_head=2, n_positions=512, attn_implementation="eager")
 
 
-BUILTIN_MODELS: dict[str, Callable[[], Any]] = {"tiny-bert": _tiny_bert, "tiny-gpt2": _tiny_gpt2}
-"""Tiny configs that need no file and no network: ``tiny-bert`` (masked LM, hidden 64, 2 layers, 2 heads,
-FFN 256) and ``tiny-gpt2`` (causal LM, the same sizes); eager attention, so attention matmuls are sites."""
+def _demo_bert() -> Any:
+    from transformers import BertConfig
+
+    return BertConfig(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=256,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        max_position_embeddings=512,
+        attn_implementation="eager",
+    )
+
+
+BUILTIN_MODELS: dict[str, Callable[[], Any]] = {
+    "tiny-bert": _tiny_bert,
+    "tiny-gpt2": _tiny_gpt2,
+    "demo-bert": _demo_bert,
+}
+"""Configs that need no file and no network: ``tiny-bert`` (masked LM, hidden 64, 2 layers, 2 heads, FFN
+256), ``tiny-gpt2`` (causal LM, the same sizes) and ``demo-bert`` (the demo's BERT shape: hidden 128, 2
+layers, 4 heads, FFN 256, no dropout; its MLM head on every position); eager attention, so attention matmuls
+are sites."""
 
 
 # -- models ------------------------------------------------------------------------------------------

@@ -1,0 +1,86 @@
+"""Localizing a plan's loss gap to its sites: the attribution's statistics, and the whole verb on a planted
+fault and an FP32 control."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from numscope.diagnose import Attribution, LocalizeError, LocalizeSettings
+from numscope.diagnose.localize import _judge
+
+FAULT = """numscope_plan: 1
+default:
+  all: fp8_e4m3
+rules:
+- match: cls.predictions.decoder
+  fprop: {input: fp8_e4m3, weight: fp8_e4m3}
+  dgrad: {grad_output: {format: int8, scaling: none}, weight: fp8_e4m3}
+  wgrad: {grad_output: {format: int8, scaling: none}, input: fp8_e4m3}
+"""
+"""FP8 everywhere, and the MLM decoder's output gradient in INT8 without a scale: every entry (all far below
+0.5) rounds to zero, so no gradient leaves the head."""
+
+
+def test_an_effect_is_named_when_its_interval_clears_zero_and_it_exceeds_fp32s_seed_noise() -> None:
+    clear = Attribution("a", [0.10, 0.12, 0.11], local_error=0.5)
+    small = Attribution("b", [0.010, 0.012, 0.011], local_error=0.5)  # real, but within FP32's noise
+    straddles = Attribution("c", [0.30, -0.10, 0.20], local_error=0.5)
+    alone = Attribution("d", [0.5], local_error=0.5)
+    _judge([clear, small, straddles, alone], noise=0.02)
+    assert [a.named for a in (clear, small, straddles, alone)] == [True, False, False, False]
+    assert [a.measurable for a in (clear, small, straddles, alone)] == [True, True, False, False]
+    assert clear.mean == pytest.approx(0.11) and clear.sd == pytest.approx(0.01)
+    low, high = clear.interval
+    assert (low, high) == pytest.approx((0.11 - 4.303 * 0.01 / 3**0.5, 0.11 + 4.303 * 0.01 / 3**0.5))
+    assert alone.interval is None and alone.sd is None
+    _judge([clear], noise=None)  # one FP32 seed: no noise to judge against
+    assert not clear.named
+    with pytest.raises(LocalizeError, match="candidates must be an integer >= 0"):
+        LocalizeSettings(candidates=-1)
+
+
+def _text(tmp_path: Path) -> Path:
+    from numscope.run.corpus import load_corpus
+
+    path = tmp_path / "text.txt"
+    path.write_text("\n\n".join(load_corpus()[:1500]), encoding="utf-8")
+    return path
+
+
+@pytest.mark.slow
+def test_a_planted_fault_is_named_and_an_fp32_control_names_nothing(tmp_path: Path) -> None:
+    from checkpoints import cli
+
+    text = _text(tmp_path)
+    (tmp_path / "fault.yaml").write_text(FAULT)
+    run = ["--model", "tiny-bert", "--text", text, "--seq-len", 32, "--batch-size", 8, "--steps", 120]
+    run += ["--warmup-steps", 5, "--eval-every", 120, "--val-blocks", 16, "--vocab-size", 1000]
+    run += ["--cache", tmp_path / "cache", "--no-progress", "--candidates", 2, "--every", 10]
+    code, out, err = cli("localize", *run, "--plan", tmp_path / "fault.yaml", "--out", tmp_path / "fault")
+    assert code == 0, err
+    assert "[localize] 1/2" in err and "run 12/12" in err
+    saved = json.loads((tmp_path / "fault" / "localize.json").read_text())
+    assert saved["named"] == ["cls.predictions.decoder"]
+    first = saved["attributions"][0]
+    assert first["site"] == "cls.predictions.decoder" and first["interval"][0] > saved["fp32_seed_sd"]
+    assert saved["drift"]["steps"][:2] == [10, 20] and saved["drift"]["steps"][-1] == 120
+    ranked = saved["drift"]["operand_local"]["cls.predictions.decoder"]
+    assert ranked["grad_output"] == pytest.approx(1.0)  # every entry flushed
+    assert saved["cost_fp32_runs"] > 12  # 12 runs and the lockstep, each about one FP32 run or more
+    assert "Beyond the noise: cls.predictions.decoder." in out
+    assert (tmp_path / "fault" / "localize.png").stat().st_size > 20_000
+    code, again, _ = cli("localize", *run, "--plan", tmp_path / "fault.yaml", "--out", tmp_path / "fault")
+    assert code == 0 and again.split("Took")[0] == out.split("Took")[0]  # every run reused
+
+    code, out, err = cli("localize", *run, "--plan", "fp32", "--out", tmp_path / "control")
+    assert code == 0, err
+    control = json.loads((tmp_path / "control" / "localize.json").read_text())
+    assert control["named"] == [] and control["gaps"] == [0.0, 0.0, 0.0]
+    drift = control["drift"]["figures"]
+    assert all(
+        v == 0.0 for figure in ("input", "grad_output", "weight") for row in drift[figure] for v in row
+    )
+    assert "The plan quantizes no site" in out
