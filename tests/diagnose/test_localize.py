@@ -84,3 +84,43 @@ def test_a_planted_fault_is_named_and_an_fp32_control_names_nothing(tmp_path: Pa
         v == 0.0 for figure in ("input", "grad_output", "weight") for row in drift[figure] for v in row
     )
     assert "The plan quantizes no site" in out
+
+
+@pytest.mark.slow
+def test_both_verbs_start_from_a_checkpoint_folders_weights(tmp_path: Path) -> None:
+    """The model a user brings: the lockstep's two models and every run start from the folder's weights
+    (the first step's weight drift is zero and its losses equal a plain forward of the checkpoint)."""
+    import torch
+    from transformers import BertForMaskedLM
+
+    from checkpoints import bert_checkpoint, cli, write_text
+    from numscope.run import DataSettings, TrainConfig, runner
+    from numscope.run.loop import _Batches
+    from numscope.run.objectives import get_objective
+
+    text = write_text(tmp_path / "text.txt", paragraphs=150)
+    checkpoint = bert_checkpoint(tmp_path / "ckpt", text)
+    run = ["--model", checkpoint, "--text", text, "--seq-len", 32, "--batch-size", 4, "--steps", 6]
+    run += ["--eval-every", 6, "--val-blocks", 8, "--cache", tmp_path / "cache", "--no-progress"]
+    code, out, err = cli(
+        "localize", *run, "--plan", "fp8", "--seeds", 2, "--candidates", 1, "--out", tmp_path / "l"
+    )
+    assert code == 0, err
+    saved = json.loads((tmp_path / "l" / "localize.json").read_text())
+    first = dict(zip(saved["drift"]["sites"], saved["drift"]["figures"]["weight"][0], strict=True))
+    linear = [
+        site for site in first if not site.endswith((".scores", ".context"))
+    ]  # weights, not activations
+    assert len(linear) == 8 and all(first[site] == 0.0 for site in linear)
+    data = DataSettings(text=(str(text),), seq_len=32, val_blocks=8, cache_dir=str(tmp_path / "cache"))
+    config = TrainConfig(steps=6, batch_size=4, eval_every=6)
+    prepared, factory, objective = runner.prepare(str(checkpoint), data, config)
+    batch = _Batches(prepared, config, get_objective(objective).for_training(config.mask_probability)).at(0)
+    torch.manual_seed(0)
+    model = factory()  # as the lockstep builds its models: the seed, then the factory (dropout drawn after)
+    pretrained = BertForMaskedLM.from_pretrained(checkpoint).state_dict()
+    assert all(torch.equal(value, pretrained[name]) for name, value in model.state_dict().items())
+    assert saved["drift"]["loss_reference"][0] == float(model.train()(**batch).loss.detach())
+    code, out, err = cli("band", *run, "--plan", "fp8", "--seeds", 2, "--out", tmp_path / "b")
+    assert code == 0, err
+    assert "fp8 against FP32 over 2 seeds" in out
