@@ -112,3 +112,27 @@ def test_only_the_path_module_chooses_the_quantizer() -> None:
             if PATH_QUESTIONS.search(code) and not code.lstrip().startswith("def "):
                 askers.append(f"{name}:{number}: {line.strip()}")
     assert askers == []
+
+
+#: what a study's result looks like in prose: a loss in nats, a rank correlation, a standard deviation, a
+#: measured ratio (a figure such as "0.59 nats", "Spearman 0.94", "sd 0.027", "1.16×")
+STUDY_FIGURE = re.compile(
+    r"\d(?:\.\d+)? ?nats|Spearman[^.\n]{0,25}?\d\.\d|\bsd \(?[-+]?\d|[-+]?\d\.\d+ ?×"
+    r"|\d(?:\.\d+)?[-–]\d(?:\.\d+)?x\b|\b\d+ s (?:after|per|for|against)\b"
+)
+
+
+def test_no_study_figure_in_a_docstring_or_a_help_text() -> None:
+    """Results live on the documentation pages that hold their studies (docs/), never in docstrings or
+    ``--help`` texts, where they go stale: those link to the page instead."""
+    import io
+    import tokenize
+
+    root = Path(numscope.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tokens = tokenize.generate_tokens(io.StringIO(path.read_text(encoding="utf-8")).readline)
+        for token in tokens:
+            if token.type == tokenize.STRING and (match := STUDY_FIGURE.search(token.string)):
+                found.append(f"{path.relative_to(root)}:{token.start[0]}: {match.group(0)!r}")
+    assert found == []

@@ -18,20 +18,11 @@ min_grad_cosine     None (off)   sensitivity: ``grad_cosine_min`` ≥ this, the 
                                  the full parameter gradient to the FP32 one over the measured batches
 ==================  ===========  ==========================================================================
 
-``None`` switches a limit off. **Why these defaults**: they are derived from training outcomes, not
-from synthetic tensors. ``numscope study plans`` (:mod:`numscope.plan_study`, docs/plan-study.md) trained
-the demo's BERT (2 layers, hidden 128, 1,000-token vocabulary, 300 steps) under every uniform format on
-three seeds, paired with FP32: bf16 and the fp8 hybrid (E4M3 forward, E5M2 gradients, per-tensor scaling)
-tied with FP32 (paired gaps within 2 sd), while mxfp8 (+0.0043 nats), mxfp6, nvfp4 and mxfp4 (+0.035) fell
-behind beyond the noise. The defaults are the loosest limits that accept both formats at parity on every
-operand and sampled step of that model's FP32 run — their worst values were SQNR 24.25 dB (E5M2
-gradients), underflow 53.7% (E4M3 on the attention probabilities), overflow 0% and a backward-error ratio
-138× bf16's — rounded outwards (SQNR down to 0.5 dB, the others up to two significant digits). They still
-reject every format that fell behind (each by SQNR, and the MX/NVFP4 ones also by the clamping of the OCP
-scale rule, counted as overflow). The earlier defaults, set between groups of formats on Gaussian and
-Student-t tensors (BE ratio 40, underflow 2%, overflow 0.1%, SQNR 22 dB), rejected E4M3 where it flushes
-attention values and trains at parity. On another model, calibrate: ``numscope study plans`` prints the
-limits its outcomes imply, and ``numscope calibrate`` fits the loss-impact weights of the bit budget.
+``None`` switches a limit off. **Why these defaults**: they are derived from training outcomes (the
+loosest limits that accept, on every operand and sampled step of the FP32 run, the formats that trained at
+parity with FP32 in ``numscope study plans``), not from synthetic tensors; docs/plan-study.md ("Limits
+derived from outcomes") has the measurements. On another model, calibrate: ``numscope study plans`` prints
+the limits its outcomes imply, and ``numscope calibrate`` fits the loss-impact weights of the bit budget.
 
 **Sensitivity criteria** judge a candidate by what quantizing it does to training, measured by
 :func:`numscope.sensitivity` (one site or one operand quantized at a time, the loss and gradient compared

@@ -60,10 +60,9 @@ def operand_impact(
     Where ``label`` was not measured for the operand but another format was, and ``analysis`` is given, the
     impact is **estimated**: the measured one of the noisiest format measured, times the ratio of the two
     formats' relative noise power on that operand in the analysis (:func:`operand_noise`). The gradient
-    error an operand's noise causes is close to proportional to that noise's power: on two models (the
-    demo's BERT, 107 operands, and a GQA Llama, 114) the estimate from MXFP4 ranks the measured impacts of
-    the other 9 formats with Spearman 0.86–0.98 and lies within a factor 2 for 53–96% of the operands, on
-    the high side on average (docs/plan-study.md), so that one measured format per operand serves them all.
+    error an operand's noise causes is close to proportional to that noise's power (docs/plan-study.md
+    measures how well the estimate from MXFP4 ranks the measured impacts of the other formats on two
+    models), so that one measured format per operand serves them all.
     """
     if label == HIGH:
         return 0.0

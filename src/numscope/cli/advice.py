@@ -143,8 +143,8 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
             print(f"  {outside}")
         if objective == "sensitivity":
             print(
-                "  read it as a lower bound: the plan chosen by minimising this prediction measured 2.1-3.9x "
-                "its predicted gap on the families studied (docs/plan-study.md)"
+                "  read it as a lower bound: the plan chosen by minimising this prediction measured several "
+                "times its predicted gap on the families studied (docs/plan-study.md)"
             )
     else:
         print(

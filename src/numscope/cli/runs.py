@@ -69,9 +69,8 @@ def add_sensitivity_formats(p: argparse.ArgumentParser) -> None:
         default=["auto"],
         metavar="FORMAT",
         help="which candidates the sensitivity quantizes each operand in: auto, the one with the fewest bits "
-        "(recommend estimates the others from it and the observer's noise ratios, which ranked the measured "
-        "ones with Spearman 0.86-0.98 on two models; a tenth of the passes); all; or the formats named "
-        "(default: auto)",
+        "(recommend estimates the others from it and the observer's noise ratios; a tenth of the passes; "
+        "docs/plan-study.md: how well the estimate ranks); all; or the formats named (default: auto)",
     )
 
 

@@ -9,9 +9,9 @@ the word embeddings.
 By default (``mlm_head="masked"``) the MLM head runs on the masked positions only when labels are given, as
 BERT's own pre-training code does (``gather_indexes`` in Google's ``run_pretraining.py``; NVIDIA's BERT
 likewise): the loss and every gradient are those of the full head (unmasked positions carry no loss), but
-the vocabulary-sized GEMMs shrink about 6.7× (15% of the tokens). Without labels the head scores every
-position, so ``logits`` are ``[batch, seq, vocab]`` as usual. ``mlm_head="all"`` keeps transformers'
-behaviour (the head on every position always).
+the vocabulary-sized GEMMs shrink to the masked share of the tokens (15% in BERT's pre-training). Without
+labels the head scores every position, so ``logits`` are ``[batch, seq, vocab]`` as usual.
+``mlm_head="all"`` keeps transformers' behaviour (the head on every position always).
 """
 
 from __future__ import annotations

@@ -370,8 +370,8 @@ EARLY_MODEL = "model_early.pt"
 
 AUTO_SENSITIVITY_BATCHES = 2
 """Validation batches ``numscope analyze`` measures each operand's sensitivity on by default: the plan
-study's setting (its sensitivity plans were made from 2 batches) and what ``numscope calibrate`` uses; on the
-demo's model and candidates it cost 145 s after a 247 s observed run (docs/status.md)."""
+study's setting (its sensitivity plans were made from 2 batches) and what ``numscope calibrate`` uses
+(its cost on the demo's model: docs/status.md)."""
 
 
 def measure_sensitivity(

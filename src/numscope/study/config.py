@@ -41,13 +41,8 @@ class PlanStudyConfig:
     """What the study trains: the demo's BERT knobs and training; budgets in bits per operand element;
     ``jobs`` runs train side by side in processes of one thread each.
 
-    Why these defaults (measured with FP32 runs, 1 thread each, 2 side by side): a 1,000-token vocabulary
-    and 128-token blocks learn context faster per second than the demo's 4,000 and 64 (−0.41 nats below the
-    context-free loss after 500 steps at lr 2e-3, against −0.20); but at lr 2e-3 one seed in three stayed on
-    the context-free plateau for all 500 steps (5.61 against 5.27–5.31 nats), which would make seed noise
-    swamp every gap. At lr 1e-3 four seeds of four left the plateau by step 150 and ended 300 steps at
-    5.47–5.52 nats (−0.17 to −0.23 below the context-free loss), 32 s per run; 300 steps keep the whole
-    study (about 140 runs) under an hour on two cores."""
+    The defaults were chosen by FP32 runs so that every seed leaves the context-free plateau early and the
+    whole study stays under an hour on two cores: docs/plan-study.md ("The study's size")."""
 
     budgets: tuple[float, ...] = (5.0, 6.0, 7.0)
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -95,8 +90,8 @@ class PlanStudyConfig:
         """The demo's model and training (:class:`numscope.run.experiment.Experiment`'s defaults, which the
         demo trains: vocabulary 2,000, 32-token blocks, 1,000 AdamW steps of 64 blocks at lr 1.5e-3, 4
         heads, FFN 256, 30% of tokens masked in training, 2,048 validation blocks), on which FP32 learns
-        about 0.55 nats below the context-free loss (the study's own default model: 0.20). The study's
-        plans, budgets and seeds are unchanged."""
+        further below the context-free loss than on the study's own default model (docs/demo.md). The
+        study's plans, budgets and seeds are unchanged."""
         from numscope.run.experiment import Experiment
 
         demo = Experiment()
