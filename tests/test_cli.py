@@ -1553,3 +1553,22 @@ def test_a_config_vocabulary_the_tokenizer_replaces_is_said(ws: Path) -> None:
     assert len(notes) == 1 and notes[0].startswith(
         f"numscope train: note: --model {spec}: its vocab_size 300 is replaced by the tokenizer's "
     ), done.stderr[-2000:]
+
+
+def test_numscope_analyze_and_the_python_analyze_run_the_same_experiment_by_default() -> None:
+    """With no flag, ``numscope analyze`` passes exactly the defaults of ``numscope.run.analyze`` (the
+    observer's candidates and interval, and every sensitivity setting): the two run the same experiment."""
+    import inspect
+
+    from numscope.cli.runs import analyze_arguments
+    from numscope.run import runner
+
+    args = build_parser().parse_args(["analyze", "--model", "tiny-bert", "--text", "t.txt", "--out", "o"])
+    given = analyze_arguments(args)
+    defaults = {
+        name: p.default for name, p in inspect.signature(runner.analyze).parameters.items() if name in given
+    }
+    assert set(defaults) == set(given)
+    assert {name: tuple(v) if name == "candidates" else v for name, v in defaults.items()} == given
+    config = {f: getattr(args, f) for f in ("steps", "batch_size", "lr", "seed", "eval_every")}
+    assert config == {f: getattr(runner.TrainConfig(), f) for f in config}

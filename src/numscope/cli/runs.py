@@ -22,25 +22,28 @@ from numscope.cli.common import (
 )
 
 
+def analyze_arguments(args: argparse.Namespace) -> dict:
+    """The keyword arguments of :func:`numscope.run.analyze` that ``numscope analyze``'s flags give (with no
+    flag, the function's own defaults: a test holds them equal)."""
+    return {
+        "candidates": tuple(args.candidates),
+        "every": args.every,
+        "objective": args.objective,
+        "tensorboard": args.tensorboard,
+        "sensitivity_batches": args.sensitivity,
+        "sensitivity_granularity": args.sensitivity_granularity,
+        "sensitivity_formats": sensitivity_formats(args.sensitivity_formats),
+        "sensitivity_early": args.sensitivity_early,
+        "sensitivity_method": args.sensitivity_method and args.sensitivity_method.replace("-", "_"),
+    }
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from numscope import workflow
 
     data, config = _run_inputs(args)
     result = workflow.analyze(
-        args.model,
-        data,
-        args.out,
-        config=config,
-        candidates=args.candidates,
-        every=args.every,
-        objective=args.objective,
-        tensorboard=args.tensorboard,
-        sensitivity_batches=args.sensitivity,
-        sensitivity_granularity=args.sensitivity_granularity,
-        sensitivity_formats=sensitivity_formats(args.sensitivity_formats),
-        sensitivity_early=args.sensitivity_early,
-        sensitivity_method=args.sensitivity_method and args.sensitivity_method.replace("-", "_"),
-        progress=not args.no_progress,
+        args.model, data, args.out, config=config, progress=not args.no_progress, **analyze_arguments(args)
     )
     if _launched_as_rank_zero():
         _print_result(result, args.out)

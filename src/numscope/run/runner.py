@@ -163,9 +163,9 @@ def analyze(
     objective: str = "auto",
     progress: bool = False,
     tensorboard: str | os.PathLike[str] | None = None,
-    sensitivity_batches: int | None = 0,
-    sensitivity_granularity: str = "site",
-    sensitivity_formats: Sequence[str] | str | None = None,
+    sensitivity_batches: int | None = None,
+    sensitivity_granularity: str = "operand",
+    sensitivity_formats: Sequence[str] | str | None = "auto",
     sensitivity_early: int | str | None = None,
     keep_optimizer: bool = False,
     sensitivity_method: str | None = None,
@@ -175,16 +175,18 @@ def analyze(
     Writes the run folder ``out`` (run name ``fp32``) with ``out/analysis``, from which
     :func:`recommend_plan` recommends a plan. ``bf16`` (the advisor's reference) is always measured.
     ``tensorboard``: also write the analysis there as TensorBoard scalars (needs ``tensorboard``).
-    ``sensitivity_batches`` > 0: then quantize one site at a time in each candidate and measure the loss and
-    gradient change of the trained model on that many validation batches (:func:`numscope.sensitivity`),
-    stored with the analysis for ``recommend``'s ``max_loss_increase_pct`` / ``min_grad_cosine``; the
-    trained model is kept as ``out/model.pt``. One process only. ``sensitivity_granularity="operand"``
-    quantizes one operand at a time instead (six times the passes), what ``recommend``'s sensitivity
-    objective and a sensitivity gap model need. ``sensitivity_batches=None`` (the command line's default):
-    :data:`AUTO_SENSITIVITY_BATCHES` batches in one process, none under ``torchrun`` (the measurement runs in
-    one process). ``sensitivity_formats``: the candidates measured that way (None: all of them; ``"auto"``:
-    the one with the fewest bits, from which :func:`numscope.advisor.operand_impact` estimates the others
-    with the observer's noise ratios, a tenth of the passes with the ten default candidates).
+    The defaults are ``numscope analyze``'s (a test holds them equal): the same experiment from Python and
+    from the command line.
+    ``sensitivity_batches`` > 0: then measure each operand's (or site's) effect on the loss and gradient of
+    the trained model in the candidates on that many validation batches (:func:`numscope.sensitivity`),
+    stored with the analysis for ``recommend``'s sensitivity objective and its ``max_loss_increase_pct`` /
+    ``min_grad_cosine``; the trained model is kept as ``out/model.pt``. One process only; 0 skips it.
+    ``sensitivity_batches=None`` (default): :data:`AUTO_SENSITIVITY_BATCHES` batches in one process, none
+    under ``torchrun``. ``sensitivity_granularity``: ``"operand"`` (default; what the sensitivity objective
+    and a sensitivity gap model need) or ``"site"`` (a whole site at a time, a sixth of the passes).
+    ``sensitivity_formats``: the candidates measured that way (None: all of them; ``"auto"`` (default): the
+    one with the fewest bits, from which :func:`numscope.advisor.operand_impact` estimates the others with
+    the observer's noise ratios, a tenth of the passes with the ten default candidates).
     ``sensitivity_early``: a step; the model after that many steps is kept too (``out/model_early.pt``) and
     the sensitivity is measured on it as well, the two combined with each checkpoint weighing alike
     (:func:`numscope.sensitivity.combine_sensitivities`; docs/plan-study.md says what it changed);
