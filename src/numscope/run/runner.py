@@ -373,7 +373,7 @@ EARLY_MODEL = "model_early.pt"
 AUTO_SENSITIVITY_BATCHES = 2
 """Validation batches ``numscope analyze`` measures each operand's sensitivity on by default: the plan
 study's setting (its sensitivity plans were made from 2 batches) and what ``numscope calibrate`` uses
-(its cost on the demo's model: docs/status.md)."""
+(its cost on the demo's model: docs/status-history.md)."""
 
 
 def measure_sensitivity(
