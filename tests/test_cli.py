@@ -1572,3 +1572,16 @@ def test_numscope_analyze_and_the_python_analyze_run_the_same_experiment_by_defa
     assert {name: tuple(v) if name == "candidates" else v for name, v in defaults.items()} == given
     config = {f: getattr(args, f) for f in ("steps", "batch_size", "lr", "seed", "eval_every")}
     assert config == {f: getattr(runner.TrainConfig(), f) for f in config}
+
+
+def test_the_cli_reference_in_the_docs_is_the_parsers() -> None:
+    """docs/cli.md's generated section (a section per verb, a table of its flags) equals what the parser
+    generates now: a flag added, removed or reworded without regenerating the page fails here."""
+    from numscope.cli.reference import current, reference, section
+
+    page = (Path(__file__).parents[1] / "docs" / "cli.md").read_text(encoding="utf-8")
+    assert current(page) == section(build_parser()), "run: python -m numscope.cli.reference docs/cli.md"
+    generated = reference(build_parser())
+    for verb in ("analyze", "forecast", "localize", "band", "train", "export"):
+        assert f"### numscope {verb}\n" in generated
+    assert "| `--plan` PLAN |" in generated and "`--compare` HIGH LOW" in generated
