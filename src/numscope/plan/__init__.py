@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from numscope._lazy import lazy_exports
 from numscope.formats.scaling import default_scaling
+from numscope.plan import recipes as _recipes  # noqa: F401  (registers the field's named recipes with Plan)
 from numscope.plan.plan import Plan
 from numscope.plan.spec import (
     ACCUMULATE,

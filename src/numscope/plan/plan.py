@@ -35,6 +35,20 @@ from numscope.plan.spec import (
 )
 from numscope.vocab import OPERAND_KEYS
 
+_NAMED_RECIPES: dict[str, Any] = {}
+"""The field's named recipes by name (each with ``needs_sites``), registered by :mod:`numscope.plan.recipes`
+(:func:`register_recipes`) when :mod:`numscope.plan` is imported: this module needs nothing above it."""
+_RECIPE_BUILDER: list[Any] = []
+
+
+def register_recipes(recipes: Mapping[str, Any], build: Any) -> None:
+    """Make ``recipes`` (name → recipe with ``needs_sites``) and their builder ``build(name, sites)`` what
+    :meth:`Plan.recipes`, :meth:`Plan.recipe`, :meth:`Plan.named`, :meth:`Plan.resolve` and
+    :meth:`Plan.needs_sites` know."""
+    _NAMED_RECIPES.clear()
+    _NAMED_RECIPES.update(recipes)
+    _RECIPE_BUILDER[:] = [build]
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -222,9 +236,7 @@ class Plan:
     @staticmethod
     def recipes() -> tuple[str, ...]:
         """The names :meth:`recipe` knows (the field's published recipes: :mod:`numscope.plan.recipes`)."""
-        from numscope.plan.recipes import RECIPES
-
-        return tuple(RECIPES)
+        return tuple(_NAMED_RECIPES)
 
     @classmethod
     def recipe(cls, name: str, sites: Iterable[str] | None = None) -> Plan:
@@ -234,9 +246,9 @@ class Plan:
         last ~15% of linear layers in BF16); without them such a choice is left out, as the recipe's
         notes say.
         """
-        from numscope.plan.recipes import recipe
-
-        return recipe(name, sites)
+        if not _RECIPE_BUILDER:
+            raise PlanError("no named recipes are registered: import numscope.plan")
+        return _RECIPE_BUILDER[0](name, sites)
 
     @classmethod
     def named(cls, name: str, sites: Iterable[str] | None = None) -> Plan:
@@ -274,12 +286,10 @@ class Plan:
     def needs_sites(cls, spec: str | os.PathLike[str]) -> bool:
         """Whether :meth:`resolve` of ``spec`` depends on the model's sites: a named recipe whose layer choice
         does (a plan file or a preset never does), so that it is resolved once, with the model's sites."""
-        from numscope.plan.recipes import RECIPES
-
         path = Path(spec)
         if path.suffix in (".yaml", ".yml") or path.is_file() or str(spec) in _PRESETS:
             return False
-        found = RECIPES.get(str(spec))
+        found = _NAMED_RECIPES.get(str(spec))
         return found is not None and found.needs_sites
 
     @classmethod

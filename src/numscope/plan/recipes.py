@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from numscope.formats.scaling import Scaling
-from numscope.plan.plan import Plan
+from numscope.plan.plan import Plan, register_recipes
 from numscope.plan.spec import OperandSpec, PlanError, SiteSpec, _unknown
 from numscope.vocab import CONTRACTION_FIRST, OPERAND_KEYS, Gemm, Operand
 
@@ -374,3 +374,6 @@ def recipe(name: str, sites: Iterable[str] | None = None) -> Plan:
 def recipes() -> list[NamedRecipe]:
     """Every named recipe, in a stable order."""
     return list(RECIPES.values())
+
+
+register_recipes(RECIPES, recipe)
