@@ -136,3 +136,54 @@ def test_no_study_figure_in_a_docstring_or_a_help_text() -> None:
             if token.type == tokenize.STRING and (match := STUDY_FIGURE.search(token.string)):
                 found.append(f"{path.relative_to(root)}:{token.start[0]}: {match.group(0)!r}")
     assert found == []
+
+
+def _package_edges(folder: Path, package: str) -> dict[str, set[str]]:
+    """Within one folder of the package, which of its modules each module imports (at the top, in a function
+    or under TYPE_CHECKING alike), by module name."""
+    names = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    edges: dict[str, set[str]] = {name: set() for name in names}
+    for name in names:
+        source = (folder / f"{name}.py").read_text(encoding="utf-8")
+        for match in IMPORT.finditer(source):
+            parts = (match.group(1) or match.group(2)).split(".")
+            if ".".join(parts[:-1]) == package and parts[-1] in names and parts[-1] != name:
+                edges[name].add(parts[-1])
+        for match in re.finditer(rf"^\s*from {re.escape(package)} import ([\w, ]+)", source, re.M):
+            edges[name] |= {n.strip() for n in match.group(1).split(",")} & (names - {name})
+    return edges
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(edges[node]):
+            if state.get(target) == 1:
+                return [*path[path.index(target) :], target]
+            if target not in state and (found := visit(target)):
+                return found
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_circle_inside_any_folder() -> None:
+    """Inside every folder of the package the modules import one another in one direction: no circle, not
+    even one through a function-level or TYPE_CHECKING import (the runtime and the interception mode meet
+    through a protocol, the named recipes register themselves with Plan)."""
+    root = Path(numscope.__file__).parent
+    circles = {}
+    for folder in [root, *sorted(p for p in root.iterdir() if (p / "__init__.py").is_file())]:
+        package = ".".join(("numscope", *folder.relative_to(root).parts))
+        if (found := _cycle(_package_edges(folder, package))) is not None:
+            circles[package] = " -> ".join(found)
+    assert circles == {}

@@ -4,7 +4,7 @@ handlers, kept out of ``torch.compile``'s tracing."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -22,12 +22,32 @@ from numscope.sites.calls import (
 )
 from numscope.sites.rnn import CELLS
 
-if TYPE_CHECKING:
-    from numscope.sites.runtime import _Runtime
+
+class RuntimeView(Protocol):
+    """What the interception asks of a model's runtime (:class:`numscope.sites.runtime._Runtime` has it): the
+    frames of the modules being called, the site discovery's state, the attached handlers and the per-op
+    handlers the mode dispatches to. This module knows the runtime through it alone."""
+
+    stack: list[Any]
+    discovery: Any
+    discovered: bool
+    attachments: list[Any]
+    mode: _Mode
+    root: Any
+    key: Any
+
+    def in_forward(self) -> bool: ...
+    def active(self) -> bool: ...
+    def discover(self, args: tuple, kwargs: dict) -> Any: ...
+    def discover_call(self, func: Any, args: tuple, kwargs: dict) -> Any: ...
+    def gemm_call(self, func: Any, args: tuple, kwargs: dict) -> Any: ...
+    def grouped_call(self, func: Any, args: tuple, kwargs: dict) -> Any: ...
+    def recurrent_call(self, func: Any, args: tuple, kwargs: dict) -> Any: ...
+    def unintercepted(self, frame: Any, func: Any, what: str) -> None: ...
 
 
 class _Mode(TorchFunctionMode):
-    def __init__(self, runtime: _Runtime) -> None:
+    def __init__(self, runtime: RuntimeView) -> None:
         super().__init__()
         self.runtime = runtime
 
@@ -91,7 +111,7 @@ class _Interception:
     forward nested in another) or no handler is active.
     """
 
-    def __init__(self, runtime: _Runtime, call: RootCall, args: tuple, kwargs: dict) -> None:
+    def __init__(self, runtime: RuntimeView, call: RootCall, args: tuple, kwargs: dict) -> None:
         self.runtime = runtime
         self.call: RootCall | None = call
         self.inputs: tuple[tuple, dict] | None = (args, kwargs)
