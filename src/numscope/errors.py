@@ -10,3 +10,7 @@ from __future__ import annotations
 
 class NumscopeError(Exception):
     """An error about numscope's input, with a message that says what was wrong and what is allowed."""
+
+
+class WorkflowError(NumscopeError, ValueError):
+    """A user mistake in a workflow call: a missing file, a bad model, plan, flag or run folder."""

@@ -46,7 +46,7 @@ _EXPORTS: dict[str, str] = {
     "BUILTIN_MODELS": "numscope.run.sources",
     "DataSettings": "numscope.run.sources",
     "ModelSource": "numscope.run.sources",
-    "WorkflowError": "numscope.run.sources",
+    "WorkflowError": "numscope.errors",
     "resolve_model": "numscope.run.sources",
     "settle_tokenizer": "numscope.run.sources",
     "load_tokenizer_file": "numscope.run.tokenizer",

@@ -11,10 +11,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from numscope.errors import WorkflowError
 from numscope.run.config import read_result
 from numscope.run.folders import flat_settings, short_value
 from numscope.run.loop import read_log
-from numscope.run.sources import WorkflowError
 
 __all__ = ["LOSS_LABELS", "comparability", "compare", "comparison", "load_run", "load_runs"]
 

@@ -30,16 +30,12 @@ import torch
 from torch import nn
 
 from numscope import distributed
-from numscope.errors import NumscopeError
+from numscope.errors import WorkflowError
 from numscope.plan import PlanError
 from numscope.run.config import RunData, TrainConfig, setting
 from numscope.run.corpus import CorpusError
 from numscope.run.objectives import OBJECTIVES
 from numscope.run.tokenizer import TokenizerInfo
-
-
-class WorkflowError(NumscopeError, ValueError):
-    """A user mistake in a workflow call: a missing file, a bad model, plan, flag or run folder."""
 
 
 def _tiny_bert() -> Any:
