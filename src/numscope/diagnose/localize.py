@@ -142,7 +142,8 @@ class Localization:
 
     @property
     def cost(self) -> float:
-        """The whole localization's wall time as a multiple of one FP32 run's (the mean over seeds)."""
+        """The localization's compute, the lockstep and every run's training time (as measured when each
+        ran, also where a rerun reused it), as a multiple of one FP32 run's (the mean over seeds)."""
         return self.seconds["total"] / self.fp32_run_seconds if self.fp32_run_seconds > 0 else float("nan")
 
     def to_dict(self) -> dict[str, Any]:
@@ -246,9 +247,17 @@ def localize(
     drift_path = folder / "drift.json"
     stage = time.perf_counter()
     stored = json.loads(drift_path.read_text()) if drift_path.is_file() else None
-    key = {"plan": resolved_plan.to_dict(), "train": asdict(config), "every": settings.every, "model": model}
-    if stored is not None and stored.get("key") == json.loads(json.dumps(key)):
+    key = {
+        "plan": resolved_plan.to_dict(),
+        "train": asdict(config),
+        "data": asdict(data),
+        "every": settings.every,
+        "model": model,
+    }
+    key = json.loads(json.dumps(key, default=str))
+    if stored is not None and stored.get("key") == key:
         drift = Drift.from_dict(stored["drift"])
+        seconds["lockstep"] = stored["seconds"]
     else:
         log(f"[localize] 1/2 FP32 and {label} in lockstep (seed {config.seed}, {config.steps} steps)")
         from tqdm.auto import tqdm
@@ -274,8 +283,9 @@ def localize(
             )
         finally:
             bar.close()
-        atomic_write_text(drift_path, json.dumps({"key": key, "drift": drift.to_dict()}))
-    seconds["lockstep"] = time.perf_counter() - stage
+        seconds["lockstep"] = time.perf_counter() - stage
+        record = {"key": key, "seconds": seconds["lockstep"], "drift": drift.to_dict()}
+        atomic_write_text(drift_path, json.dumps(record))
     ranked = _ranked(resolved_plan, drift)  # empty for a plan that quantizes nothing (FP32 against FP32)
     count = len(ranked) if settings.candidates == 0 else min(settings.candidates, len(ranked))
     candidates, not_tried = ranked[:count], [s for s, _ in ranked[count:]]
@@ -285,16 +295,16 @@ def localize(
         resolved_plan.with_rule(exact_pattern(site), SiteSpec()).save(path)
         put_back[site] = path
 
-    fp32_losses, plan_losses, fp32_seconds = [], [], []
+    fp32_losses, plan_losses, fp32_seconds, run_seconds = [], [], [], 0.0
     effects: dict[str, list[float]] = {site: [] for site, _ in candidates}
     total_runs = settings.seeds * (2 + len(candidates))
     done = 0
 
     def run(seed: int, name: str, plan_spec: str, out_name: str) -> Any:
-        nonlocal done
+        nonlocal done, run_seconds
         done += 1
         log(f"[localize] 2/2 run {done}/{total_runs}: seed {seed}, {name}")
-        return runner.train(
+        result = runner.train(
             model,
             data,
             folder / "runs" / f"seed{seed}" / out_name,
@@ -304,10 +314,11 @@ def localize(
             name=name,
             progress=progress,
         )
+        run_seconds += result.wall_seconds  # its own training time, also when a rerun reuses it
+        return result
 
     for k in range(settings.seeds):
         seed = config.seed + k
-        stage = time.perf_counter()
         reference = run(seed, "fp32", "fp32", "fp32")
         fp32_seconds.append(reference.wall_seconds)
         low = run(seed, label, str(plan_file), "plan")
@@ -316,13 +327,14 @@ def localize(
         for index, (site, _) in enumerate(candidates):
             without = run(seed, f"{site} in FP32", str(put_back[site]), f"without-{index:02d}")
             effects[site].append(low.val_loss - without.val_loss)
-        seconds[f"seed {seed}"] = time.perf_counter() - stage
     local = dict(ranked)
     attributions = [Attribution(site, effects[site], local[site]) for site, _ in candidates]
     noise = statistics.stdev(fp32_losses) if len(fp32_losses) > 1 else None
     _judge(attributions, noise)
     attributions.sort(key=lambda a: -a.mean)
-    seconds["total"] = time.perf_counter() - began
+    seconds["runs"] = run_seconds
+    seconds["total"] = seconds["lockstep"] + run_seconds
+    seconds["this call"] = time.perf_counter() - began
     result = Localization(
         label,
         drift,
@@ -364,7 +376,8 @@ def verdict(result: Localization) -> str:
             "(candidates=0 tries every one)."
         )
     said.append(
-        f"Took {result.seconds['total']:.0f} s, {result.cost:.1f}× one FP32 run "
+        f"Cost: {result.seconds['total']:.0f} s of training (the lockstep "
+        f"{result.seconds['lockstep']:.0f} s and every run), {result.cost:.1f}× one FP32 run "
         f"({result.fp32_run_seconds:.1f} s)."
     )
     return " ".join(said)
