@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def _shifted_log(source: Path, target: Path, from_step: int, by: float) -> Path:
 def test_a_genuine_seed_stays_inside_and_a_planted_jump_leaves_at_its_step(tmp_path: Path) -> None:
     """Three seeds of FP32 and fp8 on the tiny BERT make the band; a fourth seed's real pair of runs (through
     the command line, its logs as the user has them) stays inside it; the same logs with the fp8 run's loss
-    raised by 0.3 nats from step 30 on (a software bug) leave it at step 30."""
+    raised by 0.3 nats from step 30 on (a software bug) leave it there (its onset found at step 30)."""
     from checkpoints import cli, write_text
 
     text = write_text(tmp_path / "text.txt", paragraphs=150)
@@ -103,7 +104,11 @@ def test_a_genuine_seed_stays_inside_and_a_planted_jump_leaves_at_its_step(tmp_p
     bug = _shifted_log(low, tmp_path / "bug.csv", from_step=30, by=0.3)
     code, out, err = cli("band", *run, "--plan", "fp8", "--out", tmp_path / "band", "--compare", high, bug)
     assert code == 1, err
-    assert "leaves the band above it at step 30" in out and "began near step 30" in out
+    left = re.search(r"leaves the band above it at step (\d+) \(the change began near step (\d+)", out)
+    assert left is not None, out
+    assert (
+        30 <= int(left.group(1)) <= 32 and int(left.group(2)) == 30
+    )  # the trailing mean takes a step or two
     assert (tmp_path / "band" / "band_compared.png").is_file()
     saved = Band.load(tmp_path / "band")
     assert saved.compare(high, low).inside and sorted(saved.gaps) == [0, 1, 2]

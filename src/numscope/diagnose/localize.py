@@ -321,7 +321,7 @@ def localize(
         seed = config.seed + k
         reference = run(seed, "fp32", "fp32", "fp32")
         fp32_seconds.append(reference.wall_seconds)
-        low = run(seed, label, str(plan_file), "plan")
+        low = run(seed, label if isinstance(plan, Plan) else str(plan), str(plan_file), "plan")
         fp32_losses.append(reference.val_loss)
         plan_losses.append(low.val_loss)
         for index, (site, _) in enumerate(candidates):

@@ -938,7 +938,10 @@ def localize_figure(data: Mapping, title: str) -> bytes:
     drift = data["drift"]
     sites, steps = drift["sites"], drift["steps"]
     fig, axes = plt.subplots(
-        1, 3, figsize=(15, max(4.0, 0.28 * len(sites) + 1.5)), gridspec_kw={"width_ratios": [1, 1, 1.1]}
+        1,
+        3,
+        figsize=(16, max(4.0, 0.28 * len(sites) + 1.5)),
+        gridspec_kw={"width_ratios": [1, 1, 1.1], "wspace": 0.35},
     )
     panels = (("local", "relative error the plan's casts add"), ("grad_output", "incoming gradient's drift"))
     for ax, (figure, label) in zip(axes[:2], panels, strict=True):
@@ -984,6 +987,7 @@ def localize_figure(data: Mapping, title: str) -> bytes:
     ax.set_yticks(y)
     ax.set_yticklabels([_short_site(r["site"]) for r in rows], fontsize=7)
     ax.set_ylim(len(rows) - 0.5, -0.5)  # the largest effect on top
+    ax.yaxis.tick_right()  # clear of the gradient map's colour bar
     ax.set_xlabel("effect on validation loss (nats): plan − plan with the site in FP32")
     ax.set_title("attribution (95% interval over seeds)", fontsize=9)
     fig.suptitle(title)
