@@ -45,7 +45,8 @@ def render_table(rows: Sequence[dict[str, str]]) -> str:
 _MODEL_HELP = (
     "the model: a checkpoint folder (config.json with model.safetensors or pytorch_model.bin, as "
     "save_pretrained writes it: training starts from its weights, with its own tokenizer.json), a "
-    "built-in tiny config (tiny-bert: masked LM; tiny-gpt2: causal LM), a folder holding only a "
+    "built-in config (tiny-bert: masked LM; tiny-gpt2: causal LM; demo-bert: the demo's BERT shape), a "
+    "folder holding only a "
     "transformers config.json or such a .json file (random weights), or a Python 'module:factory' / "
     "'file.py:factory' whose callable (given vocab_size= if it takes it) returns an nn.Module or a "
     "transformers config. Hub names (e.g. bert-base-uncased) need network access: only their config is "
