@@ -15,7 +15,7 @@ These are the functions behind ``numscope analyze``, ``recommend``, ``train``, `
     workflow.compare(["runs/fp32", "runs/planned", "runs/fp8"])            # table rows
     workflow.report(["runs/fp32", "runs/planned", "runs/fp8"], "report.html")
 
-**Models** (:func:`resolve_model`): a built-in tiny config (:data:`BUILTIN_MODELS`), a directory holding a
+**Models** (:func:`resolve_model`): a built-in config (:data:`BUILTIN_MODELS`), a directory holding a
 ``transformers`` ``config.json`` or such a ``.json`` file, a ``module:factory`` (or ``file.py:factory``)
 whose callable returns an ``nn.Module`` or a ``transformers`` config, or — with network access — a
 Hugging Face hub name (only its config is fetched; weights are never loaded: every run starts from a

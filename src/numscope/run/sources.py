@@ -1,4 +1,4 @@
-"""Where a run's model and data come from: ``--model`` (a built-in tiny config, a checkpoint folder, a
+"""Where a run's model and data come from: ``--model`` (a built-in config, a checkpoint folder, a
 transformers config file or hub name, or a ``module:factory``) resolved to a factory of models with its
 objective, and the text, tokenizer and blocks a run trains on, each checked with an error that names the flag
 and the remedy.
