@@ -189,9 +189,8 @@ def lockstep(
     )
     cast_error = _CastError(before.calls)
     handles.append(attach(low, cast_error, name="numscope.lockstep.after"))
-    optimizers = [
-        torch.optim.AdamW(m.parameters(), lr=lr_at(0), weight_decay=weight_decay) for m in (reference,)
-    ] + [torch.optim.AdamW(recipe.parameters(), lr=lr_at(0), weight_decay=weight_decay)]
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=lr_at(0), weight_decay=weight_decay)
+    low_optimizer = torch.optim.AdamW(recipe.parameters(), lr=lr_at(0), weight_decay=weight_decay)
     drift: Drift | None = None
     sums: dict[tuple[str, str], list[float]] = {}
     reference.train()
@@ -202,21 +201,21 @@ def lockstep(
             record = (step + 1) % every == 0 or step + 1 == steps
             for handler in (seen_reference, seen_low, before, cast_error):
                 handler.recording = record
-            for optimizer in optimizers:
+            for optimizer in (reference_optimizer, low_optimizer):
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(step)
             rng = torch.get_rng_state()
             loss = reference(**batch).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(reference.parameters(), grad_clip)
-            optimizers[0].step()
-            optimizers[0].zero_grad(set_to_none=True)
+            reference_optimizer.step()
+            reference_optimizer.zero_grad(set_to_none=True)
             torch.set_rng_state(rng)
             low_loss = low(**batch).loss
             recipe.backward(low_loss)
-            recipe.unscale_(optimizers[1])
+            recipe.unscale_(low_optimizer)
             torch.nn.utils.clip_grad_norm_(recipe.parameters(), grad_clip)
-            recipe.step(optimizers[1])
+            recipe.step(low_optimizer)
             if drift is None:
                 drift = Drift([site.name for site in list_sites(low)])
             drift.loss_reference.append(float(loss.detach()))
