@@ -147,7 +147,8 @@ class Band:
     files: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        curves = [smooth(g, self.settings.window) for g in self.gaps.values()]
+        self.curves = {seed: smooth(g, self.settings.window) for seed, g in self.gaps.items()}
+        curves = list(self.curves.values())
         n = len(curves)
         if n < 2:
             raise BandError(f"a band needs gap curves of 2 or more seeds; got {n}")
@@ -234,6 +235,7 @@ class Band:
             "lower": self.lower,
             "upper": self.upper,
             "gaps": {str(seed): gaps for seed, gaps in self.gaps.items()},
+            "curves": {str(seed): curve for seed, curve in self.curves.items()},
             "fp32_losses": {str(seed): losses for seed, losses in self.fp32_losses.items()},
         }
 

@@ -260,14 +260,7 @@ def localize(
         seconds["lockstep"] = stored["seconds"]
     else:
         log(f"[localize] 1/2 FP32 and {label} in lockstep (seed {config.seed}, {config.steps} steps)")
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=config.steps, desc="lockstep", disable=not progress, leave=True)
-
-        def advance(step: int) -> None:
-            bar.n = step
-            bar.refresh()
-
+        advance, close = runner._progress(config.steps, "lockstep", progress)
         try:
             drift = lockstep(
                 factory,
@@ -282,7 +275,7 @@ def localize(
                 on_step=advance,
             )
         finally:
-            bar.close()
+            close()
         seconds["lockstep"] = time.perf_counter() - stage
         record = {"key": key, "seconds": seconds["lockstep"], "drift": drift.to_dict()}
         atomic_write_text(drift_path, json.dumps(record))

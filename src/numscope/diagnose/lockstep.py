@@ -148,20 +148,21 @@ def lockstep(
     weight_decay: float,
     grad_clip: float,
     every: int = 1,
-    on_step: Callable[[int], None] | None = None,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> Drift:
     """Train FP32 and ``plan`` side by side for ``steps`` steps and record their drift every ``every``
     steps (and at the last).
 
     factory: builds the model; called twice after ``torch.manual_seed(seed)`` (the two must be equal: a
         ValueError says so where they are not). batch_at(step): the batch of a step, the same for both.
-    The plan's model trains as ``numscope train`` trains it (:class:`numscope.Recipe` in float32, no loss
-    scaling, the plan's stochastic rounding seeded by ``seed``); both with AdamW at ``lr_at(step)`` and
+    The plan's model trains as ``numscope train`` trains it (:func:`numscope.run.loop.run_recipe`, no loss
+    scaling); both with AdamW at ``lr_at(step)`` and
     their gradients' global norm clipped to ``grad_clip``. The global random state (dropout) is set
-    alike before each model's step.
+    alike before each model's step. on_step(step, loss) is called after each step with the plan's loss.
     """
+    from numscope.run.loop import run_recipe
     from numscope.sites import sites as list_sites
-    from numscope.train.recipe import Recipe
+    from numscope.train.loss_scaler import LossScaler
 
     torch.manual_seed(seed)
     reference = factory()
@@ -178,15 +179,7 @@ def lockstep(
         attach(low, seen_low, name="numscope.lockstep"),
     ]
     handles.append(attach(low, before, name="numscope.lockstep.before"))
-    recipe = Recipe(
-        low,
-        plan=plan,
-        dtype=torch.float32,
-        fp32_ops=False,
-        activations=None,
-        loss_scale=None,
-        generator=torch.Generator().manual_seed(seed),
-    )
+    recipe = run_recipe(low, plan, LossScaler(enabled=False), seed)
     cast_error = _CastError(before.calls)
     handles.append(attach(low, cast_error, name="numscope.lockstep.after"))
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=lr_at(0), weight_decay=weight_decay)
@@ -233,7 +226,7 @@ def lockstep(
             cast_error.errors.clear()
             before.calls.clear()
             if on_step is not None:
-                on_step(step + 1)
+                on_step(step + 1, drift.loss_plan[-1])
     finally:
         for handle in handles:
             handle.remove()

@@ -997,17 +997,15 @@ def localize_figure(data: Mapping, title: str) -> bytes:
 def band_figure(data: Mapping, title: str, compared: Mapping | None = None) -> bytes:
     """A recipe's emulated gap band (:mod:`numscope.diagnose.band`): each seed's smoothed gap to FP32, the
     band's mean and edges; with ``compared`` (``steps`` and ``gap``, the smoothed gap of a user's runs, and
-    ``left_at``) that gap over it, the step it leaves the band marked. data: ``Band.to_dict()``."""
+    ``left_at``) that gap over it, the step it leaves the band marked. data: ``Band.to_dict()`` (``curves``:
+    each seed's smoothed gap)."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
     steps = data["steps"]
     window = data["settings"]["window"]
-    for k, gaps in enumerate(data["gaps"].values()):
-        running = np.convolve(gaps, np.ones(window), mode="full")[: len(gaps)] / np.minimum(
-            np.arange(1, len(gaps) + 1), window
-        )
+    for k, curve in enumerate(data["curves"].values()):
         ax.plot(
             steps,
-            running,
+            curve,
             color=_BAR_COLOUR,
             linewidth=0.8,
             alpha=0.6,

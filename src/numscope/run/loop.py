@@ -119,6 +119,23 @@ def _move_aside(folder: Path) -> Path:
     return target
 
 
+def run_recipe(
+    model: torch.nn.Module, plan: Any, scaler: LossScaler, seed: int, compiled: bool | str = "auto"
+) -> Recipe:
+    """The recipe a run trains ``model`` with (converting it): FP32 parameters, ops and activations; the
+    plan's GEMM operands, the loss scale, and the plan's stochastic rounding seeded by ``seed``."""
+    return Recipe(
+        model,
+        plan=plan,
+        dtype=torch.float32,
+        fp32_ops=False,
+        activations=None,
+        loss_scale=scaler,
+        generator=torch.Generator().manual_seed(seed),
+        compiled=compiled,
+    )
+
+
 LOG_FIELDS = ["step", "lr", "loss", "scale", "skipped", "val_loss", "val_accuracy", "seconds"]
 
 
@@ -217,17 +234,7 @@ def train_run(
         enabled=spec.loss_scaling != "none",
         dynamic=spec.loss_scaling == "dynamic",
     )
-    # the recipe with fp32 parameters, ops and activations: the plan's GEMM operands and the loss scale
-    recipe = Recipe(
-        model,
-        plan=plan,
-        dtype=torch.float32,
-        fp32_ops=False,
-        activations=None,
-        loss_scale=scaler,
-        generator=torch.Generator().manual_seed(cfg.seed),
-        compiled=compiled,
-    )
+    recipe = run_recipe(model, plan, scaler, cfg.seed, compiled)
     low_bit = {"adamw_fp8": AdamWFp8, "adamw_8bit": AdamW8bit, "adamw_4bit": AdamW4bit}.get(cfg.optimizer)
     kind = torch.optim.AdamW if low_bit is None else low_bit
     optimizer: torch.optim.Optimizer = kind(recipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -38,17 +38,15 @@ from numscope.run.objectives import OBJECTIVES
 from numscope.run.tokenizer import TokenizerInfo
 
 
-def _tiny_bert() -> Any:
+def _bert(**sizes: Any) -> Any:
+    """A BertConfig of 2 layers with eager attention (its matmuls are sites) and ``sizes`` on top."""
     from transformers import BertConfig
 
-    return BertConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=256,
-        max_position_embeddings=512,
-        attn_implementation="eager",
-    )
+    return BertConfig(num_hidden_layers=2, max_position_embeddings=512, attn_implementation="eager", **sizes)
+
+
+def _tiny_bert() -> Any:
+    return _bert(hidden_size=64, num_attention_heads=2, intermediate_size=256)
 
 
 def _tiny_gpt2() -> Any:
@@ -58,17 +56,12 @@ def _tiny_gpt2() -> Any:
 
 
 def _demo_bert() -> Any:
-    from transformers import BertConfig
-
-    return BertConfig(
+    return _bert(
         hidden_size=128,
-        num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=256,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
-        max_position_embeddings=512,
-        attn_implementation="eager",
     )
 
 
