@@ -39,35 +39,43 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numscope
 from _cli import non_negative_int, positive_int
 from numscope.convert import convert
+from numscope.plan.recipes import RECIPES
 
-VOCAB, HIDDEN, LAYERS, SEQ, BATCH = 8192, 128, 2, 128, 32
-#: model and batch sizes by name: the tiny BERT of these benchmarks, and BERT-base's shape
+#: model and batch sizes by name: the tiny BERT of these benchmarks; the demo's BERT (``demo-bert``: hidden
+#: 128, 2 layers, 4 heads, FFN 256, at the demo's batch of 64 blocks of 32 tokens and its 2,000-token
+#: vocabulary); BERT-base's shape (12 layers, hidden 768: MPNet-110M's size), at batch 4 × 128 for
+#: ``--size base`` here (the observer benchmark uses batch 8)
 SIZES: dict[str, dict[str, int]] = {
-    "tiny": {"vocab": VOCAB, "hidden": HIDDEN, "layers": LAYERS, "heads": 2, "seq": SEQ, "batch": BATCH},
-    "base": {"vocab": 30522, "hidden": 768, "layers": 12, "heads": 12, "seq": 128, "batch": 8},
+    "tiny": {"vocab": 8192, "hidden": 128, "layers": 2, "heads": 2, "ffn": 512, "seq": 128, "batch": 32},
+    "demo": {"vocab": 2000, "hidden": 128, "layers": 2, "heads": 4, "ffn": 256, "seq": 32, "batch": 64},
+    "base": {"vocab": 30522, "hidden": 768, "layers": 12, "heads": 12, "ffn": 3072, "seq": 128, "batch": 8},
 }
+#: the size the rows build (``--size``) and their batch rows (``--batch``; None: the size's own)
+SIZE = "tiny"
+ROWS: int | None = None
 
 
-def make_model(size: str = "tiny") -> BertForMaskedLM:
+def make_model(size: str | None = None) -> BertForMaskedLM:
     torch.manual_seed(0)
-    shape = SIZES[size]
+    shape = SIZES[size or SIZE]
     config = BertConfig(
         vocab_size=shape["vocab"],
         hidden_size=shape["hidden"],
         num_hidden_layers=shape["layers"],
         num_attention_heads=shape["heads"],
-        intermediate_size=4 * shape["hidden"],
+        intermediate_size=shape["ffn"],
         max_position_embeddings=shape["seq"],
         attn_implementation="eager",
     )
     return BertForMaskedLM(config)
 
 
-def batch(size: str = "tiny") -> dict[str, torch.Tensor]:
-    shape = SIZES[size]
+def batch(size: str | None = None) -> dict[str, torch.Tensor]:
+    shape = SIZES[size or SIZE]
+    rows = (ROWS if size is None else None) or shape["batch"]
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=generator)
-    masked = torch.rand(shape["batch"], shape["seq"], generator=generator) < 0.15
+    ids = torch.randint(0, shape["vocab"], (rows, shape["seq"]), generator=generator)
+    masked = torch.rand(rows, shape["seq"], generator=generator) < 0.15
     return {"input_ids": ids, "labels": torch.where(masked, ids, torch.full_like(ids, -100))}
 
 
@@ -117,6 +125,14 @@ def plan_step(
     return step_fn(convert(make_model(), numscope.Plan.uniform(name), compiled=compiled), scaler=scaler)
 
 
+def recipe_plan_step(name: str) -> Callable[[], None]:
+    """A step under a named recipe (``numscope recipes``) through ``numscope.convert(model, name)``, its
+    sites found on the benchmark's batch (the recipes that keep layers high by their place need them)."""
+    inputs = batch()
+    example = {key: value[:1] for key, value in inputs.items()}
+    return step_fn(convert(make_model(), name, example_inputs=example))
+
+
 def without_native(build: Callable[[], Callable[[], None]]) -> Callable[[], Callable[[], None]]:
     """A row's builder whose steps (and warm-up) run with numscope's native quantizers off."""
 
@@ -158,6 +174,8 @@ def rows() -> dict[str, Callable[[], Callable[[], None]] | str]:
         "mxfp8 plan (eager)": without_native(lambda: plan_step("mxfp8", compiled=False)),
         "fp16 Recipe (paper)": recipe_step,
     }
+    for recipe in RECIPES:
+        out[f"recipe {recipe}"] = lambda recipe=recipe: recipe_plan_step(recipe)
     try:
         import torchao.float8  # noqa: F401
     except ImportError:
@@ -189,11 +207,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", help="comma-separated row names (default: all; fp32 is always first)")
     parser.add_argument("--profile", metavar="ROW", help="profile one step of ROW instead of timing")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument(
+        "--size", choices=tuple(SIZES), default="tiny", help="the model's shape (default: %(default)s)"
+    )
+    parser.add_argument("--batch", type=positive_int, help="batch rows (default: the size's own)")
     return parser.parse_args(argv)
 
 
 def main() -> None:
     args = parse_args()
+    global SIZE, ROWS
+    SIZE, ROWS = args.size, args.batch
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     available = rows()
@@ -209,8 +233,10 @@ def main() -> None:
         raise SystemExit(f"--rows: unknown rows {unknown}; rows: {list(available)}")
     chosen = list(dict.fromkeys(chosen))
     load_before = os.getloadavg()[0]
+    shape = SIZES[SIZE]
     print(
-        f"tiny BERT MLM: hidden {HIDDEN}, {LAYERS} layers, seq {SEQ}, batch {BATCH}, vocab {VOCAB}; "
+        f"{SIZE} BERT MLM: hidden {shape['hidden']}, {shape['layers']} layers, {shape['heads']} heads, FFN "
+        f"{shape['ffn']}, seq {shape['seq']}, batch {ROWS or shape['batch']}, vocab {shape['vocab']}; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
         f"{args.warmup} warm-up steps, median of {args.rounds} interleaved rounds"
     )
@@ -228,14 +254,14 @@ def main() -> None:
             step()
             times[name].append(time.perf_counter() - start)
     baseline, fastest = statistics.median(times["fp32"]), min(times["fp32"])
-    print(f"{'row':26s}  {'median':>11s}  {'ratio':>10s}  {'min':>11s}  {'ratio':>10s}")
+    print(f"{'row':34s}  {'median':>11s}  {'ratio':>10s}  {'min':>11s}  {'ratio':>10s}")
     for name in chosen:
         if name not in steps:
-            print(f"{name:26s}  skipped: {available[name]}")
+            print(f"{name:34s}  skipped: {available[name]}")
             continue
         median, least = statistics.median(times[name]), min(times[name])
         print(
-            f"{name:26s}  {median * 1e3:8.1f} ms  {median / baseline:5.2f}x fp32  "
+            f"{name:34s}  {median * 1e3:8.1f} ms  {median / baseline:5.2f}x fp32  "
             f"{least * 1e3:8.1f} ms  {least / fastest:5.2f}x fp32"
         )
     print(f"load average (1 min): {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")

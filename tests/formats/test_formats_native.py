@@ -406,3 +406,97 @@ def test_both_block_directions_in_one_pass_equal_each_direction_alone(name: str)
         assert_bits_equal(rows, native.block(x, fmt, False))
         assert_bits_equal(columns, native.block(x, fmt, False, along_columns=True))
     assert native.block_both(torch.ones(4, 40), fmt) is None  # rows of a block and a part
+
+
+TILE_CASES = [
+    ("fp8_e4m3", numscope.Scaling("block", block_shape=(1, 128))),
+    ("fp8_e4m3", numscope.Scaling("block", block_shape=(128, 128), power_of_two=True)),
+    ("fp8_e4m3", numscope.Scaling("block", block_shape=(1, 16), scale_from_decode=True)),
+    ("fp8_e5m2", numscope.Scaling("block", block_shape=(4, 32), amax_epsilon=1e-3)),
+    ("int8", numscope.Scaling("block", block_shape=(2, 8))),
+]
+
+
+@pytest.mark.parametrize(("name", "scaling"), TILE_CASES)
+@pytest.mark.parametrize("overflow", ["saturate", "propagate"])
+def test_tile_scaling_of_element_formats_equals_the_eager_reference(
+    name: str, scaling, overflow: str
+) -> None:
+    """Tile scaling (TE's block recipe, DeepSeek-V3's 1x128 and 128x128) natively: values, and the codes and
+    per-element decode scales a promoted GEMM takes, bit for bit the eager ones; short last tiles, batch
+    axes, and tiles holding inf, NaN, zeros and subnormals included."""
+    from numscope.formats.quantize import tile_quantize
+
+    cases = [spread((37, 300), seed=1), spread((3, 130, 64), seed=2), spread((2, 96), seed=3)]
+    cases.append(np.stack([specials(name, 256)[i % 7] for i in range(9)]))  # rows 5 and 6 hold inf, NaN
+    calls = []
+    tile_element = native.tile_element
+
+    def spy(*args, **kw):
+        result = tile_element(*args, **kw)
+        calls.append(result is not None)
+        return result
+
+    for values in cases:
+        x = torch.from_numpy(values)
+        native.tile_element = spy
+        try:
+            fast = tile_quantize(x, numscope.get_format(name), scaling, overflow=overflow, factors=True)
+        finally:
+            native.tile_element = tile_element
+        set_native(False)
+        eager = tile_quantize(x, numscope.get_format(name), scaling, overflow=overflow, factors=True)
+        set_native(True)
+        for one, other in zip(fast, eager, strict=True):
+            assert one.shape == other.shape
+            assert_bits_equal(one, other)
+    assert calls and all(calls), "the native code did not take the tile calls"
+
+
+STOCHASTIC_CASES = [
+    ("fp4_e2m1", {}),
+    ("fp4_e2m1", {"flush_subnormals": True}),
+    ("fp8_e4m3", {"scaling": "tensor"}),
+    ("fp8_e4m3", {"overflow": "propagate"}),
+    ("fp8_e5m2", {"overflow": "propagate"}),
+    ("fp8_e5m2fnuz", {"overflow": "propagate", "flush_subnormals": True}),
+    ("fp6_e3m2", {"scaling": "row"}),
+    ("mxfp4_e2m1", {}),
+    ("mxfp8_e4m3", {}),
+    ("nvfp4", {}),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs"), STOCHASTIC_CASES)
+def test_stochastic_rounding_equals_the_eager_reference(name: str, kwargs: dict) -> None:
+    """Stochastic rounding of FP8, FP6 and FP4 (alone and as MX/NVFP4 elements) through the native code, from
+    the same generator state: the eager path's bits, and the generator left in the same state."""
+    from numscope.formats import cast as cast_module
+
+    calls = []
+    stochastic = native.stochastic
+
+    def spy(*args, **kw):
+        result = stochastic(*args, **kw)
+        calls.append(result is not None)
+        return result
+
+    for values in [*inputs(name), *specials(name, 64)]:
+        flat = np.ascontiguousarray(values).reshape(-1)
+        x = torch.from_numpy(flat[: flat.size - flat.size % 32]).reshape(-1, 32)
+        generators = [torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)]
+        cast_module._STOCHASTIC[:] = [spy]
+        try:
+            fast = numscope.quantize(
+                x, name, rounding="stochastic", generator=generators[0], compiled=False, **kwargs
+            )
+        finally:
+            cast_module._STOCHASTIC[:] = [stochastic]
+        set_native(False)
+        eager = numscope.quantize(
+            x, name, rounding="stochastic", generator=generators[1], compiled=False, **kwargs
+        )
+        set_native(True)
+        assert_bits_equal(fast, eager)
+        assert torch.equal(generators[0].get_state(), generators[1].get_state())
+    assert calls and all(calls), "the native code did not take the stochastic casts"

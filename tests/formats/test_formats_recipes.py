@@ -429,6 +429,46 @@ def test_the_native_narrow_accumulation_gives_the_eager_loops_bits(name: str) ->
     assert torch.equal(fused.view(torch.int32), eager.view(torch.int32))
 
 
+@pytest.mark.skipif(not native.available(), reason="the native quantizers could not be built")
+def test_the_native_promoted_gemm_gives_the_eager_loops_bits(monkeypatch) -> None:
+    """DeepSeek-V3's promoted GEMM (codes and per-tile scales registered, fp22 runs of 128 promoted with an
+    FMA) in one pass of C against the eager loop: a batched activation by a 2-D weight (the scales
+    broadcast), ties, overflow to inf and NaN inputs."""
+    from numscope.formats.quantize import tile_quantize
+    from numscope.sites.gemm import register_factors
+
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, 384, generator=generator) * 10.0 ** torch.randint(
+        -3, 4, (2, 6, 1), generator=generator
+    )
+    w = torch.randn(384, 130, generator=generator)
+    x[0, 0, :200] = 3e38  # beyond E4M3 after scaling: fp22 partials overflow
+    x[1, 1, 7] = float("nan")
+    fmt = numscope.get_format("fp8_e4m3")
+
+    def operand(t: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
+        scaling = numscope.Scaling("block", block_shape=tile, amax_epsilon=1e-4, scale_from_decode=True)
+        values, codes, decode = tile_quantize(t, fmt, scaling, factors=True)
+        values = values.clone()
+        register_factors(values, codes, decode)
+        return values
+
+    calls = []
+    promoted_sum = native.promoted_sum
+    monkeypatch.setattr(native, "promoted_sum", lambda *args: calls.append(1) or promoted_sum(*args))
+    before = native.native_enabled()
+    try:
+        a, b = operand(x, (1, 128)), operand(w.t().contiguous(), (128, 128)).t()
+        fused = accumulate_matmul(a, b, "fp22_promote128")
+        native.set_native(False)
+        eager = accumulate_matmul(a, b, "fp22_promote128")
+    finally:
+        native.set_native(before)
+    assert calls, "the promoted GEMM did not take the registered codes and scales"
+    assert fused.isinf().any() and fused.isnan().any() and fused.isfinite().any()
+    assert torch.equal(fused.view(torch.int32), eager.view(torch.int32))
+
+
 # -- MX blocks near float32's largest value: finite in, finite out ------------------------------------------
 
 NEAR_MAX_CASES = [

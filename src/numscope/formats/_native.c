@@ -694,3 +694,146 @@ int numscope_rounded_sum(const float *restrict partials, float *restrict out, in
     }
     return 0;
 }
+
+/* quantize.py tile_quantize's amax: max |x| over each rp x cp tile of a (batch, rows, cols) tensor (the
+ * last tiles of a row or column may be short: the reference pads them with zeros, which no amax sees),
+ * into out (batch, ceil(rows / rp), ceil(cols / cp)), on the bit patterns as numscope_abs_amax */
+void numscope_tile_amax(const float *restrict x, float *restrict out, int64_t batch, int64_t rows, int64_t cols,
+                        int64_t rp, int64_t cp) {
+    const int64_t tile_rows = (rows + rp - 1) / rp, tile_cols = (cols + cp - 1) / cp;
+    for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t tr = 0; tr < tile_rows; ++tr) {
+            uint32_t *restrict top = (uint32_t *)(out + (b * tile_rows + tr) * tile_cols);
+            for (int64_t tc = 0; tc < tile_cols; ++tc) top[tc] = 0;
+            const int64_t last = (tr + 1) * rp < rows ? (tr + 1) * rp : rows;
+            for (int64_t r = tr * rp; r < last; ++r) {
+                const float *restrict xr = x + (b * rows + r) * cols;
+                for (int64_t tc = 0; tc < tile_cols; ++tc) {
+                    const int64_t end = (tc + 1) * cp < cols ? (tc + 1) * cp : cols;
+                    uint32_t t = top[tc];
+                    for (int64_t c = tc * cp; c < end; ++c) {
+                        const uint32_t magnitude = bits_of(xr[c]) & 0x7FFFFFFFu;
+                        t = magnitude > t ? magnitude : t;
+                    }
+                    top[tc] = t;
+                }
+            }
+        }
+    }
+}
+
+/* quantize.py tile_quantize's cast: codes = cast(x * scale[t]), out = codes * decode[t], with scale and decode
+ * one per tile (laid out as numscope_tile_amax's out); codes written where codes_out is not NULL */
+void numscope_tile_element(const float *restrict x, float *restrict out, float *restrict codes_out, int64_t batch,
+                           int64_t rows, int64_t cols, int64_t rp, int64_t cp, numscope_format format,
+                           const float *restrict scale, const float *restrict decode) {
+    const numscope_format *f = &format;
+    const int64_t tile_rows = (rows + rp - 1) / rp, tile_cols = (cols + cp - 1) / cp;
+    for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t offset = (b * rows + r) * cols, tiles = (b * tile_rows + r / rp) * tile_cols;
+            for (int64_t tc = 0; tc < tile_cols; ++tc) {
+                const int64_t start = tc * cp, width = (start + cp < cols ? start + cp : cols) - start;
+                const float s = scale[tiles + tc], d = decode[tiles + tc];
+                if (codes_out) {
+                    float *restrict k = codes_out + offset + start;
+                    float *restrict o = out + offset + start;
+                    run_cast(x + offset + start, k, width, NULL, s, 1.0f, 1, f);
+                    for (int64_t i = 0; i < width; ++i) o[i] = k[i] * d;
+                } else {
+                    run_cast(x + offset + start, out + offset + start, width, NULL, s, d, 1, f);
+                }
+            }
+        }
+    }
+}
+
+/* quantize.py as_float32 of a float64: rounded to odd into float32 (NaN as the nearest cast gives it) */
+static inline __attribute__((always_inline)) float to_odd_f32(double d) {
+    const float nearest = (float)d;
+    const double back = (double)nearest;
+    const uint32_t toward_zero = bits_of(nearest) - (fabs(back) > fabs(d) ? 1u : 0u);
+    return (back != d && d == d) ? float_of(toward_zero | 1u) : nearest;
+}
+
+/* gemm.py _promoted_exact after its matmul: partials [batch][runs * per_run][m][n] (float64 sums of the code
+ * products, chunk by chunk), each rounded to the accumulator (to odd into float32, then the e8 format under
+ * "propagate"), added in float64 with a rounding after each addition within a run, then
+ * total = fma(sa[b][i][run] * sb[b][run][j], run_sum, total) in float32 (DeepGEMM's promotion). An e8
+ * format only (fp22); returns -1 for any other. */
+int numscope_promoted_sum(const double *restrict partials, float *restrict out, const float *restrict sa,
+                          const float *restrict sb, int64_t batch, int64_t runs, int64_t per_run, int64_t m,
+                          int64_t n, numscope_format format) {
+    const numscope_format local = format, *f = &local;
+    if (f->kind != 1 || f->overflow != 1 || f->nonfinite != 0 || f->flush != 0 || per_run < 1) return -1;
+    enum { TILE = 1024 };
+    double run[TILE];
+    const int64_t plane = m * n;
+    for (int64_t b = 0; b < batch; ++b) {
+        const double *restrict p = partials + b * runs * per_run * plane;
+        for (int64_t i = 0; i < m; ++i) {
+            float *restrict o = out + b * plane + i * n;
+            for (int64_t start = 0; start < n; start += TILE) {
+                const int64_t width = n - start < TILE ? n - start : TILE;
+                for (int64_t j = 0; j < width; ++j) o[start + j] = 0.0f;
+                for (int64_t g = 0; g < runs; ++g) {
+                    const double *restrict q = p + g * per_run * plane + i * n + start;
+                    for (int64_t j = 0; j < width; ++j) run[j] = (double)cast_e8(to_odd_f32(q[j]), f, 1, 0, 0);
+                    for (int64_t k = 1; k < per_run; ++k) {
+                        q += plane;
+                        for (int64_t j = 0; j < width; ++j) {
+                            const double term = (double)cast_e8(to_odd_f32(q[j]), f, 1, 0, 0);
+                            run[j] = (double)cast_e8(to_odd_f32(run[j] + term), f, 1, 0, 0);
+                        }
+                    }
+                    const float row_scale = sa[(b * m + i) * runs + g];
+                    const float *restrict column_scales = sb + (b * runs + g) * n + start;
+                    for (int64_t j = 0; j < width; ++j)
+                        o[start + j] = fmaf(row_scale * column_scales[j], (float)run[j], o[start + j]);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+/* cast.py _grid_small under rounding="stochastic": floor(x / spacing + u) * spacing with u the caller's
+ * uniform draw in [0, 1) for this element (torch.rand of the tensor's shape: the eager path's own draw),
+ * then the same overflow, flush, zero and non-finite rules as the nearest casts */
+static inline __attribute__((always_inline)) float cast_small_sr(float x, float u, const numscope_format *f, const int OV, const int NF, const int FL) {
+    const float safe = fabsf(x) < INFINITY ? x : 0.0f;
+    int e = (int)((bits_of(safe) >> 23) & 0xFFu) - 127;
+    e = e < f->emin ? f->emin : e;
+    e -= f->mantissa_bits;
+    e = e > 126 ? 126 : e;
+    const float spacing = float_of((uint32_t)(e + 127) << 23);
+    const float inverse = float_of((uint32_t)(127 - e) << 23);
+    return finish(x, floorf(safe * inverse + u) * spacing, f, OV, NF, FL);
+}
+
+#define NUMSCOPE_SR_LOOP(NAME, OV, NF, FL)                                                                \
+    static void NAME(const float *restrict x, const float *restrict u, float *restrict out, int64_t n,      \
+                     const numscope_format *format) {                                                    \
+        const numscope_format local = *format, *f = &local;                                               \
+        for (int64_t i = 0; i < n; ++i) out[i] = cast_small_sr(x[i], u[i], f, OV, NF, FL);                 \
+    }
+NUMSCOPE_SR_LOOP(sr_00, 0, 0, 0) NUMSCOPE_SR_LOOP(sr_00f, 0, 0, 1)
+NUMSCOPE_SR_LOOP(sr_10, 1, 0, 0) NUMSCOPE_SR_LOOP(sr_10f, 1, 0, 1)
+NUMSCOPE_SR_LOOP(sr_01, 0, 1, 0) NUMSCOPE_SR_LOOP(sr_01f, 0, 1, 1)
+NUMSCOPE_SR_LOOP(sr_21, 2, 1, 0) NUMSCOPE_SR_LOOP(sr_21f, 2, 1, 1)
+NUMSCOPE_SR_LOOP(sr_02, 0, 2, 0) NUMSCOPE_SR_LOOP(sr_02f, 0, 2, 1)
+
+/* stochastic rounding of n elements to a float format with fewer than 8 exponent bits; -1 for another kind */
+int numscope_element_stochastic(const float *restrict x, const float *restrict u, float *restrict out, int64_t n,
+                                numscope_format format) {
+    const numscope_format *f = &format;
+    if (f->kind != 0) return -1;
+    const int code = f->overflow * 10 + f->nonfinite;
+    if (code == 0) (f->flush ? sr_00f : sr_00)(x, u, out, n, f);
+    else if (code == 10) (f->flush ? sr_10f : sr_10)(x, u, out, n, f);
+    else if (code == 1) (f->flush ? sr_01f : sr_01)(x, u, out, n, f);
+    else if (code == 21) (f->flush ? sr_21f : sr_21)(x, u, out, n, f);
+    else if (code == 2) (f->flush ? sr_02f : sr_02)(x, u, out, n, f);
+    else return -1;
+    return 0;
+}

@@ -50,6 +50,17 @@ def native_dtype(fmt: FloatFormat) -> torch.dtype | None:
     return NATIVE_DTYPES.get(fmt.name)
 
 
+_STOCHASTIC: list = []
+"""The native stochastic rounding of small float formats, registered by :mod:`numscope.formats.native`
+(which imports this module): ``kernel(x, draw, fmt, overflow, flush)`` → the tensor, or None before
+calling ``draw`` (which returns the uniform noise) where it does not cover the call."""
+
+
+def register_stochastic(kernel) -> None:
+    """Let :func:`cast_float` round stochastically through ``kernel`` (the same bits, given the same draw)."""
+    _STOCHASTIC[:] = [kernel]
+
+
 def _uniform_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     return torch.rand(x.shape, generator=generator, dtype=torch.float32, device=x.device)
 
@@ -203,6 +214,16 @@ def cast_float(
     fp8_compiled = torch.compiler.is_compiling() and fmt.bits == 8
     if dtype is not None and rounding == "nearest" and not flush_subnormals and not fp8_compiled:
         return native_nearest(x, fmt, dtype, overflow)
+    if (
+        rounding == "stochastic"
+        and fmt.exponent_bits < 8
+        and _STOCHASTIC
+        and not torch.compiler.is_compiling()
+    ):
+        # the draw _grid_small would take, in the same order: the same bits in one pass of C
+        done = _STOCHASTIC[0](x, lambda: _uniform_like(x, generator), fmt, overflow, flush_subnormals)
+        if done is not None:
+            return done
     finite = _is_finite(x)
     safe = torch.where(finite, x, torch.zeros_like(x))
     if fmt.exponent_bits == 8:

@@ -14,7 +14,10 @@ formats (not ``e8m0``) and integer formats, unscaled or with a per-tensor, per-r
 (the amax is taken natively, the scale by :func:`numscope.formats.scaling.scale_from_amax`), delayed
 scaling; MX block formats under every scale rule; NVFP4 with its per-tensor scale (both scale maths); and
 for block formats blocks along the rows or down the columns (a tensor blocked along its first axis needs
-no transposed copy). Not 2-D NVFP4 tiles, NVFP4 per-row scales or Four Over Six. For
+no transposed copy). Not 2-D NVFP4 tiles, NVFP4 per-row scales or Four Over Six. Also tile scaling of
+element formats (:func:`tile_amax`, :func:`tile_element`), stochastic rounding of FP8/FP6/FP4 elements
+given the eager path's uniform draw (:func:`stochastic`, which :func:`numscope.formats.cast.cast_float`
+calls), and the promoted accumulation of DeepSeek-V3's FP8 GEMMs (:func:`promoted_sum`). For
 ``numscope.convert``'s fp8 operands it also writes the codes in torch's float8 dtypes beside the values
 (:func:`element_codes`: a site keeps them for backward, 1 byte instead of 4) and decodes them
 (:func:`decode`; torch converts float8 to float32 one element at a time); and for the observer's metrics
@@ -46,7 +49,7 @@ from pathlib import Path
 import torch
 
 from numscope.formats.blocks import element_mantissa_bits
-from numscope.formats.cast import NATIVE_DTYPES
+from numscope.formats.cast import NATIVE_DTYPES, register_stochastic
 from numscope.formats.scaling import scale_from_amax
 from numscope.formats.spec import BlockFormat, FloatFormat, IntFormat, get_format
 
@@ -279,6 +282,16 @@ def _library() -> ctypes.CDLL | None:
     library.numscope_abs_amax.restype = None
     library.numscope_rounded_sum.argtypes = [pointer, pointer, i64, i64, i64, i64, _Format]
     library.numscope_rounded_sum.restype = ctypes.c_int
+    library.numscope_tile_amax.argtypes = [pointer, pointer, i64, i64, i64, i64, i64]
+    library.numscope_tile_amax.restype = None
+    library.numscope_tile_element.argtypes = [pointer, pointer, pointer, i64, i64, i64, i64, i64, _Format]
+    library.numscope_tile_element.argtypes += [pointer, pointer]
+    library.numscope_tile_element.restype = None
+    library.numscope_promoted_sum.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64]
+    library.numscope_promoted_sum.argtypes += [_Format]
+    library.numscope_promoted_sum.restype = ctypes.c_int
+    library.numscope_element_stochastic.argtypes = [pointer, pointer, pointer, i64, _Format]
+    library.numscope_element_stochastic.restype = ctypes.c_int
     return library
 
 
@@ -749,3 +762,144 @@ def rounded_sum(partials: torch.Tensor, fmt: FloatFormat, per_group: int) -> tor
         partials.data_ptr(), out.data_ptr(), batch, chunks, rows * cols, per_group, spec
     )
     return out if done == 0 else None
+
+
+def tile_amax(x: torch.Tensor, rows_per: int, cols_per: int) -> torch.Tensor | None:
+    """max |x| over each ``rows_per`` × ``cols_per`` tile of the last two axes of a float32 tensor (short
+    last tiles as the reference's zero-padded ones): shape ``(batch, ceil(rows / rows_per), ceil(cols /
+    cols_per))`` with ``batch`` the product of the leading axes, as :func:`numscope.formats.quantize.
+    tile_quantize`'s amax; None where the native code is off or ``x`` is not a CPU float32 tensor of ≥ 2
+    dims."""
+    if not (available() and _ready(x)) or x.dim() < 2:
+        return None
+    rows, cols = x.shape[-2:]
+    batch = x.numel() // max(1, rows * cols)
+    x = x.contiguous()
+    out = torch.empty((batch, -(-rows // rows_per), -(-cols // cols_per)), dtype=torch.float32)
+    if x.numel():
+        _library().numscope_tile_amax(x.data_ptr(), out.data_ptr(), batch, rows, cols, rows_per, cols_per)  # type: ignore[union-attr]
+    return out
+
+
+def tile_element(
+    x: torch.Tensor,
+    fmt: FloatFormat | IntFormat,
+    overflow: str,
+    flush: bool,
+    tile: tuple[int, int],
+    scale: torch.Tensor,
+    decode: torch.Tensor,
+    codes: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Nearest-rounded tile scaling of a float32 tensor of ≥ 2 dims: ``codes = cast(x · scale_t)`` and
+    ``values = codes · decode_t`` with one ``scale`` and ``decode`` per tile (laid out as :func:`tile_amax`
+    gives the amax); ``(values, codes if codes else None)``, or None where the native code does not cover
+    the format."""
+    if not (available() and _ready(x)) or x.dim() < 2:
+        return None
+    spec = _format(fmt, overflow, flush)
+    if spec is None:
+        return None
+    rows, cols = x.shape[-2:]
+    batch = x.numel() // max(1, rows * cols)
+    shape = (batch, -(-rows // tile[0]), -(-cols // tile[1]))
+    scale = scale.detach().to(torch.float32).reshape(shape).contiguous()
+    decode = decode.detach().to(torch.float32).reshape(shape).contiguous()
+    x = x.contiguous()
+    out = _empty(x.shape)
+    kept = _empty(x.shape) if codes else None
+    if x.numel():
+        _library().numscope_tile_element(  # type: ignore[union-attr]
+            x.data_ptr(),
+            out.data_ptr(),
+            None if kept is None else kept.data_ptr(),
+            batch,
+            rows,
+            cols,
+            *tile,
+            spec,
+            scale.data_ptr(),
+            decode.data_ptr(),
+        )
+    return out, kept
+
+
+def promoted_sum(
+    partials: torch.Tensor,
+    row_scales: torch.Tensor,
+    column_scales: torch.Tensor,
+    fmt: FloatFormat,
+    per_run: int,
+) -> torch.Tensor | None:
+    """:func:`numscope.sites.gemm.accumulate_matmul`'s promoted FP8 GEMM after its exact products, in one
+    pass: ``partials`` (float64, ``(..., runs · per_run, M, N)``: each chunk's exact sum of code products)
+    each rounded to the accumulator ``fmt`` and added within each run of ``per_run`` with a rounding after
+    every addition, then ``total = fma(row_scales[..., i, run] · column_scales[..., run, j], run_sum, total)``
+    in float32; ``row_scales`` ``(..., M, runs)`` and ``column_scales`` ``(..., runs, N)`` broadcast to the
+    partials' batch axes. Returns ``(..., M, N)`` float32, or None where the native code does not cover it
+    (the caller loops eagerly: the same bits)."""
+    if (
+        not available()
+        or partials.dtype != torch.float64
+        or partials.device.type != "cpu"
+        or partials.dim() < 3
+    ):
+        return None
+    spec = _format(fmt, "propagate", False)
+    if spec is None or spec.kind != 1:
+        return None
+    chunks, rows, cols = partials.shape[-3:]
+    if per_run < 1 or chunks % per_run:
+        return None
+    runs = chunks // per_run
+    lead = partials.shape[:-3]
+    row_scales = torch.broadcast_to(row_scales.float(), (*lead, rows, runs)).contiguous()
+    column_scales = torch.broadcast_to(column_scales.float(), (*lead, runs, cols)).contiguous()
+    partials = partials.contiguous()
+    batch = partials.numel() // max(1, chunks * rows * cols)
+    out = _empty((*lead, rows, cols))
+    if out.numel() == 0 or runs == 0:
+        return None
+    done = _library().numscope_promoted_sum(  # type: ignore[union-attr]
+        partials.data_ptr(),
+        out.data_ptr(),
+        row_scales.data_ptr(),
+        column_scales.data_ptr(),
+        batch,
+        runs,
+        per_run,
+        rows,
+        cols,
+        spec,
+    )
+    return out if done == 0 else None
+
+
+def stochastic(
+    x: torch.Tensor, draw: Callable[[], torch.Tensor], fmt: FloatFormat, overflow: str, flush: bool
+) -> torch.Tensor | None:
+    """Stochastic rounding of float32 ``x`` to a float format with fewer than 8 exponent bits (FP8, FP6,
+    FP4): ``floor(x / spacing + u) · spacing`` with ``u = draw()``, the uniform draw of ``x``'s shape that
+    :func:`numscope.formats.cast.cast_float` takes from its generator, then the nearest casts' rules for
+    overflow, flushing, zeros and non-finite inputs: that function's bits. None, before drawing, where the
+    native code does not cover the call (so the caller's own draw is the same)."""
+    if not (available() and _cpu_float(x)):
+        return None
+    spec = _format(fmt, overflow, flush)
+    if spec is None or spec.kind != 0:
+        return None
+    noise = draw()
+    if noise.shape != x.shape or noise.dtype != torch.float32:
+        raise ValueError(
+            f"stochastic: a draw of shape {tuple(x.shape)} in float32 expected, got {noise.shape}"
+        )
+    x, noise = x.contiguous(), noise.contiguous()
+    out = _empty(x.shape)
+    if x.numel():
+        _library().numscope_element_stochastic(
+            x.data_ptr(), noise.data_ptr(), out.data_ptr(), x.numel(), spec
+        )  # type: ignore[union-attr]
+    return out
+
+
+register_stochastic(stochastic)

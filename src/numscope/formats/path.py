@@ -4,15 +4,16 @@ Four paths give the same bits (the tests compare them bit for bit); they differ 
 
 * ``native`` — :mod:`numscope.formats.native`, the small C library (on by default; ``NUMSCOPE_NATIVE=0``
   or :func:`numscope.formats.set_native` turns it off): nearest rounding of CPU float32 tensors to float
-  and integer element formats (unscaled, per tensor, row, column, delayed) and to MX and plain NVFP4 blocks;
+  and integer element formats (unscaled, per tensor, row, column, delayed, tiles) and to MX and plain NVFP4
+  blocks; stochastic rounding to FP8/FP6/FP4 elements (from the eager path's own draw, inside its cast);
 * ``dtype`` — torch's own conversion to ``float16``/``bfloat16``/``float8_*``, for a caller that keeps the
   codes in that dtype (``convert``'s operands): nearest rounding, no flushing, unscaled or one scale per
   tensor (current or delayed), as :mod:`numscope.formats.cast` rounds;
 * ``compiled`` — :mod:`numscope.formats.fast`'s ``torch.compile`` kernels (off by default: ``compiled=``,
   :func:`numscope.formats.set_fast` or ``NUMSCOPE_FAST``): nearest rounding of every element format but
   E8M0 and of every block layout (2-D NVFP4 tiles and Four Over Six included);
-* ``eager`` — the reference arithmetic, which covers everything (stochastic and toward-zero rounding, tile
-  scaling of element formats, E8M0).
+* ``eager`` — the reference arithmetic, which covers everything (toward-zero rounding, stochastic rounding
+  of formats with 8 exponent bits and of integers, E8M0).
 
 :func:`quantizer_paths` gives the paths that may compute a :class:`Cast` of a tensor in the order to try
 them: a later one takes what an earlier one turns out not to cover (the native code checks a tensor's
@@ -28,7 +29,7 @@ import torch
 
 from numscope.formats import fast, native
 from numscope.formats.cast import native_dtype
-from numscope.formats.spec import BlockFormat, FloatFormat, Format
+from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
 
 
 class QuantizerPath(StrEnum):
@@ -92,6 +93,19 @@ def native_covers(cast: Cast, x: torch.Tensor) -> bool:
     if cast.scaling not in (None, "tensor", "row", "column", "delayed"):
         return False
     return native.covers(fmt, cast.overflow, cast.flush_subnormals, x)  # type: ignore[arg-type]
+
+
+def native_tiles(cast: Cast, x: torch.Tensor) -> bool:
+    """Whether the native quantizers take ``cast``, tile scaling of an element format (TE's block recipe,
+    DeepSeek-V3's 1×128 and 128×128 tiles), of ``x``: nearest rounding, a tensor of at least 2 dims."""
+    fmt = cast.format
+    return (
+        cast.rounding == "nearest"
+        and cast.scaling == "block"
+        and isinstance(fmt, FloatFormat | IntFormat)
+        and x.dim() >= 2
+        and native.covers(fmt, cast.overflow, cast.flush_subnormals, x)
+    )
 
 
 def packs_block_codes(cast: Cast) -> bool:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from numscope.formats import fast
+from numscope.formats import fast, native
 from numscope.formats.blocks import (
     axis_last_2d,
     block_parts,
@@ -39,7 +39,7 @@ from numscope.formats.blocks import (
     unblock,
 )
 from numscope.formats.cast import OVERFLOWS, ROUNDINGS, cast, scale_then_cast
-from numscope.formats.path import Cast, QuantizerPath, quantizer_paths
+from numscope.formats.path import Cast, QuantizerPath, native_tiles, quantizer_paths
 from numscope.formats.scaling import (
     DelayedScaler,
     Scaling,
@@ -110,14 +110,14 @@ def tile_quantize(
     block_shape=...)``): ``(values, codes, decode)``, with ``factors`` also the element codes and each
     element's decode scale (``values = codes · decode``, all of ``xf``'s shape), which a GEMM that applies
     the scales at promotion needs (:func:`numscope.sites.register_factors`)."""
-    tiles, (rows, cols, _, _) = to_tiles(xf, *tile_shape(xf, fmt, scaling))
+    tile = tile_shape(xf, fmt, scaling)
+    if native_tiles(Cast(fmt, "block", rounding, overflow, flush_subnormals), xf):
+        done = _tile_native(xf, fmt, scaling, tile, overflow, flush_subnormals, factors)
+        if done is not None:
+            return done
+    tiles, (rows, cols, _, _) = to_tiles(xf, *tile)
     amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
-    if scaling.scale_from_decode:
-        decode = scaling.decode(amax, fmt.max)
-        scale = 1.0 / decode
-    else:
-        scale = scaling.scale(amax, fmt.max)
-        decode = 1.0 / scale
+    scale, decode = _tile_scales(amax, fmt, scaling)
     codes = cast(tiles * scale, fmt, rounding, overflow, flush_subnormals, generator)  # type: ignore[arg-type]
 
     def untile(t: torch.Tensor) -> torch.Tensor:
@@ -128,6 +128,44 @@ def tile_quantize(
     if not factors:
         return values, None, None
     return values, untile(codes), untile(decode.expand_as(tiles))
+
+
+def _tile_scales(
+    amax: torch.Tensor, fmt: FloatFormat | IntFormat, scaling: Scaling
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tile's (scale, decode) from its amax: one the reciprocal of the other, DeepGEMM's way round
+    where ``scale_from_decode``."""
+    if scaling.scale_from_decode:
+        decode = scaling.decode(amax, fmt.max)
+        return 1.0 / decode, decode
+    scale = scaling.scale(amax, fmt.max)
+    return scale, 1.0 / scale
+
+
+def _tile_native(
+    xf: torch.Tensor,
+    fmt: FloatFormat | IntFormat,
+    scaling: Scaling,
+    tile: tuple[int, int],
+    overflow: str,
+    flush_subnormals: bool,
+    factors: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """:func:`tile_quantize` (nearest rounding) through the native quantizers, the same bits; None where
+    they do not cover the call."""
+    amax = native.tile_amax(xf, *tile)
+    if amax is None:
+        return None
+    scale, decode = _tile_scales(amax, fmt, scaling)
+    done = native.tile_element(xf, fmt, overflow, flush_subnormals, tile, scale, decode, codes=factors)
+    if done is None:
+        return None
+    values, codes = done
+    if not factors:
+        return values, None, None
+    rows, cols = xf.shape[-2:]
+    per_element = decode.repeat_interleave(tile[0], dim=1)[:, :rows].repeat_interleave(tile[1], dim=2)
+    return values, codes, per_element[:, :, :cols].reshape(xf.shape).contiguous()
 
 
 def as_float32(x: torch.Tensor, spec: Format) -> torch.Tensor:

@@ -185,8 +185,12 @@ def _promoted_exact(
     chunks = (length + pad) // chunk
     a_chunks = ca.reshape(*ca.shape[:-1], chunks, chunk).movedim(-2, -3)
     b_chunks = cb.reshape(*cb.shape[:-2], chunks, chunk, cb.shape[-1])
-    partials = rounded(torch.matmul(a_chunks, b_chunks))  # exact sums of code products, then rounded
+    sums = torch.matmul(a_chunks, b_chunks)  # exact sums of code products
     per_run = run // chunk
+    fused = native.promoted_sum(sums, sa, sb, narrow, per_run)  # type: ignore[arg-type]
+    if fused is not None:  # the loops below in one pass of C: the same roundings in the same order
+        return fused.to(a.dtype)
+    partials = rounded(sums)
     total = None
     for index in range(sa.shape[-1]):
         group = partials.select(-3, index * per_run)
