@@ -1,15 +1,19 @@
-"""Median train-step time (forward + backward + AdamW step) of a tiny BERT MLM under several numerics.
+"""Median train-step time (forward + backward + AdamW step) of a BERT MLM under several numerics.
 
-Model: BertForMaskedLM, hidden 128, 2 layers, 2 heads, intermediate 512, vocab 8192, seq 128, batch 32, eager
-attention. Rows: fp32; bf16 autocast (``torch.autocast("cpu", torch.bfloat16)``); the plans ``fp16`` (+
-``numscope.LossScaler``), ``fp8``, ``mxfp8``, ``mxfp4``, ``nvfp4`` through ``numscope.convert`` with its
-defaults (the native quantizers for block formats, bit-identical; element formats through torch's own
-fp8/fp16 casts, which keep codes for backward); and for comparison ``fp8`` with ``compiled=True``
-(through ``numscope.quantize``: the native quantizers), ``mxfp8`` and ``nvfp4`` with the native
-quantizers off (the ``torch.compile`` kernels: they compile in the warm-up steps) and ``mxfp8`` eager
-(both off); the paper's whole recipe (``numscope.Recipe``: fp16 model with fp32 masters, fp32 ops, fp16
-activations, dynamic loss scaling); torchao's ``convert_to_float8_training(emulate=True)`` where torchao
-is installed (``pip install -e '.[bench]'``).
+Model (``--size``): ``tiny`` (default) BertForMaskedLM hidden 128, 2 layers, 2 heads, intermediate 512,
+vocab 8192, seq 128, batch 32; ``demo``, the demo's BERT (hidden 128, 2 layers, 4 heads, FFN 256, vocab
+2000, seq 32, batch 64); ``base``, BERT-base's shape (12 layers, hidden 768, FFN 3072, vocab 30522, seq
+128; MPNet-110M's size), batch 8 unless ``--batch``; eager attention. Rows: fp32; bf16 autocast
+(``torch.autocast("cpu", torch.bfloat16)``); the plans ``fp16`` (+ ``numscope.LossScaler``), ``fp8``,
+``mxfp8``, ``mxfp4``, ``nvfp4`` through ``numscope.convert`` with its defaults (the native quantizers,
+bit-identical; element formats through torch's own fp8/fp16 casts, which keep codes for backward), and the
+other presets; every named recipe (``numscope recipes``: ``recipe te_nvfp4`` ...) through
+``numscope.convert(model, name)``; and for comparison ``fp8`` with ``compiled=True`` (through
+``numscope.quantize``: the native quantizers), ``mxfp8`` and ``nvfp4`` with the native quantizers off (the
+``torch.compile`` kernels: they compile in the warm-up steps) and ``mxfp8`` eager (both off); the paper's
+whole recipe (``numscope.Recipe``: fp16 model with fp32 masters, fp32 ops, fp16 activations, dynamic loss
+scaling); torchao's ``convert_to_float8_training(emulate=True)`` where torchao is installed (``pip install
+-e '.[bench]'``). ``--rows presets,recipes`` times every preset and every named recipe.
 Each is printed as a ratio to the fp32 step, all in one run.
 
 On a shared machine the load drifts: every row is built first, then the rows take one step each in turn,
@@ -19,7 +23,7 @@ figure on a busy machine). The load average before and after is printed. ``--pro
 torch.profiler's table for that row instead.
 
 Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_train_step.py [--rounds N] [--warmup W] [--rows a,b]
-[--threads T]`` (one thread is steadier on a loaded machine: no thread waits at a barrier for a core).
+[--threads T] [--size tiny|demo|base] [--batch B]`` (one thread is steadier on a loaded machine: no thread waits at a barrier for a core).
 """
 
 from __future__ import annotations
@@ -174,6 +178,9 @@ def rows() -> dict[str, Callable[[], Callable[[], None]] | str]:
         "mxfp8 plan (eager)": without_native(lambda: plan_step("mxfp8", compiled=False)),
         "fp16 Recipe (paper)": recipe_step,
     }
+    for preset in numscope.Plan.presets():  # the presets without a row above
+        if preset != "fp32" and f"{preset} plan" not in out and not out.get(f"{preset} plan + LossScaler"):
+            out[f"{preset} plan"] = lambda preset=preset: plan_step(preset)
     for recipe in RECIPES:
         out[f"recipe {recipe}"] = lambda recipe=recipe: recipe_plan_step(recipe)
     try:
@@ -204,7 +211,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--warmup", type=non_negative_int, default=2, help="untimed steps per row before the rounds"
     )
     parser.add_argument("--rounds", type=positive_int, default=5, help="timed steps per row, taken in turn")
-    parser.add_argument("--rows", help="comma-separated row names (default: all; fp32 is always first)")
+    parser.add_argument(
+        "--rows",
+        help="comma-separated row names, or 'presets' / 'recipes' for every preset plan / named recipe "
+        "(default: all; fp32 is always first)",
+    )
     parser.add_argument("--profile", metavar="ROW", help="profile one step of ROW instead of timing")
     parser.add_argument("--threads", type=positive_int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument(
@@ -227,7 +238,13 @@ def main() -> None:
             raise SystemExit(f"--profile: unknown or unavailable row {args.profile!r}; rows: {[*available]}")
         profile(args.profile, build, args.warmup)
         return
-    chosen = list(available) if args.rows is None else ["fp32", *args.rows.split(",")]
+    groups = {  # --rows shorthands
+        "presets": [name for name in available if name.endswith(" plan") or name == "fp16 plan + LossScaler"],
+        "recipes": [name for name in available if name.startswith("recipe ")],
+    }
+    asked = [] if args.rows is None else [part.strip() for part in args.rows.split(",")]
+    asked = [row for part in asked for row in groups.get(part, [part])]
+    chosen = list(available) if args.rows is None else ["fp32", *asked]
     unknown = [name for name in chosen if name not in available]
     if unknown:
         raise SystemExit(f"--rows: unknown rows {unknown}; rows: {list(available)}")

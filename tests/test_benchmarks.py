@@ -12,6 +12,8 @@ from types import ModuleType
 
 import pytest
 
+import numscope
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -69,6 +71,19 @@ def test_a_bad_argument_is_one_error_line(capsys, bench: str, argv: list[str], e
 def test_bench_train_step_accepts_the_smallest_run() -> None:
     args = load("bench_train_step").parse_args(["--rounds", "1", "--warmup", "0", "--threads", "1"])
     assert (args.rounds, args.warmup, args.threads) == (1, 0, 1)
+
+
+def test_bench_train_step_has_a_row_for_every_preset_and_named_recipe() -> None:
+    """The recipe table of docs/benchmarks.md comes from these rows: each preset and each named recipe."""
+    bench = load("bench_train_step")
+    rows = bench.rows()
+    for recipe in numscope.Plan.recipes():
+        assert callable(rows[f"recipe {recipe}"]), recipe
+    for preset in numscope.Plan.presets():
+        assert preset == "fp32" or f"{preset} plan" in rows or f"{preset} plan + LossScaler" in rows, preset
+    args = bench.parse_args(["--size", "base", "--batch", "4"])
+    assert (args.size, args.batch) == ("base", 4)
+    assert bench.SIZES["demo"]["hidden"] == 128 and bench.SIZES["base"]["layers"] == 12
 
 
 def test_bench_memory_names_its_rows() -> None:

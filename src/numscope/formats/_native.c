@@ -722,30 +722,80 @@ void numscope_tile_amax(const float *restrict x, float *restrict out, int64_t ba
     }
 }
 
+/* x[i] * s[i] cast, times d[i]: tile scaling with each column's scale and decode laid out along the row */
+#define NUMSCOPE_SD_LOOP(NAME, CAST, OV, NF, FL)                                                           \
+    static void NAME(const float *restrict x, float *restrict out, int64_t n, const float *restrict s,     \
+                     const float *restrict d, const numscope_format *format) {                           \
+        const numscope_format local = *format, *f = &local;                                              \
+        for (int64_t i = 0; i < n; ++i) out[i] = CAST(x[i] * s[i], f, OV, NF, FL) * d[i];                 \
+    }
+#define NUMSCOPE_SD_FAMILY(CAST)                                                                          \
+    NUMSCOPE_SD_LOOP(CAST##_sd00, CAST, 0, 0, 0) NUMSCOPE_SD_LOOP(CAST##_sd00f, CAST, 0, 0, 1)            \
+    NUMSCOPE_SD_LOOP(CAST##_sd10, CAST, 1, 0, 0) NUMSCOPE_SD_LOOP(CAST##_sd10f, CAST, 1, 0, 1)            \
+    NUMSCOPE_SD_LOOP(CAST##_sd01, CAST, 0, 1, 0) NUMSCOPE_SD_LOOP(CAST##_sd01f, CAST, 0, 1, 1)            \
+    NUMSCOPE_SD_LOOP(CAST##_sd21, CAST, 2, 1, 0) NUMSCOPE_SD_LOOP(CAST##_sd21f, CAST, 2, 1, 1)            \
+    NUMSCOPE_SD_LOOP(CAST##_sd02, CAST, 0, 2, 0) NUMSCOPE_SD_LOOP(CAST##_sd02f, CAST, 0, 2, 1)            \
+    static void CAST##_sd_any(const float *restrict x, float *restrict out, int64_t n, const float *restrict s, \
+                              const float *restrict d, const numscope_format *f) {                       \
+        const int code = f->overflow * 10 + f->nonfinite;                                                 \
+        if (code == 0) (f->flush ? CAST##_sd00f : CAST##_sd00)(x, out, n, s, d, f);                       \
+        else if (code == 10) (f->flush ? CAST##_sd10f : CAST##_sd10)(x, out, n, s, d, f);                 \
+        else if (code == 1) (f->flush ? CAST##_sd01f : CAST##_sd01)(x, out, n, s, d, f);                  \
+        else if (code == 21) (f->flush ? CAST##_sd21f : CAST##_sd21)(x, out, n, s, d, f);                 \
+        else (f->flush ? CAST##_sd02f : CAST##_sd02)(x, out, n, s, d, f);                                 \
+    }
+NUMSCOPE_SD_FAMILY(cast_small)
+NUMSCOPE_SD_FAMILY(cast_e8)
+NUMSCOPE_SD_LOOP(cast_integer_sd_any, cast_integer, 0, 0, 0)
+
 /* quantize.py tile_quantize's cast: codes = cast(x * scale[t]), out = codes * decode[t], with scale and decode
- * one per tile (laid out as numscope_tile_amax's out); codes written where codes_out is not NULL */
-void numscope_tile_element(const float *restrict x, float *restrict out, float *restrict codes_out, int64_t batch,
-                           int64_t rows, int64_t cols, int64_t rp, int64_t cp, numscope_format format,
-                           const float *restrict scale, const float *restrict decode) {
+ * one per tile (laid out as numscope_tile_amax's out); codes written where codes_out is not NULL. Each tile
+ * row's scales are laid out along a row first where tiles are narrow, so that every row is one vectorized
+ * loop (a tile one column wide, down the tokens, would otherwise be a call per element); wide tiles take a
+ * loop each with their scale a constant. -1: no memory. */
+int numscope_tile_element(const float *restrict x, float *restrict out, float *restrict codes_out, int64_t batch,
+                          int64_t rows, int64_t cols, int64_t rp, int64_t cp, numscope_format format,
+                          const float *restrict scale, const float *restrict decode) {
     const numscope_format *f = &format;
     const int64_t tile_rows = (rows + rp - 1) / rp, tile_cols = (cols + cp - 1) / cp;
+    float *buffer = malloc((size_t)(3 * cols) * sizeof(float));
+    if (!buffer) return -1;
+    float *restrict s = buffer, *restrict d = buffer + cols, *restrict ones = buffer + 2 * cols;
+    for (int64_t c = 0; c < cols; ++c) ones[c] = 1.0f;
     for (int64_t b = 0; b < batch; ++b) {
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t offset = (b * rows + r) * cols, tiles = (b * tile_rows + r / rp) * tile_cols;
-            for (int64_t tc = 0; tc < tile_cols; ++tc) {
-                const int64_t start = tc * cp, width = (start + cp < cols ? start + cp : cols) - start;
-                const float s = scale[tiles + tc], d = decode[tiles + tc];
-                if (codes_out) {
-                    float *restrict k = codes_out + offset + start;
-                    float *restrict o = out + offset + start;
-                    run_cast(x + offset + start, k, width, NULL, s, 1.0f, 1, f);
-                    for (int64_t i = 0; i < width; ++i) o[i] = k[i] * d;
-                } else {
-                    run_cast(x + offset + start, out + offset + start, width, NULL, s, d, 1, f);
+        for (int64_t tr = 0; tr < tile_rows; ++tr) {
+            const float *restrict ts = scale + (b * tile_rows + tr) * tile_cols;
+            const float *restrict td = decode + (b * tile_rows + tr) * tile_cols;
+            const int64_t last = (tr + 1) * rp < rows ? (tr + 1) * rp : rows;
+            if (cp >= 32) { /* wide tiles: one loop per tile, its scale a constant */
+                for (int64_t r = tr * rp; r < last; ++r) {
+                    const int64_t offset = (b * rows + r) * cols;
+                    for (int64_t tc = 0; tc < tile_cols; ++tc) {
+                        const int64_t start = tc * cp, width = (start + cp < cols ? start + cp : cols) - start;
+                        float *restrict target = (codes_out ? codes_out : out) + offset + start;
+                        run_cast(x + offset + start, target, width, NULL, ts[tc], codes_out ? 1.0f : td[tc], 1, f);
+                        if (codes_out)
+                            for (int64_t i = 0; i < width; ++i) out[offset + start + i] = target[i] * td[tc];
+                    }
                 }
+                continue;
+            }
+            for (int64_t tc = 0, c = 0; tc < tile_cols; ++tc)
+                for (int64_t k = 0; k < cp && c < cols; ++k, ++c) s[c] = ts[tc], d[c] = td[tc];
+            for (int64_t r = tr * rp; r < last; ++r) {
+                const int64_t offset = (b * rows + r) * cols;
+                float *restrict target = codes_out ? codes_out + offset : out + offset;
+                const float *restrict factor = codes_out ? ones : d;
+                if (f->kind == 0) cast_small_sd_any(x + offset, target, cols, s, factor, f);
+                else if (f->kind == 1) cast_e8_sd_any(x + offset, target, cols, s, factor, f);
+                else cast_integer_sd_any(x + offset, target, cols, s, factor, f);
+                if (codes_out)
+                    for (int64_t c = 0; c < cols; ++c) out[offset + c] = codes_out[offset + c] * d[c];
             }
         }
     }
+    free(buffer);
+    return 0;
 }
 
 /* quantize.py as_float32 of a float64: rounded to odd into float32 (NaN as the nearest cast gives it) */

@@ -286,7 +286,7 @@ def _library() -> ctypes.CDLL | None:
     library.numscope_tile_amax.restype = None
     library.numscope_tile_element.argtypes = [pointer, pointer, pointer, i64, i64, i64, i64, i64, _Format]
     library.numscope_tile_element.argtypes += [pointer, pointer]
-    library.numscope_tile_element.restype = None
+    library.numscope_tile_element.restype = ctypes.c_int
     library.numscope_promoted_sum.argtypes = [pointer, pointer, pointer, pointer, i64, i64, i64, i64, i64]
     library.numscope_promoted_sum.argtypes += [_Format]
     library.numscope_promoted_sum.restype = ctypes.c_int
@@ -809,7 +809,7 @@ def tile_element(
     out = _empty(x.shape)
     kept = _empty(x.shape) if codes else None
     if x.numel():
-        _library().numscope_tile_element(  # type: ignore[union-attr]
+        done = _library().numscope_tile_element(  # type: ignore[union-attr]
             x.data_ptr(),
             out.data_ptr(),
             None if kept is None else kept.data_ptr(),
@@ -821,6 +821,8 @@ def tile_element(
             scale.data_ptr(),
             decode.data_ptr(),
         )
+        if done == -1:
+            raise MemoryError(f"numscope native quantizer: no memory for {cols} tile scales")
     return out, kept
 
 
