@@ -22,8 +22,12 @@ its rounds, each also as a ratio to fp32's (interference only adds time, so the 
 figure on a busy machine). The load average before and after is printed. ``--profile ROW`` prints
 torch.profiler's table for that row instead.
 
+``--pairwise`` keeps two models at a time (the large model's rows do not fit in memory all at once): each
+row is timed in rounds interleaved with an fp32 model of its own, and its ratio is to that fp32's median.
+
 Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_train_step.py [--rounds N] [--warmup W] [--rows a,b]
-[--threads T] [--size tiny|demo|base] [--batch B]`` (one thread is steadier on a loaded machine: no thread waits at a barrier for a core).
+[--threads T] [--size tiny|demo|base] [--batch B] [--pairwise]`` (one thread is steadier on a loaded
+machine: no thread waits at a barrier for a core).
 """
 
 from __future__ import annotations
@@ -222,7 +226,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--size", choices=tuple(SIZES), default="tiny", help="the model's shape (default: %(default)s)"
     )
     parser.add_argument("--batch", type=positive_int, help="batch rows (default: the size's own)")
+    parser.add_argument(
+        "--pairwise",
+        action="store_true",
+        help="two models at a time: each row interleaved with an fp32 model of its own (for --size base)",
+    )
     return parser.parse_args(argv)
+
+
+def timed_rounds(
+    builders: dict[str, Callable[[], Callable[[], None]] | str], warmup: int, rounds: int
+) -> dict[str, list[float]]:
+    """Each buildable row's step times: every row built and warmed up first, then one step of each in
+    turn, round after round."""
+    steps: dict[str, Callable[[], None]] = {}
+    for name, build in builders.items():
+        if callable(build):
+            steps[name] = build()
+            for _ in range(warmup):
+                steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def main() -> None:
@@ -257,30 +286,24 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; "
         f"{args.warmup} warm-up steps, median of {args.rounds} interleaved rounds"
     )
-    steps: dict[str, Callable[[], None]] = {}
-    for name in chosen:
-        build = available[name]
-        if callable(build):
-            steps[name] = build()
-            for _ in range(args.warmup):
-                steps[name]()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
-    baseline, fastest = statistics.median(times["fp32"]), min(times["fp32"])
     print(f"{'row':34s}  {'median':>11s}  {'ratio':>10s}  {'min':>11s}  {'ratio':>10s}")
-    for name in chosen:
-        if name not in steps:
-            print(f"{name:34s}  skipped: {available[name]}")
-            continue
-        median, least = statistics.median(times[name]), min(times[name])
-        print(
-            f"{name:34s}  {median * 1e3:8.1f} ms  {median / baseline:5.2f}x fp32  "
-            f"{least * 1e3:8.1f} ms  {least / fastest:5.2f}x fp32"
-        )
+    batches = [[name] for name in chosen] if args.pairwise else [chosen]
+    for names in batches:  # pairwise: one row and a fresh fp32 model at a time
+        names = list(dict.fromkeys(["fp32", *names]))
+        times = timed_rounds({name: available[name] for name in names}, args.warmup, args.rounds)
+        baseline, fastest = statistics.median(times["fp32"]), min(times["fp32"])
+        for name in names:
+            if name == "fp32" and args.pairwise and len(names) > 1:
+                continue  # printed once, as its own row
+            if name not in times:
+                print(f"{name:34s}  skipped: {available[name]}")
+                continue
+            median, least = statistics.median(times[name]), min(times[name])
+            print(
+                f"{name:34s}  {median * 1e3:8.1f} ms  {median / baseline:5.2f}x fp32  "
+                f"{least * 1e3:8.1f} ms  {least / fastest:5.2f}x fp32",
+                flush=True,
+            )
     print(f"load average (1 min): {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
 
 
