@@ -714,8 +714,11 @@ def test_analyze_measures_the_sensitivity_on_an_early_checkpoint_too(ws: Path, t
     first = Analysis.load(tmp_path / "calibration" / "fp32" / "seed0" / "analysis").sensitivity
     assert first.meta["checkpoints"] == 2 and "S(fprop)" in calibrated.out
     refusals = [
-        (["--steps", "4", "--sensitivity-early", "4"], "a step from 1 to 3"),
-        (["--sensitivity", "0", "--sensitivity-early", "2"], "needs --sensitivity N > 0"),
+        (["--steps", "4", "--sensitivity-early", "4"], "a step from 1 to 3 (--steps 4)"),
+        (
+            ["--sensitivity", "0", "--sensitivity-early", "2"],
+            "--sensitivity-early: it measures the sensitivity: it needs --sensitivity >= 1",
+        ),
     ]
     for bad, why in refusals:
         refused = cli(*args, *bad, "--out", tmp_path / "bad")

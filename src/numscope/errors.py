@@ -14,3 +14,14 @@ class NumscopeError(Exception):
 
 class WorkflowError(NumscopeError, ValueError):
     """A user mistake in a workflow call: a missing file, a bad model, plan, flag or run folder."""
+
+
+class SettingsError(NumscopeError, ValueError):
+    """A value of a settings object that is not allowed: ``setting`` names it as the Python API does
+    (``SensitivitySettings.early``), ``problem`` says what was wrong and what is allowed. The command line
+    prints it under the flag that sets it (one table, in :mod:`numscope.cli`)."""
+
+    def __init__(self, setting: str, problem: str) -> None:
+        super().__init__(f"{setting}: {problem}")
+        self.setting = setting
+        self.problem = problem

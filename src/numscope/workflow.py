@@ -4,7 +4,7 @@ These are the functions behind ``numscope analyze``, ``recommend``, ``train``, `
 ``study``; the command line only parses flags and prints. A typical flow::
 
     from numscope import workflow
-    from numscope.run.config import TrainConfig
+    from numscope.run.config import SensitivitySettings, TrainConfig
 
     data = workflow.DataSettings(text=("notes.txt",))
     steps = TrainConfig(steps=200, batch_size=16)
@@ -48,7 +48,7 @@ from numscope.analysis import Analysis
 from numscope.formats.spec import get_format
 from numscope.plan import Plan
 from numscope.run.compare import LOSS_LABELS, comparability, compare, comparison, load_run, load_runs
-from numscope.run.config import TrainConfig
+from numscope.run.config import SensitivitySettings, TrainConfig
 from numscope.run.folders import check_output_file, check_output_folder
 from numscope.run.runner import (
     DEFAULT_CANDIDATES,
@@ -423,11 +423,8 @@ def calibrate(
     low: str = "mxfp4_e2m1",
     also: Sequence[str] = (),
     objective: str = "auto",
-    sensitivity_batches: int = 2,
+    sensitivity: SensitivitySettings | None = None,
     jobs: int = 1,
-    sensitivity_formats: Sequence[str] | str | None = "auto",
-    sensitivity_early: int | str | None = None,
-    sensitivity_method: str | None = None,
 ) -> Any:
     """:func:`numscope.study.calibrate` into ``out``, with clear errors for bad settings."""
     from numscope.study import StudyError
@@ -451,11 +448,8 @@ def calibrate(
             low=name,
             also=extra,
             objective=objective,
-            sensitivity_batches=sensitivity_batches,
+            sensitivity=sensitivity,
             jobs=jobs,
-            sensitivity_formats=sensitivity_formats,
-            sensitivity_early=sensitivity_early,
-            sensitivity_method=sensitivity_method,
         )
     except StudyError as error:
         raise WorkflowError(str(error)) from error

@@ -70,6 +70,20 @@ def _is_user_error(error: BaseException) -> bool:
     return isinstance(error, NumscopeError)
 
 
+def _under_its_flag(error: BaseException) -> str:
+    """The error's message; in a :class:`numscope.errors.SettingsError`, every setting named as the Python
+    API names it (``SensitivitySettings.early``) is named by the flag that sets it
+    (``--sensitivity-early``)."""
+    from numscope.cli.runs import SETTING_FLAGS
+    from numscope.errors import SettingsError
+
+    message = str(error)
+    if isinstance(error, SettingsError):
+        for setting in sorted(SETTING_FLAGS, key=len, reverse=True):
+            message = message.replace(setting, SETTING_FLAGS[setting])
+    return message
+
+
 def _missing_extra(error: BaseException) -> str | None:
     """What to install, where ``error`` is an optional dependency's absence (numscope[demo], [report])."""
     from numscope._lazy import MissingDependency, missing_hint
@@ -139,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if not _is_user_error(error):
             raise
-        message = " ".join(str(error).split("\n"))
+        message = " ".join(_under_its_flag(error).split("\n"))
         print(f"numscope {args.command}: error: {message}", file=sys.stderr)
         return 2
 

@@ -248,7 +248,7 @@ def _register_recommend(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from numscope import workflow
-    from numscope.cli.runs import sensitivity_formats
+    from numscope.cli.runs import sensitivity_settings
 
     if args.seed != 0:
         raise CLIError("--seed: calibrate trains every seed of --seeds; pass --seeds instead")
@@ -263,10 +263,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
         also=args.also or (),
         objective=args.objective,
         jobs=args.jobs,
-        sensitivity_formats=sensitivity_formats(args.sensitivity_formats),
-        sensitivity_batches=args.sensitivity,
-        sensitivity_early=args.sensitivity_early,
-        sensitivity_method=args.sensitivity_method and args.sensitivity_method.replace("-", "_"),
+        sensitivity=sensitivity_settings(args, granularity="operand"),
     )
     model = result.gap_model
     print(f"gap ≈ {model.formula()}; FP32 seed noise {result.noise:.4f} nats over {len(args.seeds)} seeds")

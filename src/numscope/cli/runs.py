@@ -7,6 +7,7 @@ import argparse
 import inspect
 import sys
 from pathlib import Path
+from typing import Any
 
 from numscope.cli.common import (
     _MODEL_HELP,
@@ -30,12 +31,33 @@ def analyze_arguments(args: argparse.Namespace) -> dict:
         "every": args.every,
         "objective": args.objective,
         "tensorboard": args.tensorboard,
-        "sensitivity_batches": args.sensitivity,
-        "sensitivity_granularity": args.sensitivity_granularity,
-        "sensitivity_formats": sensitivity_formats(args.sensitivity_formats),
-        "sensitivity_early": args.sensitivity_early,
-        "sensitivity_method": args.sensitivity_method and args.sensitivity_method.replace("-", "_"),
+        "sensitivity": sensitivity_settings(args),
     }
+
+
+def sensitivity_settings(args: argparse.Namespace, granularity: str | None = None) -> Any:
+    """The :class:`numscope.run.SensitivitySettings` that the ``--sensitivity*`` flags give."""
+    from numscope.run.config import SensitivitySettings
+
+    return SensitivitySettings(
+        batches=args.sensitivity,
+        granularity=granularity or args.sensitivity_granularity,
+        formats=sensitivity_formats(args.sensitivity_formats),
+        early=args.sensitivity_early,
+        method=args.sensitivity_method and args.sensitivity_method.replace("-", "_"),
+    )
+
+
+SETTING_FLAGS: dict[str, str] = {
+    "SensitivitySettings.batches": "--sensitivity",
+    "SensitivitySettings.granularity": "--sensitivity-granularity",
+    "SensitivitySettings.formats": "--sensitivity-formats",
+    "SensitivitySettings.early": "--sensitivity-early",
+    "SensitivitySettings.method": "--sensitivity-method",
+    "TrainConfig.steps": "--steps",
+}
+"""The flag that sets each setting a :class:`numscope.errors.SettingsError` names (the CLI prints its
+problem under the flag)."""
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:

@@ -219,7 +219,7 @@ def forecast(
     docstring); writes into ``out``: ``fp32/`` (the observed run), ``fp32-seed<k>/``, ``plans/<name>.yaml``,
     ``forecast.json``, ``forecast.md`` and ``forecast.png``. Finished runs are reused on a rerun."""
     from numscope.run import runner
-    from numscope.run.config import TrainConfig
+    from numscope.run.config import SensitivitySettings, TrainConfig
     from numscope.run.objectives import get_objective
     from numscope.sites import sites as list_sites
     from numscope.train.checkpoint import load_checkpoint
@@ -239,10 +239,7 @@ def forecast(
         every=settings.every,
         objective=objective,
         progress=progress,
-        sensitivity_batches=settings.sensitivity_batches,
-        sensitivity_granularity="operand",
-        sensitivity_formats="auto",
-        sensitivity_method="local",
+        sensitivity=SensitivitySettings(settings.sensitivity_batches, "operand", "auto", method="local"),
         keep_optimizer=True,
     )
     seconds["fp32 observed"] = time.perf_counter() - began

@@ -62,6 +62,7 @@ _EXPORTS: dict[str, str] = {
     "RunError": "numscope.run.config",
     "RunResult": "numscope.run.config",
     "RunSpec": "numscope.run.config",
+    "SensitivitySettings": "numscope.run.config",
     "TrainConfig": "numscope.run.config",
     "read_result": "numscope.run.config",
     "CausalLM": "numscope.run.objectives",

@@ -13,11 +13,88 @@ from typing import Any
 
 import torch
 
-from numscope.errors import NumscopeError
+from numscope.errors import NumscopeError, SettingsError
 from numscope.plan import Plan
 from numscope.run.tokenizer import TokenizerInfo
 
 LOSS_SCALING = ("none", "static", "dynamic")
+
+SENSITIVITY_METHODS = ("local", "one_at_a_time")
+"""How ``analyze`` measures the sensitivity (:data:`numscope.sensitivity.METHODS`)."""
+
+SENSITIVITY_GRANULARITIES = ("operand", "site")
+
+
+@dataclass(frozen=True)
+class SensitivitySettings:
+    """How :func:`numscope.run.analyze` measures each operand's (or site's) effect on the trained model's
+    loss and gradient after its FP32 run (:func:`numscope.sensitivity`), stored with the analysis for
+    ``recommend``'s sensitivity objective; ``numscope analyze``'s ``--sensitivity*`` flags set it, with these
+    defaults.
+
+    batches: validation batches measured on; None (default): ``AUTO_SENSITIVITY_BATCHES`` in one process,
+        none under ``torchrun``; 0 skips the measurement.
+    granularity: ``"operand"`` (what the sensitivity objective and a sensitivity gap model need) or
+        ``"site"`` (a whole site at a time, a sixth of the passes).
+    formats: the observed candidates measured: ``"auto"`` (the one with the fewest bits, from which
+        :func:`numscope.advisor.operand_impact` estimates the others with the observer's noise ratios), None
+        (all of them) or format names.
+    early: a step whose model is kept too and measured beside the trained one (the two combined,
+        :func:`numscope.sensitivity.combine_sensitivities`); ``"auto"``: ``AUTO_SENSITIVITY_EARLY`` where the
+        run is long enough (``AUTO_EARLY_MIN_STEPS``); None: none. It doubles the measurement's cost.
+    method: ``"local"`` (every operand and format from a few passes per batch,
+        :func:`numscope.sensitivity.local_sensitivity`; operands only) or ``"one_at_a_time"`` (a pass per
+        operand or site and format); None: local per operand, one at a time per site.
+    """
+
+    batches: int | None = None
+    granularity: str = "operand"
+    formats: tuple[str, ...] | str | None = "auto"
+    early: int | str | None = None
+    method: str | None = None
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        batches = self.batches
+        if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 0):
+            raise SettingsError(
+                f"{name}.batches", f"a number of batches >= 0 or None (auto); got {batches!r}"
+            )
+        if self.granularity not in SENSITIVITY_GRANULARITIES:
+            raise SettingsError(
+                f"{name}.granularity",
+                f"{self.granularity!r} unknown; allowed: {', '.join(SENSITIVITY_GRANULARITIES)}",
+            )
+        formats = self.formats
+        if isinstance(formats, list | tuple):
+            if not formats or not all(isinstance(item, str) for item in formats):
+                raise SettingsError(f"{name}.formats", f"format names, 'auto' or None (all); got {formats!r}")
+            object.__setattr__(self, "formats", tuple(formats))
+        elif formats is not None and not isinstance(formats, str):
+            raise SettingsError(f"{name}.formats", f"format names, 'auto' or None (all); got {formats!r}")
+        early = self.early
+        if (
+            early is not None
+            and early != "auto"
+            and (isinstance(early, bool) or not isinstance(early, int) or early < 1)
+        ):
+            raise SettingsError(f"{name}.early", f"a step >= 1, 'auto' or None; got {early!r}")
+        if self.method is not None and self.method not in SENSITIVITY_METHODS:
+            raise SettingsError(
+                f"{name}.method", f"{self.method!r} unknown; allowed: {', '.join(SENSITIVITY_METHODS)}"
+            )
+        if self.method == "local" and self.granularity != "operand":
+            raise SettingsError(
+                f"{name}.method",
+                "'local' measures every operand; with granularity 'site' use method 'one_at_a_time'",
+            )
+
+    @property
+    def resolved_method(self) -> str:
+        """The method measured with: :attr:`method`, or the default for the granularity."""
+        if self.method is not None:
+            return self.method
+        return "local" if self.granularity == "operand" else "one_at_a_time"
 
 
 @dataclass(frozen=True)

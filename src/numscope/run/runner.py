@@ -30,10 +30,18 @@ from numscope._atomic import atomic_write_text
 from numscope._rng import fork_rng
 from numscope.analysis import Analysis
 from numscope.convert import convert
+from numscope.errors import SettingsError
 from numscope.formats.spec import get_format
 from numscope.observe import DEFAULT_CANDIDATES as OBSERVED_BY_DEFAULT
 from numscope.plan import Plan
-from numscope.run.config import LOSS_SCALING, RunData, RunResult, RunSpec, TrainConfig
+from numscope.run.config import (
+    LOSS_SCALING,
+    RunData,
+    RunResult,
+    RunSpec,
+    SensitivitySettings,
+    TrainConfig,
+)
 from numscope.run.folders import check_output_folder, check_run_settings, finished_result, stored_run_name
 from numscope.run.loop import train_run
 from numscope.run.objectives import get_objective
@@ -152,6 +160,10 @@ def _progress(
     return on_step, bar.close
 
 
+DEFAULT_SENSITIVITY = SensitivitySettings()
+"""``analyze``'s sensitivity settings by default (``numscope analyze`` without ``--sensitivity*`` flags)."""
+
+
 def analyze(
     model: str,
     data: DataSettings,
@@ -163,12 +175,8 @@ def analyze(
     objective: str = "auto",
     progress: bool = False,
     tensorboard: str | os.PathLike[str] | None = None,
-    sensitivity_batches: int | None = None,
-    sensitivity_granularity: str = "operand",
-    sensitivity_formats: Sequence[str] | str | None = "auto",
-    sensitivity_early: int | str | None = None,
+    sensitivity: SensitivitySettings = DEFAULT_SENSITIVITY,
     keep_optimizer: bool = False,
-    sensitivity_method: str | None = None,
 ) -> RunResult:
     """Train ``model`` in FP32 on ``data`` and observe every GEMM operand every ``every`` steps.
 
@@ -177,26 +185,13 @@ def analyze(
     ``tensorboard``: also write the analysis there as TensorBoard scalars (needs ``tensorboard``).
     The defaults are ``numscope analyze``'s (a test holds them equal): the same experiment from Python and
     from the command line.
-    ``sensitivity_batches`` > 0: then measure each operand's (or site's) effect on the loss and gradient of
-    the trained model in the candidates on that many validation batches (:func:`numscope.sensitivity`),
-    stored with the analysis for ``recommend``'s sensitivity objective and its ``max_loss_increase_pct`` /
-    ``min_grad_cosine``; the trained model is kept as ``out/model.pt``. One process only; 0 skips it.
-    ``sensitivity_batches=None`` (default): :data:`AUTO_SENSITIVITY_BATCHES` batches in one process, none
-    under ``torchrun``. ``sensitivity_granularity``: ``"operand"`` (default; what the sensitivity objective
-    and a sensitivity gap model need) or ``"site"`` (a whole site at a time, a sixth of the passes).
-    ``sensitivity_formats``: the candidates measured that way (None: all of them; ``"auto"`` (default): the
-    one with the fewest bits, from which :func:`numscope.advisor.operand_impact` estimates the others with
-    the observer's noise ratios, a tenth of the passes with the ten default candidates).
-    ``sensitivity_early``: a step; the model after that many steps is kept too (``out/model_early.pt``) and
-    the sensitivity is measured on it as well, the two combined with each checkpoint weighing alike
-    (:func:`numscope.sensitivity.combine_sensitivities`; docs/plan-study.md says what it changed);
-    ``"auto"``: step :data:`AUTO_SENSITIVITY_EARLY` where the sensitivity is measured and the run has at
-    least :data:`AUTO_EARLY_MIN_STEPS` steps, else none. Off by default: on three families it was better
-    once and tied twice (docs/plan-study.md), and it doubles the sensitivity's cost.
-    ``sensitivity_method``: ``"local"`` (every operand and format from a few passes per batch,
-    :func:`numscope.sensitivity.local_sensitivity`; per operand only) or ``"one_at_a_time"``
-    (:func:`numscope.sensitivity`, one pass per operand or site and format); None: local per operand, one
-    at a time per site.
+    ``sensitivity``: how the sensitivity is measured after training (:class:`SensitivitySettings`; its
+    ``batches`` > 0, by default :data:`AUTO_SENSITIVITY_BATCHES` in one process): each operand's (or site's)
+    effect on the loss and gradient of the trained model in the candidates on that many validation batches
+    (:func:`numscope.sensitivity`), stored with the analysis for ``recommend``'s sensitivity objective and
+    its ``max_loss_increase_pct`` / ``min_grad_cosine``; the trained model is kept as ``out/model.pt``. One
+    process only. An early step (``sensitivity.early``) keeps that model too (``out/model_early.pt``) and
+    measures it as well; docs/plan-study.md says what it changed.
     ``keep_optimizer``: keep the trained model and the optimizer's final state in ``out/model.pt`` (what
     the forecast weighs gradient errors with).
     Under ``torchrun`` with ``WORLD_SIZE`` > 1 it trains with DDP over gloo, as :func:`train`; the observer
@@ -215,43 +210,31 @@ def analyze(
             get_format(name)
         except ValueError as error:
             raise WorkflowError(f"--candidates: {error}") from error
-    auto = sensitivity_batches is None
+    auto = sensitivity.batches is None
+    sensitivity_batches = sensitivity.batches
     if sensitivity_batches is None:
         sensitivity_batches = AUTO_SENSITIVITY_BATCHES if _env_world_size() <= 1 else 0
-    if (
-        isinstance(sensitivity_batches, bool)
-        or not isinstance(sensitivity_batches, int)
-        or sensitivity_batches < 0
-    ):
-        raise WorkflowError(f"--sensitivity must be a number of batches >= 0; got {sensitivity_batches!r}")
     if sensitivity_batches and _env_world_size() > 1:
-        raise WorkflowError("--sensitivity runs in one process; run analyze without torchrun to measure it")
-    measured_formats = _sensitivity_formats(sensitivity_formats, names)
-    if sensitivity_granularity not in ("site", "operand"):
-        raise WorkflowError(f"--sensitivity-granularity {sensitivity_granularity!r}: allowed: site, operand")
-    if sensitivity_method is None:
-        sensitivity_method = "local" if sensitivity_granularity == "operand" else "one_at_a_time"
-    if sensitivity_method not in SENSITIVITY_METHODS:
-        raise WorkflowError(
-            f"--sensitivity-method {sensitivity_method!r}: allowed: {', '.join(SENSITIVITY_METHODS)}"
+        raise SettingsError(
+            "SensitivitySettings.batches", "the sensitivity runs in one process; analyze without torchrun"
         )
-    if sensitivity_method == "local" and sensitivity_granularity != "operand":
-        raise WorkflowError(
-            "--sensitivity-method local measures every operand; with --sensitivity-granularity site use "
-            "--sensitivity-method one_at_a_time"
-        )
+    measured_formats = _sensitivity_formats(sensitivity.formats, names)
+    sensitivity_granularity, sensitivity_method = sensitivity.granularity, sensitivity.resolved_method
+    sensitivity_early = sensitivity.early
     if sensitivity_early == "auto":
         long_enough = config.steps >= AUTO_EARLY_MIN_STEPS
         sensitivity_early = AUTO_SENSITIVITY_EARLY if sensitivity_batches and long_enough else None
     if sensitivity_early is not None:
         if not sensitivity_batches:
-            raise WorkflowError("--sensitivity-early measures the sensitivity: it needs --sensitivity N > 0")
-        if isinstance(sensitivity_early, bool) or not isinstance(sensitivity_early, int):
-            raise WorkflowError(f"--sensitivity-early must be a step number; got {sensitivity_early!r}")
-        if not 1 <= sensitivity_early < config.steps:
-            raise WorkflowError(
-                f"--sensitivity-early {sensitivity_early}: a step from 1 to {config.steps - 1} (--steps "
-                f"{config.steps}): the model after that many steps is measured beside the trained one"
+            raise SettingsError(
+                "SensitivitySettings.early",
+                "it measures the sensitivity: it needs SensitivitySettings.batches >= 1",
+            )
+        if not 1 <= sensitivity_early < config.steps:  # type: ignore[operator]
+            raise SettingsError(
+                "SensitivitySettings.early",
+                f"{sensitivity_early}: a step from 1 to {config.steps - 1} (TrainConfig.steps "
+                f"{config.steps}): the model after that many steps is measured beside the trained one",
             )
     out_dir = check_output_folder(out)
     with _process_group():
@@ -346,17 +329,15 @@ def _sensitivity_formats(asked: Sequence[str] | str | None, names: list[str]) ->
         try:
             label = get_format(name).name
         except ValueError as error:
-            raise WorkflowError(f"--sensitivity-formats: {error}") from error
+            raise SettingsError("SensitivitySettings.formats", str(error)) from error
         if label not in names:
-            raise WorkflowError(
-                f"--sensitivity-formats {name}: not among the observed candidates ({', '.join(names)})"
+            raise SettingsError(
+                "SensitivitySettings.formats",
+                f"{name}: not among the observed candidates ({', '.join(names)})",
             )
         chosen.append(label)
     return list(dict.fromkeys(chosen)) or list(names)
 
-
-SENSITIVITY_METHODS = ("local", "one_at_a_time")
-"""How ``analyze`` measures the sensitivity (:data:`numscope.sensitivity.METHODS`)."""
 
 AUTO_SENSITIVITY_EARLY = 20
 """The step whose model ``--sensitivity-early auto`` measures the sensitivity on beside the trained one: the

@@ -40,25 +40,19 @@ def calibrate(
     also: Sequence[str] = (),
     objective: str = "auto",
     every: int = 25,
-    sensitivity_batches: int = 2,
+    sensitivity: Any = None,
     jobs: int = 1,
-    sensitivity_formats: Sequence[str] | str | None = "auto",
-    sensitivity_early: int | str | None = None,
-    sensitivity_method: str | None = None,
     log: Callable[[str], None] = print,
 ) -> Calibration:
     """Fit a :class:`GapModel` on any model :func:`numscope.run.runner.train` can train.
 
     Runs, each for ``config.steps`` steps and on every seed: FP32 (the first seed observed), ``low`` on the
     operands of one GEMM role at a time (fprop, dgrad, wgrad), and ``low`` everywhere: 5 × len(seeds) runs.
-    With ``sensitivity_batches`` > 0 the trained FP32 model of the first seed also has every operand
-    quantized alone on that many validation batches (in ``sensitivity_formats``: ``"auto"``, the observed
-    format with the fewest bits, the others estimated from it; None: every observed format), and a second
-    gap model is fitted on those sensitivities (``features="sensitivity"``, stored under ``sensitivity``),
-    the one ``numscope recommend --objective sensitivity`` weighs roles with; ``sensitivity_early``: measured
-    on the model after that many steps too (:func:`numscope.run.runner.analyze`), the gap model fitted on the
-    combined sensitivity; ``sensitivity_method``: ``local`` (None: the default) or ``one_at_a_time``, as
-    :func:`numscope.run.runner.analyze` takes it. Writes ``gap_model.json`` into
+    ``sensitivity`` (a :class:`numscope.run.SensitivitySettings`; None: its defaults with 2 batches, per
+    operand): the trained FP32 model of the first seed also has its operands' sensitivity measured as
+    :func:`numscope.run.runner.analyze` measures it, and a second gap model is fitted on those sensitivities
+    (``features="sensitivity"``, stored under ``sensitivity``), the one ``numscope recommend --objective
+    sensitivity`` weighs roles with (0 batches: none). Writes ``gap_model.json`` into
     ``out_dir``; finished runs are reused on a rerun. ``jobs`` > 1 trains the runs after the observed one
     that many at a time, each in its own process with an equal share of the cores (every run seeds
     itself: the results do not depend on ``jobs``).
@@ -66,6 +60,12 @@ def calibrate(
     from dataclasses import replace as replace_config
 
     from numscope.run import runner
+    from numscope.run.config import SensitivitySettings
+
+    if sensitivity is None:
+        sensitivity = SensitivitySettings(batches=2)
+    if sensitivity.granularity != "operand":
+        raise StudyError("calibrate measures the sensitivity per operand (SensitivitySettings.granularity)")
 
     out_dir = Path(out_dir)
     seeds = tuple(seeds)
@@ -85,11 +85,7 @@ def calibrate(
         candidates=names,
         every=every,
         objective=objective,
-        sensitivity_batches=sensitivity_batches,
-        sensitivity_granularity="operand",
-        sensitivity_formats=sensitivity_formats,
-        sensitivity_early=sensitivity_early,
-        sensitivity_method=sensitivity_method,
+        sensitivity=sensitivity,
     ).val_loss
     analysis = Analysis.load(first / "analysis")
     operands = Operands.from_analysis(analysis)
