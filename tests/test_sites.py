@@ -194,6 +194,35 @@ def test_accumulation_error_grows_with_length_in_bf16_and_fp16_only() -> None:
         accumulate_matmul(a, b, "fp8")
 
 
+@pytest.mark.parametrize("name", ["fp22", "bf16"])
+def test_narrow_accumulation_in_row_slices_gives_the_whole_gemms_bits(monkeypatch, name: str) -> None:
+    """Chunk sums in row slices, into the reused per-thread buffer, against every chunk sum at once in fresh
+    memory: the same bits (torch's float32 sums of 32 products do not depend on the row count here), on the
+    benchmarks' and BERT-base's shapes, a batched activation and a contraction that is no multiple of 32;
+    and a result does not change when a later call reuses the buffer."""
+    from numscope.sites import gemm
+
+    generator = torch.Generator().manual_seed(0)
+    cases = [
+        ((512, 768), (768, 96)),
+        ((300, 200), (200, 130)),
+        ((3, 70, 64), (64, 40)),
+        ((4096, 128), (128, 16)),
+    ]
+    monkeypatch.setattr(gemm, "PARTIALS_BYTES", 64 * 2**10)  # slices of SLICE_MIN_ROWS and more rows
+    for a_shape, b_shape in cases:
+        a, b = torch.randn(a_shape, generator=generator), torch.randn(b_shape, generator=generator)
+        sliced = accumulate_matmul(a, b, name)
+        with monkeypatch.context() as whole:
+            whole.setattr(gemm, "PARTIALS_BYTES", 2**40)
+            whole.setattr(gemm, "REUSE_PARTIALS", False)
+            expected = accumulate_matmul(a, b, name)
+        assert torch.equal(sliced.view(torch.int32), expected.view(torch.int32)), (a_shape, b_shape)
+        kept = sliced.clone()
+        accumulate_matmul(torch.randn(a_shape, generator=generator), b, name)
+        assert torch.equal(sliced, kept)
+
+
 def test_accumulate_option_reaches_every_gemm() -> None:
     torch.manual_seed(0)
     model = nn.Linear(256, 4)

@@ -4,6 +4,7 @@ with exact replicas of autograd's mm backward and emulated narrow accumulation."
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,9 +20,25 @@ from numscope.vocab import GEMMS, Gemm, Operand
 
 #: number of products summed exactly (in fp32) before a rounding to a narrow accumulator
 ACCUMULATE_CHUNK = 32
-#: the most memory the chunk sums of one narrow-accumulated GEMM take at once (bytes); a larger output is
-#: computed in slices of its rows
-PARTIALS_BYTES = 256 * 2**20
+#: the memory the chunk sums of one narrow-accumulated GEMM take at once (bytes): a larger output is computed
+#: in slices of its rows (at least :data:`SLICE_MIN_ROWS`), whose chunk sums go to one buffer per thread that
+#: is reused from call to call (:data:`REUSE_PARTIALS`). Sums written and read back while still in cache,
+#: into pages already mapped, took the fp22 GEMMs of BERT-base's and the benchmarks' shapes from 3.8x to
+#: 2.3x a plain matmul (geometric mean of 8 shapes, one thread: ``benchmarks/bench_accumulate.py``)
+PARTIALS_BYTES = 16 * 2**20
+SLICE_MIN_ROWS = 32
+REUSE_PARTIALS = True
+_PARTIALS = threading.local()
+
+
+def _partials_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` for chunk sums, in this thread's reused buffer (grown as needed)."""
+    count = math.prod(shape)
+    buffer = getattr(_PARTIALS, "buffer", None)
+    if buffer is None or buffer.dtype != dtype or buffer.numel() < count:
+        buffer = torch.empty(count, dtype=dtype)
+        _PARTIALS.buffer = buffer
+    return buffer[:count].view(shape)
 
 
 @dataclass(frozen=True)
@@ -220,12 +237,13 @@ def accumulate_matmul(
         return torch.matmul(a, b)
     rows = math.prod(a.shape[:-1])
     per_row = math.ceil(a.shape[-1] / chunk) * b.shape[-1] * 4  # bytes of one output row's chunk sums
-    if b.dim() == 2 and a.dim() >= 2 and rows > 1 and rows * per_row > PARTIALS_BYTES:
-        # a vocabulary-sized output over many tokens (an evaluation batch) would hold gigabytes of chunk
-        # sums at once (24 GB for MPNet's head on 64 x 128 tokens): the rows in slices. torch's float32
-        # sums of 32 products may then differ in their last bit (its kernels differ between shapes), and
-        # an output element by one rounding of the accumulator where it differs
-        step = max(1, PARTIALS_BYTES // per_row)
+    step = max(SLICE_MIN_ROWS, PARTIALS_BYTES // per_row)
+    if b.dim() == 2 and a.dim() >= 2 and rows > step:
+        # the rows in slices, so that the chunk sums stay small (a vocabulary-sized output over many tokens
+        # would hold gigabytes of them: 24 GB for MPNet's head on 64 x 128 tokens). torch's float32 sums of
+        # 32 products could then differ in their last bit if its kernels differed between row counts (none
+        # did in the shapes measured: tests/test_sites.py), and an output element by one rounding of the
+        # accumulator where one did
         flat = a.reshape(rows, a.shape[-1])
         parts = [accumulate_matmul(flat[i : i + step], b, accumulate, chunk) for i in range(0, rows, step)]
         return torch.cat(parts).reshape(*a.shape[:-1], b.shape[-1])
@@ -252,7 +270,13 @@ def accumulate_matmul(
     a_chunks = a.reshape(*a.shape[:-1], chunks, chunk).movedim(-2, -3)
     b_chunks = b.reshape(*b.shape[:-2], chunks, chunk, b.shape[-1])
     per_group = chunks if accumulator.promote_every is None else max(accumulator.promote_every // chunk, 1)
-    sums = torch.matmul(a_chunks, b_chunks)
+    tracked = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+    if tracked or torch.compiler.is_compiling() or not REUSE_PARTIALS:  # out= takes no autograd
+        sums = torch.matmul(a_chunks, b_chunks)
+    else:
+        shape = torch.broadcast_shapes(a_chunks.shape[:-2], b_chunks.shape[:-2])
+        buffer = _partials_buffer((*shape, a_chunks.shape[-2], b_chunks.shape[-1]), a.dtype)
+        sums = torch.matmul(a_chunks, b_chunks, out=buffer)
     fused = native.rounded_sum(sums, narrow, per_group)  # type: ignore[arg-type]
     if fused is not None:  # the loop below in one pass of C: the same roundings in the same order
         return fused.to(out_dtype)
