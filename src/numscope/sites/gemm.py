@@ -24,7 +24,9 @@ ACCUMULATE_CHUNK = 32
 #: in slices of its rows (at least :data:`SLICE_MIN_ROWS`), whose chunk sums go to one buffer per thread that
 #: is reused from call to call (:data:`REUSE_PARTIALS`). Sums written and read back while still in cache,
 #: into pages already mapped, took the fp22 GEMMs of BERT-base's and the benchmarks' shapes from 3.8x to
-#: 2.3x a plain matmul (geometric mean of 8 shapes, one thread: ``benchmarks/bench_accumulate.py``)
+#: 2.3x a plain matmul (geometric mean of 8 shapes, one thread: ``benchmarks/bench_accumulate.py``). The
+#: buffer stays for the thread's life: the larger of 16 MiB and SLICE_MIN_ROWS rows' chunk sums (94 MiB
+#: for a 30,522-word head over a hidden size of 768)
 PARTIALS_BYTES = 16 * 2**20
 SLICE_MIN_ROWS = 32
 REUSE_PARTIALS = True
