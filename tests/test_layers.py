@@ -187,3 +187,13 @@ def test_no_import_circle_inside_any_folder() -> None:
         if (found := _cycle(_package_edges(folder, package))) is not None:
             circles[package] = " -> ".join(found)
     assert circles == {}
+
+
+def test_the_tests_are_laid_out_like_the_packages() -> None:
+    """Every package of ``src/numscope`` has a folder of its name under ``tests/`` holding its tests, so that
+    a newcomer finds a module's tests where the module is."""
+    root = Path(numscope.__file__).parent
+    tests = Path(__file__).parent
+    packages = sorted(p.name for p in root.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+    missing = [name for name in packages if not any((tests / name).glob("test_*.py"))]
+    assert packages and missing == [], f"packages without a tests/<package>/ folder of tests: {missing}"

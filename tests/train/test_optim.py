@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.test_cli import ws  # noqa: F401 (the CLI tests' workspace fixture)
+from tests.cli.test_cli import ws  # noqa: F401 (the CLI tests' workspace fixture)
 
 from numscope.train.optim import (
     AdamW4bit,
@@ -234,7 +234,7 @@ def test_train_with_low_bit_moments_resumes_from_its_checkpoint_bit_for_bit(
     """``numscope train --optimizer adamw_fp8`` (or ``adamw_4bit``) on a small BERT whose FFN weights have
     16,384 elements (low-bit moments), crashed after its checkpoint and resumed: the parameters of the run
     that never stopped."""
-    from tests.test_cli import cli, flags
+    from tests.cli.test_cli import cli, flags
 
     import numscope
 

@@ -244,7 +244,7 @@ def accumulate_matmul(
         # the rows in slices, so that the chunk sums stay small (a vocabulary-sized output over many tokens
         # would hold gigabytes of them: 24 GB for MPNet's head on 64 x 128 tokens). torch's float32 sums of
         # 32 products could then differ in their last bit if its kernels differed between row counts (none
-        # did in the shapes measured: tests/test_sites.py), and an output element by one rounding of the
+        # did in the shapes measured: tests/sites/test_sites.py), and an output element by one rounding of the
         # accumulator where one did
         flat = a.reshape(rows, a.shape[-1])
         parts = [accumulate_matmul(flat[i : i + step], b, accumulate, chunk) for i in range(0, rows, step)]

@@ -34,7 +34,9 @@ from numscope.vocab import OPERAND_KEYS
 from tiny_models import tiny_bert
 
 PEERS = Path(sys.prefix) / "peers"
-GOLDEN = Path(__file__).parent / "golden"
+HERE = Path(__file__).resolve().parent  # the subprocesses import this file's models from here
+TESTS = HERE.parent  # and its helpers (tiny_models) from tests/
+GOLDEN = TESTS / "golden"
 
 
 class MLP(nn.Module):
@@ -108,8 +110,8 @@ def test_torchao_runs_the_export_as_numscope_emulates_it(plan: str, tolerance: f
     written = exported.save(tmp_path)
     script = tmp_path / "run.py"
     script.write_text(TORCHAO_RUN)
-    env = {**os.environ, "PYTHONPATH": str(PEERS), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(script), str(Path(__file__).parent), str(written[0]), plan]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(PEERS), str(TESTS))), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script), str(HERE), str(written[0]), plan]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -189,11 +191,11 @@ def test_torchao_runs_the_mxfp8_export_bit_for_bit_as_numscope(
     written = exported.save(tmp_path)
     script = tmp_path / "run.py"
     script.write_text(TORCHAO_MX_RUN)
-    env = {**os.environ, "PYTHONPATH": str(PEERS), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(PEERS), str(TESTS))), "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable,
         str(script),
-        str(Path(__file__).parent),
+        str(HERE),
         str(written[0]),
         str(tmp_path / "plan.yaml"),
     ]
@@ -388,8 +390,8 @@ def test_torchao_export_checks_shapes_against_the_model(tmp_path: Path) -> None:
     ]
     script = tmp_path / "run.py"
     script.write_text(TORCHAO_SHAPE_RUN)
-    env = {**os.environ, "PYTHONPATH": str(PEERS), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(script), str(Path(__file__).parent), *map(str, paths)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(PEERS), str(TESTS))), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script), str(HERE), *map(str, paths)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -473,8 +475,8 @@ def test_torchao_exports_of_every_preset_and_recipe_import_back_or_are_listed(tm
     each module left high is listed by name (issue 26)."""
     script = tmp_path / "round_trip.py"
     script.write_text(TORCHAO_ROUND_TRIP)
-    env = {**os.environ, "PYTHONPATH": str(PEERS), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(script), str(Path(__file__).parent), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(PEERS), str(TESTS))), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(script), str(HERE), str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -25,7 +25,7 @@ from numscope.plan import (
 )
 from tiny_models import tiny_bert
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "plans"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "plans"
 
 
 def formats_of(spec: SiteSpec) -> dict[str, str]:

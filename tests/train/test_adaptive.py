@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.cli.test_cli import cli, flags, ws  # noqa: F401 (ws: the CLI tests' workspace fixture)
 from tests.test_architectures import _llama
-from tests.test_cli import cli, flags, ws  # noqa: F401 (ws: the CLI tests' workspace fixture)
 from tests.tiny_models import tiny_bert
 
 import numscope

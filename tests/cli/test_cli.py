@@ -33,7 +33,7 @@ from numscope.cli import build_parser, formats_table, main
 from numscope.plan import HIGH, Plan
 from numscope.workflow import analysis_average_bits
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -1582,7 +1582,7 @@ def test_the_cli_reference_in_the_docs_is_the_parsers() -> None:
     generates now: a flag added, removed or reworded without regenerating the page fails here."""
     from numscope.cli.reference import current, reference, section
 
-    page = (Path(__file__).parents[1] / "docs" / "cli.md").read_text(encoding="utf-8")
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text(encoding="utf-8")
     assert current(page) == section(build_parser()), "run: python -m numscope.cli.reference docs/cli.md"
     generated = reference(build_parser())
     for verb in ("analyze", "forecast", "localize", "band", "train", "export"):

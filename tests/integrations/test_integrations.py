@@ -140,7 +140,7 @@ def test_the_framework_examples_run(example: str, tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "examples" / example
+    script = Path(__file__).resolve().parents[2] / "examples" / example
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "out")],
