@@ -70,3 +70,12 @@ def test_the_command_line_names_the_flag_of_a_setting(tmp_path, capsys) -> None:
     assert cli_main([*argv, "--sensitivity", "0", "--sensitivity-early", "2"]) == 2
     err = capsys.readouterr().err
     assert "--sensitivity-early:" in err and "--sensitivity >= 1" in err and "SensitivitySettings" not in err
+
+
+def test_analyze_refuses_anything_but_the_settings_object(tmp_path) -> None:
+    from numscope.run import DataSettings, analyze
+
+    text = tmp_path / "t.txt"
+    text.write_text("\n\n".join(f"paragraph {i} of a small text." for i in range(40)), encoding="utf-8")
+    with pytest.raises(SettingsError, match=r"analyze\(sensitivity=\): a numscope.run.SensitivitySettings"):
+        analyze("tiny-bert", DataSettings(text=(str(text),)), tmp_path / "o", sensitivity=2)

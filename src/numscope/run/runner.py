@@ -199,6 +199,11 @@ def analyze(
     """
     from numscope.observe import observe
 
+    if not isinstance(sensitivity, SensitivitySettings):
+        raise SettingsError(
+            "analyze(sensitivity=)",
+            f"a numscope.run.SensitivitySettings (e.g. SensitivitySettings(batches=2)); got {sensitivity!r}",
+        )
     config = config if config is not None else TrainConfig()
     data = settle_tokenizer(model, data, objective)
     if tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
