@@ -485,3 +485,41 @@ def test_torchao_exports_of_every_preset_and_recipe_import_back_or_are_listed(tm
     assert all(
         result["compared"].get(name, 0) >= 20 for name in ("fp8", "torchao_tensorwise", "torchao_rowwise")
     )
+
+
+#: what a listed line says runs instead of the plan's numerics (issue 46: a user reading the list must not
+#: guess whether an operand stays high or runs under another recipe)
+RUNS_INSTEAD = (
+    "stays in high precision",  # torchao/TE: the module (or site) is not converted
+    "runs in high precision",  # Megatron: outside the layers its flags cover
+    "TE runs it under",  # TE: the operand runs under the file's recipe, named in full
+    "run under TE's",  # TE: MXFP8 by the OCP rule runs as MXFP8BlockScaling
+    "the GEMM runs quantized",  # TE: a high operand beside a quantized one
+    "converted with torchao's",  # torchao: its amax floor
+    "leaves such a module in high precision",  # torchao: MXFP8 with a bias
+    "the flags use",  # Megatron: the recipe its flags build
+    "the flags give",
+    "which run",  # Megatron: TE's default accumulation
+    "quantizes every GEMM",  # Megatron: no GEMM of a quantized layer stays high
+    "TE makes",  # NVFP4 without @nan: what TE does with a NaN
+    "Megatron cannot keep one module high",
+)
+
+
+@pytest.mark.parametrize("target", ["te", "torchao", "megatron"])
+def test_every_listed_operand_says_what_runs_instead(target: str) -> None:
+    """Every preset and named recipe exported to each target: each line of what the target cannot carry
+    says what the written file makes run instead (high precision, or which recipe), never only what is
+    missing."""
+    from numscope.plan.presets import _PRESETS
+    from numscope.plan.recipes import RECIPES
+
+    sites = bert_sites()
+    names = [name for name, _ in sites]
+    listed = 0
+    for name in (*_PRESETS, *RECIPES):
+        exported = export(Plan.resolve(name, names), target, sites, name)
+        for line in exported.unexpressed:
+            listed += 1
+            assert any(phrase in line for phrase in RUNS_INSTEAD), f"{name} -> {target}: {line}"
+    assert listed > 0

@@ -38,7 +38,10 @@ def to_megatron(
         if layer is not None:
             by_layer.setdefault(layer, []).append(spec)
         elif not all(_high(spec.operand(g, o)) for g, o in OPERAND_KEYS):
-            unexpressed.append(f"{name}: outside the transformer layers, which Megatron's fp8 flags cover")
+            unexpressed.append(
+                f"{name}: outside the transformer layers, which Megatron's fp8 flags cover; it runs in high "
+                "precision (the model's own dtype)"
+            )
     layers = sorted(by_layer)
     quantized = [
         layer
