@@ -88,12 +88,16 @@ static inline __attribute__((always_inline)) float cast_integer(float x, const n
     return cast_int(x, f);
 }
 
-/* The three loops of one cast: unscaled; x * s ... * inv with one s; x * s[i] ... * (1 / s[i]) */
+/* The loops of one cast: unscaled; x * s ... * inv with one s; x * s[i] ... * (1 / s[i]); x * s[i] ... * d[i]
+ * (tile scaling, each element's scale and decode given) */
 #define NUMSCOPE_LOOPS(NAME, CAST, OV, NF, FL)                                                            \
     static void NAME(const float *restrict x, float *restrict out, int64_t n, const float *restrict s,      \
-                     float scale, float inverse, int scaled, const numscope_format *format) {           \
+                     const float *restrict d, float scale, float inverse, int scaled,                     \
+                     const numscope_format *format) {                                                    \
         const numscope_format local = *format, *f = &local;                                               \
-        if (s) {                                                                                          \
+        if (s && d) {                                                                                     \
+            for (int64_t i = 0; i < n; ++i) out[i] = CAST(x[i] * s[i], f, OV, NF, FL) * d[i];             \
+        } else if (s) {                                                                                   \
             for (int64_t i = 0; i < n; ++i) out[i] = CAST(x[i] * s[i], f, OV, NF, FL) * (1.0f / s[i]);    \
         } else if (scaled) {                                                                             \
             for (int64_t i = 0; i < n; ++i) out[i] = CAST(x[i] * scale, f, OV, NF, FL) * inverse;         \
@@ -109,24 +113,26 @@ static inline __attribute__((always_inline)) float cast_integer(float x, const n
     NUMSCOPE_LOOPS(CAST##_21, CAST, 2, 1, 0) NUMSCOPE_LOOPS(CAST##_21f, CAST, 2, 1, 1)                    \
     NUMSCOPE_LOOPS(CAST##_02, CAST, 0, 2, 0) NUMSCOPE_LOOPS(CAST##_02f, CAST, 0, 2, 1)                    \
     static void CAST##_any(const float *restrict x, float *restrict out, int64_t n, const float *restrict s, \
-                           float scale, float inverse, int scaled, const numscope_format *f) {           \
+                           const float *restrict d, float scale, float inverse, int scaled,             \
+                           const numscope_format *f) {                                                   \
         const int code = f->overflow * 10 + f->nonfinite;                                                 \
-        if (code == 0) (f->flush ? CAST##_00f : CAST##_00)(x, out, n, s, scale, inverse, scaled, f);     \
-        else if (code == 10) (f->flush ? CAST##_10f : CAST##_10)(x, out, n, s, scale, inverse, scaled, f); \
-        else if (code == 1) (f->flush ? CAST##_01f : CAST##_01)(x, out, n, s, scale, inverse, scaled, f); \
-        else if (code == 21) (f->flush ? CAST##_21f : CAST##_21)(x, out, n, s, scale, inverse, scaled, f); \
-        else (f->flush ? CAST##_02f : CAST##_02)(x, out, n, s, scale, inverse, scaled, f);               \
+        if (code == 0) (f->flush ? CAST##_00f : CAST##_00)(x, out, n, s, d, scale, inverse, scaled, f);     \
+        else if (code == 10) (f->flush ? CAST##_10f : CAST##_10)(x, out, n, s, d, scale, inverse, scaled, f); \
+        else if (code == 1) (f->flush ? CAST##_01f : CAST##_01)(x, out, n, s, d, scale, inverse, scaled, f); \
+        else if (code == 21) (f->flush ? CAST##_21f : CAST##_21)(x, out, n, s, d, scale, inverse, scaled, f); \
+        else (f->flush ? CAST##_02f : CAST##_02)(x, out, n, s, d, scale, inverse, scaled, f);               \
     }
 NUMSCOPE_FAMILY(cast_small)
 NUMSCOPE_FAMILY(cast_e8)
 NUMSCOPE_LOOPS(cast_integer_any, cast_integer, 0, 0, 0)
 
-/* n elements of x: unscaled (s NULL, scaled 0), times scale then inverse (scaled 1), or per element s[i] */
+/* n elements of x: unscaled (s NULL, scaled 0), times scale then inverse (scaled 1), per element s[i] and
+ * 1 / s[i], or per element s[i] and d[i] */
 static inline __attribute__((always_inline)) void run_cast(const float *restrict x, float *restrict out, int64_t n, const float *restrict s,
-                            float scale, float inverse, int scaled, const numscope_format *f) {
-    if (f->kind == 0) cast_small_any(x, out, n, s, scale, inverse, scaled, f);
-    else if (f->kind == 1) cast_e8_any(x, out, n, s, scale, inverse, scaled, f);
-    else cast_integer_any(x, out, n, s, scale, inverse, scaled, f);
+                            const float *restrict d, float scale, float inverse, int scaled, const numscope_format *f) {
+    if (f->kind == 0) cast_small_any(x, out, n, s, d, scale, inverse, scaled, f);
+    else if (f->kind == 1) cast_e8_any(x, out, n, s, d, scale, inverse, scaled, f);
+    else cast_integer_any(x, out, n, s, d, scale, inverse, scaled, f);
 }
 
 /* cast(x), or cast(x * s) * (1 / s) with s: scale[0] (mode 1), scale[row] (2), scale[col] (3) */
@@ -134,13 +140,13 @@ void numscope_element(const float *restrict x, float *restrict out, int64_t rows
                       numscope_format format, const float *restrict scale, int32_t scale_mode) {
     const numscope_format *f = &format;
     if (scale_mode == 0) {
-        run_cast(x, out, rows * cols, NULL, 1.0f, 1.0f, 0, f);
+        run_cast(x, out, rows * cols, NULL, NULL, 1.0f, 1.0f, 0, f);
     } else if (scale_mode == 1) {
-        run_cast(x, out, rows * cols, NULL, scale[0], 1.0f / scale[0], 1, f);
+        run_cast(x, out, rows * cols, NULL, NULL, scale[0], 1.0f / scale[0], 1, f);
     } else {
         for (int64_t r = 0; r < rows; ++r) {
-            if (scale_mode == 2) run_cast(x + r * cols, out + r * cols, cols, NULL, scale[r], 1.0f / scale[r], 1, f);
-            else run_cast(x + r * cols, out + r * cols, cols, scale, 1.0f, 1.0f, 0, f);
+            if (scale_mode == 2) run_cast(x + r * cols, out + r * cols, cols, NULL, NULL, scale[r], 1.0f / scale[r], 1, f);
+            else run_cast(x + r * cols, out + r * cols, cols, scale, NULL, 1.0f, 1.0f, 0, f);
         }
     }
 }
@@ -697,56 +703,46 @@ int numscope_rounded_sum(const float *restrict partials, float *restrict out, in
 
 /* quantize.py tile_quantize's amax: max |x| over each rp x cp tile of a (batch, rows, cols) tensor (the
  * last tiles of a row or column may be short: the reference pads them with zeros, which no amax sees),
- * into out (batch, ceil(rows / rp), ceil(cols / cp)), on the bit patterns as numscope_abs_amax */
-void numscope_tile_amax(const float *restrict x, float *restrict out, int64_t batch, int64_t rows, int64_t cols,
-                        int64_t rp, int64_t cp) {
+ * into out (batch, ceil(rows / rp), ceil(cols / cp)), on the bit patterns as numscope_abs_amax. Wide tiles
+ * (as numscope_tile_element decides) in loops along their rows; narrow ones (one column wide, down the
+ * tokens) from each tile row's column maxima (column_tops, which vectorizes), then each tile's maximum of
+ * its columns. -1: no memory. */
+int numscope_tile_amax(const float *restrict x, float *restrict out, int64_t batch, int64_t rows, int64_t cols,
+                       int64_t rp, int64_t cp) {
     const int64_t tile_rows = (rows + rp - 1) / rp, tile_cols = (cols + cp - 1) / cp;
+    uint32_t *restrict columns = malloc((size_t)cols * sizeof(uint32_t));
+    if (!columns) return -1;
     for (int64_t b = 0; b < batch; ++b) {
         for (int64_t tr = 0; tr < tile_rows; ++tr) {
+            const int64_t height = (tr + 1) * rp < rows ? rp : rows - tr * rp;
             uint32_t *restrict top = (uint32_t *)(out + (b * tile_rows + tr) * tile_cols);
-            for (int64_t tc = 0; tc < tile_cols; ++tc) top[tc] = 0;
-            const int64_t last = (tr + 1) * rp < rows ? (tr + 1) * rp : rows;
-            for (int64_t r = tr * rp; r < last; ++r) {
-                const float *restrict xr = x + (b * rows + r) * cols;
-                for (int64_t tc = 0; tc < tile_cols; ++tc) {
-                    const int64_t end = (tc + 1) * cp < cols ? (tc + 1) * cp : cols;
-                    uint32_t t = top[tc];
-                    for (int64_t c = tc * cp; c < end; ++c) {
-                        const uint32_t magnitude = bits_of(xr[c]) & 0x7FFFFFFFu;
-                        t = magnitude > t ? magnitude : t;
+            if (cp >= 32) { /* wide tiles: each tile's rows in loops along them */
+                for (int64_t tc = 0; tc < tile_cols; ++tc) top[tc] = 0;
+                for (int64_t r = tr * rp; r < tr * rp + height; ++r) {
+                    const float *restrict xr = x + (b * rows + r) * cols;
+                    for (int64_t tc = 0; tc < tile_cols; ++tc) {
+                        const int64_t end = (tc + 1) * cp < cols ? (tc + 1) * cp : cols;
+                        uint32_t t = top[tc];
+                        for (int64_t c = tc * cp; c < end; ++c) {
+                            const uint32_t magnitude = bits_of(xr[c]) & 0x7FFFFFFFu;
+                            t = magnitude > t ? magnitude : t;
+                        }
+                        top[tc] = t;
                     }
-                    top[tc] = t;
                 }
+                continue;
+            }
+            column_tops(x + b * rows * cols, tr * rp, height, cols, columns);
+            for (int64_t tc = 0, c = 0; tc < tile_cols; ++tc) {
+                uint32_t t = 0;
+                for (int64_t k = 0; k < cp && c < cols; ++k, ++c) t = columns[c] > t ? columns[c] : t;
+                top[tc] = t;
             }
         }
     }
+    free(columns);
+    return 0;
 }
-
-/* x[i] * s[i] cast, times d[i]: tile scaling with each column's scale and decode laid out along the row */
-#define NUMSCOPE_SD_LOOP(NAME, CAST, OV, NF, FL)                                                           \
-    static void NAME(const float *restrict x, float *restrict out, int64_t n, const float *restrict s,     \
-                     const float *restrict d, const numscope_format *format) {                           \
-        const numscope_format local = *format, *f = &local;                                              \
-        for (int64_t i = 0; i < n; ++i) out[i] = CAST(x[i] * s[i], f, OV, NF, FL) * d[i];                 \
-    }
-#define NUMSCOPE_SD_FAMILY(CAST)                                                                          \
-    NUMSCOPE_SD_LOOP(CAST##_sd00, CAST, 0, 0, 0) NUMSCOPE_SD_LOOP(CAST##_sd00f, CAST, 0, 0, 1)            \
-    NUMSCOPE_SD_LOOP(CAST##_sd10, CAST, 1, 0, 0) NUMSCOPE_SD_LOOP(CAST##_sd10f, CAST, 1, 0, 1)            \
-    NUMSCOPE_SD_LOOP(CAST##_sd01, CAST, 0, 1, 0) NUMSCOPE_SD_LOOP(CAST##_sd01f, CAST, 0, 1, 1)            \
-    NUMSCOPE_SD_LOOP(CAST##_sd21, CAST, 2, 1, 0) NUMSCOPE_SD_LOOP(CAST##_sd21f, CAST, 2, 1, 1)            \
-    NUMSCOPE_SD_LOOP(CAST##_sd02, CAST, 0, 2, 0) NUMSCOPE_SD_LOOP(CAST##_sd02f, CAST, 0, 2, 1)            \
-    static void CAST##_sd_any(const float *restrict x, float *restrict out, int64_t n, const float *restrict s, \
-                              const float *restrict d, const numscope_format *f) {                       \
-        const int code = f->overflow * 10 + f->nonfinite;                                                 \
-        if (code == 0) (f->flush ? CAST##_sd00f : CAST##_sd00)(x, out, n, s, d, f);                       \
-        else if (code == 10) (f->flush ? CAST##_sd10f : CAST##_sd10)(x, out, n, s, d, f);                 \
-        else if (code == 1) (f->flush ? CAST##_sd01f : CAST##_sd01)(x, out, n, s, d, f);                  \
-        else if (code == 21) (f->flush ? CAST##_sd21f : CAST##_sd21)(x, out, n, s, d, f);                 \
-        else (f->flush ? CAST##_sd02f : CAST##_sd02)(x, out, n, s, d, f);                                 \
-    }
-NUMSCOPE_SD_FAMILY(cast_small)
-NUMSCOPE_SD_FAMILY(cast_e8)
-NUMSCOPE_SD_LOOP(cast_integer_sd_any, cast_integer, 0, 0, 0)
 
 /* quantize.py tile_quantize's cast: codes = cast(x * scale[t]), out = codes * decode[t], with scale and decode
  * one per tile (laid out as numscope_tile_amax's out); codes written where codes_out is not NULL. Each tile
@@ -773,7 +769,7 @@ int numscope_tile_element(const float *restrict x, float *restrict out, float *r
                     for (int64_t tc = 0; tc < tile_cols; ++tc) {
                         const int64_t start = tc * cp, width = (start + cp < cols ? start + cp : cols) - start;
                         float *restrict target = (codes_out ? codes_out : out) + offset + start;
-                        run_cast(x + offset + start, target, width, NULL, ts[tc], codes_out ? 1.0f : td[tc], 1, f);
+                        run_cast(x + offset + start, target, width, NULL, NULL, ts[tc], codes_out ? 1.0f : td[tc], 1, f);
                         if (codes_out)
                             for (int64_t i = 0; i < width; ++i) out[offset + start + i] = target[i] * td[tc];
                     }
@@ -786,9 +782,7 @@ int numscope_tile_element(const float *restrict x, float *restrict out, float *r
                 const int64_t offset = (b * rows + r) * cols;
                 float *restrict target = codes_out ? codes_out + offset : out + offset;
                 const float *restrict factor = codes_out ? ones : d;
-                if (f->kind == 0) cast_small_sd_any(x + offset, target, cols, s, factor, f);
-                else if (f->kind == 1) cast_e8_sd_any(x + offset, target, cols, s, factor, f);
-                else cast_integer_sd_any(x + offset, target, cols, s, factor, f);
+                run_cast(x + offset, target, cols, s, factor, 1.0f, 1.0f, 0, f);
                 if (codes_out)
                     for (int64_t c = 0; c < cols; ++c) out[offset + c] = codes_out[offset + c] * d[c];
             }

@@ -283,7 +283,7 @@ def _library() -> ctypes.CDLL | None:
     library.numscope_rounded_sum.argtypes = [pointer, pointer, i64, i64, i64, i64, _Format]
     library.numscope_rounded_sum.restype = ctypes.c_int
     library.numscope_tile_amax.argtypes = [pointer, pointer, i64, i64, i64, i64, i64]
-    library.numscope_tile_amax.restype = None
+    library.numscope_tile_amax.restype = ctypes.c_int
     library.numscope_tile_element.argtypes = [pointer, pointer, pointer, i64, i64, i64, i64, i64, _Format]
     library.numscope_tile_element.argtypes += [pointer, pointer]
     library.numscope_tile_element.restype = ctypes.c_int
@@ -777,7 +777,11 @@ def tile_amax(x: torch.Tensor, rows_per: int, cols_per: int) -> torch.Tensor | N
     x = x.contiguous()
     out = torch.empty((batch, -(-rows // rows_per), -(-cols // cols_per)), dtype=torch.float32)
     if x.numel():
-        _library().numscope_tile_amax(x.data_ptr(), out.data_ptr(), batch, rows, cols, rows_per, cols_per)  # type: ignore[union-attr]
+        done = _library().numscope_tile_amax(
+            x.data_ptr(), out.data_ptr(), batch, rows, cols, rows_per, cols_per
+        )  # type: ignore[union-attr]
+        if done == -1:
+            raise MemoryError(f"numscope native quantizer: no memory for {cols} column maxima")
     return out
 
 
