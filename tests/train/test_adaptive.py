@@ -279,6 +279,46 @@ def test_adaptive_flags_without_adaptive_are_an_error(ws: Path) -> None:  # noqa
     assert fallback.code == 2 and "fp7" in fallback.err and "Traceback" not in fallback.err
 
 
+def test_the_adaptive_flags_are_generated_from_the_settings_and_share_their_defaults(tmp_path: Path) -> None:
+    """``train``'s adaptive flags come from :class:`AdaptiveConfig`'s fields: ``--adaptive`` alone gives its
+    defaults, every described field has a flag that sets it, ``none`` switches a limit off, and
+    ``--replan-every 0`` leaves the guard alone, as ``replan_every=0`` does from Python."""
+    import dataclasses
+
+    from numscope._settings import flag_of
+    from numscope.cli import build_parser
+    from numscope.cli.runs import _adaptive_config
+
+    parser = build_parser()
+    base = ["train", "--model", "tiny-bert", "--text", "t.txt", "--plan", "fp8", "--out", str(tmp_path)]
+    assert _adaptive_config(parser.parse_args([*base, "--adaptive"])) == AdaptiveConfig()
+    assert _adaptive_config(parser.parse_args(base)) is None
+    described = [f for f in dataclasses.fields(AdaptiveConfig) if "help" in f.metadata]
+    assert {f.name for f in described} >= {"every", "max_underflow_pct", "replan_every", "bit_budget"}
+    analysis = tmp_path / "analysis"
+    analysis.mkdir()
+    given = {
+        "every": ("3", 3),
+        "fallback": ("fp16", "fp16"),
+        "max_underflow_pct": ("none", None),
+        "max_overflow_pct": ("0.5", 0.5),
+        "min_sqnr_db": ("12", 12.0),
+        "clear_after": ("5", 5),
+        "arm": ("always", "always"),
+        "replan_every": ("0", None),
+        "patience": ("4", 4),
+        "bit_budget": ("7.5", 7.5),
+        "sensitivity_from": (str(analysis), str(analysis.resolve())),
+    }
+    assert {f.name for f in described} == set(given)
+    for item in described:
+        text, value = given[item.name]
+        config = _adaptive_config(parser.parse_args([*base, "--adaptive", flag_of(item), text]))
+        assert getattr(config, item.name) == value, item.name
+        assert config == dataclasses.replace(AdaptiveConfig(), **{item.name: value})
+    assert AdaptiveConfig(replan_every=0).replan_every is None
+
+
 def test_a_crashed_adaptive_run_resumes_with_the_same_plan_history(
     ws: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,

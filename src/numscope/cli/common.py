@@ -100,37 +100,77 @@ def _dof(text: str) -> float:
     return value
 
 
-def _add_setting_flags(group: Any, settings: type) -> None:
-    """One flag per field of the ``settings`` dataclass that :func:`numscope.run.config.setting` describes
-    (``--field-name``, its type, default, bounds and help); :func:`_settings_from_flags` reads them back."""
+def _add_setting_flags(group: Any, settings: type, *, prefix: str = "", absent: bool = False) -> None:
+    """One flag per field of the ``settings`` dataclass that :func:`numscope._settings.setting` describes
+    (its flag name, type, default, bounds and help); :func:`_settings_from_flags` reads them back.
+    ``prefix``: the parsed values' names (``args.<prefix><field>``), where two settings of one verb share a
+    field name; ``absent``: an absent flag parses to None (to tell given flags apart), the help states the
+    dataclass's default."""
+    from numscope._settings import OFF, flag_of, kind_of, shown_default
+
     for item in dataclasses.fields(settings):
-        if "help" not in item.metadata:
+        meta = item.metadata
+        if "help" not in meta:
             continue
-        minimum, positive = item.metadata["minimum"], item.metadata["positive"]
-        if isinstance(item.default, str):
-            group.add_argument(
-                "--" + item.name.replace("_", "-"),
-                choices=item.metadata["choices"],
-                default=item.default,
-                help=item.metadata["help"].replace("%", "%%") + " (default: %(default)s)",
-            )
+        shown = shown_default(item) if absent else "%(default)s"
+        options: dict[str, Any] = {
+            "dest": prefix + item.name,
+            "default": None if absent else item.default,
+            "help": meta["help"].replace("%", "%%") + f" (default: {shown})",
+        }
+        kind = kind_of(item)
+        if kind is str:
+            options["choices"] = meta["choices"]
+            if meta.get("metavar"):
+                options["metavar"] = meta["metavar"]
+            group.add_argument(flag_of(item), **options)
             continue
-        if isinstance(item.default, int):
-            kind = _int_at_least(int(minimum)) if minimum is not None else int
+        minimum, positive = meta["minimum"], meta["positive"]
+        if kind is int:
+            parse = _int_at_least(int(minimum)) if minimum is not None else int
         else:
-            kind = _positive_float if positive else float
+            parse = _positive_float if positive else float
+        if meta.get("off"):
+            parse = _or_off(parse, OFF)
         group.add_argument(
-            "--" + item.name.replace("_", "-"),
-            type=kind,
-            default=item.default,
-            metavar="N" if isinstance(item.default, int) else "X",
-            help=item.metadata["help"].replace("%", "%%") + " (default: %(default)s)",
+            flag_of(item), type=parse, metavar=meta.get("metavar") or ("N" if kind is int else "X"), **options
         )
 
 
-def _settings_from_flags(settings: type, args: argparse.Namespace, **given: Any) -> Any:
-    """The ``settings`` dataclass from the flags :func:`_add_setting_flags` added, plus ``given`` fields."""
-    flagged = {f.name: getattr(args, f.name) for f in dataclasses.fields(settings) if "help" in f.metadata}
+def _or_off(parse: Any, off: str) -> Any:
+    """``parse``, or ``off`` for the words 'none' and 'off' (a limit switched off)."""
+
+    def parsed(text: str) -> Any:
+        return off if text.strip().lower() in ("none", "off") else parse(text)
+
+    parsed.__name__ = getattr(parse, "__name__", "value")
+    return parsed
+
+
+def _given_settings(settings: type, args: argparse.Namespace, prefix: str = "") -> list[str]:
+    """The flags of ``settings`` given on the command line (those added with ``absent=True``)."""
+    from numscope._settings import flag_of
+
+    return [
+        flag_of(f)
+        for f in dataclasses.fields(settings)
+        if "help" in f.metadata and getattr(args, prefix + f.name) is not None
+    ]
+
+
+def _settings_from_flags(settings: type, args: argparse.Namespace, *, prefix: str = "", **given: Any) -> Any:
+    """The ``settings`` dataclass from the flags :func:`_add_setting_flags` added, plus ``given`` fields;
+    flags added with ``absent=True`` that were not given keep the dataclass's defaults."""
+    from numscope._settings import OFF
+
+    flagged = {}
+    for item in dataclasses.fields(settings):
+        if "help" not in item.metadata:
+            continue
+        value = getattr(args, prefix + item.name)
+        if value is None:  # absent: the default
+            continue
+        flagged[item.name] = None if value == OFF and item.metadata.get("off") else value
     return settings(**flagged, **given)
 
 

@@ -13,12 +13,14 @@ from numscope.cli.common import (
     _MODEL_HELP,
     CLIError,
     _add_run_flags,
+    _add_setting_flags,
+    _given_settings,
     _int_at_least,
     _launched_as_rank_zero,
-    _limit,
     _positive_float,
     _print_result,
     _run_inputs,
+    _settings_from_flags,
     render_table,
 )
 
@@ -225,53 +227,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-_ADAPTIVE_FLAGS = (
-    "adapt_every",
-    "replan_every",
-    "fallback",
-    "guard_underflow",
-    "guard_overflow",
-    "guard_sqnr",
-    "clear_after",
-    "guard_arm",
-    "patience",
-    "adapt_budget",
-    "adapt_from",
-)
+ADAPTIVE = "adaptive_"
+"""The prefix of the adaptive settings' parsed values (``args.adaptive_every``, …)."""
 
 
 def _adaptive_config(args: argparse.Namespace):
     """The adaptive settings of ``train --adaptive`` (None without it; its flags alone are an error)."""
     from numscope.train.adaptive import AdaptiveConfig
 
-    given = [f"--{name.replace('_', '-')}" for name in _ADAPTIVE_FLAGS if getattr(args, name) is not None]
     if not args.adaptive:
+        given = _given_settings(AdaptiveConfig, args, ADAPTIVE)
         if given:
             raise CLIError(f"{', '.join(given)} set(s) adaptive training: add --adaptive")
         return None
-    defaults = AdaptiveConfig()
-
-    def value(name: str, default):  # an absent flag keeps the default, a limit given as 'none' is off
-        flag = getattr(args, name)
-        return default if flag is None else None if flag == "none" else flag
-
-    guard = {
-        "max_underflow_pct": value("guard_underflow", defaults.max_underflow_pct),
-        "max_overflow_pct": value("guard_overflow", defaults.max_overflow_pct),
-        "min_sqnr_db": value("guard_sqnr", defaults.min_sqnr_db),
-    }
-    replan = value("replan_every", defaults.replan_every)
-    return AdaptiveConfig(
-        every=value("adapt_every", defaults.every),
-        fallback=value("fallback", defaults.fallback),
-        clear_after=value("clear_after", defaults.clear_after),
-        arm=value("guard_arm", defaults.arm),
-        replan_every=None if replan == 0 else replan,
-        patience=value("patience", defaults.patience),
-        bit_budget=args.adapt_budget,
-        sensitivity_from=None if args.adapt_from is None else str(Path(args.adapt_from).resolve()),
-        **guard,
-    )
+    return _settings_from_flags(AdaptiveConfig, args, prefix=ADAPTIVE)
 
 
 def _print_adaptive(out: Path) -> None:
@@ -329,16 +298,9 @@ def _register_train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_train)
 
 
-def _guard_limit(text: str):
-    """A guard limit: a number, or 'none'/'off' (kept as 'none' to tell it from an absent flag)."""
-    parsed = _limit(text)
-    return "none" if parsed is None else parsed
-
-
 def _add_adaptive_flags(p: argparse.ArgumentParser) -> None:
     from numscope.train.adaptive import AdaptiveConfig
 
-    d = AdaptiveConfig()
     g = p.add_argument_group(
         "adaptive precision",
         "--adaptive changes the plan while training: a guard moves an operand to --fallback when its "
@@ -349,64 +311,7 @@ def _add_adaptive_flags(p: argparse.ArgumentParser) -> None:
         "DIR/plan.final.yaml and DIR/adaptive.json",
     )
     g.add_argument("--adaptive", action="store_true", help="train with adaptive precision from --plan")
-    g.add_argument(
-        "--adapt-every",
-        type=_int_at_least(1),
-        metavar="N",
-        help=f"observe and decide every N steps (default: {d.every})",
-    )
-    g.add_argument(
-        "--replan-every",
-        type=_int_at_least(0),
-        metavar="N",
-        help=f"re-plan every N sampled steps; 0: the guard alone (default: {d.replan_every})",
-    )
-    g.add_argument("--fallback", metavar="FORMAT", help=f"a guarded operand's format (default: {d.fallback})")
-    g.add_argument(
-        "--guard-underflow",
-        type=_guard_limit,
-        metavar="PCT",
-        help=f"underflow%% limit, or none (default: {d.max_underflow_pct:g}, the advisor's)",
-    )
-    g.add_argument(
-        "--guard-overflow",
-        type=_guard_limit,
-        metavar="PCT",
-        help=f"overflow%% limit, or none (default: {d.max_overflow_pct:g}, the advisor's)",
-    )
-    g.add_argument("--guard-sqnr", type=_guard_limit, metavar="DB", help="SQNR limit in dB (default: off)")
-    g.add_argument(
-        "--clear-after",
-        type=_int_at_least(1),
-        metavar="N",
-        help=f"clean sampled steps before a guarded operand returns (default: {d.clear_after})",
-    )
-    g.add_argument(
-        "--guard-arm",
-        choices=("met", "always"),
-        help="met: a limit guards an operand once its format has met it there (a tensor leaving its "
-        "format's range); always: from the first step (an operand out of range from the start falls back "
-        f"at once) (default: {d.arm})",
-    )
-    g.add_argument(
-        "--patience",
-        type=_int_at_least(1),
-        metavar="N",
-        help=f"re-plans in a row that must choose an operand's new format (default: {d.patience})",
-    )
-    g.add_argument(
-        "--adapt-budget",
-        type=_positive_float,
-        metavar="BITS",
-        help="the re-plans' bit budget (default: the starting plan's average bits)",
-    )
-    g.add_argument(
-        "--adapt-from",
-        metavar="RUN",
-        help="the analysis (or analyze run folder) the plan was recommended from: re-plans then score by its "
-        "measured operand sensitivity with limits off, as 'recommend --bit-budget' does (default: the least "
-        "total noise within the advisor's limits)",
-    )
+    _add_setting_flags(g, AdaptiveConfig, prefix=ADAPTIVE, absent=True)
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:

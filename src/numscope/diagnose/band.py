@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from numscope._atomic import atomic_write_bytes, atomic_write_text
+from numscope._settings import setting
 from numscope.diagnose.logs import read_loss_log
 from numscope.errors import NumscopeError
 from numscope.plan import Plan
-from numscope.run.config import setting
 
 #: two-sided Student's t quantiles by level, by degrees of freedom 1–30 (beyond: the normal's)
 _T = {

@@ -34,11 +34,11 @@ from typing import Any
 
 from numscope._atomic import atomic_write_bytes, atomic_write_text
 from numscope._names import exact_pattern
+from numscope._settings import setting
 from numscope.diagnose.band import t_quantile
 from numscope.diagnose.lockstep import Drift, lockstep
 from numscope.errors import NumscopeError
 from numscope.plan import Plan, SiteSpec
-from numscope.run.config import setting
 
 
 class LocalizeError(NumscopeError, ValueError):

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from numscope._settings import setting
 from numscope.errors import NumscopeError, SettingsError
 from numscope.plan import Plan
 from numscope.run.tokenizer import TokenizerInfo
@@ -120,20 +121,6 @@ class RunSpec:
         """The plan: :attr:`resolved` when given, else a YAML file, a preset or a named recipe (given the
         model's ``sites`` where the recipe's layer choice needs them)."""
         return self.resolved if self.resolved is not None else Plan.resolve(self.plan, sites)
-
-
-def setting(
-    default: Any,
-    help: str,
-    minimum: float | None = None,
-    positive: bool = False,
-    choices: tuple[str, ...] | None = None,
-) -> Any:
-    """A dataclass field that also describes its command-line flag (``--field-name``): the help text, for
-    numbers the smallest allowed value (``minimum``) or that it must be > 0 (``positive``), for names the
-    allowed ones (``choices``)."""
-    metadata = {"help": help, "minimum": minimum, "positive": positive, "choices": choices}
-    return field(default=default, metadata=metadata)
 
 
 OPTIMIZERS = ("adamw", "adamw_fp8", "adamw_8bit", "adamw_4bit")

@@ -30,9 +30,10 @@ import torch
 from torch import nn
 
 from numscope import distributed
+from numscope._settings import setting
 from numscope.errors import WorkflowError
 from numscope.plan import PlanError
-from numscope.run.config import RunData, TrainConfig, setting
+from numscope.run.config import RunData, TrainConfig
 from numscope.run.corpus import CorpusError
 from numscope.run.objectives import OBJECTIVES
 from numscope.run.tokenizer import TokenizerInfo

@@ -48,6 +48,7 @@ from torch import nn
 
 from numscope._atomic import atomic_write_text
 from numscope._names import exact_pattern
+from numscope._settings import setting
 from numscope.advisor import AdvisorError, Limits, advise, sensitivity_objective
 from numscope.analysis import PLAN_LABEL, Analysis, OperandKey, OperandRecord, Sensitivity, operand_name
 from numscope.convert import converted_plan, site_sizes, switch_plan
@@ -88,7 +89,7 @@ class AdaptiveConfig:
     max_underflow_pct, max_overflow_pct, min_sqnr_db: the guard's limits (None: off).
     clear_after: sampled steps within every armed limit before a guarded operand returns to its format.
     arm: ``met`` (a limit is armed for an operand once its format has met it there) or ``always``.
-    replan_every: sampled steps between re-plans (None: the guard alone).
+    replan_every: sampled steps between re-plans (None or 0: the guard alone).
     window: sampled steps a re-plan reads (default: ``replan_every``).
     patience: consecutive re-plans that must choose an operand's new format before it changes.
     bit_budget: the re-plan's budget in average bits per operand element (default: the starting plan's).
@@ -99,25 +100,69 @@ class AdaptiveConfig:
         sensitivity, limits off), so they re-solve the objective the starting plan was made with.
     """
 
-    every: int = 10
-    fallback: str = "bf16"
-    max_underflow_pct: float | None = Limits.max_underflow_pct
-    max_overflow_pct: float | None = Limits.max_overflow_pct
-    min_sqnr_db: float | None = None
-    clear_after: int = 3
-    arm: str = "met"
-    replan_every: int | None = 10
+    every: int = setting(10, "observe and decide every N steps", minimum=1, flag="--adapt-every")
+    fallback: str = setting("bf16", "a guarded operand's format", metavar="FORMAT")
+    max_underflow_pct: float | None = setting(
+        Limits.max_underflow_pct,
+        "underflow% limit, or none",
+        flag="--guard-underflow",
+        kind=float,
+        metavar="PCT",
+        off=True,
+        shown=f"{Limits.max_underflow_pct:g}, the advisor's",
+    )
+    max_overflow_pct: float | None = setting(
+        Limits.max_overflow_pct,
+        "overflow% limit, or none",
+        flag="--guard-overflow",
+        kind=float,
+        metavar="PCT",
+        off=True,
+        shown=f"{Limits.max_overflow_pct:g}, the advisor's",
+    )
+    min_sqnr_db: float | None = setting(
+        None, "SQNR limit in dB, or none", flag="--guard-sqnr", kind=float, metavar="DB", off=True
+    )
+    clear_after: int = setting(3, "clean sampled steps before a guarded operand returns", minimum=1)
+    arm: str = setting(
+        "met",
+        "met: a limit guards an operand once its format has met it there (a tensor leaving its format's "
+        "range); always: from the first step (an operand out of range from the start falls back at once)",
+        choices=("met", "always"),
+        flag="--guard-arm",
+    )
+    replan_every: int | None = setting(
+        10, "re-plan every N sampled steps; 0: the guard alone", minimum=0, kind=int
+    )
     window: int | None = None
-    patience: int = 2
-    bit_budget: float | None = None
+    patience: int = setting(2, "re-plans in a row that must choose an operand's new format", minimum=1)
+    bit_budget: float | None = setting(
+        None,
+        "the re-plans' bit budget",
+        positive=True,
+        flag="--adapt-budget",
+        kind=float,
+        metavar="BITS",
+        shown="the starting plan's average bits",
+    )
     candidates: tuple[str, ...] = DEFAULT_CANDIDATES
     noise_weights: Mapping[str, float] | None = None
-    sensitivity_from: str | None = None
+    sensitivity_from: str | None = setting(
+        None,
+        "the analysis (or analyze run folder) the plan was recommended from: re-plans then score by its "
+        "measured operand sensitivity with limits off, as 'recommend --bit-budget' does",
+        flag="--adapt-from",
+        kind=str,
+        metavar="RUN",
+        shown="the least total noise within the advisor's limits",
+    )
 
     def __post_init__(self) -> None:
         _positive_int("every", self.every)
         _positive_int("clear_after", self.clear_after)
         _positive_int("patience", self.patience)
+        if self.replan_every == 0 and not isinstance(self.replan_every, bool):  # the guard alone
+            object.__setattr__(self, "replan_every", None)
         _positive_int("replan_every", self.replan_every, allow_none=True)
         _positive_int("window", self.window, allow_none=True)
         if self.arm not in ("met", "always"):
@@ -139,6 +184,8 @@ class AdaptiveConfig:
             raise AdaptiveError(f"bit_budget must be a number of bits in (0, 32], got {self.bit_budget!r}")
         if self.sensitivity_from is not None and not Path(self.sensitivity_from).is_dir():
             raise AdaptiveError(f"sensitivity_from {self.sensitivity_from}: no such analysis folder")
+        if self.sensitivity_from is not None:
+            object.__setattr__(self, "sensitivity_from", str(Path(self.sensitivity_from).resolve()))
         candidates = tuple(self.candidates)
         if not candidates or any(not isinstance(c, str) for c in candidates):
             raise AdaptiveError(f"candidates must be format names, at least one; got {self.candidates!r}")
