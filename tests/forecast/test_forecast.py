@@ -18,6 +18,7 @@ import numscope
 import tiny_models
 from numscope.forecast import PlanEffect, adam_preconditioner, measure_plans, predict, stack_plans
 from numscope.forecast.predict import agrees, effective_lr
+from numscope.analysis import Analysis
 from numscope.plan import Plan
 from numscope.sites import attached
 
@@ -151,6 +152,13 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
     assert len(saved["rows"]) == 7 and len(saved["fp32_val_loss"]) == 2 and saved["fp32_seed_sd"] > 0
     assert saved["measured_blocks"] == 11  # every block of the split: fewer than 2,048 scored tokens
     assert (tmp_path / "fc" / "forecast.png").stat().st_size > 10_000
+    # the sensitivity measures the sites a stack converts (its plans choose among them), and only those
+    analysis = Analysis.load(tmp_path / "fc" / "fp32" / "analysis")
+    kinds = dict(analysis.meta["site_kinds"])
+    measured = {key[0] for key in analysis.sensitivity.results}
+    assert measured == {name for name, kind in kinds.items() if kind == "linear"}
+    left = {kind for name, kind in kinds.items() if name not in measured}
+    assert left and "linear" not in left  # the attention products (sdpa here) are not measured
     ours = [row for row in saved["rows"] if row["numscope"]]
     assert [row["bits"] <= budget + 1e-6 for row, budget in zip(ours, saved["budgets"], strict=True)] == [
         True

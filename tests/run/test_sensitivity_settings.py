@@ -23,6 +23,8 @@ from numscope.run import SensitivitySettings
         ({"early": "soon"}, "early"),
         ({"method": "fast"}, "method"),
         ({"granularity": "site", "method": "local"}, "method"),
+        ({"kinds": ()}, "kinds"),
+        ({"kinds": ("linear", 3)}, "kinds"),
     ],
 )
 def test_a_bad_setting_is_refused_by_its_api_name(given: dict, setting: str) -> None:
@@ -43,6 +45,8 @@ def test_defaults_and_the_method_each_granularity_implies() -> None:
     assert settings.resolved_method == "local"
     assert SensitivitySettings(granularity="site").resolved_method == "one_at_a_time"
     assert SensitivitySettings(formats=["fp8_e4m3", "int8"]).formats == ("fp8_e4m3", "int8")  # hashable
+    assert settings.kinds is None  # every kind of site
+    assert SensitivitySettings(kinds="linear").kinds == ("linear",)
 
 
 def test_the_command_line_names_the_flag_of_a_setting(tmp_path, capsys) -> None:

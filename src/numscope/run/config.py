@@ -46,6 +46,9 @@ class SensitivitySettings:
     method: ``"local"`` (every operand and format from a few passes per batch,
         :func:`numscope.sensitivity.local_sensitivity`; operands only) or ``"one_at_a_time"`` (a pass per
         operand or site and format); None: local per operand, one at a time per site.
+    kinds: the kinds of site measured (:mod:`numscope.sites`' kinds: ``linear``, ``matmul``, ``conv1d``,
+        …); None (default): every kind. A plan for a training stack chooses only among the sites the stack
+        converts (``numscope.plan.targets.LINEAR_KINDS``): the forecast measures those alone.
     """
 
     batches: int | None = None
@@ -53,9 +56,17 @@ class SensitivitySettings:
     formats: tuple[str, ...] | str | None = "auto"
     early: int | str | None = None
     method: str | None = None
+    kinds: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        if self.kinds is not None:
+            kinds = (self.kinds,) if isinstance(self.kinds, str) else self.kinds
+            if not isinstance(kinds, list | tuple) or not kinds or not all(isinstance(k, str) for k in kinds):
+                raise SettingsError(
+                    f"{name}.kinds", f"site kinds (e.g. ('linear',)) or None; got {self.kinds!r}"
+                )
+            object.__setattr__(self, "kinds", tuple(kinds))
         batches = self.batches
         if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 0):
             raise SettingsError(

@@ -10,6 +10,7 @@ over gloo on CPU) and only rank 0 writes.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import importlib.util
 import json
@@ -27,6 +28,7 @@ from torch import nn
 
 from numscope import __version__, distributed
 from numscope._atomic import atomic_write_text
+from numscope._names import exact_pattern
 from numscope._rng import fork_rng
 from numscope.analysis import Analysis
 from numscope.convert import convert
@@ -316,6 +318,7 @@ def analyze(
                 progress and writer,
                 early=sensitivity_early is not None,
                 method=sensitivity_method,
+                kinds=sensitivity.kinds,
             )
         if writer:
             _write_tensorboard(out_dir, tensorboard)
@@ -375,6 +378,7 @@ def measure_sensitivity(
     sites: Sequence[str] | None = None,
     early: bool = False,
     method: str = "one_at_a_time",
+    kinds: Sequence[str] | None = None,
 ) -> Analysis:
     """The trained model's (``out_dir/model.pt``) sensitivity on ``count`` validation batches, stored in
     ``out_dir/analysis`` and returned with it (a progress bar of the (target, format) measurements with
@@ -382,7 +386,8 @@ def measure_sensitivity(
     checkpoint ``out_dir/model_early.pt`` too and combine the two with
     :func:`numscope.sensitivity.combine_sensitivities`, normalised by the candidate with the fewest bits;
     ``method``: ``"local"`` (:func:`numscope.sensitivity.local_sensitivity`, per operand) or
-    ``"one_at_a_time"``); skipped when the analysis already holds it (a finished run asked again)."""
+    ``"one_at_a_time"``; ``kinds``: only the sites of these kinds, as the analysis found them, among
+    ``sites``); skipped when the analysis already holds it (a finished run asked again)."""
     from numscope.sensitivity import combine_sensitivities, local_sensitivity, sensitivity
     from numscope.train.checkpoint import load_checkpoint
 
@@ -390,6 +395,21 @@ def measure_sensitivity(
     if analysis.sensitivity is not None:
         return analysis
     from tqdm.auto import tqdm
+
+    if kinds is not None:
+        from numscope.advisor.target import site_kinds
+
+        recorded = site_kinds(analysis)
+        found = [name for name, kind in recorded.items() if kind in kinds]
+        if sites is not None:
+            found = [name for name in found if any(fnmatch.fnmatchcase(name, p) for p in sites)]
+        if not found:
+            raise SettingsError(
+                "SensitivitySettings.kinds",
+                f"no site of kind {', '.join(kinds)} in the model (its kinds: "
+                f"{', '.join(sorted(set(recorded.values()))) or 'none'})",
+            )
+        sites = [exact_pattern(name) for name in found]
 
     checkpoints = [out_dir / "model.pt"] + ([out_dir / EARLY_MODEL] if early else [])
     for path in checkpoints:
