@@ -124,3 +124,27 @@ def test_both_verbs_start_from_a_checkpoint_folders_weights(tmp_path: Path) -> N
     code, out, err = cli("band", *run, "--plan", "fp8", "--seeds", 2, "--out", tmp_path / "b")
     assert code == 0, err
     assert "fp8 against FP32 over 2 seeds" in out
+
+
+FAULTS = Path(__file__).resolve().parents[2] / "examples" / "plans" / "faults"
+#: each planted fault of docs/diagnose.md: the one site it plants at
+PLANTED = {
+    "delayed_amax_too_small.yaml": "bert.encoder.layer.1.output.dense",
+    "e5m2_unscaled_gradient.yaml": "bert.encoder.layer.1.intermediate.dense",
+    "e5m2_unscaled_decoder_gradient.yaml": "cls.predictions.decoder",
+    "nvfp4_decoder_no_transform.yaml": "cls.predictions.decoder",
+    "nvfp4_head_transform_no_rht.yaml": "cls.predictions.transform.dense",
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLANTED))
+def test_each_documented_fault_plan_departs_from_its_base_at_its_site_alone(name: str) -> None:
+    """The fault files the docs localize load as plans, and each differs from its default at the one site
+    its docs name (so what the docs call the planted site is the only place the plan departs)."""
+    from numscope.plan import Plan
+
+    assert sorted(p.name for p in FAULTS.glob("*.yaml")) == sorted(PLANTED)
+    plan = Plan.load(FAULTS / name)
+    sites = ["bert.encoder.layer.0.output.dense", *set(PLANTED.values())]
+    departs = [site for site in sites if plan.for_site(site) != plan.for_site("elsewhere")]
+    assert departs == [PLANTED[name]]

@@ -3,8 +3,8 @@ numscope's own plans at two budgets, each with its average bits and its gap to F
 alone (:mod:`numscope.forecast.predict`), in one table, a JSON file and a figure.
 
 Stages (each reports progress): (1) FP32, observed, on the first seed: the analysis, the local
-sensitivity of every operand (:func:`numscope.sensitivity.local_sensitivity`), the trained model and
-Adam's state; (2) FP32 on the other seeds, unobserved: the seed noise the gaps are judged against;
+sensitivity (:func:`numscope.sensitivity.local_sensitivity`) of every operand of the sites the stacks
+convert (the only ones their plans choose among), the trained model and Adam's state; (2) FP32 on the other seeds, unobserved: the seed noise the gaps are judged against;
 (3) numscope's plans for the stack at two budgets (the sensitivity objective); (4) every plan's effect on
 the trained model (:func:`numscope.forecast.measure.measure_plans`); (5) the predictions."""
 
