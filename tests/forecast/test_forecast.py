@@ -16,9 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numscope
 import tiny_models
+from numscope.analysis import Analysis
 from numscope.forecast import PlanEffect, adam_preconditioner, measure_plans, predict, stack_plans
 from numscope.forecast.predict import agrees, effective_lr
-from numscope.analysis import Analysis
 from numscope.plan import Plan
 from numscope.sites import attached
 
@@ -151,6 +151,9 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
     saved = json.loads((tmp_path / "fc" / "forecast.json").read_text())
     assert len(saved["rows"]) == 7 and len(saved["fp32_val_loss"]) == 2 and saved["fp32_seed_sd"] > 0
     assert saved["measured_blocks"] == 11  # every block of the split: fewer than 2,048 scored tokens
+    seconds = saved["seconds"]  # the sensitivity's part of the observed stage is said apart
+    assert 0 < seconds["of which sensitivity"] < seconds["fp32 observed"]
+    assert "of which sensitivity" in out
     assert (tmp_path / "fc" / "forecast.png").stat().st_size > 10_000
     # the sensitivity measures the sites a stack converts (its plans choose among them), and only those
     analysis = Analysis.load(tmp_path / "fc" / "fp32" / "analysis")

@@ -4,9 +4,10 @@ alone (:mod:`numscope.forecast.predict`), in one table, a JSON file and a figure
 
 Stages (each reports progress): (1) FP32, observed, on the first seed: the analysis, the local
 sensitivity (:func:`numscope.sensitivity.local_sensitivity`) of every operand of the sites the stacks
-convert (the only ones their plans choose among), the trained model and Adam's state; (2) FP32 on the other seeds, unobserved: the seed noise the gaps are judged against;
-(3) numscope's plans for the stack at two budgets (the sensitivity objective); (4) every plan's effect on
-the trained model (:func:`numscope.forecast.measure.measure_plans`); (5) the predictions."""
+convert (the only ones their plans choose among), the trained model and Adam's state; (2) FP32 on the
+other seeds, unobserved: the seed noise the gaps are judged against; (3) numscope's plans for the stack
+at two budgets (the sensitivity objective); (4) every plan's effect on the trained model
+(:func:`numscope.forecast.measure.measure_plans`); (5) the predictions."""
 
 from __future__ import annotations
 
@@ -246,6 +247,9 @@ def forecast(
         keep_optimizer=True,
     )
     seconds["fp32 observed"] = time.perf_counter() - began
+    measured_in = Analysis.load(folder / "fp32" / "analysis").sensitivity
+    if measured_in is not None and "seconds" in measured_in.meta:  # its part of the stage (when it ran)
+        seconds["of which sensitivity"] = float(measured_in.meta["seconds"])
     losses = [observed.val_loss]
     for k in range(1, settings.seeds):
         stage = time.perf_counter()

@@ -16,6 +16,7 @@ import importlib.util
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
@@ -420,6 +421,7 @@ def measure_sensitivity(
             )
     batches = _sensitivity_batches(prepared, config, objective, count)
     measured = []
+    began = time.perf_counter()
     for path in checkpoints:
         model = factory()
         model.load_state_dict(load_checkpoint(path)["model"])
@@ -458,6 +460,8 @@ def measure_sensitivity(
     else:
         cheapest = _sensitivity_formats("auto", list(candidates))[0]  # the fewest bits
         analysis.sensitivity = combine_sensitivities(measured, cheapest)
+    # how long the measurement took (wall), for the verbs that report their stages' cost
+    analysis.sensitivity.meta["seconds"] = time.perf_counter() - began
     analysis.save(out_dir / "analysis")
     return analysis
 
