@@ -1,0 +1,181 @@
+"""``numscope recommend``'s verb: a plan from an analysis (its objective and budget by default, a gap
+model's prediction), and the helpers the command line shows beside it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from numscope.analysis import Analysis
+from numscope.errors import WorkflowError
+from numscope.plan import Plan
+from numscope.run.folders import check_output_file
+
+
+def find_analysis(path: str | os.PathLike[str]) -> Path:
+    """The analysis folder ``path`` names: itself, or the ``analysis/`` of a run folder."""
+    candidate = Path(path)
+    if (candidate / "analysis").is_dir() and not (candidate / "analysis.json").is_file():
+        return candidate / "analysis"
+    return candidate
+
+
+def recommend_plan(
+    analysis: str | os.PathLike[str] | Analysis,
+    output: str | os.PathLike[str] | None = None,
+    *,
+    max_gap: float | None = None,
+    gap_model: Any = None,
+    **criteria: Any,
+) -> tuple[Plan, list[dict[str, str]]]:
+    """The plan :func:`numscope.recommend` makes from an analysis, its table of choices and reasons.
+
+    analysis: an :class:`~numscope.Analysis`, its folder, or a run folder of :func:`analyze`.
+    criteria: passed by keyword to :func:`numscope.recommend` (``max_be_ratio``, ``max_underflow_pct``,
+    ``max_overflow_pct``, ``min_sqnr_db``, ``bit_budget``, ``candidates``, ``reference``, ``per_operand``
+    and any it gains). max_gap: instead of a bit budget, the cheapest plan whose gap to FP32 ``gap_model``
+    (a :class:`numscope.study.GapModel`) predicts within ``max_gap`` nats
+    (:func:`numscope.advisor.advise_within_gap`). The plan is saved to ``output`` when given.
+    """
+    from numscope.advisor import advise_within_gap, recommend, recommend_table
+
+    if output is not None:
+        check_output_file(output, "--output")
+    loaded = analysis if isinstance(analysis, Analysis) else Analysis.load(find_analysis(analysis))
+    if max_gap is None:
+        plan = recommend(loaded, **criteria)
+    else:
+        if gap_model is None:
+            raise WorkflowError(
+                "--max-gap needs --gap-model (gap_model.json of 'numscope calibrate') to predict gaps"
+            )
+        if criteria.get("bit_budget") is not None:
+            raise WorkflowError(
+                "--max-gap chooses the bit budget itself: give --max-gap or --bit-budget, not both"
+            )
+        criteria.pop("bit_budget", None)
+        plan = advise_within_gap(
+            loaded,
+            predict=lambda candidate: predicted_gap(gap_model, loaded, candidate),
+            max_gap=max_gap,
+            **criteria,
+        )[0].plan
+    if output is not None:
+        _save_plan(plan, Path(output))
+    return plan, recommend_table(plan)
+
+
+def _save_plan(plan: Plan, path: Path) -> None:
+    check_output_file(path, "--output")
+    try:
+        plan.save(path)
+    except OSError as error:
+        raise WorkflowError(f"--output {path}: cannot write the plan ({error.strerror or error})") from error
+
+
+def analysis_average_bits(plan: Plan, analysis: Analysis) -> float:
+    """Average bits per operand element of ``plan`` over the analysis's operands, weighted by their size."""
+    sizes: dict[str, dict[tuple[str, str], int]] = {}
+    for (site, gemm, operand), count in analysis.elements.items():
+        sizes.setdefault(site, {})[(gemm, operand)] = count
+    return plan.average_bits(sizes)
+
+
+def load_gap_model(path: str | os.PathLike[str], features: str = "noise") -> Any:
+    """A :class:`numscope.study.GapModel` of ``features`` (noise or sensitivity) from a file; a clear error if
+    it is not one."""
+    from numscope.study import GapModel, StudyError
+
+    try:
+        return GapModel.load(path, features)
+    except StudyError as error:
+        raise WorkflowError(f"--gap-model: {error}") from error
+
+
+def has_sensitivity_model(path: str | os.PathLike[str]) -> bool:
+    """Whether the gap model file also holds the model fitted on sensitivities (a calibration that measured
+    them); False also for a file that is no gap model (loading it then says what is wrong)."""
+    from numscope.study import GapModel, StudyError
+
+    try:
+        GapModel.load(path, "sensitivity")
+    except StudyError:
+        return False
+    return True
+
+
+OBJECTIVE_WHY = {
+    "sensitivity": "the analysis measured every operand's sensitivity and a bit budget or gap is given",
+    "sensitivity default budget": "the analysis measured every operand's sensitivity; with no --bit-budget "
+    "or --max-gap the budget is the bits of FP8 everywhere (the stack's FP8 recipe with --target): the same "
+    "cost as uniform FP8, spent where the measurement says",
+    "noise limits": "limits or candidates are given without a --bit-budget or --max-gap: the cheapest format "
+    "within them per operand",
+    "noise gap model": "the gap model was fitted without sensitivities, so it weighs noise; a 'numscope "
+    "calibrate' that measures them (its default) fits both",
+    "noise": "the analysis holds no operand sensitivity, or no bit budget or gap is given; 'numscope "
+    "analyze' measures it by default (--sensitivity N --sensitivity-granularity operand)",
+}
+
+
+def default_objective(analysis: Analysis, bit_budget: float | None, max_gap: float | None = None) -> str:
+    """``sensitivity`` where the analysis measured every operand's sensitivity (the objective that tied the
+    best heuristics in the plan study; without a bit budget or a gap target it takes
+    :func:`default_budget`), else ``noise``."""
+    measured = analysis.sensitivity is not None and analysis.sensitivity.granularity == "operand"
+    return "sensitivity" if measured else "noise"
+
+
+def default_budget(analysis: Analysis, target: str | None = None) -> float:
+    """The bit budget ``recommend`` takes with the sensitivity objective when none is given: the average bits
+    of FP8 everywhere (``fp8_e4m3`` on every measured operand; for a training stack, its FP8 recipe on
+    everything it converts, the rest high), so that the plan costs what uniform FP8 costs."""
+    from numscope.advisor.target import recipe_bits
+    from numscope.plan.targets import get_target
+
+    if target and target != "emulation":
+        bits = recipe_bits(analysis, get_target(target), analysis.candidates)
+        if "fp8" not in bits:
+            raise WorkflowError(
+                f"--target {target}: its FP8 recipe's formats were not observed; give --bit-budget"
+            )
+        return round(bits["fp8"], 2)
+    return round(analysis_average_bits(Plan.uniform("fp8_e4m3"), analysis), 2)
+
+
+def sensitivity_objective(analysis: Analysis, gap_model: Any = None) -> Callable[[Any, str], float]:
+    """The advisor's sensitivity objective from the analysis's operand sensitivity, its GEMM roles weighted
+    by a sensitivity ``gap_model``'s coefficients (equal without one); a clear error if not measured."""
+    from numscope.advisor import sensitivity_objective as objective
+
+    sensitivity = analysis.sensitivity
+    if sensitivity is None or sensitivity.granularity != "operand":
+        measured = "none" if sensitivity is None else f"per {sensitivity.granularity}"
+        raise WorkflowError(
+            f"--objective sensitivity needs the sensitivity of every operand (measured: {measured}); run "
+            "numscope analyze ... --sensitivity N --sensitivity-granularity operand"
+        )
+    return objective(sensitivity, gap_model.role_weights() if gap_model is not None else None, analysis)
+
+
+def predicted_gap(gap_model: Any, analysis: Analysis, plan: Plan) -> float:
+    from numscope.study import StudyError
+
+    try:
+        return gap_model.predict_plan(analysis, plan)
+    except StudyError as error:
+        raise WorkflowError(f"--gap-model: {error}") from error
+
+
+def extrapolation(gap_model: Any, analysis: Analysis, plan: Plan) -> str:
+    """'' where the gap model was calibrated on every format the plan uses, else one sentence naming the
+    formats its prediction extrapolates to and how to calibrate them."""
+    outside = gap_model.uncalibrated(analysis, plan)
+    if not outside:
+        return ""
+    return (
+        f"an extrapolation: calibrated on {', '.join(gap_model.formats)} only, the plan also uses "
+        f"{', '.join(outside)} ('numscope calibrate --also {' '.join(outside)}' calibrates them)"
+    )
