@@ -304,7 +304,7 @@ def _add_adaptive_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "adaptive precision",
         "--adaptive changes the plan while training: a guard moves an operand to --fallback when its "
-        "format's underflow%% or overflow%% (or SQNR) crosses a limit that format had met there, and back "
+        "format's underflow% or overflow% (or SQNR) crosses a limit that format had met there, and back "
         "after --clear-after clean sampled steps; every --replan-every sampled steps the advisor re-solves "
         "the plan from the running model's measurements within the starting plan's average bits (an "
         "operand changes after --patience re-plans in a row choose it). Writes DIR/plan_history.csv, "

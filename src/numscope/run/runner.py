@@ -366,6 +366,10 @@ study's setting (its sensitivity plans were made from 2 batches) and what ``nums
 (its cost on the demo's model: docs/status-history.md)."""
 
 
+SENSITIVITY_TIME = "sensitivity_time.json"
+"""The file of a run folder that says how long its sensitivity took to measure (wall seconds)."""
+
+
 def measure_sensitivity(
     out_dir: Path,
     factory: Callable[[], nn.Module],
@@ -460,9 +464,11 @@ def measure_sensitivity(
     else:
         cheapest = _sensitivity_formats("auto", list(candidates))[0]  # the fewest bits
         analysis.sensitivity = combine_sensitivities(measured, cheapest)
-    # how long the measurement took (wall), for the verbs that report their stages' cost
-    analysis.sensitivity.meta["seconds"] = time.perf_counter() - began
     analysis.save(out_dir / "analysis")
+    # how long the measurement took (wall), for the verbs that report their stages' cost; beside the
+    # analysis, which stays the same bytes whatever the machine's speed
+    timing = {"seconds": time.perf_counter() - began, "batches": count, "method": method}
+    atomic_write_text(out_dir / SENSITIVITY_TIME, json.dumps(timing))
     return analysis
 
 
