@@ -2,7 +2,8 @@
 
 Model (``--size``): ``tiny`` (default) BertForMaskedLM hidden 128, 2 layers, 2 heads, intermediate 512,
 vocab 8192, seq 128, batch 32; ``demo``, the demo's BERT (hidden 128, 2 layers, 4 heads, FFN 256, vocab
-2000, seq 32, batch 64); ``base``, BERT-base's shape (12 layers, hidden 768, FFN 3072, vocab 30522, seq
+2000, seq 32, batch 64, built as the demo builds it: no dropout, the MLM head on the masked positions only,
+30% of the tokens masked); ``base``, BERT-base's shape (12 layers, hidden 768, FFN 3072, vocab 30522, seq
 128; MPNet-110M's size), batch 8 unless ``--batch``; eager attention. Rows: fp32; bf16 autocast
 (``torch.autocast("cpu", torch.bfloat16)``); the plans ``fp16`` (+ ``numscope.LossScaler``), ``fp8``,
 ``mxfp8``, ``mxfp4``, ``nvfp4`` through ``numscope.convert`` with its defaults (the native quantizers,
@@ -63,9 +64,28 @@ SIZE = "tiny"
 ROWS: int | None = None
 
 
+#: the sizes whose model is the demo's own (``numscope.run.model``: no dropout, the MLM head decoding the
+#: masked positions only) and whose batch masks the demo's 30% of the tokens
+DEMO_MODEL = {"demo"}
+
+
 def make_model(size: str | None = None) -> BertForMaskedLM:
     torch.manual_seed(0)
     shape = SIZES[size or SIZE]
+    if (size or SIZE) in DEMO_MODEL:
+        from numscope.run.model import ModelConfig, bert_mlm_from_config
+
+        return bert_mlm_from_config(
+            ModelConfig(
+                vocab_size=shape["vocab"],
+                hidden=shape["hidden"],
+                layers=shape["layers"],
+                heads=shape["heads"],
+                intermediate=shape["ffn"],
+                max_position=shape["seq"],
+                dropout=0.0,
+            )
+        )
     config = BertConfig(
         vocab_size=shape["vocab"],
         hidden_size=shape["hidden"],
@@ -83,7 +103,8 @@ def batch(size: str | None = None) -> dict[str, torch.Tensor]:
     rows = (ROWS if size is None else None) or shape["batch"]
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, shape["vocab"], (rows, shape["seq"]), generator=generator)
-    masked = torch.rand(rows, shape["seq"], generator=generator) < 0.15
+    share = 0.3 if (size or SIZE) in DEMO_MODEL else 0.15
+    masked = torch.rand(rows, shape["seq"], generator=generator) < share
     return {"input_ids": ids, "labels": torch.where(masked, ids, torch.full_like(ids, -100))}
 
 
