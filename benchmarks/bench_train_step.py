@@ -70,32 +70,25 @@ DEMO_MODEL = {"demo"}
 
 
 def make_model(size: str | None = None) -> BertForMaskedLM:
+    """The size's BERT, seeded: ``transformers``' own (its dropout, the MLM head on every position), or for
+    :data:`DEMO_MODEL` sizes the demo's (no dropout, the head on the masked positions only)."""
+    from numscope.run.model import ModelConfig, bert_mlm_from_config
+
     torch.manual_seed(0)
     shape = SIZES[size or SIZE]
-    if (size or SIZE) in DEMO_MODEL:
-        from numscope.run.model import ModelConfig, bert_mlm_from_config
-
-        return bert_mlm_from_config(
-            ModelConfig(
-                vocab_size=shape["vocab"],
-                hidden=shape["hidden"],
-                layers=shape["layers"],
-                heads=shape["heads"],
-                intermediate=shape["ffn"],
-                max_position=shape["seq"],
-                dropout=0.0,
-            )
+    demo = (size or SIZE) in DEMO_MODEL
+    return bert_mlm_from_config(
+        ModelConfig(
+            vocab_size=shape["vocab"],
+            hidden=shape["hidden"],
+            layers=shape["layers"],
+            heads=shape["heads"],
+            intermediate=shape["ffn"],
+            max_position=shape["seq"],
+            dropout=0.0 if demo else BertConfig().hidden_dropout_prob,
+            mlm_head="masked" if demo else "all",
         )
-    config = BertConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
-        intermediate_size=shape["ffn"],
-        max_position_embeddings=shape["seq"],
-        attn_implementation="eager",
     )
-    return BertForMaskedLM(config)
 
 
 def batch(size: str | None = None) -> dict[str, torch.Tensor]:

@@ -80,6 +80,20 @@ def _positive_int(name: str, value: Any, allow_none: bool = False) -> None:
         )
 
 
+def _share_limit(metric: str, default: float | None) -> Any:
+    """The field of a guard limit on a share of values (``underflow`` or ``overflow``, in percent): the
+    advisor's limit by default, ``--guard-<metric> none`` switches it off."""
+    return setting(
+        default,
+        f"{metric}% limit, or none",
+        flag=f"--guard-{metric}",
+        kind=float,
+        metavar="PCT",
+        off=True,
+        shown=f"{default:g}, the advisor's",
+    )
+
+
 @dataclass(frozen=True)
 class AdaptiveConfig:
     """How :class:`Adapter` decides (see the module docstring).
@@ -102,24 +116,8 @@ class AdaptiveConfig:
 
     every: int = setting(10, "observe and decide every N steps", minimum=1, flag="--adapt-every")
     fallback: str = setting("bf16", "a guarded operand's format", metavar="FORMAT")
-    max_underflow_pct: float | None = setting(
-        Limits.max_underflow_pct,
-        "underflow% limit, or none",
-        flag="--guard-underflow",
-        kind=float,
-        metavar="PCT",
-        off=True,
-        shown=f"{Limits.max_underflow_pct:g}, the advisor's",
-    )
-    max_overflow_pct: float | None = setting(
-        Limits.max_overflow_pct,
-        "overflow% limit, or none",
-        flag="--guard-overflow",
-        kind=float,
-        metavar="PCT",
-        off=True,
-        shown=f"{Limits.max_overflow_pct:g}, the advisor's",
-    )
+    max_underflow_pct: float | None = _share_limit("underflow", Limits.max_underflow_pct)
+    max_overflow_pct: float | None = _share_limit("overflow", Limits.max_overflow_pct)
     min_sqnr_db: float | None = setting(
         None, "SQNR limit in dB, or none", flag="--guard-sqnr", kind=float, metavar="DB", off=True
     )
