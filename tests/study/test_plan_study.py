@@ -263,11 +263,13 @@ def test_config_refuses_budgets_outside_the_two_formats():
 
 def test_the_studys_model_does_not_follow_the_demos_defaults():
     """The study's default runs keep the settings its README tables were made with (256 validation blocks,
-    15% masked) whatever the demo's defaults become; --demo-model trains exactly as the demo does."""
+    15% masked) whatever the demo's defaults become; --demo-model trains exactly as the demo does, for the
+    1,000 steps the study's tables on the demo's model were made with."""
     from dataclasses import replace
 
     from numscope.demo.main import DemoConfig
     from numscope.run.folders import setting_changes
+    from numscope.study.config import DEMO_MODEL_STEPS
 
     study = PlanStudyConfig().experiment(0)
     assert study.val_blocks == 256 and study.train.mask_probability == 0.15
@@ -276,7 +278,10 @@ def test_the_studys_model_does_not_follow_the_demos_defaults():
     shape = ("hidden", "layers", "heads", "intermediate", "seq_len", "vocab_size", "val_blocks", "dropout")
     for name in shape:
         assert getattr(learning, name) == getattr(demo, name), name
-    assert replace(learning.train, checkpoint_every=0) == replace(demo.train, checkpoint_every=0)
+    assert learning.train.steps == DEMO_MODEL_STEPS == 1000
+    assert replace(learning.train, checkpoint_every=0) == replace(
+        demo.train, checkpoint_every=0, steps=DEMO_MODEL_STEPS
+    )
     # a study folder recorded before these settings existed resumes (it was made with 256 and 15%)
     old = {k: v for k, v in PlanStudyConfig().__dict__.items() if k not in ("val_blocks", "mask_probability")}
     assert setting_changes({"config": old}, {"config": dict(PlanStudyConfig().__dict__)}) == []

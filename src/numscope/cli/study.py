@@ -81,8 +81,9 @@ def _register_study(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--demo-model",
         action="store_true",
-        help="plans: the demo's model and training (vocabulary 2,000, 32-token blocks, 1,000 steps of 64), "
-        "which learns more from context than the study's default (300 steps of 16 128-token blocks)",
+        help="plans: the demo's model and training (vocabulary 2,000, 32-token blocks, batches of 64) for "
+        "1,000 steps, the length the study's tables on it were made with; it learns more from context than "
+        "the study's default (300 steps of 16 128-token blocks)",
     )
     plans = PlanStudyConfig()  # the plan study's defaults, quoted from its configuration
 

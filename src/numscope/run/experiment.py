@@ -21,7 +21,7 @@ __all__ = ["Experiment", "experiment_observer"]
 
 def _demo_training() -> TrainConfig:
     return TrainConfig(
-        steps=1000,
+        steps=400,
         batch_size=64,
         lr=1.5e-3,
         warmup_steps=30,
