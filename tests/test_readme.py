@@ -48,3 +48,22 @@ def test_the_formats_table_is_what_numscope_formats_prints() -> None:
     from numscope.cli import formats_table, render_table
 
     assert render_table(formats_table()) in (ROOT / "docs" / "formats.md").read_text(encoding="utf-8")
+
+
+def test_the_demo_table_is_the_demos_runs_at_its_defaults() -> None:
+    """The README's demo section names the demo's default length and shows one row per run the demo trains,
+    in the order the demo prints them (a change of the demo's runs or length must come with a new table)."""
+    from numscope.demo.claims import HEURISTIC, RECOMMENDED, REFERENCE
+    from numscope.demo.main import BASELINES, DemoConfig, heuristic_spec, noise_spec, recommended_seed_spec
+
+    config = DemoConfig()
+    section = re.search(r"## The demo\n(.*?)\n## ", README, flags=re.DOTALL)
+    assert section is not None, "README.md lost its demo section"
+    assert f"{config.train.steps:,} AdamW steps per run" in section.group(1)
+    rows = re.findall(r"^\| (\S+) +\| \d", section.group(1), flags=re.MULTILINE)
+    seeds = config.noise_seeds
+    expected = [REFERENCE.name, RECOMMENDED, HEURISTIC, *(spec.name for spec in BASELINES)]
+    expected += [noise_spec(seed).name for seed in seeds]
+    expected += [recommended_seed_spec(seed).name for seed in seeds]
+    expected += [heuristic_spec(seed).name for seed in seeds]
+    assert rows == expected
