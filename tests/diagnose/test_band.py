@@ -33,6 +33,10 @@ def test_the_band_is_the_prediction_interval_of_one_more_seed() -> None:
     assert (band.lower[at], band.upper[at]) == pytest.approx((mean - half, mean + half))
     wider = _band(BandSettings(window=5, tolerance=0.05))
     assert wider.upper[at] == pytest.approx(band.upper[at] + 0.05)
+    step, half_width = band.widest()
+    halves = [(u - lo) / 2 for lo, u in zip(band.lower, band.upper, strict=True)]
+    assert half_width == max(halves) and band.steps.index(step) == halves.index(max(halves))
+    assert wider.widest()[1] == pytest.approx(half_width + 0.05)
     assert smooth([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     with pytest.raises(BandError, match="2 or more seeds"):
         Band("fp8", [1, 2], {0: [0.0, 0.0]}, BandSettings(window=1))
@@ -93,6 +97,7 @@ def test_a_genuine_seed_stays_inside_and_a_planted_jump_leaves_at_its_step(tmp_p
     code, out, err = cli("band", *run, "--plan", "fp8", "--out", tmp_path / "band")
     assert code == 0, err
     assert "fp8 against FP32 over 3 seeds" in out
+    assert re.search(r"widest at step \d+: ±\d+\.\d{4} nats", out), out
     assert (tmp_path / "band" / "band.png").stat().st_size > 10_000
     for name, plan in (("fp32", "fp32"), ("fp8", "fp8")):
         code, _, err = cli("train", *run, "--plan", plan, "--seed", 3, "--out", tmp_path / "mine" / name)

@@ -74,6 +74,11 @@ def _cmd_band(args: argparse.Namespace) -> int:
         f"{result.mean[last]:+.4f} nats (band {result.lower[last]:+.4f} … {result.upper[last]:+.4f}; "
         f"{int(settings.level * 100)}% for one more seed, each curve a mean of {settings.window} steps)"
     )
+    at, half = result.widest()
+    print(
+        f"widest at step {at}: ±{half:.4f} nats around the mean gap; a jump of the gap smaller than the "
+        "half-width where it happens can stay inside (more --seeds narrow the band)"
+    )
     if args.compare:
         verdict = result.compare(args.compare[0], args.compare[1], key=args.loss_key)
         print(f"{args.compare[1]} against {args.compare[0]}: {verdict.says()}")

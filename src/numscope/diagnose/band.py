@@ -161,6 +161,13 @@ class Band:
             self.lower.append(mean - half)
             self.upper.append(mean + half)
 
+    def widest(self) -> tuple[int, float]:
+        """The step where the band is widest and its half-width there, in nats: a change of the gap smaller
+        than that can stay inside the band at that step (more seeds narrow it)."""
+        halves = [(upper - lower) / 2 for lower, upper in zip(self.lower, self.upper, strict=True)]
+        index = max(range(len(halves)), key=halves.__getitem__)
+        return self.steps[index], halves[index]
+
     def edges_at(self, step: int) -> tuple[float, float]:
         """The band's lower and upper edge at ``step`` (linear between the band's steps)."""
         steps = self.steps
