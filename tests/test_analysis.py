@@ -50,6 +50,12 @@ def test_flat_names_are_legible():
     assert row[f"{SITE}/wgrad/be/mxfp8_e4m3*fp32/p99"] == 5e-3
 
 
+def test_operand_sizes_are_the_plans_weights_by_site():
+    analysis = small_analysis()
+    analysis.elements[(SITE, "fprop", "input")] = 1024
+    assert analysis.operand_sizes() == {SITE: {("wgrad", "grad_output"): 4096, ("fprop", "input"): 1024}}
+
+
 def test_summary_aggregates_over_steps():
     summary = small_analysis().summary()
     entry = summary[f"{SITE}/wgrad/grad_output/mxfp8_e4m3/sqnr_db"]

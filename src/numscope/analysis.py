@@ -144,6 +144,14 @@ class Analysis:
         predate it), for the stacks' shape rules."""
         return {str(name): [int(d) for d in shape] for name, shape in self.meta.get("weight_shapes", [])}
 
+    def operand_sizes(self) -> dict[str, dict[tuple[str, str], int]]:
+        """Each operand's full element count by site, then ``(gemm, operand)``: the weights
+        :meth:`numscope.Plan.average_bits` takes."""
+        sizes: dict[str, dict[tuple[str, str], int]] = {}
+        for (site, gemm, operand), count in self.elements.items():
+            sizes.setdefault(site, {})[(gemm, operand)] = count
+        return sizes
+
     def keys(self) -> list[OperandKey]:
         """Every operand key, sorted."""
         return sorted(self.operands)

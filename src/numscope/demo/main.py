@@ -510,7 +510,7 @@ def _run_demo(
     results = {name: results[name] for name in order}  # the table's order, whichever finished first
     assert analysis is not None  # loaded when the fp32 run finished
 
-    sizes = _operand_sizes(analysis)
+    sizes = analysis.operand_sizes()
     rows = []
     for result in results.values():
         row = result.to_dict()
@@ -723,13 +723,6 @@ def _default_limits_bits(analysis: Any) -> float | None:
         return advise(analysis).average_bits
     except AdvisorError:
         return None
-
-
-def _operand_sizes(analysis: Any) -> dict[str, dict[tuple[str, str], int]]:
-    sizes: dict[str, dict[tuple[str, str], int]] = {}
-    for (site, gemm, operand), count in analysis.elements.items():
-        sizes.setdefault(site, {})[(gemm, operand)] = count
-    return sizes
 
 
 def _flush_binade(fmt: str = "fp16") -> int:

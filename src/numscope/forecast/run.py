@@ -358,9 +358,7 @@ def forecast(
 
     log("[forecast] 5/5 predictions")
     lr = effective_lr([config.lr_at(step) for step in range(config.steps)], settings.lr_rule)
-    sizes: dict[str, dict[tuple[str, str], int]] = {}
-    for (site, gemm, operand), count in analysis.elements.items():
-        sizes.setdefault(site, {})[(gemm, operand)] = count
+    sizes = analysis.operand_sizes()
     rows = []
     for entry in candidates:
         effect = PlanEffect.from_dict(stored[entry.name])

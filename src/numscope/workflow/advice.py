@@ -77,10 +77,7 @@ def _save_plan(plan: Plan, path: Path) -> None:
 
 def analysis_average_bits(plan: Plan, analysis: Analysis) -> float:
     """Average bits per operand element of ``plan`` over the analysis's operands, weighted by their size."""
-    sizes: dict[str, dict[tuple[str, str], int]] = {}
-    for (site, gemm, operand), count in analysis.elements.items():
-        sizes.setdefault(site, {})[(gemm, operand)] = count
-    return plan.average_bits(sizes)
+    return plan.average_bits(analysis.operand_sizes())
 
 
 def load_gap_model(path: str | os.PathLike[str], features: str = "noise") -> Any:
