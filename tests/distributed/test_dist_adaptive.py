@@ -1,5 +1,6 @@
 """Adaptive precision under DDP and FSDP2 over gloo: every rank takes the same decisions (real processes, real
-``torch.distributed``): the observer merges each sampled step across the ranks before the adapter decides."""
+``torch.distributed``): the observer merges each sampled step across the ranks before the adapter decides;
+FSDP2 decides as DDP does."""
 
 from __future__ import annotations
 
@@ -20,3 +21,11 @@ def test_every_rank_takes_the_same_decisions(ranks: list[dict], wrapper: str) ->
     assert first["history"] == second["history"]
     assert first["plan"] == second["plan"]
     assert first["bits"] == second["bits"]
+
+
+def test_fsdp2_takes_the_decisions_of_ddp(ranks: list[dict]) -> None:
+    """The same model, batches and plan: sharding changes what each rank holds, not what is measured (a
+    measurement reused from an FSDP2 parameter whose storage was freed made these differ run to run)."""
+    ddp, fsdp2 = ranks[0]["ddp"], ranks[0]["fsdp2"]
+    assert fsdp2["history"] == ddp["history"]
+    assert fsdp2["plan"] == ddp["plan"]

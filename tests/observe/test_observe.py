@@ -338,6 +338,41 @@ def test_an_operand_in_two_gemms_is_measured_once_and_recorded_for_both(observed
         assert a.metrics["mxfp8_e4m3"] != b.metrics["mxfp8_e4m3"]
 
 
+class _LosesItsMemory(nn.Module):
+    """Measures ``a``, moves ``a`` to new memory while it lives (as FSDP2 frees an unsharded parameter's
+    storage after forward), then measures ``b``: other values at ``a``'s old address, at ``a``'s version."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 3), nn.Linear(4, 3)
+        self.first, self.second = torch.randn(8, 4), 100 * torch.randn(8, 4)
+        self.where: list[tuple[int, int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = torch.zeros(8, 4)
+        a = torch.empty(0).set_(b.untyped_storage(), 0, b.shape, b.stride())
+        a.copy_(self.first)
+        self.where.append((a.data_ptr(), a._version))
+        y = self.l1(a)
+        a.set_(torch.empty(8, 4))  # `a` still lives, elsewhere
+        b.copy_(self.second)
+        b.mul_(1.0)
+        self.where.append((b.data_ptr(), b._version))
+        return x + y.sum() + self.l2(b).sum()
+
+
+def test_a_tensor_that_lost_its_memory_is_not_reused_for_the_one_now_there() -> None:
+    model = _LosesItsMemory()
+    with observe(model, ("bf16", "fp8_e4m3"), every=1, no_grad_forwards=True) as obs:
+        with torch.no_grad():
+            model(torch.zeros(()))
+        analysis = obs.analysis()
+    assert model.where[-2] == model.where[-1]  # the same address and version: a reuse by identity alone
+    first, second = (analysis.record((name, "fprop", "input"), 0) for name in ("l1", "l2"))
+    assert first.stats["amax"] == float(model.first.abs().max())
+    assert second.stats["amax"] == float(model.second.abs().max())
+
+
 def test_retained_samples_are_bounded_on_a_large_tensor():
     layer = nn.Sequential(nn.Linear(1024, 8))
     x = torch.randn(4096, 1024, requires_grad=True)

@@ -300,8 +300,13 @@ class Observer:
         tensor = original.detach()
         identity = _identity(tensor)
         shared = self._shared.get(identity) if identity is not None else None
-        if shared is not None and shared.owner() is None:
-            shared = None
+        if shared is not None:
+            # the measured tensor must still live *and hold this memory*: FSDP2 frees an unsharded
+            # parameter's storage after forward while the parameter lives, and the allocator may hand the
+            # address to another tensor of the same size and version (a false hit, different on every run)
+            owner = shared.owner()
+            if owner is None or _identity(owner.detach()) != identity:
+                shared = None
         if shared is not None:
             local_amax = shared.local_amax
         else:
@@ -376,9 +381,9 @@ class Observer:
         amax: torch.Tensor,
     ) -> _Shared:
         """Statistics, histogram and element-format metrics of ``tensor``, kept for reuse when the same
-        tensor (same memory, same version, still alive) comes again in this step: the weight in fprop and
-        dgrad, the input in fprop and wgrad, grad_output in dgrad and wgrad, one activation entering
-        several projections. None of these depend on the contraction axis."""
+        tensor (same memory, same version, still alive and still holding that memory) comes again in this
+        step: the weight in fprop and dgrad, the input in fprop and wgrad, grad_output in dgrad and wgrad,
+        one activation entering several projections. None of these depend on the contraction axis."""
         sample, index = self._element_sample(tensor)
         stats = tensor_stats(sample)
         stats["amax"] = float(local_amax)

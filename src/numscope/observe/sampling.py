@@ -57,7 +57,9 @@ class _ConvHalf:
 class _Shared:
     """What does not depend on the contraction axis, for reuse within a step (see ``_shared_measurement``).
 
-    owner: a weak reference to the tensor measured (while it lives, its memory holds the same values).
+    owner: a weak reference to the tensor measured: while it lives and still holds the memory it was measured
+        in at the same version, that memory holds the same values (a live tensor can lose its memory:
+        FSDP2 frees an unsharded parameter's storage after forward).
     """
 
     owner: Callable[[], torch.Tensor | None]
