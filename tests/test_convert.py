@@ -17,6 +17,7 @@ from numscope.convert import (
     _Quantizer,
     _quantizer,
     _rounds_to_max,
+    cast_operand,
     convert,
     converted_plan,
     load_numerics_state_dict,
@@ -219,18 +220,17 @@ def test_native_cast_path_equals_quantize(monkeypatch, fmt: str, overflow: str, 
     above_max = torch.linspace(big, _rounds_to_max(numscope.get_format(fmt)), 64)[:-1]  # round down to max
     for scaling in (None, numscope.Scaling("tensor"), numscope.Scaling("delayed", history_len=2)):
         spec = OperandSpec(fmt, scaling=scaling if scaling is not None else "none", overflow=overflow)
-        quantizer = _Quantizer(Plan(SiteSpec.uniform(spec)), None)
-        reference = DelayedScaler(scaling) if scaling is not None and scaling.kind == "delayed" else scaling
-        site = Site("s", "s", "linear")
+        delayed = scaling is not None and scaling.kind == "delayed"
+        scaler = DelayedScaler(scaling) if delayed else None  # one per side, each with its own history
+        reference = DelayedScaler(scaling) if delayed else scaling
         for values in (x, special, x * 1e-6, ties, torch.cat([ties, ties * 1.5 + big]), above_max):
             monkeypatch.setattr(native, "_enabled", False)
             expected = numscope.quantize(values, fmt, scaling=reference, overflow=overflow)
             monkeypatch.setattr(native, "_enabled", library)
-            got = quantizer.quantize(site.key("fprop", "input"), spec, values, -1)
-            kept = quantizer._last_codes  # the codes a site keeps for backward: they unpack to got
-            assert (kept is not None) == (overflow == "saturate" or fmt in ("fp16", "bf16", "fp8_e5m2"))
-            if kept is not None:
-                codes, descale = kept
+            got, codes, descale = cast_operand(spec, values, -1, delayed=scaler)
+            # the codes a site keeps for backward: they unpack to got
+            assert (codes is not None) == (overflow == "saturate" or fmt in ("fp16", "bf16", "fp8_e5m2"))
+            if codes is not None:
                 unpacked = codes.float() if descale is None else codes.float() * descale
                 assert torch.equal(unpacked.nan_to_num(1.5), got.nan_to_num(1.5))
             assert torch.equal(got.isnan(), expected.isnan())
@@ -254,8 +254,7 @@ def test_a_float64_operand_is_quantized_as_quantize_does(fmt: str, scaling: str 
     nudged = torch.cat([grid * (1 + 2.0**-40), grid * (1 - 2.0**-40), -grid * (1 + 2.0**-40)])
     x = nudged[: nudged.numel() // 32 * 32].reshape(-1, 32)
     spec = OperandSpec(fmt, scaling=scaling)
-    quantizer = _Quantizer(Plan(SiteSpec.uniform(spec)), None)
-    got = quantizer.quantize(Site("s", "s", "linear").key("fprop", "input"), spec, x, -1)
+    got = cast_operand(spec, x, -1).values
     expected = numscope.quantize(x, fmt, scaling=spec.effective_scaling())
     assert got.dtype == torch.float32
     assert torch.equal(got.double(), expected)
@@ -300,16 +299,16 @@ def test_weight_grad_and_input_reuse_is_bit_identical() -> None:
     model = bert(dropout=0.0)
     convert(model, Plan.uniform("fp8"))
     quantizer = _quantizer(model)
-    quantized = quantizer.quantize
+    cast = quantizer._cast
     keys: list[str] = []
 
-    def counting(key, spec, tensor, axis):
+    def counting(key, *args):
         keys.append(key)
-        return quantized(key, spec, tensor, axis)
+        return cast(key, *args)
 
-    quantizer.quantize = counting
+    quantizer._cast = counting
     reused = run(model)
-    assert len(quantizer._weights) == 14  # every Linear site kept its fprop weight for dgrad
+    assert len(quantizer._kept.weights) == 14  # every Linear site kept its fprop weight for dgrad
     site_count = len(numscope.sites(model))
     assert sum(key.endswith("/fprop/input") for key in keys) == site_count
     assert not any(key.endswith("/wgrad/input") for key in keys)  # fprop's quantized input is kept
@@ -322,7 +321,7 @@ def test_weight_grad_and_input_reuse_is_bit_identical() -> None:
     numscope.sites.attach(
         model,
         lambda s, g, o, t, a: (
-            quantizer.quantize(s.key(g, o), quantizer.spec(s).operand(g, o), t, a)
+            cast_operand(quantizer.spec(s).operand(g, o), t, a).values
             if not quantizer.spec(s).operand(g, o).is_high
             else t
         ),
@@ -589,3 +588,23 @@ def test_convert_takes_a_plan_by_the_name_or_file_plan_takes(tmp_path) -> None:
         numscope.convert(bert(), "fp9")
     with pytest.raises(TypeError, match="a preset or recipe name, or a YAML path; got int"):
         numscope.convert(bert(), 8)
+
+
+def test_cast_operand_asks_for_the_state_it_needs() -> None:
+    """The stateless cast takes a delayed scaler and a fresh transform's signs as arguments and says so when
+    one is missing, rather than making up a history or a draw of its own."""
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    delayed = OperandSpec("fp8_e4m3", scaling=numscope.Scaling("delayed"))
+    with pytest.raises(ValueError, match="DelayedScaler"):
+        cast_operand(delayed, x, -1)
+    scaler, reference = DelayedScaler(delayed.effective_scaling()), DelayedScaler(delayed.effective_scaling())
+    assert torch.equal(
+        cast_operand(delayed, x, -1, delayed=scaler).values,
+        numscope.quantize(x, "fp8_e4m3", scaling=reference),
+    )
+    fresh = OperandSpec("mxfp4_e2m1", transform="rht64:fresh")
+    with pytest.raises(ValueError, match="signs"):
+        cast_operand(fresh, x.reshape(4, 64), -1)
+    signs = fresh.rotation().draw_signs(torch.Generator().manual_seed(1))
+    rotated = cast_operand(fresh, x.reshape(4, 64), -1, signs=signs)
+    assert rotated.codes is None and rotated.values.shape == (4, 64)  # codes of the rotated values: none

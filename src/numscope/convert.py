@@ -28,7 +28,7 @@ import os
 import re
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -45,7 +45,8 @@ from numscope.formats.path import (
 )
 from numscope.formats.quantize import Encoded, as_float32, encode, quantize, tile_quantize
 from numscope.formats.scaling import DelayedScaler, Scaling, element_scale
-from numscope.formats.spec import BlockFormat, FloatFormat
+from numscope.formats.spec import BlockFormat, FloatFormat, IntFormat
+from numscope.formats.transform import Rotation
 from numscope.plan import OperandSpec, Plan, PlanError, SiteSpec
 from numscope.sites import (
     Handle,
@@ -64,8 +65,293 @@ HANDLER_NAME = "numscope.convert"
 _HANDLES: dict[int, tuple[Any, Handle, _Quantizer]] = {}
 
 
+class Quantized(NamedTuple):
+    """One operand's cast: its float32 values and, where the cast wrote them as codes in a torch dtype (the
+    fp8/fp16/bf16 element casts), those codes and the descale they decode with: ``codes.float() · descale``
+    (``codes.float()`` with no descale) equals ``values`` bit for bit."""
+
+    values: torch.Tensor
+    codes: torch.Tensor | None = None
+    descale: torch.Tensor | None = None
+
+
+def cast_operand(
+    spec: OperandSpec,
+    tensor: torch.Tensor,
+    axis: int,
+    *,
+    delayed: DelayedScaler | None = None,
+    generator: torch.Generator | None = None,
+    compiled: bool | None = None,
+    factors: bool = False,
+    signs: torch.Tensor | None = None,
+) -> Quantized:
+    """``tensor`` (an operand in its GEMM's layout, contracted along ``axis``) cast as ``spec`` says, with
+    no state of its own: what the cast needs that outlives one call comes in as arguments.
+
+    delayed: the operand's :class:`DelayedScaler` (required for delayed scaling; it records this amax).
+    generator: the random source of stochastic rounding (None: torch's default generator).
+    compiled: the ``torch.compile`` kernels for what the native quantizers do not cover (as :func:`convert`).
+    factors: the operand enters a GEMM that applies the scales at each promotion (``fp22_promote128``):
+        tile-scaled values are registered with their codes and scales
+        (:func:`numscope.sites.register_factors`).
+    signs: a fresh Hadamard transform's signs for this GEMM call (required for a fresh transform).
+    An operand with a transform is quantized rotated along ``axis`` and rotated back (no codes then).
+    """
+    rotation = spec.rotation()
+    if rotation is None:
+        return _cast(spec, tensor, axis, delayed, generator, compiled, factors)
+    if rotation.fresh:
+        if signs is None:
+            raise ValueError(f"a fresh transform ({spec.transform}) needs this call's signs")
+        rotation = rotation.with_signs(signs)
+    return Quantized(
+        rotation.quantized(
+            tensor,
+            axis,
+            lambda rotated, last: _cast(spec, rotated, last, delayed, generator, compiled, factors).values,
+        )
+    )
+
+
+def _cast(
+    spec: OperandSpec,
+    tensor: torch.Tensor,
+    axis: int,
+    delayed: DelayedScaler | None,
+    generator: torch.Generator | None,
+    compiled: bool | None,
+    factors: bool,
+) -> Quantized:
+    """:func:`cast_operand` without a transform."""
+    fmt = spec.format_spec()
+    scaling = spec.effective_scaling()
+    if scaling is not None and scaling.kind == "delayed" and delayed is None:
+        raise ValueError("delayed scaling needs the operand's DelayedScaler (delayed=)")
+    cast = spec.cast()
+    xf = as_float32(tensor.detach(), fmt)  # as quantize() takes it (float64: rounded to odd)
+    paths = quantizer_paths(cast, xf, compiled=compiled, codes=True)
+    if QuantizerPath.DTYPE in paths and tensor.numel() > 0:  # codes in a torch dtype
+        assert isinstance(fmt, FloatFormat)
+        dtype = cast.torch_dtype()
+        assert dtype is not None
+        # fp8: the native quantizers write the codes (torch's fp8 conversion is scalar code; its
+        # fp16/bf16 conversions are single vector instructions, faster than any rounding arithmetic)
+        by_library = paths[0] is QuantizerPath.NATIVE
+        amax = None
+        if scaling is not None or (spec.overflow == "saturate" and not by_library):
+            amax = native.abs_amax(xf.reshape(1, -1), "tensor") if by_library else _amax(xf)
+        scale = None
+        if scaling is not None:
+            scale = element_scale(
+                xf, fmt, scaling, delayed if scaling.kind == "delayed" else None, local_amax=amax
+            )
+        done = native.element_codes(xf, fmt, spec.overflow, dtype, scale) if by_library else None
+        if done is None:
+            done = _fake_cast(xf, dtype, fmt, scale, amax, spec.overflow)
+        values, codes = done
+        return Quantized(values, codes, None if scale is None else 1.0 / scale)
+    tiles = scaling is not None and scaling.kind == "block" and not isinstance(fmt, BlockFormat)
+    if tiles and factors and tensor.numel() > 0:
+        assert isinstance(fmt, FloatFormat | IntFormat) and scaling is not None
+        values, codes, decode = tile_quantize(
+            xf,
+            fmt,
+            scaling,
+            spec.rounding,
+            spec.overflow,
+            spec.flush_subnormals,
+            generator,
+            factors=True,
+        )
+        values = values.clone()  # a tensor of its own, which views of it lead back to
+        register_factors(values, codes, decode)  # type: ignore[arg-type]
+        return Quantized(values)
+    scaling_arg: Scaling | DelayedScaler | None
+    if isinstance(fmt, BlockFormat):
+        reduce = scaling is None or scaling.reduce_amax
+        scaling_arg = Scaling("block", axis=axis, reduce_amax=reduce)
+    elif scaling is not None and scaling.kind == "delayed":
+        scaling_arg = delayed
+    else:
+        scaling_arg = scaling
+    return Quantized(
+        quantize(
+            xf,
+            fmt,  # type: ignore[arg-type]
+            scaling=scaling_arg,
+            rounding=spec.rounding,
+            overflow=spec.overflow,
+            flush_subnormals=spec.flush_subnormals,
+            generator=generator,
+            compiled=QuantizerPath.COMPILED in paths,
+        )
+    )
+
+
+class _FreshSigns:
+    """Fresh Hadamard signs per GEMM call: drawn by the call's first operand, taken by its other one, so
+    that both rotate alike and the product is kept."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, tuple[torch.Tensor, set[str]]] = {}
+
+    def take(self, key: str, rotation: Rotation, generator: torch.Generator | None) -> torch.Tensor:
+        """The signs for operand ``key`` (``site/gemm/operand``): its partner's pending draw, else a new one
+        (from ``generator``, else torch's default generator) left pending for the partner."""
+        pair, operand = key.rsplit("/", 1)
+        pending = self._pending.get(pair)
+        if pending is not None and operand not in pending[1] and len(pending[0]) == rotation.size:
+            self._pending.pop(pair)
+            return pending[0]
+        signs = rotation.draw_signs(generator)
+        self._pending[pair] = (signs, {operand})
+        return signs
+
+
+class _Record:
+    """One stateful forward quantization kept for activation checkpointing's recomputation."""
+
+    __slots__ = ("fingerprint", "scale", "state", "used")
+
+    def __init__(self, fingerprint: tuple, state: torch.Tensor | None) -> None:
+        self.fingerprint = fingerprint
+        self.state = state
+        self.scale: torch.Tensor | None = None
+        self.used = False
+
+
+class _Replay:
+    """Activation checkpointing's replay of the forward's stateful quantizations (delayed scaling, stochastic
+    rounding): the forward records each one's scale and generator state under the operand's key and its
+    fingerprint (shape and amax); a recomputation in backward takes the latest unused record with that
+    fingerprint (backward recomputes the last checkpointed part first), then the following ones in order."""
+
+    def __init__(self) -> None:
+        self.recomputing = False
+        self._records: dict[str, list[_Record]] = {}
+        self._cursor: dict[str, int] = {}
+
+    def begin(self, recompute: bool, grad_enabled: bool) -> None:
+        """A forward starts: a forward with gradients forgets the previous one's records."""
+        self.recomputing = recompute
+        self._cursor = {}
+        if not recompute and grad_enabled:
+            self._records.clear()
+
+    def clear(self) -> None:
+        self._records.clear()
+        self._cursor = {}
+
+    def record(self, key: str, fingerprint: tuple, state: torch.Tensor | None) -> _Record:
+        record = _Record(fingerprint, state)
+        self._records.setdefault(key, []).append(record)
+        return record
+
+    def take(self, key: str, fingerprint: tuple) -> _Record:
+        records = self._records.get(key, [])
+        following = self._cursor.get(key)
+        index = None
+        if following is not None and following + 1 < len(records):
+            candidate = records[following + 1]
+            if not candidate.used and candidate.fingerprint == fingerprint:
+                index = following + 1
+        if index is None:
+            unused = [i for i, record in enumerate(records) if not record.used]
+            index = next((i for i in reversed(unused) if records[i].fingerprint == fingerprint), None)
+        if index is None:
+            raise RuntimeError(
+                f"activation checkpointing recomputes operand {key!r} (delayed scaling or stochastic "
+                "rounding), but the forward did not quantize this tensor since the last forward with "
+                "gradients: numscope replays the forward's scale and random bits from that forward only; "
+                "run each backward before the next training forward, or use current scaling and nearest "
+                "rounding in forward"
+            )
+        records[index].used = True
+        self._cursor[key] = index
+        return records[index]
+
+
+class _ReplayScaler(DelayedScaler):
+    """A delayed scaler standing in for ``real``: with ``fixed`` None it asks ``real`` (which records the
+    amax) and keeps the scale it gave in ``used``; else it gives ``fixed`` and records nothing."""
+
+    def __init__(self, real: DelayedScaler, fixed: torch.Tensor | None) -> None:
+        super().__init__(real.scaling)
+        self.real = real
+        self.fixed = fixed
+        self.used: torch.Tensor | None = None
+
+    def scale_for(self, x: torch.Tensor, fmt_max: float, amax: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fixed is not None:
+            return self.fixed
+        self.used = self.real.scale_for(x, fmt_max, amax)
+        return self.used
+
+
+class _Kept:
+    """What one quantization leaves for a later GEMM, each reuse bit-identical to quantizing again (see the
+    module docstring): a weight quantized in fprop for dgrad, a gradient quantized in dgrad for wgrad (or
+    both of an MX gradient's copies made in one pass), the codes of quantized fprop inputs for the site to
+    keep instead, and wgrad inputs quantized in forward. A kept tensor is taken only by the same object at
+    the same shape, strides and version (:func:`_identity`)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, tuple[weakref.ref, tuple, torch.Tensor]] = {}
+        self.grad: tuple[torch.Tensor, tuple, torch.Tensor] | None = None
+        self.announced: tuple[torch.Tensor, tuple] | None = None
+        self.grad_columns: tuple[torch.Tensor, tuple, torch.Tensor] | None = None
+        self.codes: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor | None]] = {}
+        self.prequantized: dict[tuple, tuple[weakref.ref, Any]] = {}
+
+    def clear(self) -> None:
+        """Forget everything (a new plan)."""
+        self.weights.clear()
+        self.grad = self.announced = self.grad_columns = None
+        self.prequantized.clear()
+
+    def take_announced(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the gradient last announced for both dgrad and wgrad (once)."""
+        announced, self.announced = self.announced, None
+        return announced is not None and announced[0] is tensor and announced[1] == _identity(tensor)
+
+    def take_columns(self, tensor: torch.Tensor, axis: int) -> torch.Tensor | None:
+        """wgrad's copy of ``tensor`` (contracted along axis 0) made with dgrad's; forgotten either way."""
+        cached, self.grad_columns = self.grad_columns, None
+        if axis == 0 and cached is not None and cached[0] is tensor and cached[1] == _identity(tensor):
+            return cached[2]
+        return None
+
+    def weight(self, site: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        cached = self.weights.get(site)
+        if cached is not None and cached[0]() is tensor and cached[1] == _identity(tensor):
+            return cached[2]
+        return None
+
+    def take_grad(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        cached = self.grad
+        if cached is not None and cached[0] is tensor and cached[1] == _identity(tensor):
+            self.grad = None
+            return cached[2]
+        return None
+
+    def keep_codes(self, values: torch.Tensor, codes: torch.Tensor, descale: torch.Tensor | None) -> None:
+        """Keep the codes of ``values`` for the site to store instead of them (taken by :meth:`codes_of`)."""
+        key = id(values)
+        forget = weakref.ref(values, lambda _, key=key: self.codes.pop(key, None))
+        self.codes[key] = (forget, codes, descale)
+
+    def codes_of(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        found = self.codes.pop(id(tensor), None)
+        if found is None or found[0]() is not tensor:
+            return None
+        return found[1], found[2]
+
+
 class _Quantizer:
-    """The operand handler of :func:`convert`."""
+    """The operand handler of :func:`convert`: the plan's spec per operand, the delayed scalers (part of the
+    numerics state), and the small stateful parts around :func:`cast_operand` (what is kept for reuse, the
+    checkpoint replay, fresh transform signs)."""
 
     def __init__(
         self,
@@ -74,41 +360,28 @@ class _Quantizer:
         compiled: bool | None = None,
         low_memory: bool = False,
     ) -> None:
-        self._last_codes: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.plan = plan
         self.generator = generator
         self.compiled = compiled
         self.low_memory = low_memory
         self.scalers: dict[str, DelayedScaler] = {}
         self._specs: dict[str, SiteSpec] = {}
-        self._weights: dict[str, tuple[weakref.ref, tuple, torch.Tensor]] = {}
-        self._grad: tuple[torch.Tensor, tuple, torch.Tensor] | None = None
-        # a gradient announced for both dgrad and wgrad (announce_gradient), then wgrad's block-format copy
-        # of it, made with dgrad's in one pass
-        self._announced: tuple[torch.Tensor, tuple] | None = None
-        self._grad_columns: tuple[torch.Tensor, tuple, torch.Tensor] | None = None
-        # quantized fprop inputs that wgrad reuses: their codes and descale, for the site to keep instead
-        self._codes: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor | None]] = {}
-        # wgrad inputs quantized in forward, by the input they came from (see pack_wgrad_input)
-        self._prequantized: dict[tuple, tuple[weakref.ref, Any]] = {}
-        # activation checkpointing: the forward's stateful quantizations (delayed scaling, stochastic
-        # rounding), replayed when the forward is recomputed in backward (see forward_begins)
-        self._records: dict[str, list[_Record]] = {}
-        self._recomputing = False
-        self._cursor: dict[str, int] = {}
-        self._override: DelayedScaler | None = None
-        # fresh Hadamard signs drawn by a GEMM call's first operand, for its second (see _fresh_signs)
-        self._fresh: dict[str, tuple[torch.Tensor, set[str]]] = {}
-        self._factors = False  # the operand being quantized enters a promoting GEMM (see __call__)
+        self._kept = _Kept()
+        self._replay = _Replay()
+        self._signs = _FreshSigns()
+
+    def switch(self, plan: Plan) -> None:
+        """Run under ``plan`` from now on, dropping what the previous plan kept (:func:`switch_plan`)."""
+        self.plan = plan
+        self._specs.clear()
+        self._kept.clear()
+        self._replay.clear()
 
     def forward_begins(self, recompute: bool, grad_enabled: bool) -> None:
         """``numscope.sites`` says a forward starts: a forward of the model, or (``recompute``) activation
         checkpointing's recomputation of a part of it in backward. A forward with gradients forgets the
         records of the previous one; a recomputation replays them (:meth:`_quantize_operand`)."""
-        self._recomputing = recompute
-        self._cursor = {}
-        if not recompute and grad_enabled:
-            self._records.clear()
+        self._replay.begin(recompute, grad_enabled)
 
     def prequantizes_wgrad_input(self, site: Site) -> bool:
         """Whether wgrad's input is quantized in forward and kept for backward in a compact form: block
@@ -137,12 +410,13 @@ class _Quantizer:
         # one input entering several sites (Q, K and V's projections) is packed once for all of them
         base = tensor if tensor._base is None else tensor._base
         key = (id(base), base._version, tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), spec)
-        found = self._prequantized.get(key)
+        prequantized = self._kept.prequantized
+        found = prequantized.get(key)
         if found is not None and found[0]() is base:
             return found[1]
         packed = self._pack_wgrad_input(spec, tensor)
-        forget = weakref.ref(base, lambda _, key=key: self._prequantized.pop(key, None))
-        self._prequantized[key] = (forget, packed)
+        forget = weakref.ref(base, lambda _, key=key: prequantized.pop(key, None))
+        prequantized[key] = (forget, packed)
         return packed
 
     def _pack_wgrad_input(self, spec: OperandSpec, tensor: torch.Tensor):
@@ -183,10 +457,10 @@ class _Quantizer:
         """The codes of a quantized fprop input (or activation weight) this quantizer produced
         (``numscope.sites.gemm._Call.pack`` asks): kept in the format's own torch dtype (1 or 2 bytes) with
         its descale, unpacked bit for bit."""
-        found = self._codes.pop(id(tensor), None)
-        if found is None or found[0]() is not tensor:
+        found = self._kept.codes_of(tensor)
+        if found is None:
             return None
-        _, codes, descale = found
+        codes, descale = found
         if descale is None:
             return (codes,), _unpack
         return (codes, descale), _unpack
@@ -231,15 +505,12 @@ class _Quantizer:
             scaler = self.scalers[key] = DelayedScaler(scaling)
         return scaler
 
-    def _delayed(self, key: str, scaling: Scaling) -> DelayedScaler:
-        """The delayed scaler of ``key``, or the one replaying a recorded scale (``_quantize_operand``)."""
-        return self._override if self._override is not None else self.scaler(key, scaling)
-
     def announce_gradient(self, site: Site, tensor: torch.Tensor) -> None:
         """``numscope.sites.gemm`` says that dgrad (blocks along the rows) and then wgrad (down the columns)
         will take this 2-D gradient: where both want the same MX format, dgrad's call makes both copies in
         one pass over it (:func:`numscope.formats.native.block_both`) and wgrad's takes the second."""
-        self._announced = (tensor, _identity(tensor)) if self._both_directions(site, tensor) else None
+        both = self._both_directions(site, tensor)
+        self._kept.announced = (tensor, _identity(tensor)) if both else None
 
     def _both_directions(self, site: Site, tensor: torch.Tensor) -> bool:
         spec = self.spec(site)
@@ -262,19 +533,20 @@ class _Quantizer:
         operand_spec = spec.operand(gemm, operand)
         if operand_spec.is_high:
             return tensor
+        kept = self._kept
         if operand == Operand.GRAD_OUTPUT:
-            announced, self._announced = self._announced, None
-            fresh = announced is not None and announced[0] is tensor and announced[1] == _identity(tensor)
+            fresh = kept.take_announced(tensor)
             if gemm == Gemm.DGRAD and fresh and axis in (-1, 1):
                 fmt = operand_spec.format_spec()
-                both = native.block_both(tensor.detach(), fmt)  # type: ignore[arg-type]
+                assert isinstance(fmt, BlockFormat)
+                both = native.block_both(tensor.detach(), fmt)
                 if both is not None:
-                    self._grad_columns = (tensor, _identity(tensor), both[1])
+                    kept.grad_columns = (tensor, _identity(tensor), both[1])
                     return both[0]
-            if gemm == Gemm.WGRAD and self._grad_columns is not None:
-                cached, self._grad_columns = self._grad_columns, None
-                if axis == 0 and cached[0] is tensor and cached[1] == _identity(tensor):
-                    return cached[2]
+            if gemm == Gemm.WGRAD:
+                columns = kept.take_columns(tensor, axis)
+                if columns is not None:
+                    return columns
         reusable = (
             operand == Operand.WEIGHT
             and isinstance(tensor, nn.Parameter)
@@ -282,25 +554,21 @@ class _Quantizer:
             and spec.operand(Gemm.FPROP, Operand.WEIGHT) == spec.operand(Gemm.DGRAD, Operand.WEIGHT)
         )
         if reusable and gemm == Gemm.DGRAD:
-            cached = self._weights.get(site.name)
-            if cached is not None and cached[0]() is tensor and cached[1] == _identity(tensor):
-                return cached[2]
+            weight = kept.weight(site.name, tensor)
+            if weight is not None:
+                return weight
         shared_grad = (
             operand == Operand.GRAD_OUTPUT
             and _axis_independent(operand_spec)
             and spec.operand(Gemm.DGRAD, Operand.GRAD_OUTPUT) == spec.operand(Gemm.WGRAD, Operand.GRAD_OUTPUT)
         )
         if shared_grad and gemm == Gemm.WGRAD:
-            cached = self._grad
-            if cached is not None and cached[0] is tensor and cached[1] == _identity(tensor):
-                self._grad = None
-                return cached[2]
+            grad = kept.take_grad(tensor)
+            if grad is not None:
+                return grad
         # a GEMM that applies the scales at each promotion takes the codes and scales (register_factors)
-        self._factors = spec.accumulate_for(gemm) == "fp22_promote128"
-        try:
-            result = self._quantize_operand(site.key(gemm, operand), gemm, operand_spec, tensor, axis)
-        finally:
-            self._factors = False
+        factors = spec.accumulate_for(gemm) == "fp22_promote128"
+        result = self._quantize_operand(site.key(gemm, operand), gemm, operand_spec, tensor, axis, factors)
         kept_for_backward = gemm == Gemm.FPROP and (
             (operand == Operand.INPUT and self.shares_input(site))
             or (
@@ -309,196 +577,79 @@ class _Quantizer:
                 and self.shares_weight(site)
             )
         )
-        if kept_for_backward and self._last_codes is not None:  # the site keeps these codes instead
-            key = id(result)
-            forget = weakref.ref(result, lambda _, key=key: self._codes.pop(key, None))
-            self._codes[key] = (forget, *self._last_codes)
-        self._last_codes = None
+        if kept_for_backward and result.codes is not None:  # the site keeps these codes instead
+            kept.keep_codes(result.values, result.codes, result.descale)
         if reusable and gemm == Gemm.FPROP:
-            self._weights[site.name] = (weakref.ref(tensor), _identity(tensor), result)
+            kept.weights[site.name] = (weakref.ref(tensor), _identity(tensor), result.values)
         if shared_grad and gemm == Gemm.DGRAD:
-            self._grad = (tensor, _identity(tensor), result)
-        return result
+            kept.grad = (tensor, _identity(tensor), result.values)
+        return result.values
 
     def _quantize_operand(
-        self, key: str, gemm: str, spec: OperandSpec, tensor: torch.Tensor, axis: int
-    ) -> torch.Tensor:
-        """:meth:`quantize` of one operand, exactly as the forward did it when activation checkpointing
-        recomputes the forward in backward.
+        self, key: str, gemm: str, spec: OperandSpec, tensor: torch.Tensor, axis: int, factors: bool
+    ) -> Quantized:
+        """:meth:`_cast` of one operand, exactly as the forward did it when activation checkpointing
+        recomputes the forward in backward (:class:`_Replay`).
 
         Only a forward operand with state needs it: delayed scaling (the amax history has moved on since)
         and stochastic rounding with the quantizer's own generator (the global generator is restored by the
-        checkpoint itself, which keeps its state by default). The forward records its scale and generator
-        state under the operand's key and its fingerprint (shape and amax); a recomputation takes the
-        latest unused record with that fingerprint (backward recomputes the last checkpointed part first),
-        then the following ones in order, and leaves the history and the generator as they were.
+        checkpoint itself, which keeps its state by default). A recomputation leaves the history and the
+        generator as they were.
         """
-        fresh = spec.transform is not None and spec.rotation().fresh  # type: ignore[union-attr]
+        rotation = spec.rotation()
+        fresh = rotation is not None and rotation.fresh
         # a fresh transform's signs come from the generator too: replayed with it
         stochastic = (spec.rounding == "stochastic" or fresh) and self.generator is not None
         scaling = spec.effective_scaling()
-        delayed = scaling is not None and scaling.kind == "delayed"
-        if gemm != Gemm.FPROP or not (stochastic or delayed):
-            return self.quantize(key, spec, tensor, axis)
+        scaler = self.scaler(key, scaling) if scaling is not None and scaling.kind == "delayed" else None
+        if gemm != Gemm.FPROP or not (stochastic or scaler is not None):
+            return self._cast(key, spec, tensor, axis, scaler, factors)
         amax = _amax(tensor.detach().float()).view(torch.int32).item() if tensor.numel() else 0
         fingerprint = (tuple(tensor.shape), amax)
-        if not self._recomputing:
-            record = _Record(fingerprint, self.generator.get_state() if stochastic else None, None)  # type: ignore[union-attr]
-            self._records.setdefault(key, []).append(record)
-            self._override = _ReplayScaler(self.scaler(key, scaling), None) if delayed else None  # type: ignore[arg-type]
-            try:
-                return self.quantize(key, spec, tensor, axis)
-            finally:
-                if self._override is not None:
-                    record.scale = self._override.used  # type: ignore[attr-defined]
-                self._override = None
-        record = self._replay_record(key, fingerprint)
-        kept = self.generator.get_state() if stochastic else None  # type: ignore[union-attr]
-        if stochastic:
-            self.generator.set_state(record.state)  # type: ignore[union-attr,arg-type]
-        self._override = _ReplayScaler(self.scaler(key, scaling), record.scale) if delayed else None  # type: ignore[arg-type]
+        generator = self.generator if stochastic else None
+        if not self._replay.recomputing:
+            state = generator.get_state() if generator is not None else None
+            record = self._replay.record(key, fingerprint, state)
+            stand_in = _ReplayScaler(scaler, None) if scaler is not None else None
+            result = self._cast(key, spec, tensor, axis, stand_in, factors)
+            if stand_in is not None:
+                record.scale = stand_in.used
+            return result
+        record = self._replay.take(key, fingerprint)
+        before = None
+        if generator is not None and record.state is not None:
+            before = generator.get_state()
+            generator.set_state(record.state)
         try:
-            return self.quantize(key, spec, tensor, axis)
+            stand_in = _ReplayScaler(scaler, record.scale) if scaler is not None else None
+            return self._cast(key, spec, tensor, axis, stand_in, factors)
         finally:
-            self._override = None
-            if stochastic:
-                self.generator.set_state(kept)  # type: ignore[union-attr,arg-type]
+            if generator is not None and before is not None:
+                generator.set_state(before)
 
-    def _replay_record(self, key: str, fingerprint: tuple) -> _Record:
-        records = self._records.get(key, [])
-        following = self._cursor.get(key)
-        index = None
-        if following is not None and following + 1 < len(records):
-            candidate = records[following + 1]
-            if not candidate.used and candidate.fingerprint == fingerprint:
-                index = following + 1
-        if index is None:
-            unused = [i for i, record in enumerate(records) if not record.used]
-            index = next((i for i in reversed(unused) if records[i].fingerprint == fingerprint), None)
-        if index is None:
-            raise RuntimeError(
-                f"activation checkpointing recomputes operand {key!r} (delayed scaling or stochastic "
-                "rounding), but the forward did not quantize this tensor since the last forward with "
-                "gradients: numscope replays the forward's scale and random bits from that forward only; "
-                "run each backward before the next training forward, or use current scaling and nearest "
-                "rounding in forward"
-            )
-        records[index].used = True
-        self._cursor[key] = index
-        return records[index]
-
-    def quantize(self, key: str, spec: OperandSpec, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        """``tensor`` in ``spec``, as float32 values (not rounded to an fp16/bf16 operand's dtype: a site
-        that multiplies in float32 takes them as they are, any other casts them to its operand's dtype).
-        An operand with a transform is quantized rotated along ``axis`` and rotated back."""
+    def _cast(
+        self,
+        key: str,
+        spec: OperandSpec,
+        tensor: torch.Tensor,
+        axis: int,
+        delayed: DelayedScaler | None,
+        factors: bool,
+    ) -> Quantized:
         rotation = spec.rotation()
+        signs = None
         if rotation is not None and rotation.fresh:
-            rotation = rotation.with_signs(self._fresh_signs(key, rotation))
-        if rotation is not None:
-            return rotation.quantized(
-                tensor, axis, lambda rotated, last: self._quantize(key, spec, rotated, last)
-            )
-        return self._quantize(key, spec, tensor, axis)
-
-    def _fresh_signs(self, key: str, rotation: Any) -> torch.Tensor:
-        """The signs of a fresh Hadamard transform for the GEMM call ``key`` (``site/gemm/operand``)
-        belongs to: drawn by the call's first operand (from the quantizer's generator, else torch's
-        default one), taken by its other operand, so that both rotate alike and the product is kept."""
-        pair, operand = key.rsplit("/", 1)
-        pending = self._fresh.get(pair)
-        if pending is not None and operand not in pending[1] and len(pending[0]) == rotation.size:
-            self._fresh.pop(pair)
-            return pending[0]
-        signs = rotation.draw_signs(self.generator)
-        self._fresh[pair] = (signs, {operand})
-        return signs
-
-    def _quantize(self, key: str, spec: OperandSpec, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        fmt = spec.format_spec()
-        scaling = spec.effective_scaling()
-        cast = spec.cast()
-        xf = as_float32(tensor.detach(), fmt)  # as quantize() takes it (float64: rounded to odd)
-        paths = quantizer_paths(cast, xf, compiled=self.compiled, codes=True)
-        self._last_codes = None
-        if QuantizerPath.DTYPE in paths and tensor.numel() > 0:  # codes in a torch dtype
-            dtype = cast.torch_dtype()
-            # fp8: the native quantizers write the codes (torch's fp8 conversion is scalar code; its
-            # fp16/bf16 conversions are single vector instructions, faster than any rounding arithmetic)
-            by_library = paths[0] is QuantizerPath.NATIVE
-            amax = None
-            if scaling is not None or (spec.overflow == "saturate" and not by_library):
-                amax = native.abs_amax(xf.reshape(1, -1), "tensor") if by_library else _amax(xf)
-            scale = None
-            if scaling is not None:
-                delayed = self._delayed(key, scaling) if scaling.kind == "delayed" else None
-                scale = element_scale(xf, fmt, scaling, delayed, local_amax=amax)  # type: ignore[arg-type]
-            done = native.element_codes(xf, fmt, spec.overflow, dtype, scale) if by_library else None
-            if done is None:
-                done = _fake_cast(xf, dtype, fmt, scale, amax, spec.overflow)  # type: ignore[arg-type]
-            values, codes = done
-            self._last_codes = (codes, None if scale is None else 1.0 / scale)
-            return values
-        tiles = scaling is not None and scaling.kind == "block" and not isinstance(fmt, BlockFormat)
-        if tiles and self._factors and tensor.numel() > 0:
-            values, codes, decode = tile_quantize(
-                xf,
-                fmt,  # type: ignore[arg-type]
-                scaling,  # type: ignore[arg-type]
-                spec.rounding,
-                spec.overflow,
-                spec.flush_subnormals,
-                self.generator,
-                factors=True,
-            )
-            values = values.clone()  # a tensor of its own, which views of it lead back to
-            register_factors(values, codes, decode)  # type: ignore[arg-type]
-            return values
-        if isinstance(fmt, BlockFormat):
-            reduce = scaling is None or scaling.reduce_amax
-            scaling_arg: Any = Scaling("block", axis=axis, reduce_amax=reduce)
-        elif scaling is not None and scaling.kind == "delayed":
-            scaling_arg = self._delayed(key, scaling)
-        else:
-            scaling_arg = scaling
-        return quantize(
-            xf,
-            fmt,  # type: ignore[arg-type]
-            scaling=scaling_arg,
-            rounding=spec.rounding,
-            overflow=spec.overflow,
-            flush_subnormals=spec.flush_subnormals,
+            signs = self._signs.take(key, rotation, self.generator)
+        return cast_operand(
+            spec,
+            tensor,
+            axis,
+            delayed=delayed,
             generator=self.generator,
-            compiled=QuantizerPath.COMPILED in paths,
+            compiled=self.compiled,
+            factors=factors,
+            signs=signs,
         )
-
-
-class _Record:
-    """One stateful forward quantization kept for activation checkpointing's recomputation."""
-
-    __slots__ = ("fingerprint", "scale", "state", "used")
-
-    def __init__(self, fingerprint: tuple, state: torch.Tensor | None, scale: torch.Tensor | None) -> None:
-        self.fingerprint = fingerprint
-        self.state = state
-        self.scale = scale
-        self.used = False
-
-
-class _ReplayScaler(DelayedScaler):
-    """A delayed scaler standing in for ``real``: with ``fixed`` None it asks ``real`` (which records the
-    amax) and keeps the scale it gave in ``used``; else it gives ``fixed`` and records nothing."""
-
-    def __init__(self, real: DelayedScaler, fixed: torch.Tensor | None) -> None:
-        super().__init__(real.scaling)
-        self.real = real
-        self.fixed = fixed
-        self.used: torch.Tensor | None = None
-
-    def scale_for(self, x: torch.Tensor, fmt_max: float, amax: torch.Tensor | None = None) -> torch.Tensor:
-        if self.fixed is not None:
-            return self.fixed
-        self.used = self.real.scale_for(x, fmt_max, amax)
-        return self.used
 
 
 def _cast_native(values: torch.Tensor, dtype: torch.dtype, fmt: FloatFormat) -> torch.Tensor:
@@ -737,7 +888,11 @@ def quantize_operand(
     one operand's quantization does without converting a model."""
     if spec.is_high:
         return tensor.detach().float()
-    return _Quantizer(Plan(SiteSpec.uniform(spec)), generator).quantize("operand", spec, tensor, axis)
+    scaling = spec.effective_scaling()
+    delayed = DelayedScaler(scaling) if scaling is not None and scaling.kind == "delayed" else None
+    rotation = spec.rotation()
+    signs = rotation.draw_signs(generator) if rotation is not None and rotation.fresh else None
+    return cast_operand(spec, tensor, axis, delayed=delayed, generator=generator, signs=signs).values
 
 
 def unconvert(model: nn.Module) -> nn.Module:
@@ -774,12 +929,7 @@ def switch_plan(model: nn.Module, plan: Plan) -> Plan:
         new = plan.for_site(site_name).operand(gemm, operand)
         if (old.format, old.effective_scaling()) != (new.format, new.effective_scaling()):
             del quantizer.scalers[key]
-    quantizer.plan = plan
-    quantizer._specs.clear()
-    quantizer._weights.clear()
-    quantizer._grad = quantizer._announced = quantizer._grad_columns = None
-    quantizer._prequantized.clear()
-    quantizer._records.clear()
+    quantizer.switch(plan)
     refresh(model)  # a site that was all high may now want the handler, and the reverse
     return before
 

@@ -251,8 +251,8 @@ def test_fp32_ops_leave_sites_their_parameters_names_and_plan_rules() -> None:
     model = bert(dropout=0.0)
     recipe = Recipe(model, plan=numscope.Plan(rules=(numscope.Rule("*.query", int4),)), dtype=torch.float16)
     quantizer = _quantizer(model)
-    quantize, keys = quantizer.quantize, []
-    quantizer.quantize = lambda key, *args: keys.append(key) or quantize(key, *args)
+    cast, keys = quantizer._cast, []
+    quantizer._cast = lambda key, *args: keys.append(key) or cast(key, *args)
     seen: dict[tuple[str, str, str], tuple[str, torch.Tensor]] = {}
 
     def spy(site, gemm, operand, tensor, axis):
