@@ -16,10 +16,11 @@ from numscope.formats.path import Cast
 from numscope.formats.scaling import Scaling, default_scaling
 from numscope.formats.spec import BlockFormat, Format, get_format
 from numscope.formats.transform import Rotation
+from numscope.sites.gemm import ACCUMULATORS
 from numscope.vocab import GEMMS, OPERAND_KEYS, OPERAND_NAMES, OPERANDS, Gemm
 
-#: the accumulators of :data:`numscope.sites.ACCUMULATORS`
-ACCUMULATE: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp22", "fp22_promote128")
+#: the accumulators a plan may name: those of :data:`numscope.sites.ACCUMULATORS`, in its order
+ACCUMULATE: tuple[str, ...] = tuple(ACCUMULATORS)
 HIGH = "high"
 PLAN_VERSION = 1
 VERSION_KEY = "numscope_plan"
