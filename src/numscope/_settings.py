@@ -70,3 +70,41 @@ def shown_default(item: Field[Any]) -> str:
     if item.default is None:
         return "off" if item.metadata.get("off") else "none"
     return f"{item.default:g}" if isinstance(item.default, float) else str(item.default)
+
+
+def check_settings(settings: Any, names: tuple[str, ...] | None = None) -> None:
+    """Check the :func:`setting` fields of a settings dataclass against what their flags allow (the type;
+    ``minimum``; ``positive``; ``choices``; None only where ``off`` or the default), ``names`` only where
+    given. Raises :class:`numscope.errors.SettingsError` naming the first wrong one as the Python API does
+    (``TrainConfig.steps``); the command line prints it under its flag."""
+    import math
+    from dataclasses import fields
+
+    from numscope.errors import SettingsError
+
+    for item in fields(settings):
+        if "help" not in item.metadata or (names is not None and item.name not in names):
+            continue
+        value = getattr(settings, item.name)
+        where = f"{type(settings).__name__}.{item.name}"
+        if value is None:
+            if item.metadata.get("off") or item.default is None:
+                continue
+            raise SettingsError(where, "a value is required; got None")
+        kind = kind_of(item)
+        minimum, positive, choices = (item.metadata.get(k) for k in ("minimum", "positive", "choices"))
+        if kind is str:
+            if not isinstance(value, str) or (choices and value not in choices):
+                allowed = ", ".join(choices) if choices else "a name"
+                raise SettingsError(where, f"one of {allowed}; got {value!r}")
+            continue
+        number = kind is float and isinstance(value, int | float) and not isinstance(value, bool)
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            at_least = "" if minimum is None else f" ≥ {minimum:g}"
+            raise SettingsError(where, f"must be an integer{at_least}; got {value!r}")
+        if kind is float and not (number and math.isfinite(value)):
+            raise SettingsError(where, f"must be a finite number; got {value!r}")
+        if positive and not value > 0:
+            raise SettingsError(where, f"must be > 0; got {value!r}")
+        if minimum is not None and value < minimum:
+            raise SettingsError(where, f"must be ≥ {minimum:g}; got {value!r}")

@@ -949,7 +949,7 @@ ERRORS = {
     ),
     "mask probability above 1": (
         lambda ws: ["train", *flags(ws), "--mask-probability", "1.5", "--plan", "fp8", "--out", ws / "e"],
-        "--mask-probability must be in (0, 1]; got 1.5",
+        "--mask-probability: must be in (0, 1]; got 1.5",
     ),
     "sequence too long": (
         lambda ws: ["train", *flags(ws, seq_len=128), "--plan", "fp8", "--out", ws / "e"],
@@ -957,7 +957,7 @@ ERRORS = {
     ),
     "batch too large": (
         lambda ws: ["train", *flags(ws, batch_size=100000), "--plan", "fp8", "--out", ws / "e"],
-        "--batch-size 100000 exceeds the",
+        "--batch-size: 100000 exceeds the",
     ),
     "missing plan file": (
         lambda ws: ["train", *flags(ws), "--plan", ws / "nope.yaml", "--out", ws / "e"],

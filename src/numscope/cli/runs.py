@@ -50,13 +50,30 @@ def sensitivity_settings(args: argparse.Namespace, granularity: str | None = Non
     )
 
 
+def _generated_flags() -> dict[str, str]:
+    """``Class.field`` → flag for every :func:`numscope._settings.setting` field the CLI generates."""
+    from dataclasses import fields
+
+    from numscope._settings import flag_of
+    from numscope.run.config import TrainConfig
+    from numscope.run.sources import DataSettings
+    from numscope.train.adaptive import AdaptiveConfig
+
+    return {
+        f"{cls.__name__}.{item.name}": flag_of(item)
+        for cls in (TrainConfig, DataSettings, AdaptiveConfig)
+        for item in fields(cls)
+        if "help" in item.metadata
+    }
+
+
 SETTING_FLAGS: dict[str, str] = {
     "SensitivitySettings.batches": "--sensitivity",
     "SensitivitySettings.granularity": "--sensitivity-granularity",
     "SensitivitySettings.formats": "--sensitivity-formats",
     "SensitivitySettings.early": "--sensitivity-early",
     "SensitivitySettings.method": "--sensitivity-method",
-    "TrainConfig.steps": "--steps",
+    **_generated_flags(),
 }
 """The flag that sets each setting a :class:`numscope.errors.SettingsError` names (the CLI prints its
 problem under the flag)."""

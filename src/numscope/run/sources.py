@@ -17,7 +17,6 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
-import math
 import os
 import sys
 import warnings
@@ -30,8 +29,8 @@ import torch
 from torch import nn
 
 from numscope import distributed
-from numscope._settings import setting
-from numscope.errors import WorkflowError
+from numscope._settings import check_settings, setting
+from numscope.errors import SettingsError, WorkflowError
 from numscope.plan import PlanError
 from numscope.run.config import RunData, TrainConfig
 from numscope.run.corpus import CorpusError
@@ -581,9 +580,7 @@ class DataSettings:
             if not Path(path).is_file():
                 what = "is a directory, not a file" if Path(path).is_dir() else "no such file"
                 raise WorkflowError(f"--text {path}: {what}")
-        check_positive("--vocab-size", self.vocab_size, minimum=6)
-        check_positive("--seq-len", self.seq_len, minimum=3)
-        check_positive("--val-blocks", self.val_blocks)
+        check_settings(self)
         if self.tokenizer is not None:
             object.__setattr__(self, "tokenizer", str(self.tokenizer))
             object.__setattr__(self, "vocab_size", _tokenizer_info(self.tokenizer).vocab_size)
@@ -640,30 +637,23 @@ def corpus_digest(data: DataSettings) -> str:
 
 
 def check_train_config(config: TrainConfig, data: RunData) -> None:
-    for flag, value in (
-        ("--steps", config.steps),
-        ("--batch-size", config.batch_size),
-        ("--eval-every", config.eval_every),
-        ("--checkpoint-every", config.checkpoint_every),
-    ):
-        check_positive(flag, value)
-    if config.warmup_steps < 0:
-        raise WorkflowError(f"--warmup-steps must be ≥ 0; got {config.warmup_steps}")
-    for flag, value in (("--lr", config.lr), ("--grad-clip", config.grad_clip)):
-        if not (math.isfinite(value) and value > 0):
-            raise WorkflowError(f"{flag} must be a positive number; got {value}")
-    if not (math.isfinite(config.weight_decay) and config.weight_decay >= 0):
-        raise WorkflowError(f"--weight-decay must be ≥ 0; got {config.weight_decay}")
-    if not (math.isfinite(config.mask_probability) and 0 < config.mask_probability <= 1):
-        raise WorkflowError(f"--mask-probability must be in (0, 1]; got {config.mask_probability}")
+    """Each setting within what it allows, and the batch within what the data and processes allow; a
+    :class:`SettingsError` names the setting as the API does (the CLI prints its flag)."""
+    check_settings(config)
+    if config.mask_probability > 1:
+        problem = f"must be in (0, 1]; got {config.mask_probability}"
+        raise SettingsError("TrainConfig.mask_probability", problem)
     world = distributed.world_size()
     if config.batch_size % world:
-        raise WorkflowError(
-            f"--batch-size {config.batch_size} (the global batch) does not divide over {world} processes"
+        raise SettingsError(
+            "TrainConfig.batch_size",
+            f"{config.batch_size} (the global batch) does not divide over {world} processes",
         )
     blocks = data.train_blocks.shape[0]
     if blocks < config.batch_size:
-        raise WorkflowError(
-            f"--batch-size {config.batch_size} exceeds the {blocks} training blocks your text makes at "
-            "this --seq-len; give more text or a smaller --batch-size"
+        raise SettingsError(
+            "TrainConfig.batch_size",
+            f"{config.batch_size} exceeds the {blocks} training blocks your text makes at "
+            f"DataSettings.seq_len {data.train_blocks.shape[1]}; give more text or a smaller "
+            "TrainConfig.batch_size",
         )
