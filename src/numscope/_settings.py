@@ -72,10 +72,10 @@ def shown_default(item: Field[Any]) -> str:
     return f"{item.default:g}" if isinstance(item.default, float) else str(item.default)
 
 
-def check_settings(settings: Any, names: tuple[str, ...] | None = None) -> None:
+def check_settings(settings: Any) -> None:
     """Check the :func:`setting` fields of a settings dataclass against what their flags allow (the type;
-    ``minimum``; ``positive``; ``choices``; None only where ``off`` or the default), ``names`` only where
-    given. Raises :class:`numscope.errors.SettingsError` naming the first wrong one as the Python API does
+    ``minimum``; ``positive``; ``choices``; None only where ``off`` or the default). Raises
+    :class:`numscope.errors.SettingsError` naming the first wrong one as the Python API does
     (``TrainConfig.steps``); the command line prints it under its flag."""
     import math
     from dataclasses import fields
@@ -83,7 +83,7 @@ def check_settings(settings: Any, names: tuple[str, ...] | None = None) -> None:
     from numscope.errors import SettingsError
 
     for item in fields(settings):
-        if "help" not in item.metadata or (names is not None and item.name not in names):
+        if "help" not in item.metadata:
             continue
         value = getattr(settings, item.name)
         where = f"{type(settings).__name__}.{item.name}"
