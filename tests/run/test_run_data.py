@@ -15,6 +15,7 @@ from numscope.run.data import (
     IGNORE_INDEX,
     batches,
     blocks_cache_path,
+    derive_seed,
     evaluate_mlm,
     load_or_make_blocks,
     make_blocks,
@@ -186,6 +187,34 @@ def test_evaluation_scores_a_masked_only_head_like_a_full_one(
     second = evaluate_mlm(masked, blocks, small_info, batch_size=8, seed=0)
     assert first.masked_tokens == second.masked_tokens and first.accuracy == second.accuracy
     assert abs(first.loss - second.loss) < 1e-5
+
+
+def test_evaluation_gives_the_labels_only_to_a_head_that_runs_at_them(
+    small_info: TokenizerInfo, blocks: torch.Tensor
+) -> None:
+    """A transformers MLM given labels computes a loss over every position that the score does not use."""
+    blocks = blocks[:16]
+    full = make_bert_mlm(small_info.vocab_size, **TINY, mlm_head="all")
+    masked = make_bert_mlm(small_info.vocab_size, **TINY, mlm_head="masked")
+    masked.load_state_dict(full.state_dict())
+    given: dict[str, list[bool]] = {"full": [], "masked": []}
+    for name, model in (("full", full), ("masked", masked)):
+        model.register_forward_pre_hook(
+            lambda _m, _a, kwargs, name=name: given[name].append("labels" in kwargs), with_kwargs=True
+        )
+    first = evaluate_mlm(full, blocks, small_info, batch_size=8, seed=0)
+    second = evaluate_mlm(masked, blocks, small_info, batch_size=8, seed=0)
+    assert given == {"full": [False, False], "masked": [True, True]}
+    # the score is the one the labelled forward gives: its loss over the same masked tokens
+    masked_ids, labels = mlm_mask(
+        blocks.long(), small_info, 0.15, torch.Generator().manual_seed(derive_seed(0, "evaluation"))
+    )
+    with torch.no_grad():
+        reference = full.eval()(
+            input_ids=masked_ids, attention_mask=(blocks != small_info.pad_id).long(), labels=labels
+        ).loss
+    assert first.loss == pytest.approx(float(reference), rel=1e-5)
+    assert second.loss == pytest.approx(first.loss, rel=1e-5)
 
 
 def test_unigram_loss_scores_the_evaluation_tokens_by_training_frequencies(

@@ -125,6 +125,8 @@ def _masked_class() -> type:
         without labels the forward is ``BertForMaskedLM``'s.
         """
 
+        head_at_labels = True  # numscope.run.data.HEAD_AT_LABELS: evaluate_mlm gives it the labels
+
         def forward(  # type: ignore[override]
             self,
             input_ids: torch.Tensor | None = None,
