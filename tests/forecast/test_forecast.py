@@ -4,6 +4,7 @@ trained from the file the forecast wrote."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -141,7 +142,7 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
     text = write_text(tmp_path / "text.txt", paragraphs=150)
     checkpoint = bert_checkpoint(tmp_path / "ckpt", text)
     run = ["--model", checkpoint, "--text", text, "--seq-len", 32, "--batch-size", 4, "--steps", 12]
-    run += ["--eval-every", 12, "--val-blocks", 16, "--cache", tmp_path / "cache", "--no-progress"]
+    run += ["--eval-every", 6, "--val-blocks", 16, "--cache", tmp_path / "cache", "--no-progress"]
     code, out, err = cli("forecast", *run, "--every", 4, "--out", tmp_path / "fc")
     assert code == 0, err
     for stage in ("1/5", "2/5", "3/5", "4/5", "5/5"):
@@ -151,6 +152,16 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
     saved = json.loads((tmp_path / "fc" / "forecast.json").read_text())
     assert len(saved["rows"]) == 7 and len(saved["fp32_val_loss"]) == 2 and saved["fp32_seed_sd"] > 0
     assert saved["measured_blocks"] == 11  # every block of the split: fewer than 2,048 scored tokens
+    # its FP32 runs are evaluated after the last step only, and end where a run evaluated every 6 steps does
+    for folder in ("fp32", "fp32-seed1"):
+        rows = list(csv.DictReader((tmp_path / "fc" / folder / "log.csv").open()))
+        assert [row["step"] for row in rows if row["val_loss"]] == ["12"]
+    code, _, err = cli("train", *run, "--seed", 1, "--plan", "fp32", "--out", tmp_path / "seed1")
+    assert code == 0, err
+    plain = list(csv.DictReader((tmp_path / "seed1" / "log.csv").open()))
+    assert [row["step"] for row in plain if row["val_loss"]] == ["6", "12"]
+    result = json.loads((tmp_path / "seed1" / "result.json").read_text())
+    assert result["val_loss"] == saved["fp32_val_loss"][1]
     seconds = saved["seconds"]  # the sensitivity's part of the observed stage is said apart
     assert 0 < seconds["of which sensitivity"] < seconds["fp32 observed"]
     assert "of which sensitivity" in out
@@ -170,6 +181,13 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
         assert row["lost"] or row["low"] <= row["gap"] <= row["high"]
         Plan.load(row["plan"])  # every plan it names is a file train takes
     assert "Around the quantized GEMMs, and in the GEMMs kept high: BF16" in out
+    inside = [row["name"] for row in saved["rows"] if not row["lost"] and not row["beyond_noise"]]
+    # 12 steps of a tiny model: every predicted gap lies far inside the seed noise, and the output says
+    # that their order is not a prediction, in the output and in forecast.md
+    assert inside == [row["name"] for row in saved["rows"]]
+    said = f"7 of 7 plans ({', '.join(inside[:4])} and 3 more) are predicted inside 2 sd of FP32's seed noise"
+    assert said in out and said in (tmp_path / "fc" / "forecast.md").read_text()
+    assert "their order in the table is not a prediction" in out
     te_current = Plan.load(next(r["plan"] for r in saved["rows"] if r["name"] == "te_current"))
     scores = te_current.for_site("bert.encoder.layer.0.attention.self.scores")
     assert {spec.format for spec in scores.operands.values()} == {"bf16"} and len(scores.operands) == 6

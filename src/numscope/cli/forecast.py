@@ -43,6 +43,8 @@ def _cmd_forecast(args: argparse.Namespace) -> int:
         "predictor's factor 2 (docs/forecast.md: how the predictions compared with trained runs)."
     )
     print(_AROUND_SAYS[result.around] + " --around chooses.")
+    for line in result.limits():
+        print(line)
     print(
         f"took {result.seconds['total']:.0f}s: "
         + ", ".join(f"{name} {value:.0f}s" for name, value in result.seconds.items() if name != "total")

@@ -204,6 +204,23 @@ class Forecast:
     def table(self) -> list[dict[str, str]]:
         return [table_row(row["name"], row) for row in self.rows]
 
+    def limits(self) -> list[str]:
+        """What the table cannot say on this model, in a sentence each: that seed noise was not measured,
+        or which plans' predicted gaps lie inside it (their order is not a prediction: the validation in
+        docs/forecast.md found the ranks of such gaps uncorrelated with trained runs, whose own gaps the
+        noise orders too)."""
+        if self.noise is None:
+            return ["Seed noise not measured (one FP32 seed): whether a gap is beyond it is not said."]
+        inside = [row["name"] for row in self.rows if not row.get("lost") and not row.get("beyond_noise")]
+        if not inside:
+            return []
+        names = ", ".join(inside[:4]) + (f" and {len(inside) - 4} more" if len(inside) > 4 else "")
+        return [
+            f"{len(inside)} of {len(self.rows)} plans ({names}) are predicted inside 2 sd of FP32's seed "
+            f"noise ({2 * self.noise:.4f} nats): their order in the table is not a prediction, and trained "
+            "runs would not tell them apart on this many seeds."
+        ]
+
 
 def forecast(
     model: str,
@@ -227,6 +244,9 @@ def forecast(
 
     settings = settings or ForecastSettings()
     config = config if config is not None else TrainConfig()
+    # its FP32 runs are read for their final validation loss only: evaluated after the last step alone
+    # (an evaluation changes no state of the run, so the loss is the one every config.eval_every gives)
+    fp32_config = replace(config, eval_every=config.steps)
     folder = Path(out)
     seconds: dict[str, float] = {}
     began = time.perf_counter()
@@ -235,7 +255,7 @@ def forecast(
         model,
         data,
         folder / "fp32",
-        config=config,
+        config=fp32_config,
         candidates=_candidates(settings.target),
         every=settings.every,
         objective=objective,
@@ -259,7 +279,7 @@ def forecast(
             data,
             folder / f"fp32-seed{config.seed + k}",
             plan="fp32",
-            config=replace(config, seed=config.seed + k),
+            config=replace(fp32_config, seed=config.seed + k),
             objective=objective,
             name="fp32",
             progress=progress,
@@ -440,5 +460,6 @@ def _markdown(result: Forecast) -> str:
         f"seed sd {noise}; update noise weighed with lr {result.lr:.3g}",
         "",
         _AROUND_SAYS[result.around],
+        *(f"\n{line}" for line in result.limits()),
     ]
     return "\n".join(lines)
