@@ -48,7 +48,40 @@ class Metric(_Word):
     BE_RATIO = "be_ratio"  # backward error relative to a reference format's (advisor)
 
 
-for _enum in (Gemm, Operand, Metric):  # written to plan files and JSON as their plain string values
+class Rounding(_Word):
+    """How a value between two codes of a format is rounded: to the nearest code, ties to even
+    (``nearest``) or away from zero (``nearest_away``); up or down with probabilities given by its distance
+    to each (``stochastic``); toward zero (``zero``)."""
+
+    NEAREST = "nearest"
+    NEAREST_AWAY = "nearest_away"
+    STOCHASTIC = "stochastic"
+    ZERO = "zero"
+
+
+class Overflow(_Word):
+    """What a value beyond a format's largest finite magnitude becomes: that magnitude (``saturate``), or
+    inf, NaN where the format has none (``propagate``)."""
+
+    SATURATE = "saturate"
+    PROPAGATE = "propagate"
+
+
+class ScalingKind(_Word):
+    """Where a cast's scale comes from: none; one per tensor from its current amax (``tensor``) or from an
+    amax history (``delayed``); one per row or column; one per block (a block format's own, or tiles of an
+    element format)."""
+
+    NONE = "none"
+    TENSOR = "tensor"
+    DELAYED = "delayed"
+    ROW = "row"
+    COLUMN = "column"
+    BLOCK = "block"
+
+
+# written to plan files and JSON as their plain string values
+for _enum in (Gemm, Operand, Metric, Rounding, Overflow, ScalingKind):
     _yaml.SafeDumper.add_representer(_enum, lambda dumper, value: dumper.represent_str(value.value))
 
 GEMMS: tuple[str, ...] = tuple(gemm.value for gemm in Gemm)

@@ -707,3 +707,40 @@ def test_what_a_plan_leaves_high_can_run_in_bf16_instead_as_the_stacks_run_it():
     assert around.average_bits(sizes) == pytest.approx(plan.average_bits(sizes) - 8.0)  # half the elements
     assert Plan.from_dict(around.to_dict()) == around  # a file train takes
     assert plan.with_high_as("high") is plan
+
+
+def test_one_cast_description_in_the_vocabularys_words(tmp_path: Path) -> None:
+    """Rounding, overflow and scaling kind are words of numscope.vocab: a plan, its Cast and quantize take
+    the word or its name alike, the plan file writes the name, and a misspelt name is a PlanError."""
+    from numscope.vocab import Overflow, Rounding, ScalingKind
+
+    by_word = OperandSpec(
+        "fp8_e5m2", scaling=ScalingKind.ROW, rounding=Rounding.STOCHASTIC, overflow=Overflow.PROPAGATE
+    )
+    by_name = OperandSpec("fp8_e5m2", scaling="row", rounding="stochastic", overflow="propagate")
+    assert by_word == by_name and hash(by_word) == hash(by_name)
+    assert type(by_name.rounding) is Rounding and type(by_name.overflow) is Overflow
+    assert type(by_name.scaling.kind) is ScalingKind
+    cast = by_name.cast()
+    words = (ScalingKind.ROW, Rounding.STOCHASTIC, Overflow.PROPAGATE)
+    assert (cast.scaling, cast.rounding, cast.overflow) == words
+    assert all(
+        type(value) is type(word)
+        for value, word in zip((cast.scaling, cast.rounding, cast.overflow), words, strict=True)
+    )
+    plan = Plan(SiteSpec.uniform("fp8_e4m3").with_operand("fprop", "input", by_word))
+    plan.save(tmp_path / "plan.yaml")
+    text = (tmp_path / "plan.yaml").read_text()
+    assert "rounding: stochastic" in text and "overflow: propagate" in text and "Rounding" not in text
+    assert Plan.load(tmp_path / "plan.yaml") == plan
+    x = torch.randn(4, 64)
+    same = [
+        numscope.quantize(
+            x, "fp8_e4m3", scaling=kind, rounding=rounding, generator=torch.Generator().manual_seed(3)
+        )
+        for kind, rounding in (("row", "stochastic"), (ScalingKind.ROW, Rounding.STOCHASTIC))
+    ]
+    assert torch.equal(*same)
+    with pytest.raises(PlanError, match="unknown rounding 'nearst'; did you mean 'nearest'"):
+        OperandSpec("fp8_e4m3", rounding="nearst")
+    assert repr(Rounding.NEAREST) == "'nearest'"  # messages read the name, never the enum's repr

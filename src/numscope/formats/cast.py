@@ -23,16 +23,13 @@ binade that holds |x| is built from the exponent bits of x.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from numscope.formats.spec import FloatFormat, IntFormat
+from numscope.vocab import Overflow, Rounding
 
-Rounding = Literal["nearest", "nearest_away", "stochastic", "zero"]
-Overflow = Literal["saturate", "propagate"]
-ROUNDINGS: tuple[str, ...] = ("nearest", "nearest_away", "stochastic", "zero")
-OVERFLOWS: tuple[str, ...] = ("saturate", "propagate")
+ROUNDINGS: tuple[str, ...] = tuple(rounding.value for rounding in Rounding)
+OVERFLOWS: tuple[str, ...] = tuple(overflow.value for overflow in Overflow)
 
 NATIVE_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,

@@ -30,6 +30,7 @@ import torch
 from numscope.formats import fast, native
 from numscope.formats.cast import native_dtype
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
+from numscope.vocab import Overflow, Rounding, ScalingKind
 
 
 class QuantizerPath(StrEnum):
@@ -52,10 +53,16 @@ class Cast:
     tiles of an element format), the rounding, the overflow rule and whether subnormals are flushed."""
 
     format: Format
-    scaling: str | None = None
-    rounding: str = "nearest"
-    overflow: str = "saturate"
+    scaling: ScalingKind | None = None
+    rounding: Rounding = Rounding.NEAREST
+    overflow: Overflow = Overflow.SATURATE
     flush_subnormals: bool = False
+
+    def __post_init__(self) -> None:  # names given as strings become the vocabulary's words
+        if self.scaling is not None:
+            object.__setattr__(self, "scaling", ScalingKind(self.scaling))
+        object.__setattr__(self, "rounding", Rounding(self.rounding))
+        object.__setattr__(self, "overflow", Overflow(self.overflow))
 
     def torch_dtype(self) -> torch.dtype | None:
         """The torch dtype whose conversion (with a clamp that leaves ±inf alone, for ``saturate``) equals

@@ -49,6 +49,7 @@ from numscope.formats.scaling import (
     reduce_amax_,
 )
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat, get_format
+from numscope.vocab import Overflow, Rounding
 
 ScalingArg = str | Scaling | DelayedScaler | dict | None
 
@@ -194,8 +195,8 @@ def quantize(
     fmt: str | Format,
     *,
     scaling: ScalingArg = None,
-    rounding: str = "nearest",
-    overflow: str = "saturate",
+    rounding: Rounding | str = Rounding.NEAREST,
+    overflow: Overflow | str = Overflow.SATURATE,
     flush_subnormals: bool = False,
     generator: torch.Generator | None = None,
     compiled: bool | None = None,
@@ -481,8 +482,8 @@ def encode(
     fmt: str | Format,
     *,
     scaling: ScalingArg = None,
-    rounding: str = "nearest",
-    overflow: str = "saturate",
+    rounding: Rounding | str = Rounding.NEAREST,
+    overflow: Overflow | str = Overflow.SATURATE,
     flush_subnormals: bool = False,
     generator: torch.Generator | None = None,
 ) -> Encoded:

@@ -22,9 +22,9 @@ from typing import Any, Literal
 import torch
 
 from numscope.formats.spec import BlockFormat, FloatFormat, Format, IntFormat
+from numscope.vocab import ScalingKind
 
-ScalingKind = Literal["none", "tensor", "delayed", "row", "column", "block"]
-KINDS: tuple[str, ...] = ("none", "tensor", "delayed", "row", "column", "block")
+KINDS: tuple[str, ...] = tuple(kind.value for kind in ScalingKind)
 AMAX_COMPUTE: tuple[str, ...] = ("max", "most_recent")
 
 
@@ -52,7 +52,7 @@ class Scaling:
         that data parallelism splits. Row and tile scales stay local (a row lives on one rank).
     """
 
-    kind: ScalingKind = "tensor"
+    kind: ScalingKind = ScalingKind.TENSOR
     margin: int = 0
     power_of_two: bool = False
     block_shape: tuple[int, ...] | None = None
@@ -64,8 +64,9 @@ class Scaling:
     scale_from_decode: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
+        if not isinstance(self.kind, str) or self.kind not in KINDS:
             raise ValueError(f"unknown scaling {self.kind!r}; allowed: {', '.join(KINDS)}")
+        object.__setattr__(self, "kind", ScalingKind(self.kind))
         if not isinstance(self.margin, int) or isinstance(self.margin, bool):
             raise TypeError(f"scaling margin must be an int (binades), got {self.margin!r}")
         if isinstance(self.amax_epsilon, bool) or not isinstance(self.amax_epsilon, int | float):
@@ -115,7 +116,7 @@ class Scaling:
     def to_dict(self) -> dict[str, Any]:
         """Only the fields that differ from the defaults (for legible plan files)."""
         default = Scaling()
-        out: dict[str, Any] = {"kind": self.kind}
+        out: dict[str, Any] = {"kind": self.kind.value}
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
             if name != "kind" and value != getattr(default, name):

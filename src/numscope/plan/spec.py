@@ -17,7 +17,7 @@ from numscope.formats.scaling import Scaling, default_scaling
 from numscope.formats.spec import BlockFormat, Format, get_format
 from numscope.formats.transform import Rotation
 from numscope.sites.gemm import ACCUMULATORS
-from numscope.vocab import GEMMS, OPERAND_KEYS, OPERAND_NAMES, OPERANDS, Gemm
+from numscope.vocab import GEMMS, OPERAND_KEYS, OPERAND_NAMES, OPERANDS, Gemm, Overflow, Rounding
 
 #: the accumulators a plan may name: those of :data:`numscope.sites.ACCUMULATORS`, in its order
 ACCUMULATE: tuple[str, ...] = tuple(ACCUMULATORS)
@@ -119,9 +119,10 @@ class OperandSpec:
         ``None``, so that equal numerics compare equal. Block formats accept only ``Scaling("block")``
         without ``block_shape``; element formats accept ``block`` only with a ``block_shape``. ``axis`` is
         not a plan setting: the runtime passes the GEMM's contraction axis.
-    rounding: ``nearest``, ``nearest_away``, ``stochastic`` or ``zero``. overflow: ``saturate`` or
-        ``propagate`` (element formats; block formats always saturate). flush_subnormals: element formats
-        only.
+    rounding: a :class:`numscope.vocab.Rounding` or its name (``nearest``, ``nearest_away``,
+        ``stochastic``, ``zero``). overflow: an :class:`numscope.vocab.Overflow` or its name (``saturate``,
+        ``propagate``; element formats: block formats always saturate). Names become the enum's members,
+        which equal them. flush_subnormals: element formats only.
     transform: ``None``, or a random Hadamard transform along the GEMM's contraction axis applied before
         the cast and undone after it (``"rht16"``, ``"rht32:7"``: size and sign seed; see
         :class:`numscope.formats.transform.Rotation`), as NVFP4's and MXFP4's recipes do for wgrad.
@@ -129,8 +130,8 @@ class OperandSpec:
 
     format: str
     scaling: Scaling | None = None
-    rounding: str = "nearest"
-    overflow: str = "saturate"
+    rounding: Rounding = Rounding.NEAREST
+    overflow: Overflow = Overflow.SATURATE
     flush_subnormals: bool = False
     transform: str | None = None
 
@@ -141,6 +142,8 @@ class OperandSpec:
             raise PlanError(_unknown("rounding", str(self.rounding), ROUNDINGS))
         if not isinstance(self.overflow, str) or self.overflow not in OVERFLOWS:
             raise PlanError(_unknown("overflow", str(self.overflow), OVERFLOWS))
+        object.__setattr__(self, "rounding", Rounding(self.rounding))
+        object.__setattr__(self, "overflow", Overflow(self.overflow))
         if not isinstance(self.flush_subnormals, bool):
             raise PlanError(f"flush_subnormals must be a bool, got {_type_name(self.flush_subnormals)}")
         if self.transform is not None:
