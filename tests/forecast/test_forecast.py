@@ -241,3 +241,29 @@ def test_the_forward_effect_is_measured_on_about_2048_scored_tokens_unless_asked
     assert measured_blocks(None, 32, "mlm", 100) == 100  # the split holds fewer
     assert measured_blocks(5, 128, "mlm", 500) == 5
     assert measured_blocks(50, 128, "mlm", 20) == 20
+
+
+def test_the_update_noise_is_summed_a_parameter_at_a_time_as_over_the_flat_gradient() -> None:
+    """_error_powers keeps one parameter's temporaries at a time; its sums are the flat float64 ones, and a
+    non-finite error makes the plan's noise infinite (its finite errors still summed)."""
+    from numscope.forecast.measure import _error_powers, _norm
+
+    generator = torch.Generator().manual_seed(0)
+    sizes = [7, 300, 1, 64]
+    bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    reference = torch.randn(sum(sizes), generator=generator)
+    grad = reference + 1e-3 * torch.randn(sum(sizes), generator=generator)
+    weight = [torch.rand(n, generator=generator) * 100 for n in sizes]
+    flat = torch.cat(weight).double()
+    error = (grad - reference).double()
+    power, error_power, finite = _error_powers(grad, reference, weight, bounds)
+    assert finite
+    assert power == pytest.approx(float((flat * error.square()).sum()), rel=1e-12)
+    assert error_power == pytest.approx(float(error.square().sum()), rel=1e-12)
+    assert _norm(reference, bounds) == pytest.approx(float(reference.double().norm()), rel=1e-12)
+    grad[10] = math.inf
+    power_inf, _, finite = _error_powers(grad, reference, weight, bounds)
+    assert not finite
+    kept = error.clone()
+    kept[10] = 0.0
+    assert power_inf == pytest.approx(float((flat * kept.square()).sum()), rel=1e-12)

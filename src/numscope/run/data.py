@@ -284,7 +284,8 @@ def evaluate_mlm(
     masked, labels = mlm_mask(val_blocks, tokenizer_info, mask_probability, generator)
     attention_mask = (val_blocks != tokenizer_info.pad_id).long()
     device = next(model.parameters()).device
-    at_labels = bool(getattr(model, HEAD_AT_LABELS, False))
+    # through a DistributedDataParallel wrapper (torch.compile's and FSDP2's keep the model's attributes)
+    at_labels = bool(getattr(getattr(model, "module", model), HEAD_AT_LABELS, False))
     total_loss, correct, count = 0.0, 0, 0
     was_training = model.training
     model.eval()
