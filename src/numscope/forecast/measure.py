@@ -173,7 +173,7 @@ def measure_plans(
             noise, relative = [], []
             shares = torch.zeros(len(parameters), dtype=torch.float64)
             for grad, ref, factor, norm in zip(grads, reference, factors, norms, strict=True):
-                shares += _retained(grad, ref, bounds)
+                shares += _retained(grad, ref, bounds, norm)
                 power, error_power, finite = _error_powers(grad, ref, preconditioner, bounds)
                 noise.append(power * factor**2 if finite else math.inf)
                 relative.append(math.sqrt(error_power) / max(norm, 1e-30))
@@ -222,10 +222,10 @@ def _error_powers(
     return power, error_power, finite
 
 
-def _retained(grad: torch.Tensor, reference: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+def _retained(grad: torch.Tensor, reference: torch.Tensor, bounds: list[int], norm: float) -> torch.Tensor:
     """Per parameter tensor (``bounds``: its slice of the flat gradients) ⟨ĝ, g⟩ / ‖g‖²; 1 for a tensor
-    holding less than a millionth of the gradient's power (its share is not measurable)."""
-    total = float(reference.double().pow(2).sum())
+    holding less than a millionth of the gradient's power ``norm``² (its share is not measurable)."""
+    total = norm**2
     out = torch.ones(len(bounds) - 1, dtype=torch.float64)
     for index in range(len(bounds) - 1):
         g, h = (
