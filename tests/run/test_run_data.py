@@ -176,13 +176,19 @@ def test_evaluation_uses_fixed_masks_and_restores_the_mode(
     assert other.masked_tokens != first.masked_tokens or other.loss != first.loss
 
 
+def _both_heads(info: TokenizerInfo) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The demo's BERT with its MLM head on every position and, with the same weights, on the masked ones."""
+    full = make_bert_mlm(info.vocab_size, **TINY, mlm_head="all")
+    masked = make_bert_mlm(info.vocab_size, **TINY, mlm_head="masked")
+    masked.load_state_dict(full.state_dict())
+    return full, masked
+
+
 def test_evaluation_scores_a_masked_only_head_like_a_full_one(
     small_info: TokenizerInfo, blocks: torch.Tensor
 ) -> None:
     blocks = blocks[:24]
-    full = make_bert_mlm(small_info.vocab_size, **TINY, mlm_head="all")
-    masked = make_bert_mlm(small_info.vocab_size, **TINY, mlm_head="masked")
-    masked.load_state_dict(full.state_dict())
+    full, masked = _both_heads(small_info)
     first = evaluate_mlm(full, blocks, small_info, batch_size=8, seed=0)
     second = evaluate_mlm(masked, blocks, small_info, batch_size=8, seed=0)
     assert first.masked_tokens == second.masked_tokens and first.accuracy == second.accuracy
@@ -194,9 +200,7 @@ def test_evaluation_gives_the_labels_only_to_a_head_that_runs_at_them(
 ) -> None:
     """A transformers MLM given labels computes a loss over every position that the score does not use."""
     blocks = blocks[:16]
-    full = make_bert_mlm(small_info.vocab_size, **TINY, mlm_head="all")
-    masked = make_bert_mlm(small_info.vocab_size, **TINY, mlm_head="masked")
-    masked.load_state_dict(full.state_dict())
+    full, masked = _both_heads(small_info)
     given: dict[str, list[bool]] = {"full": [], "masked": []}
     for name, model in (("full", full), ("masked", masked)):
         model.register_forward_pre_hook(
