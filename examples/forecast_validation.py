@@ -66,6 +66,8 @@ def main() -> None:
     known, run_flags = parser.parse_known_args()  # the rest: numscope's run flags (--steps, --lr, ...)
     args = known
     out: Path = args.out
+    from numscope.forecast import forecast_folder
+
     base = ["--model", args.model, "--text", *args.text, "--objective", args.objective, *run_flags]
 
     print(f"[validate] forecast ({args.target}, {args.seeds} FP32 seeds)", flush=True)
@@ -83,7 +85,9 @@ def main() -> None:
         str(out / "forecast"),
         log=out / "logs" / "forecast.log",
     )
-    forecast = json.loads((out / "forecast" / "forecast.json").read_text())
+    forecast = json.loads(
+        (forecast_folder(out / "forecast", args.target, args.around) / "forecast.json").read_text()
+    )
     plans = {row["name"]: row["plan"] for row in forecast["rows"] if row["name"] not in args.skip}
     predicted = {row["name"]: row for row in forecast["rows"]}
     if args.also:

@@ -149,7 +149,7 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
         assert f"[forecast] {stage}" in err
     for name in ("te_current", "te_delayed", "te_block", "te_mxfp8", "te_nvfp4", "numscope@"):
         assert f"| {name}" in out
-    saved = json.loads((tmp_path / "fc" / "forecast.json").read_text())
+    saved = json.loads((tmp_path / "fc" / "te" / "forecast.json").read_text())
     assert len(saved["rows"]) == 7 and len(saved["fp32_val_loss"]) == 2 and saved["fp32_seed_sd"] > 0
     assert saved["measured_blocks"] == 11  # every block of the split: fewer than 2,048 scored tokens
     # its FP32 runs are evaluated after the last step only, and end where a run evaluated every 6 steps does
@@ -165,7 +165,7 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
     seconds = saved["seconds"]  # the sensitivity's part of the observed stage is said apart
     assert 0 < seconds["of which sensitivity"] < seconds["fp32 observed"]
     assert "of which sensitivity" in out
-    assert (tmp_path / "fc" / "forecast.png").stat().st_size > 10_000
+    assert (tmp_path / "fc" / "te" / "forecast.png").stat().st_size > 10_000
     # the sensitivity measures the sites a stack converts (its plans choose among them), and only those
     analysis = Analysis.load(tmp_path / "fc" / "fp32" / "analysis")
     kinds = dict(analysis.meta["site_kinds"])
@@ -186,16 +186,19 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
     # that their order is not a prediction, in the output and in forecast.md
     assert inside == [row["name"] for row in saved["rows"]]
     said = f"7 of 7 plans ({', '.join(inside[:4])} and 3 more) are predicted inside 2 sd of FP32's seed noise"
-    assert said in out and said in (tmp_path / "fc" / "forecast.md").read_text()
+    assert said in out and said in (tmp_path / "fc" / "te" / "forecast.md").read_text()
     assert "their order in the table is not a prediction" in out
     te_current = Plan.load(next(r["plan"] for r in saved["rows"] if r["name"] == "te_current"))
     scores = te_current.for_site("bert.encoder.layer.0.attention.self.scores")
     assert {spec.format for spec in scores.operands.values()} == {"bf16"} and len(scores.operands) == 6
     code, again, _ = cli("forecast", *run, "--every", 4, "--out", tmp_path / "fc")  # reused, not retrained
     assert code == 0 and again.split("took")[0] == out.split("took")[0]
+    written = {p: p.read_bytes() for p in (tmp_path / "fc" / "te").rglob("*") if p.is_file()}
     code, fp32, _ = cli("forecast", *run, "--every", 4, "--around", "fp32", "--out", tmp_path / "fc")
     assert code == 0 and "kept high: FP32" in fp32
-    around = {r["name"]: r for r in json.loads((tmp_path / "fc" / "forecast.json").read_text())["rows"]}
+    around = {
+        r["name"]: r for r in json.loads((tmp_path / "fc" / "te-fp32" / "forecast.json").read_text())["rows"]
+    }
     assert Plan.load(around["te_current"]["plan"]).for_site("bert.encoder.layer.0.attention.self.scores") == (
         Plan.recipe("te_current").for_site("bert.encoder.layer.0.attention.self.scores")
     )
@@ -203,8 +206,27 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
         if not row["numscope"]:  # the same recipe, its high parts counted at 32 bits instead of 16
             assert around[row["name"]]["bits"] > row["bits"] + 1
     ours = [
-        row for row in json.loads((tmp_path / "fc" / "forecast.json").read_text())["rows"] if row["numscope"]
+        row
+        for row in json.loads((tmp_path / "fc" / "te-fp32" / "forecast.json").read_text())["rows"]
+        if row["numscope"]
     ]
+    # other stacks into the same folder: the FP32 runs are shared, no forecast's files are overwritten
+    runs = {p: p.stat().st_mtime_ns for p in (tmp_path / "fc").glob("fp32*/*") if p.is_file()}
+    code, stacks, err = cli(
+        "forecast", *run, "--every", 4, "--target", "torchao,megatron", "--out", tmp_path / "fc"
+    )
+    assert code == 0, err
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "fc").glob("fp32*/*") if p.is_file()} == runs
+    assert {p: p.read_bytes() for p in (tmp_path / "fc" / "te").rglob("*") if p.is_file()} == written
+    assert "torchao: its recipes" in stacks and "megatron: its recipes" in stacks
+    for stack, recipe in (("torchao", "torchao_rowwise"), ("megatron", "megatron_")):
+        rows = json.loads((tmp_path / "fc" / stack / "forecast.json").read_text())["rows"]
+        assert any(row["name"].startswith(recipe) for row in rows) and f"| {recipe}" in stacks
+        assert all(Path(row["plan"]).parent == tmp_path / "fc" / stack / "plans" for row in rows)
+        assert (
+            json.loads((tmp_path / "fc" / stack / "forecast.json").read_text())["fp32_val_loss"]
+            == saved["fp32_val_loss"]
+        )
     code, out, err = cli("train", *run, "--plan", ours[0]["plan"], "--out", tmp_path / "planned")
     assert code == 0, err
     assert json.loads((tmp_path / "planned" / "result.json").read_text())["avg_bits"] == pytest.approx(

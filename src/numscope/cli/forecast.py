@@ -14,44 +14,60 @@ def _cmd_forecast(args: argparse.Namespace) -> int:
     from numscope.forecast.run import _AROUND_SAYS
 
     data, config = _run_inputs(args)
-    settings = ForecastSettings(
-        target=args.target,
-        seeds=args.seeds,
-        batches=args.batches,
-        val_blocks=args.measure_blocks,
-        sensitivity_batches=args.sensitivity,
-        every=args.every,
-        lr_rule=args.lr_rule,
-        around=args.around,
-    )
-    result = forecast(
-        args.model,
-        data,
-        args.out,
-        config=config,
-        settings=settings,
-        objective=args.objective,
-        progress=not args.no_progress,
-        log=lambda line: print(line, file=sys.stderr, flush=True),
-    )
-    print(render_table(result.table()))
-    noise = "not measured (--seeds 1)" if result.noise is None else f"{result.noise:.4f} nats"
-    print(
-        f"\nFP32 validation loss per seed: {', '.join(f'{v:.4f}' for v in result.fp32_losses)}; "
-        f"seed sd {noise}; "
-        f"'beyond noise': the predicted gap exceeds 2 sd. Interval: the measurement's spread and the "
-        "predictor's factor 2 (docs/forecast.md: how the predictions compared with trained runs)."
-    )
-    print(_AROUND_SAYS[result.around] + " --around chooses.")
-    for line in result.limits():
-        print(line)
-    print(
-        f"took {result.seconds['total']:.0f}s: "
-        + ", ".join(f"{name} {value:.0f}s" for name, value in result.seconds.items() if name != "total")
-    )
-    for kind, path in result.files.items():
-        print(f"{kind}: {path}")
+    for index, target in enumerate(args.target):
+        settings = ForecastSettings(
+            target=target,
+            seeds=args.seeds,
+            batches=args.batches,
+            val_blocks=args.measure_blocks,
+            sensitivity_batches=args.sensitivity,
+            every=args.every,
+            lr_rule=args.lr_rule,
+            around=args.around,
+        )
+        result = forecast(
+            args.model,
+            data,
+            args.out,
+            config=config,
+            settings=settings,
+            objective=args.objective,
+            progress=not args.no_progress,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+        if len(args.target) > 1:
+            print(("\n" if index else "") + f"{target}: its recipes and numscope's plans for it")
+        print(render_table(result.table()))
+        noise = "not measured (--seeds 1)" if result.noise is None else f"{result.noise:.4f} nats"
+        print(
+            f"\nFP32 validation loss per seed: {', '.join(f'{v:.4f}' for v in result.fp32_losses)}; "
+            f"seed sd {noise}; "
+            f"'beyond noise': the predicted gap exceeds 2 sd. Interval: the measurement's spread and the "
+            "predictor's factor 2 (docs/forecast.md: how the predictions compared with trained runs)."
+        )
+        print(_AROUND_SAYS[result.around] + " --around chooses.")
+        for line in result.limits():
+            print(line)
+        print(
+            f"took {result.seconds['total']:.0f}s: "
+            + ", ".join(f"{name} {value:.0f}s" for name, value in result.seconds.items() if name != "total")
+        )
+        for kind, path in result.files.items():
+            print(f"{kind}: {path}")
     return 0
+
+
+def _stacks(value: str) -> list[str]:
+    """``--target``: one training stack, several separated by commas, or ``all``."""
+    from numscope.plan.targets import STACKS
+
+    names = list(STACKS) if value.strip() == "all" else [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [name for name in names if name not in STACKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: a training stack ({', '.join(STACKS)}), several separated by commas, or all"
+        )
+    return list(dict.fromkeys(names))
 
 
 def _register_forecast(sub: argparse._SubParsersAction) -> None:
@@ -68,16 +84,21 @@ def _register_forecast(sub: argparse._SubParsersAction) -> None:
         "stack and numscope's own plans at two budgets side by side: each with its average bits, its loss "
         "gap to FP32 predicted from that run alone (the loss its forward adds to the trained model, plus the "
         "update noise its gradient error adds, weighed by Adam's preconditioner), an interval, whether the "
-        "gap lies beyond FP32's seed noise and which GEMMs stay high. Writes forecast.json, forecast.md, "
-        "forecast.png and every plan's YAML into --out; finished runs are reused on a rerun.",
+        "gap lies beyond FP32's seed noise and which GEMMs stay high. Writes the FP32 runs into --out and, "
+        "per stack, forecast.json, forecast.md, forecast.png and every plan's YAML into --out/STACK "
+        "(--out/STACK-fp32 with --around fp32); finished runs and measurements are reused on a rerun, and "
+        "by a forecast of another stack into the same --out.",
     )
     _add_run_flags(p)
     group = p.add_argument_group("forecast")
     group.add_argument(
         "--target",
-        choices=STACKS,
-        default=defaults.target,
-        help="the training stack whose recipes are forecast (default: %(default)s)",
+        type=_stacks,
+        default=[defaults.target],
+        metavar="STACK[,STACK]",
+        help=f"the training stack whose recipes are forecast ({', '.join(STACKS)}), several separated by "
+        "commas, or all: the FP32 runs are shared, each stack adds its plans' measurement "
+        f"(default: {defaults.target})",
     )
     group.add_argument(
         "--seeds",

@@ -5,7 +5,7 @@ numscope's own plans (:mod:`~numscope.forecast.run`, ``numscope forecast``)."""
 
 from numscope.forecast.measure import PlanEffect, adam_preconditioner, measure_plans
 from numscope.forecast.predict import Prediction, effective_lr, predict
-from numscope.forecast.run import Forecast, ForecastError, ForecastSettings, forecast
+from numscope.forecast.run import Forecast, ForecastError, ForecastSettings, forecast, forecast_folder
 from numscope.forecast.stacks import StackPlan, stack_plans
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "adam_preconditioner",
     "effective_lr",
     "forecast",
+    "forecast_folder",
     "measure_plans",
     "predict",
     "stack_plans",

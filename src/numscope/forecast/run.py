@@ -106,11 +106,21 @@ class ForecastSettings:
             raise ForecastError(f"--lr-rule {self.lr_rule!r}: allowed: {', '.join(LR_RULES)}")
 
 
-def _candidates(target: str) -> list[str]:
+def _candidates() -> list[str]:
+    """The formats the observed FP32 run measures: the default candidates and every format any stack's
+    recipes use, whichever stack is forecast, so that one pair of FP32 runs serves every stack's forecast
+    (for Transformer Engine's, the list its own formats give: its recipes use every stack's formats)."""
     from numscope.run.runner import DEFAULT_CANDIDATES
 
-    formats = [f for recipe in get_target(target).recipes for f in recipe.measured]
+    formats = [f for stack in STACKS for recipe in get_target(stack).recipes for f in recipe.measured]
     return list(dict.fromkeys([*DEFAULT_CANDIDATES, *formats]))
+
+
+def forecast_folder(out: str | os.PathLike[str], target: str, around: str = "bf16") -> Path:
+    """Where one stack's forecast writes its table, JSON, figure, plans and measured effects inside ``out``:
+    ``out/<target>`` (``out/<target>-fp32`` with ``around="fp32"``), beside the FP32 runs every forecast
+    into ``out`` shares."""
+    return Path(out) / (target if around == "bf16" else f"{target}-{around}")
 
 
 def _high_summary(plan: Plan, sites: Sequence[tuple[str, str]]) -> str:
@@ -234,8 +244,11 @@ def forecast(
     log: Callable[[str], None] = lambda line: None,
 ) -> Forecast:
     """Forecast every recipe of ``settings.target`` and numscope's plans on ``model`` (see the module
-    docstring); writes into ``out``: ``fp32/`` (the observed run), ``fp32-seed<k>/``, ``plans/<name>.yaml``,
-    ``forecast.json``, ``forecast.md`` and ``forecast.png``. Finished runs are reused on a rerun."""
+    docstring); writes into ``out``: ``fp32/`` (the observed run) and ``fp32-seed<k>/``, which every stack's
+    forecast into ``out`` shares, and the stack's own folder (:func:`forecast_folder`: ``out/te``, or
+    ``out/te-fp32`` with ``around="fp32"``) with ``forecast.json``, ``forecast.md``, ``forecast.png``,
+    ``plans/<name>.yaml`` and the measured ``effects.json``. Finished runs and measurements are reused on a
+    rerun: a second stack costs stages 3–5 only."""
     from numscope.run import runner
     from numscope.run.config import SensitivitySettings, TrainConfig
     from numscope.run.objectives import get_objective
@@ -256,7 +269,7 @@ def forecast(
         data,
         folder / "fp32",
         config=fp32_config,
-        candidates=_candidates(settings.target),
+        candidates=_candidates(),
         every=settings.every,
         objective=objective,
         progress=progress,
@@ -316,7 +329,8 @@ def forecast(
     if settings.around == "bf16":
         around = OperandSpec("bf16", overflow="propagate")
         candidates = [replace(c, plan=c.plan.with_high_as(around)) for c in candidates]
-    plans_dir = folder / "plans"
+    own = forecast_folder(folder, settings.target, settings.around)
+    plans_dir = own / "plans"
     plans_dir.mkdir(parents=True, exist_ok=True)
     for entry in candidates:
         entry.plan.save(plans_dir / f"{entry.name.replace('@', '_at_')}.yaml")
@@ -340,7 +354,7 @@ def forecast(
     preconditioner = adam_preconditioner(parameters, state["optimizer"])
     del state  # the checkpoint's weights and Adam's moments: 1.3 GB on MPNet-110M, held for nothing
     entries = {c.name: c.plan for c in candidates}
-    effects_path = folder / "effects.json"
+    effects_path = own / "effects.json"
     measured_on = {"batches": settings.batches, "blocks": blocks, "seed": config.seed}
     saved = json.loads(effects_path.read_text()) if effects_path.is_file() else {}
     # effects measured on other batches or blocks are measured again, and the plans by their YAML
@@ -415,9 +429,9 @@ def forecast(
         "seconds": seconds,
     }
     json_path, table_path, figure_path = (
-        folder / "forecast.json",
-        folder / "forecast.md",
-        folder / "forecast.png",
+        own / "forecast.json",
+        own / "forecast.md",
+        own / "forecast.png",
     )
     atomic_write_text(json_path, json.dumps(payload, indent=1, default=_plain))
     atomic_write_text(table_path, _markdown(result) + "\n")
