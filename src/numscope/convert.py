@@ -782,6 +782,31 @@ def _axis_independent(spec: OperandSpec) -> bool:
     return scaling is None or scaling.kind == "tensor"
 
 
+def rows_independent(model: nn.Module, site: str) -> bool:
+    """Whether :func:`convert`'s plan on ``model`` computes the fprop of ``site`` row by row: each row of
+    its output from that row of its input alone, so that the GEMM on some of the rows gives those rows'
+    outputs. True where the model is not converted, or the plan leaves the site's input high, or casts it
+    with round to nearest and no transform either element by element (no scale) or in blocks that lie in
+    one row (an MX format's blocks along the contraction axis, 1 × N tiles); False where a per-tensor or
+    delayed scale, NVFP4's tensor scale, 2-D blocks, a transform or stochastic rounding ties the rows
+    together. (Other handlers are the caller's to ask: :func:`numscope.sites.active_handlers`.)"""
+    entry = _entry(model)
+    if entry is None:
+        return True
+    spec = entry[2].plan.for_site(site).operands.get((Gemm.FPROP, Operand.INPUT))
+    if spec is None or spec.is_high:
+        return True
+    if spec.rounding != "nearest" or spec.transform is not None:
+        return False
+    fmt, scaling = spec.format_spec(), spec.effective_scaling()
+    if isinstance(fmt, BlockFormat):
+        return not fmt.tensor_scale and fmt.block_rows == 1 and (scaling is None or scaling.kind == "block")
+    shape = None if scaling is None else scaling.block_shape
+    return scaling is None or (
+        scaling.kind == "block" and shape is not None and len(shape) == 2 and shape[0] == 1
+    )
+
+
 def _identity(tensor: torch.Tensor) -> tuple:
     """What must not change for a quantized tensor to be reused (callers also check it is the same object).
 

@@ -221,6 +221,87 @@ def test_evaluation_gives_the_labels_only_to_a_head_that_runs_at_them(
     assert second.loss == pytest.approx(first.loss, rel=1e-5)
 
 
+def test_a_transformers_head_projects_the_scored_rows_alone_and_scores_them_alike(
+    small_info: TokenizerInfo, blocks: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vocabulary projection of a transformers MLM runs on the masked rows only, where that gives
+    those rows bit for bit: not under a plan that scales its input per tensor, nor with a handler attached
+    that takes part in the forward and is not convert's; a head that does not pass the rows through is run
+    whole."""
+    from numscope.convert import convert, rows_independent, unconvert
+    from numscope.observe import observe
+    from numscope.plan import OperandSpec, Plan, SiteSpec
+    from numscope.sites import attach
+
+    blocks = blocks[:16]
+    model, _ = _both_heads(small_info)
+    decoder = model.get_output_embeddings()
+    seen: list[int] = []
+    decoder.register_forward_hook(lambda _m, args, _out: seen.append(args[0].dim()))
+    _, labels = mlm_mask(
+        blocks.long(), small_info, 0.15, torch.Generator().manual_seed(derive_seed(0, "evaluation"))
+    )
+    scored = [int((part != IGNORE_INDEX).sum()) for part in labels.split(8)]
+
+    def both() -> tuple[object, object, list[int]]:
+        seen.clear()
+        rows = evaluate_mlm(model, blocks, small_info, batch_size=8, seed=0)
+        dims = list(seen)
+        with monkeypatch.context() as patch:
+            patch.setattr(data_module, "_scored_rows_decoder", lambda _model: None)
+            whole = evaluate_mlm(model, blocks, small_info, batch_size=8, seed=0)
+        return rows, whole, dims
+
+    rows, whole, dims = both()
+    assert rows == whole and dims == [2, 2] and whole.masked_tokens == sum(scored)
+    name = "cls.predictions.decoder"
+    bf16 = SiteSpec.uniform(OperandSpec("bf16", overflow="propagate"))
+    tiles = OperandSpec("fp8_e4m3", scaling={"kind": "block", "block_shape": [1, 16]})
+    for spec, alone in (
+        (bf16, True),
+        (SiteSpec.uniform("mxfp8_e4m3"), True),  # its blocks run along each row
+        (SiteSpec.uniform(tiles), True),
+        (SiteSpec.uniform("fp8_e4m3"), False),  # one scale from the whole tensor's amax
+        (SiteSpec.uniform("nvfp4"), False),  # a tensor scale over its blocks
+    ):
+        convert(model, Plan(SiteSpec()).with_rule(name, spec))
+        try:
+            assert rows_independent(model, name) is alone
+            rows, whole, dims = both()
+            assert rows == whole and set(dims) == ({2} if alone else {3})  # (the first call: twice)
+        finally:
+            unconvert(model)
+
+    stochastic = SiteSpec.uniform(OperandSpec("bf16", rounding="stochastic"))  # draws depend on the rows
+    convert(model, Plan(SiteSpec()).with_rule(name, stochastic))
+    try:
+        assert not rows_independent(model, name)
+    finally:
+        unconvert(model)
+
+    class Passing:  # a handler with no active(): it takes part in every forward
+        def __call__(self, site, gemm, operand, tensor, axis):
+            return tensor
+
+    handle = attach(model, Passing(), name="someone")
+    try:
+        rows, whole, dims = both()  # it sees every row, as the model computes them
+        assert rows == whole and set(dims) == {3}
+    finally:
+        handle.remove()
+    for evaluations, projected in ((False, {2}), (True, {3})):  # an observer measures evaluations if asked
+        with observe(model, candidates=["fp8_e4m3"], every=1, no_grad_forwards=evaluations):
+            rows, whole, dims = both()
+        assert rows == whole and set(dims) == projected
+    # a head that lays the projection's output back on the positions' grid: run whole, scored alike
+    inner = model.cls.predictions.forward
+    monkeypatch.setattr(
+        model.cls.predictions, "forward", lambda hidden: inner(hidden).reshape(*hidden.shape[:-1], -1)
+    )
+    rows, whole, dims = both()
+    assert rows == whole and dims == [2, 3, 3]  # tried on the first batch, then the whole model
+
+
 def test_unigram_loss_scores_the_evaluation_tokens_by_training_frequencies(
     small_info: TokenizerInfo, blocks: torch.Tensor
 ) -> None:

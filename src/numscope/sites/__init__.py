@@ -81,6 +81,7 @@ from __future__ import annotations
 
 from numscope.sites.api import (
     Handle,
+    active_handlers,
     attach,
     attached,
     forward_has_grad,
@@ -119,6 +120,7 @@ __all__ = [
     "SiteConv",
     "SiteGemm",
     "accumulate_matmul",
+    "active_handlers",
     "attach",
     "attached",
     "current_conv",

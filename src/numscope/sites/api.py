@@ -141,6 +141,15 @@ def is_discovered(model: nn.Module) -> bool:
     return runtime is not None and runtime.discovered
 
 
+def active_handlers(model: nn.Module) -> list[str]:
+    """Names of the handlers attached to ``model`` that take part in the forward now running: those that do
+    not define ``active()``, say True to it, or set a storage dtype (an observer between its sampled steps,
+    or in an evaluation, does not). Asked inside a forward (e.g. from a module's hook); outside one, of a
+    forward that would start now."""
+    runtime = _runtime(model)
+    return [] if runtime is None else runtime.active_names()
+
+
 def forward_has_grad(model: nn.Module) -> bool:
     """Whether the forward of ``model`` now running began with gradients enabled (a training forward;
     evaluation runs under ``torch.no_grad()``). Handlers are called inside an autograd function, where

@@ -105,10 +105,16 @@ class _Runtime:
         ``active()`` and says False (and none sets a storage dtype); always while finding sites."""
         if self.discovery is not None or not self.attachments:
             return True
-        return any(
-            a.storage is not None or getattr(a.handler, "active", None) is None or a.handler.active()
+        return bool(self.active_names())
+
+    def active_names(self) -> list[str]:
+        """The attached handlers that take part in a forward starting now (or running): those that do not
+        define ``active()``, say True to it, or set a storage dtype."""
+        return [
+            a.name
             for a in self.attachments
-        )
+            if a.storage is not None or getattr(a.handler, "active", None) is None or a.handler.active()
+        ]
 
     @property
     def storage(self) -> torch.dtype | None:
