@@ -234,6 +234,32 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
     )
 
 
+def test_a_bad_forecast_setting_is_named_as_the_api_names_it_and_on_the_command_line_by_its_flag(
+    tmp_path: Path,
+) -> None:
+    from checkpoints import cli, write_text
+    from numscope.errors import SettingsError
+    from numscope.forecast import ForecastSettings
+
+    for given, setting in (
+        ({"target": "jax"}, "ForecastSettings.target"),
+        ({"seeds": 0}, "ForecastSettings.seeds"),
+        ({"val_blocks": 0}, "ForecastSettings.val_blocks"),
+        ({"around": "fp16"}, "ForecastSettings.around"),
+    ):
+        with pytest.raises(SettingsError) as raised:
+            ForecastSettings(**given)
+        assert raised.value.setting == setting and "--" not in str(raised.value)
+    # more gradient batches than the training split holds: said before any run is trained
+    text = write_text(tmp_path / "text.txt", paragraphs=30)
+    run = ["--model", "tiny-bert", "--text", text, "--seq-len", 32, "--batch-size", 8, "--steps", 2]
+    code, _, err = cli(
+        "forecast", *run, "--batches", 999, "--cache", tmp_path / "cache", "--out", tmp_path / "fc"
+    )
+    assert code != 0 and "--batches: 999 training batches asked; the training split holds" in err
+    assert "ForecastSettings" not in err and not (tmp_path / "fc" / "fp32").exists()
+
+
 def test_a_plan_that_flushes_the_heads_gradient_is_said_to_fail() -> None:
     """Per-tensor INT8 on an MLM head's output gradient over a 2,000-token vocabulary: the target tokens'
     large entries set the scale, every other entry flushes to zero (the failure the noise model cannot

@@ -73,6 +73,14 @@ SETTING_FLAGS: dict[str, str] = {
     "SensitivitySettings.formats": "--sensitivity-formats",
     "SensitivitySettings.early": "--sensitivity-early",
     "SensitivitySettings.method": "--sensitivity-method",
+    "ForecastSettings.target": "--target",
+    "ForecastSettings.seeds": "--seeds",
+    "ForecastSettings.batches": "--batches",
+    "ForecastSettings.val_blocks": "--measure-blocks",
+    "ForecastSettings.sensitivity_batches": "--sensitivity",
+    "ForecastSettings.every": "--every",
+    "ForecastSettings.lr_rule": "--lr-rule",
+    "ForecastSettings.around": "--around",
     **_generated_flags(),
 }
 """The flag that sets each setting a :class:`numscope.errors.SettingsError` names (the CLI prints its

@@ -25,7 +25,7 @@ import torch
 
 from numscope._atomic import atomic_write_bytes, atomic_write_text
 from numscope.analysis import Analysis
-from numscope.errors import NumscopeError
+from numscope.errors import NumscopeError, SettingsError
 from numscope.forecast.measure import PlanEffect, adam_preconditioner, measure_plans
 from numscope.forecast.predict import ACCURACY, LR_RULES, effective_lr, predict, signal_lost, table_row
 from numscope.forecast.stacks import StackPlan, stack_plans
@@ -52,7 +52,8 @@ AROUND = ("bf16", "fp32")
 
 
 class ForecastError(NumscopeError, ValueError):
-    """A forecast that cannot be made as asked: an unknown stack, too few seeds or batches."""
+    """A forecast that cannot be made in the folder given (its settings' errors are
+    :class:`numscope.errors.SettingsError`, naming the :class:`ForecastSettings` field)."""
 
 
 @dataclass(frozen=True)
@@ -84,26 +85,27 @@ class ForecastSettings:
     in FP32, counted as 32."""
 
     def __post_init__(self) -> None:
+        name = type(self).__name__
         if self.target not in STACKS:
-            raise ForecastError(f"--target {self.target!r}: a training stack, one of {', '.join(STACKS)}")
-        for name, minimum in (
+            raise SettingsError(
+                f"{name}.target", f"{self.target!r} is not a training stack ({', '.join(STACKS)})"
+            )
+        for field, minimum in (
             ("seeds", 1),
             ("batches", 1),
             ("val_blocks", 1),
             ("sensitivity_batches", 1),
             ("every", 1),
         ):
-            value = getattr(self, name)
-            if name == "val_blocks" and value is None:
+            value = getattr(self, field)
+            if field == "val_blocks" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ForecastError(
-                    f"--{name.replace('_', '-')} must be an integer >= {minimum}; got {value!r}"
-                )
+                raise SettingsError(f"{name}.{field}", f"an integer >= {minimum}; got {value!r}")
         if self.around not in AROUND:
-            raise ForecastError(f"--around {self.around!r}: allowed: {', '.join(AROUND)}")
+            raise SettingsError(f"{name}.around", f"{self.around!r}; allowed: {', '.join(AROUND)}")
         if self.lr_rule not in LR_RULES:
-            raise ForecastError(f"--lr-rule {self.lr_rule!r}: allowed: {', '.join(LR_RULES)}")
+            raise SettingsError(f"{name}.lr_rule", f"{self.lr_rule!r}; allowed: {', '.join(LR_RULES)}")
 
 
 def _candidates() -> list[str]:
@@ -263,6 +265,18 @@ def forecast(
     folder = Path(out)
     seconds: dict[str, float] = {}
     began = time.perf_counter()
+    # the batches each plan's gradient is measured on, drawn before any run: too few is said at once
+    prepared, factory, resolved = runner.prepare(model, data, config, objective)
+    task = get_objective(resolved)
+    stream = task.for_training(config.mask_probability).batches(
+        prepared.train_blocks, config.batch_size, prepared.tokenizer, config.seed + 7919, 0
+    )
+    train_batches = [batch for _, batch in zip(range(settings.batches), stream, strict=False)]
+    if len(train_batches) < settings.batches:
+        raise SettingsError(
+            "ForecastSettings.batches",
+            f"{settings.batches} training batches asked; the training split holds {len(train_batches)}",
+        )
     log(f"[forecast] 1/5 FP32, observed (seed {config.seed}, {config.steps} steps)")
     observed = runner.analyze(
         model,
@@ -304,21 +318,14 @@ def forecast(
     stage = time.perf_counter()
     log("[forecast] 3/5 numscope's plans")
     analysis = Analysis.load(folder / "fp32" / "analysis")
-    prepared, factory, resolved = runner.prepare(model, data, config, objective)
     state = load_checkpoint(folder / "fp32" / "model.pt")
     if "optimizer" not in state:
         raise ForecastError(
-            f"{folder / 'fp32'}: its model.pt holds no optimizer state; forecast into a new --out"
+            f"{folder / 'fp32'}: its model.pt holds no optimizer state (a run not made by a forecast); "
+            "forecast into a new folder"
         )
     trained = factory()
     trained.load_state_dict(state["model"])
-    task = get_objective(resolved)
-    stream = task.for_training(config.mask_probability).batches(
-        prepared.train_blocks, config.batch_size, prepared.tokenizer, config.seed + 7919, 0
-    )
-    train_batches = [batch for _, batch in zip(range(settings.batches), stream, strict=False)]
-    if len(train_batches) < settings.batches:
-        raise ForecastError(f"--batches {settings.batches}: the training split holds {len(train_batches)}")
     example = {k: v for k, v in train_batches[0].items() if k != "labels"}
     found = [(site.name, site.kind) for site in list_sites(trained, example)]
     high_bits = 16.0 if settings.around == "bf16" else 32.0
