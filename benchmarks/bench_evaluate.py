@@ -1,5 +1,5 @@
-"""Median time of a masked-LM evaluation (``numscope.run.data.evaluate_mlm``) with the vocabulary projection on
-the scored rows alone against the same evaluation projecting every row, under FP32 and under plans.
+"""Median time of a masked-LM evaluation (``numscope.run.data.evaluate_mlm``) with the vocabulary projection
+on the scored rows alone against the same evaluation projecting every row, under FP32 and under plans.
 
 A ``transformers`` masked LM scores 15% of the positions; ``evaluate_mlm`` runs its output projection
 (``get_output_embeddings()``) on those rows only where that gives them bit for bit (no plan, or one that
@@ -9,8 +9,10 @@ row, the median seconds of both ways, their ratio, and whether the two losses ar
 Model (``--size``, as ``bench_train_step.py``): ``tiny`` BertForMaskedLM (hidden 128, 2 layers, vocabulary
 8,192) or ``base`` (BERT-base's shape, 12 layers, hidden 768, vocabulary 30,522: MPNet-110M's size), random
 weights, eager attention; ``--blocks`` validation blocks of the size's sequence length, scored in chunks of
-16 as the forecast measures them. Rows (``--rows``): ``fp32``, and each named recipe or preset given, with
-the GEMMs it keeps high in BF16 as ``numscope forecast`` measures them (``--around bf16``).
+16 as the forecast measures them. Rows (``--rows``): ``fp32``, and each Transformer Engine recipe given as
+``numscope forecast`` measures it (``numscope.forecast.stack_plans``: modules TE's kernels cannot take at
+their shape kept high, as the LM head whose vocabulary is not a multiple of 16; the GEMMs it keeps high in
+BF16, ``--around bf16``).
 
 Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_evaluate.py [--size tiny|base] [--blocks N] [--rounds N]
 [--threads T] [--rows fp32,te_mxfp8,te_current]``.
@@ -31,7 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cli import positive_int
 from bench_train_step import SIZES
 from numscope.convert import convert, unconvert
-from numscope.plan import OperandSpec, Plan
+from numscope.forecast import stack_plans
+from numscope.plan import OperandSpec
 from numscope.run import data as data_module
 from numscope.run.tokenizer import TokenizerInfo
 from numscope.sites import sites
@@ -70,7 +73,10 @@ def main(argv: list[str] | None = None) -> None:
     vocab = size["vocab"]
     info = TokenizerInfo(vocab_size=vocab, pad_id=0, unk_id=1, cls_id=2, sep_id=3, mask_id=4)
     blocks = torch.randint(5, vocab, (args.blocks, size["seq"]), generator=torch.Generator().manual_seed(0))
-    names = [site.name for site in sites(model, {"input_ids": blocks[:2]})]
+    found = [(site.name, site.kind) for site in sites(model, {"input_ids": blocks[:2]})]
+    modules = dict(model.named_modules())
+    shapes = {name: tuple(modules[name].weight.shape) for name, kind in found if kind == "linear"}
+    recipes = {entry.name: entry.plan for entry in stack_plans("te", found, shapes)}
     scored_rows = data_module._scored_rows_decoder
 
     def timed(rows: bool) -> tuple[float, float]:
@@ -92,8 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'row':<14} {'every row':>10} {'scored rows':>12} {'ratio':>7}  equal loss")
     for row in args.rows.split(","):
         if row != "fp32":
-            plan = Plan.resolve(row, names).with_high_as(OperandSpec("bf16", overflow="propagate"))
-            convert(model, plan)
+            if row not in recipes:
+                raise SystemExit(f"--rows: {row!r} is not fp32 or a TE recipe ({', '.join(recipes)})")
+            convert(model, recipes[row].with_high_as(OperandSpec("bf16", overflow="propagate")))
         try:
             timed(True)  # warm-up: finds the sites, builds what the casts reuse
             whole, whole_loss = timed(False)
