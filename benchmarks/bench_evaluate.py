@@ -1,5 +1,6 @@
 """Median time of a masked-LM evaluation (``numscope.run.data.evaluate_mlm``) with the vocabulary projection
-on the scored rows alone against the same evaluation projecting every row, under FP32 and under plans.
+on the scored rows alone against the same evaluation projecting every row, under FP32 and under plans (the
+two ways in turn, round after round, after a warm-up).
 
 A ``transformers`` masked LM scores 15% of the positions; ``evaluate_mlm`` runs its output projection
 (``get_output_embeddings()``) on those rows only where that gives them bit for bit (no plan, or one that
@@ -79,17 +80,25 @@ def main(argv: list[str] | None = None) -> None:
     recipes = {entry.name: entry.plan for entry in stack_plans("te", found, shapes)}
     scored_rows = data_module._scored_rows_decoder
 
-    def timed(rows: bool) -> tuple[float, float]:
+    def once(rows: bool) -> tuple[float, float]:
         data_module._scored_rows_decoder = scored_rows if rows else (lambda _model: None)
         try:
-            seconds, loss = [], 0.0
-            for _ in range(args.rounds):
-                began = time.perf_counter()
-                loss = data_module.evaluate_mlm(model, blocks, info, batch_size=CHUNK).loss
-                seconds.append(time.perf_counter() - began)
+            began = time.perf_counter()
+            loss = data_module.evaluate_mlm(model, blocks, info, batch_size=CHUNK).loss
+            return time.perf_counter() - began, loss
         finally:
             data_module._scored_rows_decoder = scored_rows
-        return statistics.median(seconds), loss
+
+    def timed() -> tuple[float, float, bool]:
+        """Both ways in turn, round after round (drift touches both alike): their medians, equal losses."""
+        once(True)  # warm-up: finds the sites, builds what the casts reuse
+        whole, rows, losses = [], [], set()
+        for _ in range(args.rounds):
+            for way, times in ((False, whole), (True, rows)):
+                seconds, loss = once(way)
+                times.append(seconds)
+                losses.add(loss)
+        return statistics.median(whole), statistics.median(rows), len(losses) == 1
 
     print(
         f"{args.size}: {args.blocks} blocks of {size['seq']} tokens, vocabulary {vocab}, "
@@ -102,13 +111,11 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"--rows: {row!r} is not fp32 or a TE recipe ({', '.join(recipes)})")
             convert(model, recipes[row].with_high_as(OperandSpec("bf16", overflow="propagate")))
         try:
-            timed(True)  # warm-up: finds the sites, builds what the casts reuse
-            whole, whole_loss = timed(False)
-            rows, rows_loss = timed(True)
+            whole, rows, equal = timed()
         finally:
             if row != "fp32":
                 unconvert(model)
-        print(f"{row:<14} {whole:>10.2f} {rows:>12.2f} {rows / whole:>7.2f}  {rows_loss == whole_loss}")
+        print(f"{row:<14} {whole:>10.2f} {rows:>12.2f} {rows / whole:>7.2f}  {equal}")
 
 
 if __name__ == "__main__":
