@@ -258,6 +258,8 @@ def test_a_bad_forecast_setting_is_named_as_the_api_names_it_and_on_the_command_
     )
     assert code != 0 and "--batches: 999 training batches asked; the training split holds" in err
     assert "ForecastSettings" not in err and not (tmp_path / "fc" / "fp32").exists()
+    code, _, err = cli("forecast", *run, "--target", "te,jax", "--out", tmp_path / "fc")
+    assert code == 2 and "argument --target: 'te,jax': a training stack (te, torchao, megatron)" in err
 
 
 def test_a_plan_that_flushes_the_heads_gradient_is_said_to_fail() -> None:
