@@ -219,6 +219,7 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "fc").glob("fp32*/*") if p.is_file()} == runs
     assert {p: p.read_bytes() for p in (tmp_path / "fc" / "te").rglob("*") if p.is_file()} == written
     assert "torchao: its recipes" in stacks and "megatron: its recipes" in stacks
+    assert err.count("1/5 FP32, observed (seed 0, 12 steps): finished before, reused") == 2
     for stack, recipe in (("torchao", "torchao_rowwise"), ("megatron", "megatron_")):
         rows = json.loads((tmp_path / "fc" / stack / "forecast.json").read_text())["rows"]
         assert any(row["name"].startswith(recipe) for row in rows) and f"| {recipe}" in stacks

@@ -277,7 +277,11 @@ def forecast(
             "ForecastSettings.batches",
             f"{settings.batches} training batches asked; the training split holds {len(train_batches)}",
         )
-    log(f"[forecast] 1/5 FP32, observed (seed {config.seed}, {config.steps} steps)")
+
+    def reused(run: Path) -> str:  # a finished run of the same settings is read, not trained again
+        return ": finished before, reused" if (run / "result.json").is_file() else ""
+
+    log(f"[forecast] 1/5 FP32, observed (seed {config.seed}, {config.steps} steps){reused(folder / 'fp32')}")
     observed = runner.analyze(
         model,
         data,
@@ -300,7 +304,7 @@ def forecast(
     losses = [observed.val_loss]
     for k in range(1, settings.seeds):
         stage = time.perf_counter()
-        log(f"[forecast] 2/5 FP32, seed {config.seed + k}")
+        log(f"[forecast] 2/5 FP32, seed {config.seed + k}{reused(folder / f'fp32-seed{config.seed + k}')}")
         other = runner.train(
             model,
             data,
