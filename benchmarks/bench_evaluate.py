@@ -9,11 +9,11 @@ row, the median seconds of both ways, their ratio, and whether the two losses ar
 
 Model (``--size``, as ``bench_train_step.py``): ``tiny`` BertForMaskedLM (hidden 128, 2 layers, vocabulary
 8,192) or ``base`` (BERT-base's shape, 12 layers, hidden 768, vocabulary 30,522: MPNet-110M's size), random
-weights, eager attention; ``--blocks`` validation blocks of the size's sequence length, scored in chunks of
-16 as the forecast measures them. Rows (``--rows``): ``fp32``, and each Transformer Engine recipe given as
-``numscope forecast`` measures it (``numscope.forecast.stack_plans``: modules TE's kernels cannot take at
-their shape kept high, as the LM head whose vocabulary is not a multiple of 16; the GEMMs it keeps high in
-BF16, ``--around bf16``).
+weights, built by ``bench_train_step.make_model``; ``--blocks`` validation blocks of the size's sequence
+length, scored in chunks of 16 as the forecast measures them. Rows (``--rows``): ``fp32``, and each
+Transformer Engine recipe given as ``numscope forecast`` measures it (``numscope.forecast.stack_plans``:
+modules TE's kernels cannot take at their shape kept high, as the LM head whose vocabulary is not a multiple
+of 16; the GEMMs it keeps high in BF16, ``--around bf16``).
 
 Run: ``HF_HUB_OFFLINE=1 python benchmarks/bench_evaluate.py [--size tiny|base] [--blocks N] [--rounds N]
 [--threads T] [--rows fp32,te_mxfp8,te_current]``.
@@ -28,11 +28,10 @@ import sys
 import time
 
 import torch
-from transformers import BertConfig, BertForMaskedLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _cli import positive_int
-from bench_train_step import SIZES
+from bench_train_step import SIZES, make_model
 from numscope.convert import convert, unconvert
 from numscope.forecast import stack_plans
 from numscope.plan import OperandSpec
@@ -59,18 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
     size = SIZES[args.size]
-    config = BertConfig(
-        vocab_size=size["vocab"],
-        hidden_size=size["hidden"],
-        num_hidden_layers=size["layers"],
-        num_attention_heads=size["heads"],
-        intermediate_size=size["ffn"],
-        max_position_embeddings=size["seq"],
-        attn_implementation="eager",
-    )
-    model = BertForMaskedLM(config).eval()
+    model = make_model(args.size).eval()
     vocab = size["vocab"]
     info = TokenizerInfo(vocab_size=vocab, pad_id=0, unk_id=1, cls_id=2, sep_id=3, mask_id=4)
     blocks = torch.randint(5, vocab, (args.blocks, size["seq"]), generator=torch.Generator().manual_seed(0))

@@ -159,7 +159,8 @@ def measure_plans(
     try:
         reference_losses = list(evaluate(model))
         reference = _gradients(model, parameters, train_batches, loss_fn)
-        norms = [_norm(g, bounds) for g in reference]
+        powers = [_powers(g, bounds) for g in reference]  # per parameter tensor, once per batch
+        norms = [math.sqrt(sum(p)) for p in powers]
         factors = [1.0 if clip is None else min(1.0, clip / max(norm, 1e-30)) for norm in norms]
         results: dict[str, PlanEffect] = {}
         for done, (name, plan) in enumerate(plans.items()):
@@ -172,8 +173,10 @@ def measure_plans(
                 unconvert(model)
             noise, relative = [], []
             shares = torch.zeros(len(parameters), dtype=torch.float64)
-            for grad, ref, factor, norm in zip(grads, reference, factors, norms, strict=True):
-                shares += _retained(grad, ref, bounds, norm)
+            for grad, ref, factor, norm, power_of in zip(
+                grads, reference, factors, norms, powers, strict=True
+            ):
+                shares += _retained(grad, ref, bounds, power_of)
                 power, error_power, finite = _error_powers(grad, ref, preconditioner, bounds)
                 noise.append(power * factor**2 if finite else math.inf)
                 relative.append(math.sqrt(error_power) / max(norm, 1e-30))
@@ -194,13 +197,17 @@ def measure_plans(
     return results
 
 
+def _powers(flat: torch.Tensor, bounds: list[int]) -> list[float]:
+    """Each parameter tensor's squared 2-norm in a flat gradient (``bounds``: its slice), summed in
+    float64."""
+    return [float(flat[bounds[i] : bounds[i + 1]].double().square().sum()) for i in range(len(bounds) - 1)]
+
+
 def _norm(flat: torch.Tensor, bounds: list[int]) -> float:
     """The 2-norm of a flat gradient summed in float64 a parameter tensor at a time, as the run's gradient
     clipping takes it (per tensor, then over tensors): torch's float32 norm of a 110M-element vector is off
     by up to a percent or two."""
-    return math.sqrt(
-        sum(float(flat[bounds[i] : bounds[i + 1]].double().square().sum()) for i in range(len(bounds) - 1))
-    )
+    return math.sqrt(sum(_powers(flat, bounds)))
 
 
 def _error_powers(
@@ -222,21 +229,21 @@ def _error_powers(
     return power, error_power, finite
 
 
-def _retained(grad: torch.Tensor, reference: torch.Tensor, bounds: list[int], norm: float) -> torch.Tensor:
-    """Per parameter tensor (``bounds``: its slice of the flat gradients) ⟨ĝ, g⟩ / ‖g‖²; 1 for a tensor
-    holding less than a millionth of the gradient's power ``norm``² (its share is not measurable)."""
-    total = norm**2
+def _retained(
+    grad: torch.Tensor, reference: torch.Tensor, bounds: list[int], powers: Sequence[float]
+) -> torch.Tensor:
+    """Per parameter tensor (``bounds``: its slice of the flat gradients) ⟨ĝ, g⟩ / ‖g‖², given each
+    tensor's ‖g‖² (``powers``, :func:`_powers`); 1 for a tensor holding less than a millionth of the
+    gradient's power (its share is not measurable)."""
+    total = sum(powers)
     out = torch.ones(len(bounds) - 1, dtype=torch.float64)
-    for index in range(len(bounds) - 1):
-        g, h = (
-            reference[bounds[index] : bounds[index + 1]].double(),
-            grad[bounds[index] : bounds[index + 1]].double(),
-        )
-        power = float(g.pow(2).sum())
-        if power > 1e-6 * total and bool(torch.isfinite(h).all()):
-            out[index] = float((g * h).sum()) / power
-        elif not bool(torch.isfinite(h).all()):
+    for index, power in enumerate(powers):
+        h = grad[bounds[index] : bounds[index + 1]].double()
+        if not bool(torch.isfinite(h).all()):
             out[index] = 0.0
+        elif power > 1e-6 * total:
+            g = reference[bounds[index] : bounds[index + 1]].double()
+            out[index] = float((g * h).sum()) / power
     return out
 
 

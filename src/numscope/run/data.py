@@ -326,9 +326,9 @@ def evaluate_mlm(
     return MLMEvaluation(loss=total_loss / count, accuracy=correct / count, masked_tokens=count)
 
 
-def _scored_rows_decoder(model: torch.nn.Module) -> tuple[str, torch.nn.Linear] | None:
+def _scored_rows_decoder(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The output projection (``get_output_embeddings()``, the vocabulary-sized GEMM) of a ``transformers``
-    masked LM, and its name, where :func:`evaluate_mlm` may run it on the scored rows alone because that
+    masked LM, where :func:`evaluate_mlm` may run it on the scored rows alone because that
     gives those rows exactly (:func:`numscope.convert.rows_independent`); None otherwise (a compiled model,
     a plan that scales the projection's input per tensor)."""
     from numscope.convert import rows_independent
@@ -343,12 +343,12 @@ def _scored_rows_decoder(model: torch.nn.Module) -> tuple[str, torch.nn.Linear] 
     name = next((n for n, m in base.named_modules() if m is decoder), None)
     if name is None or not rows_independent(base, name):
         return None
-    return name, decoder
+    return decoder
 
 
 def _at_scored_rows(
     model: torch.nn.Module,
-    decoder: tuple[str, torch.nn.Linear],
+    decoder: torch.nn.Linear,
     inputs: dict[str, torch.Tensor],
     selected: torch.Tensor,
 ) -> torch.Tensor | None:
@@ -376,7 +376,7 @@ def _at_scored_rows(
         seen.append(True)
         return (hidden[selected], *args[1:])
 
-    handle = decoder[1].register_forward_pre_hook(rows)
+    handle = decoder.register_forward_pre_hook(rows)
     try:
         logits = model(**inputs).logits
     except RuntimeError:  # a head that reshapes the projection's output to the positions' grid
@@ -385,7 +385,7 @@ def _at_scored_rows(
         handle.remove()
     if seen and not any(seen) and tuple(logits.shape[:-1]) == tuple(selected.shape):
         return logits[selected]  # every row projected
-    wanted = (int(selected.sum()), decoder[1].out_features)
+    wanted = (int(selected.sum()), decoder.out_features)
     if not seen or not all(seen) or tuple(logits.shape) != wanted:  # (a first call finds the sites: twice)
         return None
     return logits
