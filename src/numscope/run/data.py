@@ -271,8 +271,8 @@ def evaluate_mlm(
     A model whose head runs on labelled positions only (the demo's BERT) says so with a true attribute
     :data:`HEAD_AT_LABELS`; it is given ``labels=`` too and returns the labelled positions' rows
     ``[labelled, vocab]`` in row-major order. Others are not given the labels: a ``transformers`` model would
-    compute a loss over every position's logits that the score does not use (a seventh of a forward on
-    MPNet-110M's 30,527-token vocabulary).
+    compute a loss over every position's logits that the score does not use; their output projection runs on
+    the scored rows alone where that gives those rows bit for bit (:func:`_at_scored_rows`).
 
     Raises:
         ValueError: ``val_blocks`` has no maskable token, or ``batch_size`` is not a positive integer.
@@ -353,8 +353,8 @@ def _at_scored_rows(
     selected: torch.Tensor,
 ) -> torch.Tensor | None:
     """The model's logits at the ``selected`` positions ``[selected, vocab]``, its output projection run on
-    those rows only (a masked LM scores 15% of the positions: on MPNet-110M the projection onto 30,527 tokens
-    is a fifth of a forward), or on every row where a handler other than ``numscope.convert``'s takes part
+    those rows only (a masked LM scores 15% of the positions; docs/benchmarks.md, "Evaluation", measures
+    what that saves), or on every row where a handler other than ``numscope.convert``'s takes part
     in the forward (an observer measuring evaluations sees what the model computes). None where the model's
     head does not hand that projection the ``[batch, seq, hidden]`` rows and return its output as the
     logits (the caller then runs the model whole)."""
