@@ -42,6 +42,7 @@ def rejected(capsys, module: ModuleType, argv: list[str]) -> str:
     [
         ("bench_train_step", ["--rounds", "0"], "--rounds: must be at least 1, got 0"),
         ("bench_accumulate", ["--rounds", "0"], "--rounds: must be at least 1, got 0"),
+        ("bench_sums", ["--elements", "0"], "--elements: must be at least 1, got 0"),
         ("bench_train_step", ["--rounds", "two"], "--rounds: expected a whole number, got 'two'"),
         ("bench_train_step", ["--warmup", "-1"], "--warmup: must be at least 0, got -1"),
         ("bench_train_step", ["--threads", "0"], "--threads: must be at least 1, got 0"),

@@ -10,9 +10,10 @@ import numscope
 
 #: the layers, lowest first (docs/architecture.md)
 ORDER = (
-    "errors", "_names", "_atomic", "_rng", "_callable", "_lazy", "_settings", "vocab", "formats", "metrics",
-    "_root_call", "sites", "plan", "convert", "analysis", "distributed", "observe", "sensitivity", "advisor",
-    "train", "run", "report", "study", "forecast", "diagnose", "integrations", "demo", "workflow", "cli",
+    "errors", "_names", "_atomic", "_rng", "_sums", "_callable", "_lazy", "_settings", "vocab", "formats",
+    "metrics", "_root_call", "sites", "plan", "convert", "analysis", "distributed", "observe", "sensitivity",
+    "advisor", "train", "run", "report", "study", "forecast", "diagnose", "integrations", "demo", "workflow",
+    "cli",
 )  # fmt: skip
 #: none: the plan study and the demo share their experiment through numscope.run.experiment
 EXCEPTIONS: set[tuple[str, str]] = set()

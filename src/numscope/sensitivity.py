@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from numscope import _sums as sums
 from numscope._callable import make_callable as _make_callable
 from numscope._names import exact_pattern, layer_role
 from numscope._rng import fork_rng
@@ -247,14 +248,13 @@ def _compare(run: list[tuple[float, torch.Tensor]], reference: list[tuple[float,
     reference_losses = [loss for loss, _ in reference]
     cosines, errors = [], []
     for (_, grad), (_, reference_grad) in zip(run, reference, strict=True):
-        grad, reference_grad = grad.double(), reference_grad.double()
-        norm, reference_norm = float(grad.norm()), float(reference_grad.norm())
+        power, reference_power, inner, error_power = sums.moments(grad, reference_grad)
+        norm, reference_norm = math.sqrt(power), math.sqrt(reference_power)
         if norm == 0 or reference_norm == 0:
             cosines.append(1.0 if norm == reference_norm else 0.0)
         else:
-            cosines.append(float(grad @ reference_grad) / (norm * reference_norm))
-        difference = float((grad - reference_grad).norm())
-        errors.append(_ratio(difference, reference_norm))
+            cosines.append(inner / (norm * reference_norm))
+        errors.append(_ratio(math.sqrt(error_power), reference_norm))
     mean_loss = sum(losses) / len(losses)
     mean_reference = sum(reference_losses) / len(reference_losses)
     change = mean_loss - mean_reference
@@ -336,7 +336,7 @@ def _mm(x: torch.Tensor, x_axis: int, y: torch.Tensor, y_axis: int) -> torch.Ten
 
 
 def _power(x: torch.Tensor) -> float:
-    return float(x.double().pow(2).sum())
+    return sums.power(x)
 
 
 class _LocalErrors:
@@ -527,10 +527,8 @@ def local_sensitivity(
                 measured = gain_run()
             finally:
                 unconvert(model)
-            error = sum(
-                float((grad.double() - ref.double()).pow(2).sum())
-                for (_, grad), (_, ref) in zip(measured, reference, strict=False)
-            )
+            pairs = zip(measured, reference, strict=False)
+            error = sum(sums.distance_power(grad, ref) for (_, grad), (_, ref) in pairs)
             local = sum(
                 values.get(key, {}).get(gain_format, 0.0)
                 for values in per_batch[:gain_batches]
@@ -545,7 +543,7 @@ def local_sensitivity(
             module.training = training.get(name, module.training)
         for parameter, grad in zip(parameters, saved_grads, strict=True):
             parameter.grad = grad
-    gradient_power = sum(float(ref.double().pow(2).sum()) for _, ref in reference) / len(reference)
+    gradient_power = sum(sums.power(ref) for _, ref in reference) / len(reference)
     results: dict[OperandKey, dict[str, dict[str, float]]] = {}
     for group, keys in groups.items():
         for key in keys:

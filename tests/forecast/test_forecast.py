@@ -166,13 +166,18 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
     assert 0 < seconds["of which sensitivity"] < seconds["fp32 observed"]
     assert "of which sensitivity" in out
     assert (tmp_path / "fc" / "te" / "forecast.png").stat().st_size > 10_000
-    # the sensitivity measures the sites a stack converts (its plans choose among them), and only those
+    # the sensitivity measures the sites a stack converts (its plans choose among them) at weight shapes
+    # some stack's kernels take (both dimensions multiples of 16 at least), and only those
     analysis = Analysis.load(tmp_path / "fc" / "fp32" / "analysis")
     kinds = dict(analysis.meta["site_kinds"])
+    shapes = analysis.weight_shapes()
     measured = {key[0] for key in analysis.sensitivity.results}
-    assert measured == {name for name, kind in kinds.items() if kind == "linear"}
-    left = {kind for name, kind in kinds.items() if name not in measured}
-    assert left and "linear" not in left  # the attention products (sdpa here) are not measured
+    linear = {name for name, kind in kinds.items() if kind == "linear"}
+    assert measured == {name for name in linear if all(d % 16 == 0 for d in shapes[name])}
+    (head,) = linear - measured  # the vocabulary head: its rows (the words) are no multiple of 16
+    assert head.endswith("decoder") and shapes[head][0] % 16
+    left = {kind for name, kind in kinds.items() if name not in linear}
+    assert left and left.isdisjoint(measured)  # the attention products (sdpa here) are not measured
     ours = [row for row in saved["rows"] if row["numscope"]]
     assert [row["bits"] <= budget + 1e-6 for row, budget in zip(ours, saved["budgets"], strict=True)] == [
         True

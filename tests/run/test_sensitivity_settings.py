@@ -25,6 +25,8 @@ from numscope.run import SensitivitySettings
         ({"granularity": "site", "method": "local"}, "method"),
         ({"kinds": ()}, "kinds"),
         ({"kinds": ("linear", 3)}, "kinds"),
+        ({"stacks": ()}, "stacks"),
+        ({"stacks": ("te", "jax")}, "stacks"),
     ],
 )
 def test_a_bad_setting_is_refused_by_its_api_name(given: dict, setting: str) -> None:
@@ -47,6 +49,7 @@ def test_defaults_and_the_method_each_granularity_implies() -> None:
     assert SensitivitySettings(formats=["fp8_e4m3", "int8"]).formats == ("fp8_e4m3", "int8")  # hashable
     assert settings.kinds is None  # every kind of site
     assert SensitivitySettings(kinds="linear").kinds == ("linear",)
+    assert settings.stacks is None and SensitivitySettings(stacks="te").stacks == ("te",)  # no shape rule
 
 
 def test_the_command_line_names_the_flag_of_a_setting(tmp_path, capsys) -> None:

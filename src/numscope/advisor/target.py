@@ -112,7 +112,10 @@ def advise_for_target(
             shape = shapes.get(key[0])
             if shape is not None and not target.is_emulation and label != HIGH:
                 text = shape_problem(shape, [label], target.name) or text
-            cache[(key, label)] = (failed is None and not text, text, float(objective(key, label)))
+            passes = failed is None and not text
+            # the objective of an option that fails is never summed: not asked (an operand no stack's
+            # kernels take, as a vocabulary head of 30,527 rows, may have no sensitivity measured)
+            cache[(key, label)] = (passes, text, float(objective(key, label)) if passes else math.inf)
         return cache[(key, label)]
 
     solutions = [

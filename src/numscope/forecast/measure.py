@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from numscope import _sums as sums
 from numscope._rng import fork_rng
 from numscope.convert import convert, unconvert
 from numscope.plan import Plan
@@ -200,7 +201,7 @@ def measure_plans(
 def _powers(flat: torch.Tensor, bounds: list[int]) -> list[float]:
     """Each parameter tensor's squared 2-norm in a flat gradient (``bounds``: its slice), summed in
     float64."""
-    return [float(flat[bounds[i] : bounds[i + 1]].double().square().sum()) for i in range(len(bounds) - 1)]
+    return [sums.power(flat[bounds[i] : bounds[i + 1]]) for i in range(len(bounds) - 1)]
 
 
 def _norm(flat: torch.Tensor, bounds: list[int]) -> float:
@@ -214,18 +215,20 @@ def _error_powers(
     grad: torch.Tensor, reference: torch.Tensor, weight: Sequence[torch.Tensor], bounds: list[int]
 ) -> tuple[float, float, bool]:
     """Σ P_i (ĝ_i − g_i)² and Σ (ĝ_i − g_i)² in float64, and whether every error is finite (non-finite
-    errors count as 0 in the sums), one parameter tensor at a time (``bounds``: its slice of the flat
-    gradients): the temporaries are one tensor's, not the whole model's in float64 (on MPNet-110M several
-    GB at once)."""
+    errors count as 0 in the sums), a slice of one parameter tensor at a time (``bounds``: its slice of
+    the flat gradients; :mod:`numscope._sums`): the temporaries stay small (the whole model's in float64
+    would be several GB on MPNet-110M)."""
     power, error_power, finite = 0.0, 0.0, True
     for index, preconditioner in enumerate(weight):
-        error = grad[bounds[index] : bounds[index + 1]] - reference[bounds[index] : bounds[index + 1]]
-        if not bool(torch.isfinite(error).all()):
-            finite = False
-            error = torch.where(torch.isfinite(error), error, torch.zeros_like(error))
-        squared = error.double().square_()
-        error_power += float(squared.sum())
-        power += float(squared.mul_(preconditioner.reshape(-1)).sum())
+        part = slice(bounds[index], bounds[index + 1])
+        for g, r, p in sums.slices(grad[part], reference[part], preconditioner):
+            error = g - r
+            if not bool(torch.isfinite(error).all()):
+                finite = False
+                error = torch.where(torch.isfinite(error), error, torch.zeros_like(error))
+            squared = error.double().square_()
+            error_power += float(squared.sum())
+            power += float(squared.mul_(p).sum())
     return power, error_power, finite
 
 
@@ -238,12 +241,14 @@ def _retained(
     total = sum(powers)
     out = torch.ones(len(bounds) - 1, dtype=torch.float64)
     for index, power in enumerate(powers):
-        h = grad[bounds[index] : bounds[index + 1]].double()
+        part = slice(bounds[index], bounds[index + 1])
+        h = grad[part]
         if not bool(torch.isfinite(h).all()):
             out[index] = 0.0
         elif power > 1e-6 * total:
-            g = reference[bounds[index] : bounds[index + 1]].double()
-            out[index] = float((g * h).sum()) / power
+            # multiplied then summed as the powers are squared then summed: ĝ = g gives exactly 1
+            inner = sum(float((a.double() * b.double()).sum()) for a, b in sums.slices(reference[part], h))
+            out[index] = inner / power
     return out
 
 

@@ -291,9 +291,15 @@ def forecast(
         every=settings.every,
         objective=objective,
         progress=progress,
-        # numscope's plans for a stack choose only among the sites every stack converts: those alone
+        # numscope's plans for a stack choose only among the sites the stacks convert, at weight shapes
+        # their kernels take (an LM head of 30,527 rows stays high in every stack): those alone
         sensitivity=SensitivitySettings(
-            settings.sensitivity_batches, "operand", "auto", method="local", kinds=LINEAR_KINDS
+            settings.sensitivity_batches,
+            "operand",
+            "auto",
+            method="local",
+            kinds=LINEAR_KINDS,
+            stacks=tuple(STACKS),
         ),
         keep_optimizer=True,
     )

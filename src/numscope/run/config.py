@@ -49,6 +49,11 @@ class SensitivitySettings:
     kinds: the kinds of site measured (:mod:`numscope.sites`' kinds: ``linear``, ``matmul``, ``conv1d``,
         …); None (default): every kind. A plan for a training stack chooses only among the sites the stack
         converts (``numscope.plan.targets.LINEAR_KINDS``): the forecast measures those alone.
+    stacks: training stacks (``te``, ``torchao``, ``megatron``); given, a Linear site whose weight shape
+        none of these stacks' kernels can quantize in any of its recipes' formats is not measured
+        (:func:`numscope.plan.export.shape_problem`; a vocabulary head of 30,527 rows: it stays high in
+        every plan for those stacks, which therefore never ask its sensitivity); sites of other kinds are
+        not concerned. None (default): no shape rule.
     """
 
     batches: int | None = None
@@ -57,9 +62,22 @@ class SensitivitySettings:
     early: int | str | None = None
     method: str | None = None
     kinds: tuple[str, ...] | None = None
+    stacks: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         name = type(self).__name__
+        if self.stacks is not None:
+            from numscope.plan.targets import STACKS
+
+            stacks = (self.stacks,) if isinstance(self.stacks, str) else self.stacks
+            if (
+                not isinstance(stacks, list | tuple)
+                or not stacks
+                or not all(isinstance(k, str) and k in STACKS for k in stacks)
+            ):
+                allowed = ", ".join(STACKS)
+                raise SettingsError(f"{name}.stacks", f"stacks among {allowed}, or None; got {self.stacks!r}")
+            object.__setattr__(self, "stacks", tuple(stacks))
         if self.kinds is not None:
             kinds = (self.kinds,) if isinstance(self.kinds, str) else self.kinds
             if not isinstance(kinds, list | tuple) or not kinds or not all(isinstance(k, str) for k in kinds):

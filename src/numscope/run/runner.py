@@ -320,6 +320,7 @@ def analyze(
                 early=sensitivity_early is not None,
                 method=sensitivity_method,
                 kinds=sensitivity.kinds,
+                stacks=sensitivity.stacks,
             )
         if writer:
             _write_tensorboard(out_dir, tensorboard)
@@ -384,6 +385,7 @@ def measure_sensitivity(
     early: bool = False,
     method: str = "one_at_a_time",
     kinds: Sequence[str] | None = None,
+    stacks: Sequence[str] | None = None,
 ) -> Analysis:
     """The trained model's (``out_dir/model.pt``) sensitivity on ``count`` validation batches, stored in
     ``out_dir/analysis`` and returned with it (a progress bar of the (target, format) measurements with
@@ -392,7 +394,9 @@ def measure_sensitivity(
     :func:`numscope.sensitivity.combine_sensitivities`, normalised by the candidate with the fewest bits;
     ``method``: ``"local"`` (:func:`numscope.sensitivity.local_sensitivity`, per operand) or
     ``"one_at_a_time"``; ``kinds``: only the sites of these kinds, as the analysis found them, among
-    ``sites``); skipped when the analysis already holds it (a finished run asked again)."""
+    ``sites``; ``stacks``: only the sites one of these training stacks can quantize at their weight shape,
+    :attr:`SensitivitySettings.stacks`); skipped when the analysis already holds it (a finished run asked
+    again)."""
     from numscope.sensitivity import combine_sensitivities, local_sensitivity, sensitivity
     from numscope.train.checkpoint import load_checkpoint
 
@@ -413,6 +417,24 @@ def measure_sensitivity(
                 "SensitivitySettings.kinds",
                 f"no site of kind {', '.join(kinds)} in the model (its kinds: "
                 f"{', '.join(sorted(set(recorded.values()))) or 'none'})",
+            )
+        sites = [exact_pattern(name) for name in found]
+    if stacks is not None:
+        from numscope.advisor.target import site_kinds
+
+        recorded_kinds = site_kinds(analysis)
+        shapes = analysis.weight_shapes()
+        found = [
+            name
+            for name, kind in recorded_kinds.items()
+            if (sites is None or any(fnmatch.fnmatchcase(name, p) for p in sites))
+            and (kind not in ("linear", "conv1d") or _stack_takes(shapes.get(name), stacks))
+        ]
+        if not found:
+            raise SettingsError(
+                "SensitivitySettings.stacks",
+                f"{', '.join(stacks)} can quantize none of the model's sites at its weight shapes "
+                "(numscope.plan.export.shape_problem)",
             )
         sites = [exact_pattern(name) for name in found]
 
@@ -470,6 +492,22 @@ def measure_sensitivity(
     timing = {"seconds": time.perf_counter() - began, "batches": count, "method": method}
     atomic_write_text(out_dir / SENSITIVITY_TIME, json.dumps(timing))
     return analysis
+
+
+def _stack_takes(shape: Sequence[int] | None, stacks: Sequence[str]) -> bool:
+    """Whether one of ``stacks`` can quantize a Linear module whose weight has ``shape`` in one of its
+    recipes' formats (an unknown shape: assumed so)."""
+    from numscope.plan.export import shape_problem
+    from numscope.plan.targets import get_target
+
+    if shape is None:
+        return True
+    return any(
+        shape_problem(shape, [fmt], stack) is None
+        for stack in stacks
+        for recipe in get_target(stack).recipes
+        for fmt in recipe.measured
+    )
 
 
 def _validation_split(prepared: RunData, config: TrainConfig, objective: str) -> list[Any]:
