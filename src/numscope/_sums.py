@@ -4,7 +4,7 @@ Why: ``float((a.double() - b.double()).pow(2).sum())`` over a model's flat gradi
 MPNet-110M) allocates three float64 temporaries of 880 MB each, which the allocator maps and unmaps
 afresh on every call; the measurements that compare gradients call it once per pass. A slice of
 :data:`SLICE` elements keeps the temporaries in cache: the same sums (in float64, up to the order of
-their additions), some 20 to 50 times faster on one thread (``benchmarks/bench_sums.py``)."""
+their additions), faster (``benchmarks/bench_sums.py``; docs/benchmarks.md)."""
 
 from __future__ import annotations
 
