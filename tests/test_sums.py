@@ -37,3 +37,12 @@ def test_shapes_are_flattened_and_lengths_must_match() -> None:
         _sums.distance_power(a, torch.zeros(11))
     with pytest.raises(ValueError, match="12, 11 elements"):
         list(_sums.slices(a, torch.zeros(11)))
+
+
+def test_a_float64_input_is_left_as_it_was() -> None:
+    a = torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)
+    b = torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64)
+    kept = a.clone(), b.clone()
+    assert _sums.moments(a, b) == (14.0, 0.75, 1.0, 0.25 + 6.25 + 6.25)
+    assert _sums.power(a) == 14.0 and _sums.distance_power(a, b) == 12.75
+    assert torch.equal(a, kept[0]) and torch.equal(b, kept[1])

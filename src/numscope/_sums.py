@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import torch
 
 SLICE = 1 << 18
-"""Elements per slice (2 MiB of float64)."""
+"""Elements per slice (2 MiB of float64). Only fresh tensors are changed in place (a float64 input's
+``.double()`` is the input itself)."""
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -23,20 +24,22 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 def power(x: torch.Tensor) -> float:
     """Σ x² in float64."""
     flat = _flat(x)
+    # a float32 slice's float64 copy is squared in place; a float64 input is not touched
+    square = torch.square if flat.dtype == torch.float64 else torch.Tensor.square_
     return sum(
-        float(flat[start : start + SLICE].double().square_().sum()) for start in range(0, flat.numel(), SLICE)
+        float(square(flat[start : start + SLICE].double()).sum()) for start in range(0, flat.numel(), SLICE)
     )
 
 
 def distance_power(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Σ (a − b)² in float64 (the difference taken in float64: exact for float32 ``a`` and ``b``)."""
+    """Σ (a − b)² in float64 (the difference taken in float64, as the whole-tensor sums took it)."""
     x, y = _flat(a), _flat(b)
     if x.numel() != y.numel():
         raise ValueError(f"distance_power of tensors of {x.numel()} and {y.numel()} elements")
     total = 0.0
     for start in range(0, x.numel(), SLICE):
         difference = x[start : start + SLICE].double() - y[start : start + SLICE].double()
-        total += float(difference.square_().sum())
+        total += float(difference.square_().sum())  # a fresh tensor
     return total
 
 
@@ -51,7 +54,7 @@ def moments(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float, float, floa
         aa += float(torch.dot(u, u))
         bb += float(torch.dot(v, v))
         ab += float(torch.dot(u, v))
-        dd += float(u.sub_(v).square_().sum())
+        dd += float((u - v).square_().sum())
     return aa, bb, ab, dd
 
 
