@@ -302,7 +302,7 @@ def test_the_forward_effect_is_measured_on_about_2048_scored_tokens_unless_asked
 def test_the_update_noise_is_summed_a_parameter_at_a_time_as_over_the_flat_gradient() -> None:
     """_error_powers keeps one parameter's temporaries at a time; its sums are the flat float64 ones, and a
     non-finite error makes the plan's noise infinite (its finite errors still summed)."""
-    from numscope.forecast.measure import _error_powers, _norm
+    from numscope.forecast.measure import _error_powers, _powers
 
     generator = torch.Generator().manual_seed(0)
     sizes = [7, 300, 1, 64]
@@ -316,7 +316,10 @@ def test_the_update_noise_is_summed_a_parameter_at_a_time_as_over_the_flat_gradi
     assert finite
     assert power == pytest.approx(float((flat * error.square()).sum()), rel=1e-12)
     assert error_power == pytest.approx(float(error.square().sum()), rel=1e-12)
-    assert _norm(reference, bounds) == pytest.approx(float(reference.double().norm()), rel=1e-12)
+    # the clipping norm measure_plans takes from the per-tensor powers
+    assert math.sqrt(sum(_powers(reference, bounds))) == pytest.approx(
+        float(reference.double().norm()), rel=1e-12
+    )
     grad[10] = math.inf
     power_inf, _, finite = _error_powers(grad, reference, weight, bounds)
     assert not finite

@@ -204,13 +204,6 @@ def _powers(flat: torch.Tensor, bounds: list[int]) -> list[float]:
     return [sums.power(flat[bounds[i] : bounds[i + 1]]) for i in range(len(bounds) - 1)]
 
 
-def _norm(flat: torch.Tensor, bounds: list[int]) -> float:
-    """The 2-norm of a flat gradient summed in float64 a parameter tensor at a time, as the run's gradient
-    clipping takes it (per tensor, then over tensors): torch's float32 norm of a 110M-element vector is off
-    by up to a percent or two."""
-    return math.sqrt(sum(_powers(flat, bounds)))
-
-
 def _error_powers(
     grad: torch.Tensor, reference: torch.Tensor, weight: Sequence[torch.Tensor], bounds: list[int]
 ) -> tuple[float, float, bool]:

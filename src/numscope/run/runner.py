@@ -397,7 +397,7 @@ def measure_sensitivity(
     ``sites``; ``stacks``: only the sites one of these training stacks can quantize at their weight shape,
     :attr:`SensitivitySettings.stacks`); skipped when the analysis already holds it (a finished run asked
     again)."""
-    from numscope.sensitivity import combine_sensitivities, local_sensitivity, sensitivity
+    from numscope.sensitivity import WEIGHT_KINDS, combine_sensitivities, local_sensitivity, sensitivity
     from numscope.train.checkpoint import load_checkpoint
 
     analysis = Analysis.load(out_dir / "analysis")
@@ -405,37 +405,33 @@ def measure_sensitivity(
         return analysis
     from tqdm.auto import tqdm
 
-    if kinds is not None:
+    if kinds is not None or stacks is not None:
         from numscope.advisor.target import site_kinds
 
         recorded = site_kinds(analysis)
-        found = [name for name, kind in recorded.items() if kind in kinds]
-        if sites is not None:
-            found = [name for name in found if any(fnmatch.fnmatchcase(name, p) for p in sites)]
-        if not found:
+        found = [
+            name
+            for name, kind in recorded.items()
+            if (kinds is None or kind in kinds)
+            and (sites is None or any(fnmatch.fnmatchcase(name, p) for p in sites))
+        ]
+        if not found and kinds is not None:
             raise SettingsError(
                 "SensitivitySettings.kinds",
                 f"no site of kind {', '.join(kinds)} in the model (its kinds: "
                 f"{', '.join(sorted(set(recorded.values()))) or 'none'})",
             )
-        sites = [exact_pattern(name) for name in found]
-    if stacks is not None:
-        from numscope.advisor.target import site_kinds
-
-        recorded_kinds = site_kinds(analysis)
-        shapes = analysis.weight_shapes()
-        found = [
-            name
-            for name, kind in recorded_kinds.items()
-            if (sites is None or any(fnmatch.fnmatchcase(name, p) for p in sites))
-            and (kind not in ("linear", "conv1d") or _stack_takes(shapes.get(name), stacks))
-        ]
-        if not found:
-            raise SettingsError(
-                "SensitivitySettings.stacks",
-                f"{', '.join(stacks)} can quantize none of the model's sites at its weight shapes "
-                "(numscope.plan.export.shape_problem)",
-            )
+        if stacks is not None:
+            shapes = analysis.weight_shapes()
+            found = [
+                n for n in found if recorded[n] not in WEIGHT_KINDS or _stack_takes(shapes.get(n), stacks)
+            ]
+            if not found:
+                raise SettingsError(
+                    "SensitivitySettings.stacks",
+                    f"{', '.join(stacks)} can quantize none of the model's sites at its weight shapes "
+                    "(numscope.plan.export.shape_problem)",
+                )
         sites = [exact_pattern(name) for name in found]
 
     checkpoints = [out_dir / "model.pt"] + ([out_dir / EARLY_MODEL] if early else [])
@@ -496,17 +492,16 @@ def measure_sensitivity(
 
 def _stack_takes(shape: Sequence[int] | None, stacks: Sequence[str]) -> bool:
     """Whether one of ``stacks`` can quantize a Linear module whose weight has ``shape`` in one of its
-    recipes' formats (an unknown shape: assumed so)."""
+    recipes (the check ``numscope.advisor.recipe_bits`` makes per recipe; an unknown shape: assumed so)."""
     from numscope.plan.export import shape_problem
     from numscope.plan.targets import get_target
 
     if shape is None:
         return True
     return any(
-        shape_problem(shape, [fmt], stack) is None
+        shape_problem(shape, recipe.measured, stack) is None
         for stack in stacks
         for recipe in get_target(stack).recipes
-        for fmt in recipe.measured
     )
 
 
