@@ -125,3 +125,12 @@ def test_demo_size_changes_only_the_settings_it_is_given() -> None:
 
     assert bench.LOSS_SCALING == LOSS_SCALING
     assert bench.parse_args(["--loss-scaling", "dynamic"]).loss_scaling == "dynamic"
+
+
+def test_forecast_cost_script_parses_and_says_its_usage() -> None:
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "forecast_cost.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "usage:" in done.stderr
