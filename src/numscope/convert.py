@@ -35,10 +35,12 @@ from torch import nn
 
 from numscope._callable import make_callable as _make_callable
 from numscope.formats import native
+from numscope.formats.blocks import tile_shape
 from numscope.formats.fast import reduced_tensor_amax
 from numscope.formats.path import (
     QuantizerPath,
     compiled_wanted,
+    host_path,
     native_covers,
     packs_block_codes,
     quantizer_paths,
@@ -101,15 +103,14 @@ def cast_operand(
     rotation = spec.rotation()
     if rotation is None:
         return _cast(spec, tensor, axis, delayed, generator, compiled, factors)
-    if rotation.fresh:
-        if signs is None:
-            raise ValueError(f"a fresh transform ({spec.transform}) needs this call's signs")
-        rotation = rotation.with_signs(signs)
+    if rotation.fresh and signs is None:
+        raise ValueError(f"a fresh transform ({spec.transform}) needs this call's signs")
     return Quantized(
         rotation.quantized(
             tensor,
             axis,
             lambda rotated, last: _cast(spec, rotated, last, delayed, generator, compiled, factors).values,
+            signs if rotation.fresh else None,
         )
     )
 
@@ -165,7 +166,7 @@ def _cast(
             factors=True,
         )
         values = values.clone()  # a tensor of its own, which views of it lead back to
-        register_factors(values, codes, decode)  # type: ignore[arg-type]
+        register_factors(values, codes, decode, tile_shape(xf, fmt, scaling))  # type: ignore[arg-type]
         return Quantized(values)
     scaling_arg: Scaling | DelayedScaler | None
     if isinstance(fmt, BlockFormat):
@@ -196,17 +197,34 @@ class _FreshSigns:
     def __init__(self) -> None:
         self._pending: dict[str, tuple[torch.Tensor, set[str]]] = {}
 
-    def take(self, key: str, rotation: Rotation, generator: torch.Generator | None) -> torch.Tensor:
-        """The signs for operand ``key`` (``site/gemm/operand``): its partner's pending draw, else a new one
-        (from ``generator``, else torch's default generator) left pending for the partner."""
+    def take(
+        self, key: str, rotation: Rotation, generator: torch.Generator | None, device: torch.device
+    ) -> torch.Tensor:
+        """The signs for operand ``key`` (``site/gemm/operand``) on ``device``: its partner's pending draw,
+        else a new one (from ``generator``, else the device's default generator) left pending for the
+        partner."""
         pair, operand = key.rsplit("/", 1)
         pending = self._pending.get(pair)
         if pending is not None and operand not in pending[1] and len(pending[0]) == rotation.size:
             self._pending.pop(pair)
             return pending[0]
-        signs = rotation.draw_signs(generator)
+        signs = rotation.draw_signs(generator, device)
         self._pending[pair] = (signs, {operand})
         return signs
+
+
+class _Fingerprint(NamedTuple):
+    """What tells one forward operand from another: its shape and the bits of its amax (int32, on the
+    operand's device; None for an empty tensor)."""
+
+    shape: tuple[int, ...]
+    amax: torch.Tensor | None
+
+    def matches(self, other: _Fingerprint) -> bool:
+        """The same shape and amax bits (the amax read back: only a recomputation asks)."""
+        if self.shape != other.shape or (self.amax is None) != (other.amax is None):
+            return False
+        return self.amax is None or torch.equal(self.amax, other.amax.to(self.amax.device))  # type: ignore[union-attr]
 
 
 class _Record:
@@ -214,7 +232,7 @@ class _Record:
 
     __slots__ = ("fingerprint", "scale", "state", "used")
 
-    def __init__(self, fingerprint: tuple, state: torch.Tensor | None) -> None:
+    def __init__(self, fingerprint: _Fingerprint, state: torch.Tensor | None) -> None:
         self.fingerprint = fingerprint
         self.state = state
         self.scale: torch.Tensor | None = None
@@ -243,22 +261,22 @@ class _Replay:
         self._records.clear()
         self._cursor = {}
 
-    def record(self, key: str, fingerprint: tuple, state: torch.Tensor | None) -> _Record:
+    def record(self, key: str, fingerprint: _Fingerprint, state: torch.Tensor | None) -> _Record:
         record = _Record(fingerprint, state)
         self._records.setdefault(key, []).append(record)
         return record
 
-    def take(self, key: str, fingerprint: tuple) -> _Record:
+    def take(self, key: str, fingerprint: _Fingerprint) -> _Record:
         records = self._records.get(key, [])
         following = self._cursor.get(key)
         index = None
         if following is not None and following + 1 < len(records):
             candidate = records[following + 1]
-            if not candidate.used and candidate.fingerprint == fingerprint:
+            if not candidate.used and candidate.fingerprint.matches(fingerprint):
                 index = following + 1
         if index is None:
             unused = [i for i, record in enumerate(records) if not record.used]
-            index = next((i for i in reversed(unused) if records[i].fingerprint == fingerprint), None)
+            index = next((i for i in reversed(unused) if records[i].fingerprint.matches(fingerprint)), None)
         if index is None:
             raise RuntimeError(
                 f"activation checkpointing recomputes operand {key!r} (delayed scaling or stochastic "
@@ -276,8 +294,8 @@ class _ReplayScaler(DelayedScaler):
     """A delayed scaler standing in for ``real``: with ``fixed`` None it asks ``real`` (which records the
     amax) and keeps the scale it gave in ``used``; else it gives ``fixed`` and records nothing."""
 
-    def __init__(self, real: DelayedScaler, fixed: torch.Tensor | None) -> None:
-        super().__init__(real.scaling)
+    def __init__(self, real: DelayedScaler, fixed: torch.Tensor | None) -> None:  # no state of its own
+        self.scaling = real.scaling
         self.real = real
         self.fixed = fixed
         self.used: torch.Tensor | None = None
@@ -388,8 +406,7 @@ class _Quantizer:
         formats rounded to nearest, whose quantization of the input along the token axis depends on nothing
         that changes between forward and backward (as Transformer Engine keeps a column-wise copy). MX
         with the native quantizers on: in its codes, natively; with ``low_memory`` (MX and NVFP4) in its
-        codes, encoded eagerly; through the compiled quantizers (MX only) as bfloat16 values, which hold
-        every MX value exactly (checked each time)."""
+        codes, encoded eagerly; through the compiled quantizers (MX only) as float32 values."""
         spec = self.spec(site).operand(Gemm.WGRAD, Operand.INPUT)
         fmt = spec.format_spec()
         if not (isinstance(fmt, BlockFormat) and spec.rounding == "nearest" and spec.transform is None):
@@ -402,10 +419,9 @@ class _Quantizer:
         """wgrad's input (tokens, features) quantized along the token axis now, decoded in backward to
         exactly what quantizing it there gives: MX with float elements, by the native quantizers, as its
         element codes and E8M0 scale codes (1 + 1/32 bytes per element); else with ``low_memory`` its
-        element codes (one byte each) and block scales, encoded eagerly; else, compiled, its values as
-        bfloat16 (an MX value has at most 4 significant bits and an E8M0-scaled exponent: bfloat16 holds it
-        unless it lies below bfloat16's subnormal grid; then, or with a NaN, None: the site keeps the input
-        and quantizes it in backward)."""
+        element codes (one byte each) and block scales, encoded eagerly; else, compiled, its float32 values
+        (the memory of the input they replace; bfloat16 would hold most MX values, but telling which would
+        read back to the host: a synchronisation per GEMM on a GPU)."""
         spec = self.spec(site).operand(Gemm.WGRAD, Operand.INPUT)
         # one input entering several sites (Q, K and V's projections) is packed once for all of them
         base = tensor if tensor._base is None else tensor._base
@@ -435,10 +451,7 @@ class _Quantizer:
             return None  # the site keeps the input and quantizes it in backward
         if not self.low_memory:
             values = quantize(tensor.float(), spec.format_spec(), scaling=along_tokens, compiled=True)  # type: ignore[arg-type]
-            kept = values.to(torch.bfloat16)
-            if not torch.equal(kept.float(), values):
-                return None
-            return (kept,), _unpack  # bfloat16 → float32, no descale
+            return (values,), _unpack  # float32, as the input it replaces
         if not bool(torch.isfinite(tensor).all()):  # integer elements have no NaN code: quantize later
             return None
         encoded = encode(tensor.float(), spec.format_spec(), scaling=along_tokens)  # type: ignore[arg-type]
@@ -499,10 +512,11 @@ class _Quantizer:
             and _axis_independent(fprop)
         )
 
-    def scaler(self, key: str, scaling: Scaling) -> DelayedScaler:
+    def scaler(self, key: str, scaling: Scaling, device: torch.device | None = None) -> DelayedScaler:
+        """The delayed scaler of operand ``key``, made on ``device`` (the operand's) on first use."""
         scaler = self.scalers.get(key)
         if scaler is None:
-            scaler = self.scalers[key] = DelayedScaler(scaling)
+            scaler = self.scalers[key] = DelayedScaler(scaling, device=device)
         return scaler
 
     def announce_gradient(self, site: Site, tensor: torch.Tensor) -> None:
@@ -601,11 +615,13 @@ class _Quantizer:
         # a fresh transform's signs come from the generator too: replayed with it
         stochastic = (spec.rounding == "stochastic" or fresh) and self.generator is not None
         scaling = spec.effective_scaling()
-        scaler = self.scaler(key, scaling) if scaling is not None and scaling.kind == "delayed" else None
+        delayed = scaling is not None and scaling.kind == "delayed"
+        scaler = self.scaler(key, scaling, tensor.device) if delayed else None  # type: ignore[arg-type]
         if gemm != Gemm.FPROP or not (stochastic or scaler is not None):
             return self._cast(key, spec, tensor, axis, scaler, factors)
-        amax = _amax(tensor.detach().float()).view(torch.int32).item() if tensor.numel() else 0
-        fingerprint = (tuple(tensor.shape), amax)
+        # the amax's bits stay on the tensor's device: compared only when a recomputation looks it up
+        amax = _amax(tensor.detach().float()).view(torch.int32) if tensor.numel() else None
+        fingerprint = _Fingerprint(tuple(tensor.shape), amax)
         generator = self.generator if stochastic else None
         if not self._replay.recomputing:
             state = generator.get_state() if generator is not None else None
@@ -639,7 +655,7 @@ class _Quantizer:
         rotation = spec.rotation()
         signs = None
         if rotation is not None and rotation.fresh:
-            signs = self._signs.take(key, rotation, self.generator)
+            signs = self._signs.take(key, rotation, self.generator, tensor.device)
         return cast_operand(
             spec,
             tensor,
@@ -706,11 +722,15 @@ def _fake_cast(
     the format's max plus half its unit in the last place (every scaled value then rounds to at most the
     max: rounding is monotone), the clamp of saturation changes nothing and the scaled copy is cast and
     descaled in place: one fresh float32 buffer instead of one per operation, the same bits. That bound,
-    and for E4M3 whether ``2⁸ / scale`` is finite, are read to the host together, once per call.
+    and for E4M3 whether ``2⁸ / scale`` is finite, are read to the host together, once per call, on the
+    CPU's path only (:func:`numscope.formats.path.host_path`); the device path always clamps.
     """
     scaled = values if scale is None else values * scale
     descale = None if scale is None else 1.0 / scale
     saturate = overflow == "saturate"
+    if not host_path(values):  # the device path: no value read back, the same bits
+        codes = _cast_native(scaled, dtype, fmt) if saturate else scaled.to(dtype)
+        return (codes.float() if descale is None else codes.float() * descale), codes
     bound = None if amax is None or not saturate else amax if scale is None else amax * scale
     redescale = None  # E4M3 decodes through fp16 as q / 2⁸ (see _e4m3_as_fp16), multiplied by 2⁸ · descale
     if saturate and dtype == torch.float8_e4m3fn:  # no NaN code on this path
@@ -914,9 +934,11 @@ def quantize_operand(
     if spec.is_high:
         return tensor.detach().float()
     scaling = spec.effective_scaling()
-    delayed = DelayedScaler(scaling) if scaling is not None and scaling.kind == "delayed" else None
+    delayed = None
+    if scaling is not None and scaling.kind == "delayed":
+        delayed = DelayedScaler(scaling, device=tensor.device)
     rotation = spec.rotation()
-    signs = rotation.draw_signs(generator) if rotation is not None and rotation.fresh else None
+    signs = rotation.draw_signs(generator, tensor.device) if rotation is not None and rotation.fresh else None
     return cast_operand(spec, tensor, axis, delayed=delayed, generator=generator, signs=signs).values
 
 

@@ -40,7 +40,7 @@ def axis_last_2d(x: torch.Tensor, axis: int) -> tuple[torch.Tensor, torch.Size]:
 
 
 def unblock(blocks: torch.Tensor, shape: torch.Size, axis: int, length: int) -> torch.Tensor:
-    flat = blocks.reshape(*blocks.shape[:-2], -1)[..., :length]
+    flat = blocks.reshape(*blocks.shape[:-2], -1).narrow(-1, 0, length)
     if len(shape) == 0:
         return flat.reshape(shape)
     return flat.movedim(-1, axis)
@@ -125,7 +125,8 @@ def _nvfp4_candidate(
     if fmt.scale_math == "divide":
         wanted = amax / target * encode_scale
     else:  # Transformer Engine: amax_b · (S · (1/6)); elements times 1 / (s_b · (1/S))
-        wanted = amax * (encode_scale * torch.tensor(1.0 / target, dtype=torch.float32))
+        inverse_target = torch.full((), 1.0 / target, dtype=torch.float32, device=blocks.device)
+        wanted = amax * (encode_scale * inverse_target)
     stored = cast_float(wanted.clamp(max=FLOAT32_MAX), scale_format, "nearest", "saturate")  # type: ignore[arg-type]
     if fmt.scale_math == "divide":
         decode = stored / encode_scale
@@ -198,7 +199,7 @@ def _te_four_over_six(
     element, scale_format = fmt.element, fmt.scale_format
     base = amax / 6.0 * encode_scale
     decode_global = 1.0 / encode_scale
-    denom = torch.tensor(6.0 * 256.0, dtype=torch.float32)
+    denom = torch.full((), 6.0 * 256.0, dtype=torch.float32, device=blocks.device)
     candidates, errors = [], []
     for factor in (1.5, 1.0):  # map to 4, map to 6
         wanted = base * factor if factor != 1.0 else base
@@ -207,8 +208,8 @@ def _te_four_over_six(
         elements = cast(blocks * scale, element, rounding, "saturate", flush_subnormals, generator)
         error = torch.zeros_like(amax)  # TE's order: element by element, in float32
         for index in range(blocks.shape[-1]):
-            value = elements[..., index : index + 1] * stored * tensor_amax / denom
-            error = error + (value - blocks[..., index : index + 1]).abs()
+            value = elements.narrow(-1, index, 1) * stored * tensor_amax / denom
+            error = error + (value - blocks.narrow(-1, index, 1)).abs()
         decode = stored * decode_global
         decode = torch.where(torch.isfinite(amax), decode, torch.full_like(decode, float("nan")))
         elements = torch.where(stored > 0, elements, elements * 0.0)  # as _nvfp4_candidate: same values
@@ -222,7 +223,7 @@ def _te_four_over_six(
             width = tile_rows
             while width > 1:
                 width //= 2
-                rows = rows[:, :width] + rows[:, width : 2 * width]
+                rows = rows.narrow(1, 0, width) + rows.narrow(1, width, width)
             tiles.append(rows.expand(-1, tile_rows, *err.shape[1:]).reshape(err.shape))
         four, six = tiles
     pick_four = four < six
@@ -274,7 +275,7 @@ def block_parts_2d(
         blocks, fmt, encode_scale, rounding, generator, flush_subnormals, amax, tile_rows, tensor_amax
     )
     if tile_rows > 1:
-        elements, scales, stored = elements[:rows], scales[:rows], stored[:rows]
+        elements, scales, stored = (part.narrow(0, 0, rows) for part in (elements, scales, stored))
     return BlockParts(elements, scales, stored, encode_scale, length)
 
 

@@ -316,7 +316,7 @@ def reduced_tensor_amax(x: torch.Tensor, fmt: BlockFormat, reduce_amax: bool = T
     if not (fmt.tensor_scale and not fmt.row_scale and reduces_across_ranks(reduce_amax)):
         return None
     local = abs_amax(x, "tensor") if x.numel() else torch.zeros((), device=x.device)
-    return reduce_amax_(local.reshape(1))[0]
+    return reduce_amax_(local.reshape(1)).reshape(())
 
 
 def block_columns(
@@ -355,4 +355,4 @@ def block(
             return None
         _dynamic(padded)
         out = _compiled("block", fmt=fmt, flush=flush)(padded, tensor_amax)
-    return out[:, :length] if pad else out
+    return out.narrow(1, 0, length) if pad else out

@@ -83,6 +83,17 @@ class Cast:
         return native_dtype(fmt)
 
 
+def host_path(x: torch.Tensor) -> bool:
+    """Whether ``x`` takes the CPU's path: a CPU tensor with the native quantizers on.
+
+    The CPU's path may read a value back to the host to save a pass over memory (the native code's own
+    choices, a bound that lets a cast skip its clamp). Everywhere else (a GPU, or the CPU with
+    :func:`numscope.formats.set_native` off) numscope takes the *device path*: torch operations and
+    compiled kernels only, with no host synchronisation and no tensor on another device, and the same
+    bits (the tests run the device path on the CPU and compare it with the CPU's path bit for bit)."""
+    return x.device.type == "cpu" and native.native_enabled()
+
+
 def compiled_wanted(compiled: bool | None) -> bool:
     """Whether the compiled kernels may be used: ``compiled`` where given, else as
     :func:`numscope.formats.set_fast` (``NUMSCOPE_FAST``) says."""

@@ -122,7 +122,8 @@ def tile_quantize(
     codes = cast(tiles * scale, fmt, rounding, overflow, flush_subnormals, generator)  # type: ignore[arg-type]
 
     def untile(t: torch.Tensor) -> torch.Tensor:
-        t = t.reshape(*tiles.shape[:-4], tiles.shape[-4] * tiles.shape[-3], -1)[..., :rows, :cols]
+        t = t.reshape(*tiles.shape[:-4], tiles.shape[-4] * tiles.shape[-3], -1)
+        t = t.narrow(-2, 0, rows).narrow(-1, 0, cols)
         return t.reshape(xf.shape)
 
     values = untile(codes * decode)
@@ -165,8 +166,9 @@ def _tile_native(
     if not factors:
         return values, None, None
     rows, cols = xf.shape[-2:]
-    per_element = decode.repeat_interleave(tile[0], dim=1)[:, :rows].repeat_interleave(tile[1], dim=2)
-    return values, codes, per_element[:, :, :cols].reshape(xf.shape).contiguous()
+    per_row = decode.repeat_interleave(tile[0], dim=1).narrow(1, 0, rows)
+    per_element = per_row.repeat_interleave(tile[1], dim=2)
+    return values, codes, per_element.narrow(2, 0, cols).reshape(xf.shape).contiguous()
 
 
 def as_float32(x: torch.Tensor, spec: Format) -> torch.Tensor:
@@ -183,7 +185,7 @@ def as_float32(x: torch.Tensor, spec: Format) -> torch.Tensor:
     if x.dtype != torch.float64 or (isinstance(spec, FloatFormat) and spec.name == "fp32"):
         return nearest
     back = nearest.double()
-    inexact = (back != x) & ~torch.isnan(x)
+    inexact = (back != x) & torch.logical_not(torch.isnan(x))
     bits = nearest.view(torch.int32)
     bits = bits - (back.abs() > x.abs()).to(torch.int32)  # one step toward zero (inf: to ±max)
     bits = torch.where(inexact, bits | 1, nearest.view(torch.int32))  # the neighbour with an odd significand

@@ -194,25 +194,43 @@ class DelayedScaler:
 
     Each call of :meth:`scale_for` returns the scale computed from the history *before* this tensor, then
     records the tensor's amax. On the very first call, with an empty history, the current amax is used
-    (TE would use scale 1 there), so the first step does not overflow. A tensor without elements has no
-    amax to record; where amaxes are reduced across ranks it takes part with 0 and records the reduced
-    amax, as the other ranks do.
+    (TE would use scale 1 there), so the first step does not overflow. A non-finite amax is not recorded.
+    A tensor without elements has no amax to record; where amaxes are reduced across ranks it takes part
+    with 0 and records the reduced amax, as the other ranks do.
+
+    The history and the count of recorded amaxes are tensors on the device of the tensors scaled (moved
+    there by the first call): a call reads nothing back to the host, so a GPU step runs without a
+    synchronisation per GEMM.
     """
 
     scaling: Scaling = field(default_factory=lambda: Scaling(kind="delayed"))
+    #: where the state starts (``None``: the CPU); it follows the scaled tensors either way
+    device: torch.device | str | None = None
     amax_history: torch.Tensor = field(init=False)
-    steps: int = field(init=False, default=0)
+    recorded: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.scaling, str | dict):
             self.scaling = Scaling.parse(self.scaling)  # type: ignore[assignment]
         if self.scaling.kind != "delayed":
             self.scaling = self.scaling.replace(kind="delayed")
-        self.amax_history = torch.zeros(self.scaling.history_len, dtype=torch.float32)
+        self.amax_history = torch.zeros(self.scaling.history_len, dtype=torch.float32, device=self.device)
+        self.recorded = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    @property
+    def steps(self) -> int:
+        """How many amaxes have been recorded (read from the device: a synchronisation there)."""
+        return int(self.recorded)
+
+    def _follow(self, device: torch.device) -> None:
+        """Keep the state on ``device``, where the scaled tensors are."""
+        if self.amax_history.device != device:
+            self.amax_history = self.amax_history.to(device)
+            self.recorded = self.recorded.to(device)
 
     def history_amax(self) -> torch.Tensor:
         if self.scaling.amax_compute == "most_recent":
-            return self.amax_history[0]
+            return self.amax_history.select(0, 0)
         return self.amax_history.max()
 
     def scale_for(self, x: torch.Tensor, fmt_max: float, amax: torch.Tensor | None = None) -> torch.Tensor:
@@ -220,18 +238,19 @@ class DelayedScaler:
 
         amax: ``amax(|x|)`` where the caller has it already (this rank's; it is reduced here).
         """
+        self._follow(x.device)
+        started = self.recorded > 0
         if amax is None:
             amax = x.detach().abs().amax() if x.numel() else torch.zeros((), device=x.device)
             if not x.numel() and not reduces_across_ranks(self.scaling.reduce_amax):
-                used = self.history_amax() if self.steps > 0 else amax
-                return self.scaling.scale(used, fmt_max)
+                return self.scaling.scale(torch.where(started, self.history_amax(), amax), fmt_max)
         current = reduce_amax_(amax.float().reshape(1).clone(), self.scaling.reduce_amax)
-        used = self.history_amax() if self.steps > 0 else current[0]
-        scale = self.scaling.scale(used, fmt_max)
-        if torch.isfinite(current).all():
-            self.amax_history = torch.roll(self.amax_history, 1)
-            self.amax_history[0] = current[0].to(self.amax_history.device)
-            self.steps += 1
+        now = current.reshape(())
+        scale = self.scaling.scale(torch.where(started, self.history_amax(), now), fmt_max)
+        finite = torch.isfinite(now)
+        rolled = torch.cat([current, self.amax_history.narrow(0, 0, self.scaling.history_len - 1)])
+        self.amax_history = torch.where(finite, rolled, self.amax_history)
+        self.recorded = self.recorded + finite.to(self.recorded.dtype)
         return scale
 
     def state_dict(self) -> dict[str, Any]:
@@ -248,8 +267,9 @@ class DelayedScaler:
                 f"amax history of length {history.shape[0]} does not fit "
                 f"history_len {self.scaling.history_len}"
             )
-        self.amax_history = history.clone().float()
-        self.steps = int(state["steps"])
+        device = self.amax_history.device
+        self.amax_history = history.clone().float().to(device)
+        self.recorded = torch.tensor(int(state["steps"]), dtype=torch.int64, device=device)
 
 
 def log2_floor(x: torch.Tensor) -> torch.Tensor:
@@ -307,7 +327,7 @@ def tensor_amax(
     if amax is not None:
         return torch.as_tensor(amax, dtype=torch.float32, device=x.device).reshape(())
     own = x.abs().amax() if local is None else local
-    return reduce_amax_(own.float().reshape(1).clone(), reduce)[0]
+    return reduce_amax_(own.float().reshape(1).clone(), reduce).reshape(())
 
 
 def element_scale(

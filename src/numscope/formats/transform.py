@@ -71,64 +71,87 @@ class Rotation:
             return f"rht{self.size}:fresh"
         return f"rht{self.size}" + (f":{self.seed}" if self.seed else "")
 
-    def with_signs(self, signs: torch.Tensor) -> Rotation:
-        """This transform with an explicit sign vector (a fresh transform's draw for one GEMM call)."""
-        return Rotation(self.size, self.seed, self.fresh, tuple(int(s) for s in signs.tolist()))
+    def draw_signs(
+        self, generator: torch.Generator | None = None, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """A new sign vector (±1, int64) on ``device`` (None: the CPU), from ``generator`` (None: the
+        default generator of ``device``). A generator on another device draws there and the signs are
+        moved: the same signs as that generator gives anywhere."""
+        where = generator.device if generator is not None else device
+        signs = torch.randint(0, 2, (self.size,), generator=generator, device=where) * 2 - 1
+        return signs if device is None else signs.to(device)
 
-    def draw_signs(self, generator: torch.Generator | None = None) -> torch.Tensor:
-        """A new sign vector (±1, int64), from ``generator`` (None: torch's default generator)."""
-        return torch.randint(0, 2, (self.size,), generator=generator) * 2 - 1
+    def matrix(self, device: torch.device | None = None, signs: torch.Tensor | None = None) -> torch.Tensor:
+        """Q = D·H / √size, float32 (orthogonal), on ``device``; ``signs`` (a tensor of ±1): this call's
+        draw, in place of the transform's own signs. Built on ``device`` from a cached H / √size: a sign
+        flips a float32 value exactly, so every device holds the same Q."""
+        device = torch.device("cpu") if device is None else torch.device(device)
+        if signs is not None:
+            vector = signs.to(device=device, dtype=torch.float32)
+        elif self.signs is not None:
+            vector = _sign_vector(self.signs, device)
+        else:
+            vector = _sign_vector(_seeded_signs(self.size, self.seed), device)
+        return vector.unsqueeze(1) * _scaled_hadamard(self.size, device)
 
-    def matrix(self, device: torch.device | None = None) -> torch.Tensor:
-        """Q = D·H / √size, float32 (orthogonal)."""
-        if self.signs is not None:
-            return _signed(self.size, self.signs).to(device)
-        return _matrix(self.size, self.seed).to(device)
-
-    def rotate(self, x: torch.Tensor, axis: int = -1, inverse: bool = False) -> torch.Tensor:
-        """``x`` rotated by Q (or Qᵀ) in blocks along ``axis``, which must be a multiple of ``size`` long."""
+    def rotate(
+        self, x: torch.Tensor, axis: int = -1, inverse: bool = False, signs: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x`` rotated by Q (or Qᵀ) in blocks along ``axis``, which must be a multiple of ``size`` long;
+        ``signs``: this call's draw (see :meth:`matrix`)."""
         if x.shape[axis] % self.size:
             raise ValueError(
                 f"a Hadamard transform of blocks of {self.size} needs a length divisible by {self.size} "
                 f"along axis {axis}, got shape {tuple(x.shape)}"
             )
         moved = x.float().movedim(axis, -1)
-        q = self.matrix(x.device)
+        q = self.matrix(x.device, signs)
         blocks = moved.reshape(*moved.shape[:-1], -1, self.size)
         rotated = blocks @ (q.t() if inverse else q)
         return rotated.reshape(moved.shape).movedim(-1, axis)
 
     def quantized(
-        self, x: torch.Tensor, axis: int, quantize: Callable[[torch.Tensor, int], torch.Tensor]
+        self,
+        x: torch.Tensor,
+        axis: int,
+        quantize: Callable[[torch.Tensor, int], torch.Tensor],
+        signs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Qᵀ·quantize(Q·x) along ``axis`` (float32): ``quantize(rotated, axis)`` gets the rotated tensor,
-        zero-padded to whole blocks along ``axis``; the padding is dropped after the rotation back."""
+        zero-padded to whole blocks along ``axis``; the padding is dropped after the rotation back.
+        ``signs``: this call's draw (a fresh transform's), in place of the transform's own."""
         axis = axis % max(x.dim(), 1)
         length = x.shape[axis] if x.dim() else 1
         moved = x.float().reshape(1) if x.dim() == 0 else x.float().movedim(axis, -1)
         pad = (-length) % self.size
         padded = F.pad(moved, (0, pad)) if pad else moved
-        restored = self.rotate(quantize(self.rotate(padded), -1), inverse=True)[..., :length]
+        rotated = self.rotate(padded, signs=signs)
+        restored = self.rotate(quantize(rotated, -1), inverse=True, signs=signs).narrow(-1, 0, length)
         return restored.reshape(x.shape) if x.dim() == 0 else restored.movedim(-1, axis)
 
 
-@functools.cache
-def _hadamard(size: int) -> torch.Tensor:
-    """Sylvester's Hadamard matrix of order ``size``, float64."""
-    hadamard = torch.ones(1, 1, dtype=torch.float64)
+def _hadamard(size: int, device: torch.device) -> torch.Tensor:
+    """Sylvester's Hadamard matrix of order ``size``, float64, built on ``device``."""
+    hadamard = torch.ones(1, 1, dtype=torch.float64, device=device)
     while hadamard.shape[0] < size:
         hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
     return hadamard
 
 
 @functools.cache
-def _matrix(size: int, seed: int) -> torch.Tensor:
+def _seeded_signs(size: int, seed: int) -> tuple[int, ...]:
+    """The sign vector of a seeded transform (CPU generator: the same in every process and device)."""
     generator = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (size,), generator=generator, dtype=torch.float64) * 2 - 1
-    return _signed(size, tuple(int(sign) for sign in signs.tolist()))
+    return tuple(int(sign) for sign in signs.tolist())
 
 
 @functools.lru_cache(maxsize=64)
-def _signed(size: int, signs: tuple[int, ...]) -> torch.Tensor:
-    vector = torch.tensor(signs, dtype=torch.float64)
-    return (vector[:, None] * _hadamard(size) / math.sqrt(size)).float()
+def _sign_vector(signs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.tensor(signs, dtype=torch.float32, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _scaled_hadamard(size: int, device: torch.device) -> torch.Tensor:
+    """H / √size rounded once to float32 (from float64), kept on ``device``."""
+    return (_hadamard(size, device) / math.sqrt(size)).float()

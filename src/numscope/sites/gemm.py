@@ -8,7 +8,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +33,13 @@ REUSE_PARTIALS = True
 _PARTIALS = threading.local()
 
 
-def _partials_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``shape`` for chunk sums, in this thread's reused buffer (grown as needed)."""
+def _partials_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` for chunk sums on ``device``, in this thread's reused buffer (grown as
+    needed)."""
     count = math.prod(shape)
     buffer = getattr(_PARTIALS, "buffer", None)
-    if buffer is None or buffer.dtype != dtype or buffer.numel() < count:
-        buffer = torch.empty(count, dtype=dtype)
+    if buffer is None or buffer.dtype != dtype or buffer.device != device or buffer.numel() < count:
+        buffer = torch.empty(count, dtype=dtype, device=device)
         _PARTIALS.buffer = buffer
     return buffer[:count].view(shape)
 
@@ -119,27 +120,45 @@ def _mm_mat2_backward(grad: torch.Tensor, mat1: torch.Tensor, sizes: Sequence[in
     return mat1.t().mm(grad)
 
 
-#: quantized operands whose element codes and per-element decode scales a GEMM may take (register_factors)
-_FACTORS: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor]] = {}
+class _Factors(NamedTuple):
+    """A registered operand's codes and decode scales, viewed as the operand is, and the extent along its
+    contraction axis over which the decode scale is constant by construction (None: not known)."""
+
+    codes: torch.Tensor
+    decode: torch.Tensor
+    constant_run: int | None
 
 
-def register_factors(values: torch.Tensor, codes: torch.Tensor, decode: torch.Tensor) -> None:
+#: quantized operands whose element codes and per-element decode scales a GEMM may take (register_factors):
+#: a weak reference to the values, the codes, the decode scales and the tile of the decode scales
+_FACTORS: dict[int, tuple[weakref.ref, torch.Tensor, torch.Tensor, tuple[int, int] | None]] = {}
+
+
+def register_factors(
+    values: torch.Tensor, codes: torch.Tensor, decode: torch.Tensor, tile: tuple[int, int] | None = None
+) -> None:
     """Tell the GEMMs that ``values`` (a quantized operand, a contiguous tensor that is no view) is
     ``codes · decode`` elementwise: a GEMM that applies the scales at each promotion
     (``fp22_promote128``) then sums the codes' products and scales the partial sums, as DeepGEMM does,
-    for ``values`` and any view of it. Kept while ``values`` lives."""
+    for ``values`` and any view of it. Kept while ``values`` lives.
+
+    tile: (rows, columns) of the last two axes over which ``decode`` is constant (the tile scaling that
+    made it): the GEMM then knows from the layout alone whether the scales are constant along each run
+    of products it promotes. Without it, the GEMM compares the scales themselves, a read back to the host.
+    """
     if values._base is not None or not values.is_contiguous():
         raise ValueError("register_factors takes a contiguous tensor that is not a view (clone it)")
     if codes.shape != values.shape or decode.shape != values.shape:
         raise ValueError("codes and decode must have the values' shape")
     key = id(values)
     forget = weakref.ref(values, lambda _, key=key: _FACTORS.pop(key, None))
-    _FACTORS[key] = (forget, codes.contiguous(), decode.contiguous())
+    _FACTORS[key] = (forget, codes.contiguous(), decode.contiguous(), tile)
 
 
-def _factors_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _factors_of(t: torch.Tensor, contraction_axis: int) -> _Factors | None:
     """The registered codes and decode scales of ``t`` (a registered tensor or a view of one), viewed as
-    ``t`` views its base; None where none are registered."""
+    ``t`` views its base, with the extent of the registered tile along ``t``'s ``contraction_axis`` where
+    that axis is one of the base's last two, unshifted; None where none are registered."""
     for base in (t, t._base):
         if base is None:
             continue
@@ -147,9 +166,17 @@ def _factors_of(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if entry is None or entry[0]() is not base:
             continue
         offset = t.storage_offset() - base.storage_offset()
-        return tuple(  # type: ignore[return-value]
-            part.as_strided(t.size(), t.stride(), part.storage_offset() + offset) for part in entry[1:]
+        codes, decode = (
+            part.as_strided(t.size(), t.stride(), part.storage_offset() + offset) for part in entry[1:3]
         )
+        tile, run = entry[3], None
+        if tile is not None and offset == 0 and base.dim() >= 2:
+            stride = t.stride(contraction_axis)
+            if stride == base.stride(-1):
+                run = tile[1]
+            elif stride == base.stride(-2) and base.shape[-1] > 1:
+                run = tile[0]
+        return _Factors(codes, decode, run)
     return None
 
 
@@ -180,17 +207,21 @@ def _promoted_exact(
     from numscope.formats.quantize import as_float32
     from numscope.formats.spec import get_format
 
-    fa, fb = _factors_of(a), _factors_of(b)
+    fa, fb = _factors_of(a, -1), _factors_of(b, -2)
     run = accumulator.promote_every
     if fa is None or fb is None or run is None or run % chunk:
         return None
-    (ca, da), (cb, db) = fa, fb
+    ca, da = fa.codes, fa.decode
+    cb, db = fb.codes, fb.decode
     length = a.shape[-1]
     sa, sb = da[..., ::run], db[..., ::run, :]  # (.., M, G), (.., G, N): one scale per run
-    if not (
-        torch.equal(sa.repeat_interleave(run, dim=-1)[..., :length], da)
-        and torch.equal(sb.repeat_interleave(run, dim=-2)[..., :length, :], db)
-    ):
+    if fa.constant_run is not None and fb.constant_run is not None:
+        constant = fa.constant_run % run == 0 and fb.constant_run % run == 0  # known from the tiles
+    else:  # compared: a read back to the host
+        constant = torch.equal(sa.repeat_interleave(run, dim=-1)[..., :length], da) and torch.equal(
+            sb.repeat_interleave(run, dim=-2)[..., :length, :], db
+        )
+    if not constant:
         return None  # the scales change inside a run: not a promoted GEMM's layout
     narrow = get_format(accumulator.format)  # type: ignore[arg-type]
 
@@ -277,7 +308,7 @@ def accumulate_matmul(
         sums = torch.matmul(a_chunks, b_chunks)
     else:
         shape = torch.broadcast_shapes(a_chunks.shape[:-2], b_chunks.shape[:-2])
-        buffer = _partials_buffer((*shape, a_chunks.shape[-2], b_chunks.shape[-1]), a.dtype)
+        buffer = _partials_buffer((*shape, a_chunks.shape[-2], b_chunks.shape[-1]), a.dtype, a.device)
         sums = torch.matmul(a_chunks, b_chunks, out=buffer)
     fused = native.rounded_sum(sums, narrow, per_group)  # type: ignore[arg-type]
     if fused is not None:  # the loop below in one pass of C: the same roundings in the same order

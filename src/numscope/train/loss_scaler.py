@@ -251,8 +251,17 @@ class LossScaler:
             )
         if state.stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step(); call it before step() or not at all")
-        # The reciprocal in float64 then float32, as GradScaler, so fp32 results match it bit for bit.
-        inv_scale = torch.tensor(self._scale, dtype=torch.float64).reciprocal().float()
+        # The reciprocal in float64 then float32, as GradScaler, so fp32 results match it bit for bit; made
+        # once per device and dtype the gradients live on (not copied to a GPU once per parameter)
+        reciprocal = torch.tensor(self._scale, dtype=torch.float64).reciprocal().float()
+        inverses: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+        def inv_scale(device: torch.device, dtype: torch.dtype) -> Tensor:
+            key = (device, dtype)
+            if key not in inverses:
+                inverses[key] = reciprocal.to(device=device, dtype=dtype)
+            return inverses[key]
+
         positions: list[tuple[Tensor, int, int]] = []
         nonfinite: list[Tensor] = []
         with torch.no_grad():
@@ -266,9 +275,9 @@ class LossScaler:
                     else:
                         grad = _local_shard(param.grad)
                     if grad.dtype in (torch.float32, torch.float64):
-                        grad.mul_(inv_scale.to(device=grad.device, dtype=grad.dtype))
+                        grad.mul_(inv_scale(grad.device, grad.dtype))
                     else:
-                        grad.copy_(grad.float().mul_(inv_scale.to(grad.device)))
+                        grad.copy_(grad.float().mul_(inv_scale(grad.device, torch.float32)))
                     positions.append((param, group_index, param_index))
                     nonfinite.append(~torch.isfinite(grad).all())
             device = nonfinite[0].device if nonfinite else torch.device("cpu")
