@@ -35,6 +35,7 @@ from torch import nn
 
 from numscope import _sums as sums
 from numscope._callable import make_callable as _make_callable
+from numscope._device import model_device, to_device
 from numscope._names import exact_pattern, layer_role
 from numscope._rng import fork_rng
 from numscope.analysis import ALL, OperandKey, Sensitivity
@@ -66,7 +67,7 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """The model's own loss: ``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple or list, else
     ``model(batch)``; the output's ``loss`` (attribute or key), or the output itself if it is a scalar."""
     if isinstance(batch, Mapping):
-        output = model(**batch)
+        output = model(**to_device(batch, model_device(model)))
     elif isinstance(batch, tuple | list):
         output = model(*batch)
     else:

@@ -851,6 +851,16 @@ def _plan_file(ws: Path, name: str, text: str) -> Path:
 
 
 ERRORS = {
+    **(
+        {}
+        if torch.cuda.is_available()
+        else {
+            "a gpu asked for where there is none": (
+                lambda ws: ["forecast", *flags(ws), "--device", "cuda", "--out", ws / "e"],
+                "--device: 'cuda' asks for a GPU, but torch",
+            )
+        }
+    ),
     "missing text": (
         lambda ws: ["train", *flags(ws, text=ws / "nope.txt"), "--plan", "fp8", "--out", ws / "e"],
         "--text {ws}/nope.txt: no such file",
@@ -1415,6 +1425,54 @@ def test_train_under_torchrun_is_data_parallel_over_gloo(ws: Path, tmp_path: Pat
     assert ddp_losses == pytest.approx(one_losses, rel=1e-4)
     alone = torch.load(tmp_path / "one" / "rank0.pt", weights_only=True)
     assert max(float((alone[name] - rank0[name]).abs().max()) for name in alone) < 5e-3
+
+
+@pytest.mark.slow
+def test_train_under_torchrun_shards_with_fsdp2_through_the_cli(ws: Path, tmp_path: Path, torchrun) -> None:
+    """``numscope train --device cpu --parallel fsdp2`` under 2 processes (gloo): parameters, gradients and
+    Adam's moments sharded, the mid-run checkpoint and model.pt gathered whole; the losses and the trained
+    model are those of one process on the whole batch, to fp32 rounding (as DDP's)."""
+    args = [*flags(ws), "--plan", "fp8", "--device", "cpu"]
+    fsdp = torchrun(
+        ["-m", "numscope.cli", "train", *args, "--parallel", "fsdp2", "--out", str(tmp_path / "fsdp")],
+        timeout=300,
+        env=ENV,
+    )
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert fsdp.stdout.count("run folder:") == 1  # only rank 0 prints
+    result = json.loads((tmp_path / "fsdp" / "result.json").read_text())
+    assert result["world_size"] == 2 and result["device"] == "cpu"
+    assert json.loads((tmp_path / "fsdp" / "run.json").read_text())["parallel"] == "fsdp2"
+    one = cli("train", *args, "--out", tmp_path / "one")
+    assert one.code == 0, one.err
+    losses = {}
+    for name in ("fsdp", "one"):
+        with (tmp_path / name / "log.csv").open() as f:
+            losses[name] = [float(r["loss"]) for r in csv.DictReader(f)]
+    assert len(losses["fsdp"]) == 4 and losses["fsdp"] == pytest.approx(losses["one"], rel=1e-4)
+    sharded, alone = (
+        numscope.load_checkpoint(tmp_path / name / "model.pt")["model"] for name in ("fsdp", "one")
+    )
+    assert sharded.keys() == alone.keys()
+    assert all(
+        not hasattr(value, "to_local") and value.shape == alone[key].shape for key, value in sharded.items()
+    )
+    assert max(float((sharded[key] - alone[key]).abs().max()) for key in alone) < 5e-3
+
+    # stopped on its 3rd step, after the checkpoint of step 2, and resumed: the sharded states reloaded
+    stopping = [*flags(ws, f"{ws / 'cli_models.py'}:stopping"), "--plan", "fp8", "--parallel", "fsdp2"]
+    stopped = torchrun(
+        ["-m", "numscope.cli", "train", *stopping, "--out", str(tmp_path / "resumed")],
+        timeout=300,
+        env={**ENV, "NUMSCOPE_TEST_STOP": "1"},
+    )
+    assert stopped.returncode != 0 and (tmp_path / "resumed" / "checkpoint.pt").is_file()
+    for name in ("resumed", "through"):
+        done = torchrun(["-m", "numscope.cli", "train", *stopping, "--out", str(tmp_path / name)], env=ENV)
+        assert done.returncode == 0, done.stderr[-3000:]
+        with (tmp_path / name / "log.csv").open() as f:
+            losses[name] = [float(r["loss"]) for r in csv.DictReader(f)]
+    assert losses["resumed"] == losses["through"]
 
 
 def test_demo_size_flags_reach_the_model_and_the_folder_keeps_them(

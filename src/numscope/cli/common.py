@@ -248,10 +248,12 @@ def _print_result(result: Any, out: str) -> None:
         f"{result.skipped_steps} skipped step(s), {bits} average bits per GEMM operand element, "
         f"{result.steps} steps in {result.wall_seconds:.0f}s"
     )
-    if result.world_size > 1:
+    if result.world_size > 1 and result.rank_divergence is None:
+        print(f"sharded over {result.world_size} processes (FSDP2) on {result.device}")
+    elif result.world_size > 1:
         print(
-            f"data-parallel over {result.world_size} processes; largest parameter difference between "
-            f"ranks at the end: {result.rank_divergence:g}"
+            f"data-parallel over {result.world_size} processes on {result.device}; largest parameter "
+            f"difference between ranks at the end: {result.rank_divergence:g}"
         )
     print(f"run folder: {out}")
 

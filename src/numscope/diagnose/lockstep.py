@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from numscope._device import model_device, to_device
+from numscope._rng import restore_rng, rng_snapshot
 from numscope.plan import Plan
 from numscope.sites import attach
 from numscope.sites.gemm import Site
@@ -190,20 +192,20 @@ def lockstep(
     low.train()
     try:
         for step in range(steps):
-            batch = batch_at(step)
+            batch = to_device(batch_at(step), model_device(reference))
             record = (step + 1) % every == 0 or step + 1 == steps
             for handler in (seen_reference, seen_low, before, cast_error):
                 handler.recording = record
             for optimizer in (reference_optimizer, low_optimizer):
                 for group in optimizer.param_groups:
                     group["lr"] = lr_at(step)
-            rng = torch.get_rng_state()
+            rng = rng_snapshot()
             loss = reference(**batch).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(reference.parameters(), grad_clip)
             reference_optimizer.step()
             reference_optimizer.zero_grad(set_to_none=True)
-            torch.set_rng_state(rng)
+            restore_rng(rng)
             low_loss = low(**batch).loss
             recipe.backward(low_loss)
             recipe.unscale_(low_optimizer)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from numscope import _sums as sums
+from numscope._device import model_device, to_device
 from numscope._rng import fork_rng
 from numscope.convert import convert, unconvert
 from numscope.plan import Plan
@@ -97,7 +98,7 @@ LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
 
 def _loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    return model(**batch).loss
+    return model(**to_device(batch, model_device(model))).loss
 
 
 def _gradients(
@@ -166,7 +167,7 @@ def measure_plans(
         results: dict[str, PlanEffect] = {}
         for done, (name, plan) in enumerate(plans.items()):
             began = time.perf_counter()
-            convert(model, plan, generator=torch.Generator().manual_seed(seed))
+            convert(model, plan, generator=torch.Generator(model_device(model)).manual_seed(seed))
             try:
                 losses = list(evaluate(model))
                 grads = _gradients(model, parameters, train_batches, loss_fn)

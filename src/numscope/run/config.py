@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from numscope._device import DEVICES
 from numscope._settings import setting
 from numscope.errors import NumscopeError, SettingsError
 from numscope.plan import Plan
@@ -152,6 +153,10 @@ class RunSpec:
         return self.resolved if self.resolved is not None else Plan.resolve(self.plan, sites)
 
 
+PARALLEL = ("ddp", "fsdp2")
+"""How ranks under torchrun share a run: ``torch.nn.parallel.DistributedDataParallel`` or FSDP2
+(``torch.distributed.fsdp.fully_shard``)."""
+
 OPTIMIZERS = ("adamw", "adamw_fp8", "adamw_8bit", "adamw_4bit")
 """``adamw``: ``torch.optim.AdamW``; ``adamw_fp8``, ``adamw_8bit``, ``adamw_4bit``:
 :class:`numscope.train.AdamWFp8`, ``AdamW8bit``, ``AdamW4bit`` (moments in FP8, 8-bit or 4-bit blocks)."""
@@ -185,10 +190,31 @@ class TrainConfig:
         "validation losses compare across settings",
         positive=True,
     )
+    device: str = setting(
+        "auto",
+        "where to train and measure: auto (a GPU where torch sees one, else the CPU), cpu, or cuda (under "
+        "torchrun, each process's own GPU, ranks joined over NCCL)",
+        choices=DEVICES,
+    )
+    parallel: str = setting(
+        "ddp",
+        "under torchrun with more than one process: ddp (every rank holds the whole model) or fsdp2 "
+        "(parameters, gradients and optimizer state sharded over the ranks: a model too large for one "
+        "device)",
+        choices=PARALLEL,
+    )
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        if self.device not in DEVICES:
+            raise SettingsError(
+                "TrainConfig.device", f"{self.device!r} unknown; allowed: {', '.join(DEVICES)}"
+            )
+        if self.parallel not in PARALLEL:
+            raise SettingsError(
+                "TrainConfig.parallel", f"{self.parallel!r} unknown; allowed: {', '.join(PARALLEL)}"
+            )
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up then cosine decay to 10% of ``lr``."""
@@ -212,6 +238,7 @@ class RunResult:
     final_scale: float = 1.0
     avg_bits: float | None = None  # bits per GEMM operand element, weighted by a training step's sizes
     world_size: int = 1  # data-parallel ranks that trained the run
+    device: str = "cpu"  # where it trained (rank 0's device)
     rank_divergence: float | None = None  # largest parameter difference between ranks at the end (DDP only)
 
     def to_dict(self) -> dict[str, Any]:

@@ -141,6 +141,8 @@ def check_run_settings(out: Path, settings: dict[str, Any]) -> None:
         "text",
         "command",
         "world_size",
+        "device",
+        "parallel",
         "objective_resolved",
         "model_path",
         "vocab_size_built",

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from numscope import distributed
 from numscope._atomic import atomic_write_text
+from numscope._device import model_device, resolve_device, to_device
 from numscope.convert import load_numerics_state_dict, numerics_state_dict, site_sizes
 from numscope.run.config import RunData, RunError, RunResult, RunSpec, TrainConfig, read_result
 from numscope.run.data import num_batches
@@ -79,6 +80,8 @@ def _train_settings(
     """What a run computes besides its plan (``train.json``): the training settings, the loss scaling and,
     for an adaptive run, its settings."""
     settings = {**asdict(cfg), "loss_scaling": spec.loss_scaling, "init_scale": spec.init_scale}
+    for where in ("device", "parallel"):  # where and how it runs, not what: a run may resume elsewhere
+        del settings[where]
     if adaptive is not None:
         settings["adaptive"] = adaptive.to_dict()
     return json.loads(json.dumps(settings))  # tuples as lists, as stored
@@ -123,7 +126,8 @@ def run_recipe(
     model: torch.nn.Module, plan: Any, scaler: LossScaler, seed: int, compiled: bool | str = "auto"
 ) -> Recipe:
     """The recipe a run trains ``model`` with (converting it): FP32 parameters, ops and activations; the
-    plan's GEMM operands, the loss scale, and the plan's stochastic rounding seeded by ``seed``."""
+    plan's GEMM operands, the loss scale, and the plan's stochastic rounding seeded by ``seed`` (a generator
+    on the model's device: its draws differ between the CPU and a GPU, see :mod:`numscope.formats.cast`)."""
     return Recipe(
         model,
         plan=plan,
@@ -131,7 +135,7 @@ def run_recipe(
         fp32_ops=False,
         activations=None,
         loss_scale=scaler,
-        generator=torch.Generator().manual_seed(seed),
+        generator=torch.Generator(model_device(model)).manual_seed(seed),
         compiled=compiled,
     )
 
@@ -188,6 +192,8 @@ def train_run(
         raise RunError("an adaptive run observes itself: give adaptive or observer_factory, not both")
     world, rank = distributed.world_size(), distributed.rank()
     writer = rank == 0
+    device = resolve_device(cfg.device, field="TrainConfig.device")
+    sharded = world > 1 and cfg.parallel == "fsdp2"
     if cfg.batch_size % world:
         raise ValueError(f"batch size {cfg.batch_size} does not divide evenly over {world} ranks")
     if writer:
@@ -201,7 +207,8 @@ def train_run(
 
     def build() -> torch.nn.Module:
         torch.manual_seed(cfg.seed)
-        return bert_mlm_from_config(model_config) if isinstance(model_config, ModelConfig) else model_config()
+        made = bert_mlm_from_config(model_config) if isinstance(model_config, ModelConfig) else model_config()
+        return made.to(device)
 
     # a finished run builds its model only where the plan's layer choice needs the model's sites (a recipe)
     model = None if result_path.is_file() and not _needs_sites(spec) else build()
@@ -235,15 +242,18 @@ def train_run(
         dynamic=spec.loss_scaling == "dynamic",
     )
     recipe = run_recipe(model, plan, scaler, cfg.seed, compiled)
+    trained = _parallel(model, world, cfg.parallel, device)  # FSDP2 shards before the optimizer sees them
+    # the recipe keeps FP32 parameters as they are (they are their own master weights); FSDP2 replaced them
+    # by their shards, which the optimizer and the clipping take
+    parameters = list(model.parameters()) if sharded else recipe.parameters()
     low_bit = {"adamw_fp8": AdamWFp8, "adamw_8bit": AdamW8bit, "adamw_4bit": AdamW4bit}.get(cfg.optimizer)
     kind = torch.optim.AdamW if low_bit is None else low_bit
-    optimizer: torch.optim.Optimizer = kind(recipe.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer: torch.optim.Optimizer = kind(parameters, lr=cfg.lr, weight_decay=cfg.weight_decay)
     adapter = Adapter(model, plan, adaptive, observer) if adaptive is not None else None  # type: ignore[arg-type]
     start, curve, elapsed = 0, [], 0.0
     if checkpoint_path.is_file():
         state = load_checkpoint(checkpoint_path)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        _load_states(model, optimizer, state, sharded)
         scaler.load_state_dict(state["scaler"])
         if observer is not None:
             observer.load_state_dict(state["observer"])
@@ -258,7 +268,6 @@ def train_run(
         log_path.unlink()
     if world > 1:
         dist.barrier()  # every rank has read the checkpoint before rank 0 may replace it
-    trained = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
 
     new_log = not log_path.exists()
     avg_bits = None
@@ -273,7 +282,7 @@ def train_run(
         for step in range(start, cfg.steps):
             for group in optimizer.param_groups:
                 group["lr"] = cfg.lr_at(step)
-            batch = data_batches.at(step)
+            batch = to_device(data_batches.at(step), device)
             if world > 1:
                 whole = objective.label_count(batch)
                 batch = {name: value[rank * rows : (rank + 1) * rows] for name, value in batch.items()}
@@ -286,10 +295,12 @@ def train_run(
             if avg_bits is None:
                 avg_bits = plan.average_bits(site_sizes(model))
             recipe.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(recipe.parameters(), cfg.grad_clip)
+            torch.nn.utils.clip_grad_norm_(parameters, cfg.grad_clip)
             skipped_before = scaler.skipped_steps
             scale = scaler.get_scale()
             recipe.step(optimizer)  # skipped on inf/NaN gradients; the scale updated; gradients zeroed
+            if sharded:  # the recipe zeroes the parameters it was built with; FSDP2 replaced them
+                optimizer.zero_grad(set_to_none=True)
             if observer is not None:
                 observer.step()
             if adapter is not None:
@@ -319,6 +330,8 @@ def train_run(
             log.writerow(row)
             if on_step is not None:
                 on_step(step + 1, loss_value)
+            if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                model_state, optimizer_state = _full_states(model, optimizer, sharded)  # collectives
             if writer and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 log_file.flush()
                 if adapter is not None:
@@ -327,8 +340,8 @@ def train_run(
                     checkpoint_path,
                     {
                         "step": step + 1,
-                        "model": model.state_dict(),
-                        "optimizer": optimizer.state_dict(),
+                        "model": model_state,
+                        "optimizer": optimizer_state,
                         "scaler": scaler.state_dict(),
                         "numerics": numerics_state_dict(model),
                         "rng": rng_state(),
@@ -346,7 +359,10 @@ def train_run(
         observer.analysis().save(out_dir / "analysis")
     if observer is not None:
         observer.__exit__(None, None, None)
-    divergence = distributed.parameter_divergence(model) if world > 1 else None  # a collective
+    # the largest parameter difference between ranks (a collective); FSDP2's ranks hold different shards
+    divergence = distributed.parameter_divergence(model) if world > 1 and not sharded else None
+    if save_model:
+        model_state, optimizer_state = _full_states(model, optimizer, sharded)  # collectives
     last = curve[-1]
     result = RunResult(
         name=spec.name,
@@ -362,12 +378,13 @@ def train_run(
         avg_bits=avg_bits,
         world_size=world,
         rank_divergence=divergence,
+        device=str(device),
     )
     if writer:
         if save_model:
-            kept = {"model": model.state_dict()}
+            kept = {"model": model_state}
             if save_optimizer:
-                kept["optimizer"] = optimizer.state_dict()
+                kept["optimizer"] = optimizer_state
             save_checkpoint(out_dir / "model.pt", kept)
         atomic_write_text(result_path, json.dumps(result.to_dict(), indent=1))
         if checkpoint_path.exists():
@@ -375,6 +392,61 @@ def train_run(
     if world > 1:
         dist.barrier()  # no rank leaves before rank 0 has written the result
     return result
+
+
+def _parallel(model: torch.nn.Module, world: int, parallel: str, device: torch.device) -> torch.nn.Module:
+    """What a step calls: ``model`` itself in one process; under torchrun a DDP wrapper (``parallel``
+    ``ddp``) or ``model`` sharded in place by FSDP2 (``fsdp2``: every element of each ``nn.ModuleList``, a
+    transformer's layers, is one unit, the rest of the model another)."""
+    if world <= 1:
+        return model
+    if parallel == "ddp":
+        ids = [device.index] if device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    for module in list(model.modules()):
+        if isinstance(module, torch.nn.ModuleList):
+            for layer in module:
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _full_states(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and the optimizer's state as one process's would be (FSDP2's shards gathered on every
+    rank, a collective; on the CPU); unsharded, the plain ``state_dict()`` of each."""
+    if not sharded:
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(model, optimizer, options=options)
+
+
+def _load_states(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any], sharded: bool
+) -> None:
+    """Load a checkpoint's full model and optimizer state (each rank its own shards under FSDP2)."""
+    if not sharded:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=options,
+    )
 
 
 def _write_adaptive(out_dir: Path, adapter: Adapter, config: AdaptiveConfig, avg_bits: float) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 
 from numscope import __version__, distributed
 from numscope._atomic import atomic_write_text
+from numscope._device import backend_for, model_device, resolve_device, to_device
 from numscope._names import exact_pattern
 from numscope._rng import fork_rng
 from numscope.analysis import Analysis
@@ -87,13 +88,17 @@ REFERENCE_FORMAT = "bf16"
 def _prepare_run(
     model: str, data: DataSettings, config: TrainConfig, objective: str, plan: Plan
 ) -> tuple[RunData, Callable[[], nn.Module], str]:
-    """Data, the model factory and objective, after one probing forward that checks model and plan."""
+    """Data, the model factory (its models on ``config.device``) and objective, after one probing forward
+    that checks model and plan."""
     source = resolve_model(model, objective)
     prepared = prepare_data(data)
     check_train_config(config, prepared)
-    factory, resolved = source.build(
-        prepared.tokenizer, data.seq_len, replace_vocabulary=data.train_tokenizer
-    )
+    built, resolved = source.build(prepared.tokenizer, data.seq_len, replace_vocabulary=data.train_tokenizer)
+    device = resolve_device(config.device, field="TrainConfig.device")
+
+    def factory() -> nn.Module:
+        return built().to(device)
+
     if resolved == "mlm" and prepared.tokenizer.mask_id is None:
         raise WorkflowError(
             f"--model {model}: the tokenizer has no mask token, which the masked LM needs; train it as a "
@@ -103,8 +108,11 @@ def _prepare_run(
         objective_for_training = get_objective(resolved).for_training(config.mask_probability)
     except ValueError as error:
         raise WorkflowError(f"--mask-probability: {error}") from None
-    example = next(
-        objective_for_training.batches(prepared.train_blocks[:2], 2, prepared.tokenizer, config.seed, 0)
+    example = to_device(
+        next(
+            objective_for_training.batches(prepared.train_blocks[:2], 2, prepared.tokenizer, config.seed, 0)
+        ),
+        device,
     )
     with fork_rng():
         probe = factory()
@@ -138,9 +146,12 @@ def _settings(
         | ({"tokenizer_sha256": _file_digest(data.tokenizer)} if data.tokenizer else {})
         | ({"train_tokenizer": True} if data.train_tokenizer else {}),
         **({"tokenizer_path": str(Path(data.tokenizer).resolve())} if data.tokenizer else {}),
-        "train": asdict(config),
+        # where and how many processes train it: recorded, not compared (a run resumes anywhere)
+        "train": {key: value for key, value in asdict(config).items() if key not in ("device", "parallel")},
         **extra,
         "world_size": distributed.world_size(),
+        "device": config.device,
+        "parallel": config.parallel,
     }
 
 
@@ -245,7 +256,7 @@ def analyze(
                 f"{config.steps}): the model after that many steps is measured beside the trained one",
             )
     out_dir = check_output_folder(out)
-    with _process_group():
+    with _process_group(config):
         extra: dict[str, Any] = (
             {"sensitivity_batches": "auto" if auto else sensitivity_batches} if sensitivity_batches else {}
         )
@@ -562,7 +573,7 @@ def train(
     out_dir = check_output_folder(out)
     # a folder's recorded name wins over its current folder name: a copied or moved run resumes as itself
     run_name = name or stored_run_name(out_dir) or out_dir.resolve().name
-    with _process_group():
+    with _process_group(config):
         prepared = None
         if Plan.needs_sites(plan):  # resolved once, with the model's sites: what run.json records trains
             prepared, factory, resolved = _prepare_run(model, data, config, objective, loaded)
@@ -675,8 +686,8 @@ def evaluate(
         model = factory()
     model.load_state_dict(load_checkpoint(folder / "model.pt")["model"])
     # the plan's quantizers as the training loop sets them up for its evaluations
-    Recipe(model, plan=plan, dtype=torch.float32, fp32_ops=False, activations=None,
-           generator=torch.Generator().manual_seed(config.seed))  # fmt: skip
+    generator = torch.Generator(model_device(model)).manual_seed(config.seed)
+    Recipe(model, plan=plan, dtype=torch.float32, fp32_ops=False, activations=None, generator=generator)
     scored = get_objective(resolved).evaluate(model, prepared.val_blocks, prepared.tokenizer, config.seed)
     result = {
         "val_blocks": val_blocks,
@@ -703,22 +714,27 @@ def _env_world_size() -> int:
 
 
 @contextmanager
-def _process_group() -> Iterator[None]:
-    """Under torchrun (``WORLD_SIZE`` > 1, no group yet): the gloo group for the block's duration, destroyed
-    when it ends (:func:`numscope.distributed.destroyed_on_exit`; train_run, which builds the DDP wrapper,
-    has returned by then)."""
-    with distributed.destroyed_on_exit() if _init_distributed() else nullcontext():
+def _process_group(config: TrainConfig) -> Iterator[None]:
+    """Under torchrun (``WORLD_SIZE`` > 1, no group yet): the group for the block's duration (NCCL where the
+    run trains on GPUs, else gloo), destroyed when it ends (:func:`numscope.distributed.destroyed_on_exit`;
+    train_run, which builds the DDP wrapper, has returned by then)."""
+    with distributed.destroyed_on_exit() if _init_distributed(config) else nullcontext():
         yield
 
 
-def _init_distributed() -> bool:
-    """Join the torchrun world (gloo) when ``WORLD_SIZE`` > 1 and no group exists; True if this call did."""
+def _init_distributed(config: TrainConfig) -> bool:
+    """Join the torchrun world when ``WORLD_SIZE`` > 1 and no group exists; True if this call did."""
     world = _env_world_size()
     if world <= 1 or (dist.is_available() and dist.is_initialized()):
         return False
-    distributed.use_loopback_on_one_node()
+    device = resolve_device(config.device, field="TrainConfig.device")
+    backend = backend_for(device)
+    if backend == "gloo":
+        distributed.use_loopback_on_one_node()
+    else:
+        torch.cuda.set_device(device)
     try:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
     except (ValueError, RuntimeError) as error:
         raise WorkflowError(
             f"WORLD_SIZE={world} but the process group cannot start ({first_line(error)}); launch with "
