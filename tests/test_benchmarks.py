@@ -134,3 +134,33 @@ def test_forecast_cost_script_parses_and_says_its_usage() -> None:
     assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
     done = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=False)
     assert done.returncode == 2 and "usage:" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_its_logic_on_the_cpu(tmp_path: Path) -> None:
+    """``benchmarks/gpu_check.py --cpu``: every part on the CPU at small sizes (the device path against the
+    native one, torchao's casts where it imports), its JSON and table written, no cast mismatch."""
+    import json
+    import os
+    import subprocess
+
+    peers = Path(sys.prefix) / "peers"  # torchao beside the venv (./run installs it there)
+    path = os.pathsep.join(filter(None, [str(peers) if peers.is_dir() else "", os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--cpu", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["casts"]["compared"] > 250 and report["casts"]["mismatches"] == []
+    assert {row["row"] for row in report["speed"]["rows"]} >= {"bf16 autocast", "fp8 plan", "te_nvfp4 recipe"}
+    assert report["forecast"]["returncode"] == 0, report["forecast"]["tail"]
+    if peers.is_dir():
+        for recipe in ("torchao_tensorwise", "torchao_rowwise"):
+            part = report["torchao"][recipe]
+            assert part["casts_equal"] == {"input": True, "weight": True}
+            assert part["gemm_error_over_bound"]["fp32"] <= 1.0
+    assert (tmp_path / "gpu_check.md").read_text().startswith("# numscope GPU check")
