@@ -257,8 +257,8 @@ def test_transformer_engine_export_follows_the_documented_api() -> None:
     imported = {
         alias.name for node in module.body if isinstance(node, ast.ImportFrom) for alias in node.names
     }
-    assert imported == {"DelayedScaling", "Float8BlockScaling", "Float8CurrentScaling", "Format",
-                        "MMParams", "MXFP8BlockScaling", "NVFP4BlockScaling", "QParams"}  # fmt: skip
+    used = {node.id for node in ast.walk(module) if isinstance(node, ast.Name)}
+    assert imported == {"NVFP4BlockScaling"} and imported <= used  # only what the file uses
     assert (  # TE's defaults written out, as the recipe has them: RHT, stochastic rounding, 16x16 weights
         "RECIPE = NVFP4BlockScaling(disable_rht=False, disable_stochastic_rounding=False, "
         "disable_2d_quantization=False, nvfp4_4over6='none')" in exported.files["numscope_te.py"]
@@ -324,6 +324,24 @@ def test_the_cli_exports_for_a_model(tmp_path: Path, capsys) -> None:
     assert "--fp8-recipe tensorwise" in (tmp_path / "numscope_megatron_flags.txt").read_text()
     assert main(["export", "nope", "--to", "te", "--model", "tiny-bert", "--out", str(tmp_path)]) == 2
     assert "unknown preset or recipe 'nope'" in capsys.readouterr().err
+
+
+def test_an_export_says_each_reason_once_with_its_modules(tmp_path: Path, capsys) -> None:
+    """MXFP8 by the OCP rule on the tiny BERT: TE runs every Linear module's operands by its own rule and
+    no attention product; each reason is printed once, followed by the modules it holds for. The file
+    imports only the recipe classes it uses."""
+    assert main(["export", "mxfp8", "--to", "te", "--model", "tiny-bert", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    reasons = [line for line in out.splitlines() if line.startswith("  - ")]
+    assert out.count("only Linear layers are converted") == 1 and out.count("whose scale rounds up") == 1
+    linear = next(line for line in reasons if "whose scale rounds up" in line)
+    assert "(13: bert.encoder.layer.0.attention.self.query, " in linear  # 12 encoder Linears and the head's
+    source = (tmp_path / "numscope_te.py").read_text()
+    module = ast.parse(source)
+    imported = {
+        alias.name for node in module.body if isinstance(node, ast.ImportFrom) for alias in node.names
+    }
+    assert imported == {"Format", "MXFP8BlockScaling"}
 
 
 def test_importing_transformer_engine_recipes() -> None:

@@ -456,8 +456,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
     for path in files:
         print(f"wrote {path}")
     if unexpressed:
+        from numscope.plan.export.common import grouped
+
         print(f"\n{args.to} cannot express {len(unexpressed)} part(s) of the plan:")
-        for line in unexpressed:
+        for line in grouped(unexpressed):
             print(f"  - {line}")
     return 0
 

@@ -43,6 +43,28 @@ class Export:
         return written
 
 
+def grouped(lines: Sequence[str]) -> list[str]:
+    """``where: reason`` lines with each reason said once, its places listed after it (in the order first
+    met), e.g. ``only Linear layers are converted; …: a.scores (matmul), a.context (matmul)``; a line
+    without a place stays as it is."""
+    places: dict[str, list[str]] = {}
+    for line in lines:
+        where, colon, reason = line.partition(": ")
+        key = reason if colon else line
+        places.setdefault(key, [])
+        if colon:
+            places[key].append(where)
+    out = []
+    for reason, where in places.items():
+        if not where:
+            out.append(reason)
+        elif len(where) == 1:
+            out.append(f"{where[0]}: {reason}")
+        else:
+            out.append(f"{reason} ({len(where)}: {', '.join(where)})")
+    return out
+
+
 def _linear_sites(
     plan: Plan,
     sites: Iterable[tuple[str, str]],

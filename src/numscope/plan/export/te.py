@@ -177,6 +177,25 @@ _NVFP4_SWITCHES = (
 )  # fmt: skip
 
 
+#: the names of transformer_engine.common.recipe a recipe's source may use
+_RECIPE_NAMES = (
+    "DelayedScaling",
+    "Float8BlockScaling",
+    "Float8CurrentScaling",
+    "Format",
+    "MMParams",
+    "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+    "QParams",
+)
+
+
+def _used_names(*sources: str) -> list[str]:
+    """The names of :data:`_RECIPE_NAMES` that the recipes' sources call or read: what the file imports."""
+    text = " ".join(sources)
+    return [name for name in _RECIPE_NAMES if re.search(rf"\b{name}\b", text)]
+
+
 def _nvfp4_recipe(operands: Sequence[tuple[str, str, OperandSpec]]) -> tuple[str, list[str]]:
     """TE's NVFP4BlockScaling with every switch written out, from the plan's NVFP4 operands
     ``(gemm, operand, spec)``; and a line for each switch the operands disagree on (TE sets it once)."""
@@ -336,14 +355,7 @@ def to_transformer_engine(
             '"""',
             "",
             "from transformer_engine.common.recipe import (",
-            "    DelayedScaling,",
-            "    Float8BlockScaling,",
-            "    Float8CurrentScaling,",
-            "    Format,",
-            "    MMParams,",
-            "    MXFP8BlockScaling,",
-            "    NVFP4BlockScaling,",
-            "    QParams,",
+            *(f"    {name}," for name in _used_names(chosen, *module_recipes.values())),
             ")",
             "",
             f"RECIPE = {chosen}",
