@@ -10,8 +10,8 @@ import numscope
 
 #: the layers, lowest first (docs/architecture.md)
 ORDER = (
-    "errors", "_compat", "_device", "_names", "_atomic", "_rng", "_sums", "_callable", "_lazy", "_settings",
-    "vocab", "formats",
+    "errors", "_compat", "_device", "_progress", "_names", "_atomic", "_rng", "_sums", "_callable", "_lazy",
+    "_settings", "vocab", "formats",
     "metrics", "_root_call", "sites", "plan", "convert", "analysis", "distributed", "observe", "sensitivity",
     "advisor", "train", "run", "report", "study", "forecast", "diagnose", "integrations", "demo", "workflow",
     "cli",

@@ -65,6 +65,10 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     stated = re.search(r"\[plan\] ([\d.]+) average bits", result.stderr + result.stdout)
     assert stated is not None and f"{runs['recommended']['avg_bits']:.2f}" == stated.group(1)
     assert len(summary["claims"]) == 7 and all(isinstance(c["held"], bool) for c in summary["claims"])
+    printed = [line for line in result.stdout.splitlines() if line.startswith(("[held] ", "[NOT held] "))]
+    assert printed == [f"[{'held' if c['held'] else 'NOT held'}] {c['text']}" for c in summary["claims"]]
+    # a log, not a terminal: a few lines per stage, no redrawn bars (the 400-step demo wrote 660 KB of them)
+    assert "\r" not in result.stderr and len(result.stdout) + len(result.stderr) < 50_000
     assert summary["unigram_loss"] < math.log(vocab)
     fp32_losses = [runs[name]["val_loss"] for name in ("fp32", "fp32-seed1", "fp32-seed2")]
     assert summary["fp32_seed_sd"] == pytest.approx(statistics.stdev(fp32_losses))

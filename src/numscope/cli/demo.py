@@ -52,6 +52,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise CLIError(str(error)) from error
     print()
     print(render_table(summary_table(summary)))
+    print()
+    for claim in summary["claims"]:
+        print(f"[{'held' if claim['held'] else 'NOT held'}] {claim['text']}")
     print(f"\nreport: {summary['report']}")
     return 0
 

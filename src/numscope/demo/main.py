@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from numscope._atomic import atomic_write_text
 from numscope._names import seed_run_name
+from numscope._progress import progress as progress_bar
 from numscope.demo.claims import (
     E5M2_SCALED,
     HEURISTIC,
@@ -419,7 +419,7 @@ def _run_demo(
     bars: dict[str, Any] = {}
 
     def start(name: str) -> None:
-        bars[name] = tqdm(total=config.train.steps, desc=f"{name:>13}", disable=not progress, leave=True)
+        bars[name] = progress_bar(total=config.train.steps, desc=f"{name:>13}", enabled=progress)
 
     def step(name: str, at: int, loss: float) -> None:
         bar = bars.get(name)

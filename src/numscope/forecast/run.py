@@ -379,9 +379,9 @@ def forecast(
     stored = {name: e for name, e in stored.items() if e.get("plan") == _plan_key(entries.get(name))}
     missing = {c.name: c.plan for c in candidates if c.name not in stored}
     if missing:
-        from tqdm.auto import tqdm
+        from numscope._progress import progress as progress_bar
 
-        bar = tqdm(total=len(missing), desc="plans measured", disable=not progress, leave=True)
+        bar = progress_bar(total=len(missing), desc="plans measured", enabled=progress)
 
         def advance(done: int, total: int) -> None:
             bar.n = done

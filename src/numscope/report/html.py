@@ -56,7 +56,7 @@ def render_report(
     loss_label: str = "MLM loss",
 ) -> str:
     """The report as one HTML string (see :func:`write_report` for the arguments)."""
-    from tqdm.auto import tqdm
+    from numscope._progress import progress as progress_bar
 
     view = None
     if analysis is not None:
@@ -75,7 +75,7 @@ def render_report(
         lambda: _setup(setup),
     ]
     sections = []
-    for make in tqdm(makers, desc=f"{'report':>13}", disable=not progress, leave=True, unit="section"):
+    for make in progress_bar(makers, desc=f"{'report':>13}", enabled=progress, unit="section"):
         sections.append(make())
     present = [section for section in sections if section is not None]
     toc = "".join(f'<li><a href="#{s.anchor}">{_esc(s.title)}</a></li>' for s in present)

@@ -429,12 +429,11 @@ def load_run_data(
     ``vocab_size`` (cached; ``tokenizer_file``, a ``tokenizers`` JSON, instead when given) → blocks of
     ``seq_len`` tokens (cached); at most ``val_blocks`` validation blocks and ``max_train_blocks`` training
     blocks (None: all)."""
-    from tqdm.auto import tqdm
-
+    from numscope._progress import progress as progress_bar
     from numscope.run.corpus import load_corpus, split_corpus
     from numscope.run.tokenizer import load_or_train_tokenizer
 
-    with tqdm(total=4, desc=f"{'data':>13}", disable=not progress, leave=True) as bar:
+    with progress_bar(total=4, desc=f"{'data':>13}", enabled=progress) as bar:
         bar.set_postfix_str("corpus")
         documents = load_corpus([Path(p) for p in text_paths] if text_paths else None)
         train_docs, val_docs = split_corpus(documents)

@@ -31,6 +31,7 @@ from numscope import __version__, distributed
 from numscope._atomic import atomic_write_text
 from numscope._device import backend_for, model_device, resolve_device, to_device
 from numscope._names import exact_pattern
+from numscope._progress import progress as progress_bar
 from numscope._rng import fork_rng
 from numscope.analysis import Analysis
 from numscope.convert import convert
@@ -162,9 +163,7 @@ def _file_digest(path: str) -> str:
 def _progress(
     total: int, name: str, enabled: bool
 ) -> tuple[Callable[[int, float], None], Callable[[], None]]:
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=total, desc=name, disable=not enabled, leave=True)
+    bar = progress_bar(total=total, desc=name, enabled=enabled)
 
     def on_step(step: int, loss: float) -> None:
         bar.n = step
@@ -414,8 +413,6 @@ def measure_sensitivity(
     analysis = Analysis.load(out_dir / "analysis")
     if analysis.sensitivity is not None:
         return analysis
-    from tqdm.auto import tqdm
-
     if kinds is not None or stacks is not None:
         from numscope.advisor.target import site_kinds
 
@@ -461,7 +458,7 @@ def measure_sensitivity(
         which = "" if path.name == "model.pt" else f", {path.stem}"
         how = "local, per operand" if method == "local" else f"per {granularity}"
         desc = f"sensitivity ({how}, {count} batches{which})"
-        bar = tqdm(desc=desc, disable=not progress, leave=True)
+        bar = progress_bar(desc=desc, enabled=progress)
 
         def advance(done: int, total: int, bar: Any = bar) -> None:
             bar.total = total
