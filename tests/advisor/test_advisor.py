@@ -385,6 +385,31 @@ def test_the_sensitivity_objective_spends_bits_where_the_gradient_error_is():
         operand_impact(per_site, A, "mxfp4_e2m1")
 
 
+def test_operands_the_sensitivity_did_not_measure_stay_high_and_the_default_budget_fits(tmp_path):
+    """A forecast's sensitivity measures only the sites its stacks convert: the sensitivity objective keeps
+    the other operands high (saying why), and recommend's default budget (FP8 on the measured operands,
+    the rest high) is one the advisor can meet."""
+    from numscope.advisor import sensitivity_objective
+    from numscope.workflow import default_budget, unmeasured_operands
+
+    analysis = build({A: {c: metrics(30) for c in CANDIDATES}, B: {c: metrics(30) for c in CANDIDATES}},
+                     {A: 1000, B: 3000})  # fmt: skip
+    analysis.sensitivity = Sensitivity(
+        candidates=("mxfp4_e2m1",),
+        granularity="operand",
+        results={A: {"mxfp4_e2m1": {"grad_rel_error": 0.1}}},  # B not measured
+    )
+    assert unmeasured_operands(analysis) == {B}
+    budget = default_budget(analysis)
+    assert budget == pytest.approx((1000 * 8 + 3000 * 32) / 4000)
+    result = advise(
+        analysis, bit_budget=budget, objective=sensitivity_objective(analysis.sensitivity, None, analysis)
+    )
+    choices = {c.key: c for c in result.choices}
+    assert choices[B].format == "high" and "did not measure this operand" in choices[B].reason
+    assert choices[A].format != "high"
+
+
 def sensitivity_of(changes: dict[str, float], cosines: dict[str, float] | None = None) -> Sensitivity:
     """Site-level sensitivity of enc.q only: loss_change% and grad_cosine_min per candidate."""
     cosines = cosines or {}

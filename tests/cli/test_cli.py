@@ -1270,7 +1270,7 @@ def test_analyze_measures_operand_sensitivity_by_default(ws: Path, flow: dict[st
     assert run["sensitivity_formats"] == ["mxfp4_e2m1"]
     budget = cli("recommend", ws / "runs" / "fp32", "-o", ws / "budget.yaml", "--bit-budget", "6")
     assert budget.code == 0, budget.err
-    assert "objective: sensitivity (the analysis measured every operand's sensitivity" in budget.out
+    assert "objective: sensitivity (the analysis measured the sensitivity per operand" in budget.out
     assert "sensitivity measured in mxfp4_e2m1; bf16, fp8_e4m3 estimated from it" in budget.out
     assert "GEMM roles weighted equally (no calibration of your model" in budget.out  # where weights are from
     # a limit on measured loss change needs every candidate measured: one line saying how

@@ -85,6 +85,7 @@ from numscope.advisor.limits import (
 from numscope.advisor.objectives import (
     _noise_weights,
     _weight_for,
+    covers,
     operand_impact,
     operand_noise,
     sensitivity_objective,
@@ -211,6 +212,13 @@ def advise(
     choices: list[Choice] = []
     passing_per_key: list[list[_Option]] = []
     for key in keys:
+        if not covers(objective, key):  # nothing measured to weigh it by: it stays high
+            site, gemm, operand = key
+            reason = "kept high: the sensitivity the objective weighs by did not measure this operand"
+            elements = analysis.elements.get(key, 0)
+            choices.append(Choice(site, gemm, operand, HIGH, HIGH_BITS, elements, "none", math.nan, reason))
+            passing_per_key.append([])
+            continue
         key_limits, allowed = _limits_for(analysis, key, limits, per_operand, labels)
         _check_sensitivity(sensitivity, key_limits, allowed)
         try:

@@ -123,4 +123,12 @@ def sensitivity_objective(
     def impact(key: OperandKey, label: str) -> float:
         return weights.get(key[1], 1.0) * operand_impact(sensitivity, key, label, analysis)
 
+    impact.covers = lambda key: key in sensitivity.results  # type: ignore[attr-defined]
     return impact
+
+
+def covers(objective: Callable[[OperandKey, str], float] | None, key: OperandKey) -> bool:
+    """Whether ``objective`` can score ``key``: an objective of measured sensitivities covers the operands
+    they measured (a forecast measures only the sites its stacks convert); any other objective covers all."""
+    check = getattr(objective, "covers", None)
+    return check is None or bool(check(key))

@@ -111,6 +111,12 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         print(
             f"  bit budget: {default_budget:g} bits per operand element (the default; --bit-budget sets one)"
         )
+    unmeasured = workflow.unmeasured_operands(analysis) if objective == "sensitivity" else set()
+    if unmeasured:
+        print(
+            f"  {len(unmeasured)} of {len(analysis.keys())} operands kept high: the sensitivity did not "
+            "measure them (a forecast measures only the sites its stacks convert)"
+        )
     if objective == "sensitivity":
         if gap_model is not None and gap_model.role_weights():
             weights = ", ".join(f"{g} {w:.2g}" for g, w in gap_model.role_weights().items())

@@ -67,6 +67,7 @@ from numscope.workflow.advice import (
     predicted_gap,
     recommend_plan,
     sensitivity_objective,
+    unmeasured_operands,
 )
 from numscope.workflow.export import export_plan, model_sites
 from numscope.workflow.reports import report
@@ -108,4 +109,5 @@ __all__ = [
     "sensitivity_objective",
     "study",
     "train",
+    "unmeasured_operands",
 ]

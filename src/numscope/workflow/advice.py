@@ -8,8 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from numscope.advisor.limits import HIGH_BITS
 from numscope.analysis import Analysis
 from numscope.errors import WorkflowError
+from numscope.formats.spec import get_format
 from numscope.plan import Plan
 from numscope.run.folders import check_output_file
 
@@ -104,8 +106,8 @@ def has_sensitivity_model(path: str | os.PathLike[str]) -> bool:
 
 
 OBJECTIVE_WHY = {
-    "sensitivity": "the analysis measured every operand's sensitivity and a bit budget or gap is given",
-    "sensitivity default budget": "the analysis measured every operand's sensitivity; with no --bit-budget "
+    "sensitivity": "the analysis measured the sensitivity per operand and a bit budget or gap is given",
+    "sensitivity default budget": "the analysis measured the sensitivity per operand; with no --bit-budget "
     "or --max-gap the budget is the bits of FP8 everywhere (the stack's FP8 recipe with --target): the same "
     "cost as uniform FP8, spent where the measurement says",
     "noise limits": "limits or candidates are given without a --bit-budget or --max-gap: the cheapest format "
@@ -118,9 +120,10 @@ OBJECTIVE_WHY = {
 
 
 def default_objective(analysis: Analysis, bit_budget: float | None, max_gap: float | None = None) -> str:
-    """``sensitivity`` where the analysis measured every operand's sensitivity (the objective that tied the
+    """``sensitivity`` where the analysis measured the sensitivity per operand (the objective that tied the
     best heuristics in the plan study; without a bit budget or a gap target it takes
-    :func:`default_budget`), else ``noise``."""
+    :func:`default_budget`), else ``noise``. Operands it did not measure (a forecast measures only the
+    sites its stacks convert) stay high."""
     measured = analysis.sensitivity is not None and analysis.sensitivity.granularity == "operand"
     return "sensitivity" if measured else "noise"
 
@@ -139,7 +142,23 @@ def default_budget(analysis: Analysis, target: str | None = None) -> float:
                 f"--target {target}: its FP8 recipe's formats were not observed; give --bit-budget"
             )
         return round(bits["fp8"], 2)
-    return round(analysis_average_bits(Plan.uniform("fp8_e4m3"), analysis), 2)
+    unmeasured = unmeasured_operands(analysis)
+    if not unmeasured:
+        return round(analysis_average_bits(Plan.uniform("fp8_e4m3"), analysis), 2)
+    # FP8 on the operands the sensitivity measured, the others high (the advisor keeps them there)
+    fp8 = get_format("fp8_e4m3").bits
+    total = sum(analysis.elements.values())
+    spent = sum(count * (HIGH_BITS if key in unmeasured else fp8) for key, count in analysis.elements.items())
+    return round(spent / total, 2)
+
+
+def unmeasured_operands(analysis: Analysis) -> set[Any]:
+    """The analysis's operands its per-operand sensitivity did not measure (none without a sensitivity)."""
+    sensitivity = analysis.sensitivity
+    if sensitivity is None or sensitivity.granularity != "operand":
+        return set()
+    keys = analysis.keys()
+    return {key for key in keys if key not in sensitivity.results}
 
 
 def sensitivity_objective(analysis: Analysis, gap_model: Any = None) -> Callable[[Any, str], float]:
