@@ -79,12 +79,13 @@ def test_the_library_and_its_commands_run_without_the_extras(tmp_path: Path) -> 
 
 
 def test_torch_is_a_floor_so_that_a_users_torch_stays() -> None:
-    """pip keeps an installed torch that satisfies the requirement: every 2.x from the tested 2.13 on, CPU
-    or CUDA build, satisfies it (no upper bound that would replace a newer torch by 2.13)."""
+    """pip keeps an installed torch that satisfies the requirement: every 2.x from the oldest supported
+    2.11 on (the suite runs on it, ``./run compat``), CPU or CUDA build, satisfies it (no upper bound that
+    would replace a newer torch)."""
     from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     torch = next(r for r in map(Requirement, project["dependencies"]) if r.name == "torch")
-    for version in ("2.13.0", "2.13.0+cpu", "2.13.1+cu128", "2.14.1", "2.15.0", "2.30.0"):
+    for version in ("2.11.0", "2.11.0+cu130", "2.12.1", "2.13.0", "2.13.0+cpu", "2.14.1", "2.15.0", "2.30.0"):
         assert torch.specifier.contains(version), version
-    assert not torch.specifier.contains("2.12.1")  # older than the private APIs numscope was tested with
+    assert not torch.specifier.contains("2.10.1")  # older than the oldest release the suite runs on

@@ -189,7 +189,7 @@ def test_a_compile_failure_warns_once_and_runs_the_kernel_eagerly(monkeypatch) -
 
     def fails_to_compile(*args):
         calls.append(args)
-        raise InductorError(InvalidCxxCompiler("/nonexistent/g++"), None)
+        raise InductorError(InvalidCxxCompiler(), None)  # (torch 2.11's takes no compiler name)
 
     monkeypatch.setattr(fast.torch, "compile", lambda kernel, **options: fails_to_compile)
     kernel = fast._Kernel(_double, "a test kernel")
@@ -200,7 +200,7 @@ def test_a_compile_failure_warns_once_and_runs_the_kernel_eagerly(monkeypatch) -
         second = kernel(x + 1)
     messages = [str(w.message) for w in caught]
     assert len(messages) == 1 and "a test kernel" in messages[0] and "InductorError" in messages[0]
-    assert "/nonexistent/g++" in messages[0] and "runs eagerly" in messages[0]
+    assert "No working C++ compiler" in messages[0] and "runs eagerly" in messages[0]
     assert len(calls) == 1 and kernel.compiled is None
     assert torch.equal(first, x * 2) and torch.equal(second, (x + 1) * 2)
 

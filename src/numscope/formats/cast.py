@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from numscope._compat import COMPILED_ROUND_TRIPS
 from numscope.formats.spec import FloatFormat, IntFormat
 from numscope.vocab import Overflow, Rounding
 
@@ -58,8 +59,24 @@ def register_stochastic(kernel) -> None:
     _STOCHASTIC[:] = [kernel]
 
 
+def _drawn_on(x: torch.Tensor, generator: torch.Generator | None) -> torch.device:
+    """Where stochastic rounding draws for ``x``: the generator's device (a CPU generator gives the same
+    bits for the same seed whatever device ``x`` is on: drawn on the CPU and copied), else ``x``'s own
+    (its device's default generator)."""
+    return x.device if generator is None else generator.device
+
+
 def _uniform_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    return torch.rand(x.shape, generator=generator, dtype=torch.float32, device=x.device)
+    where = _drawn_on(x, generator)
+    return torch.rand(x.shape, generator=generator, dtype=torch.float32, device=where).to(x.device)
+
+
+def _random_bits(x: torch.Tensor, bits: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Uniform int32 integers in [0, 2^bits) shaped as ``x``, on ``x``'s device (see :func:`_drawn_on`)."""
+    where = _drawn_on(x, generator)
+    return torch.randint(0, 1 << bits, x.shape, generator=generator, dtype=torch.int32, device=where).to(
+        x.device
+    )
 
 
 def _round_scaled(t: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
@@ -97,8 +114,7 @@ def _grid_e8(
     elif rounding == "nearest_away":
         magnitude = magnitude + (1 << (drop - 1))
     elif rounding == "stochastic":
-        noise = torch.randint(0, 1 << drop, x.shape, generator=generator, dtype=torch.int32, device=x.device)
-        magnitude = magnitude + noise
+        magnitude = magnitude + _random_bits(x, drop, generator)
     magnitude = magnitude & ~((1 << drop) - 1)
     return (sign | magnitude).view(torch.float32)
 
@@ -146,14 +162,14 @@ def _e8m0(
     if rounding in ("nearest", "nearest_away"):  # ties go up: away from zero too
         bits = bits + 0x400000 - (subnormal.to(torch.int32) << 21)  # half a binade; 0x200000 below 2^-126
     elif rounding == "stochastic":
-        noise = torch.randint(0, 1 << 23, x.shape, generator=generator, dtype=torch.int32, device=x.device)
+        noise = _random_bits(x, 23, generator)
         above = ((bits - 0x400000) * 2).clamp(min=0)  # the position between 2^-127 and 2^-126, in 2^-23 units
         bits = torch.where(subnormal, above, bits) + noise
     field = bits >> 23
     field = field.clamp(min=0)
     result = (field.clamp(min=1, max=254) << 23).view(torch.float32)
     result = torch.where(field == 0, torch.full_like(result, 2.0**-127), result)
-    invalid = (x <= 0) | ~torch.isfinite(x)
+    invalid = (x <= 0) | torch.logical_not(torch.isfinite(x))
     if overflow != "saturate":
         invalid = invalid | (field >= 255)  # else clamped to 254 above: 2^127
     return torch.where(invalid, torch.full_like(result, float("nan")), result)
@@ -207,9 +223,10 @@ def cast_float(
         return x.clone()
     dtype = native_dtype(fmt)
     # Compiled, the grid arithmetic below is cheaper than torch's vectorized fp8 conversion (the same
-    # values: both round to nearest even exactly); fp16 and bf16 conversions are single instructions.
-    fp8_compiled = torch.compiler.is_compiling() and fmt.bits == 8
-    if dtype is not None and rounding == "nearest" and not flush_subnormals and not fp8_compiled:
+    # values: both round to nearest even exactly); fp16 and bf16 conversions are single instructions, where
+    # inductor keeps them (numscope._compat.COMPILED_ROUND_TRIPS)
+    grid_compiled = torch.compiler.is_compiling() and (fmt.bits == 8 or not COMPILED_ROUND_TRIPS)
+    if dtype is not None and rounding == "nearest" and not flush_subnormals and not grid_compiled:
         return native_nearest(x, fmt, dtype, overflow)
     if (
         rounding == "stochastic"
