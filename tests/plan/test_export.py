@@ -172,6 +172,20 @@ TORCHAO_MX_RUN = textwrap.dedent(
 )
 
 
+#: what torchao 0.18 raises when the torch it runs on is too old for its MXFP8 training (torch 2.11 is)
+TORCHAO_MX_TOO_OLD = "Please install the latest torch nightly build to use MXFP8 training"
+
+
+def run_torchao_mx(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run a script that trains under torchao's MXFP8 configuration; skip where torchao refuses this torch
+    (its MXFP8 training needs a newer one than the oldest numscope supports), fail on any other error."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    if done.returncode != 0 and TORCHAO_MX_TOO_OLD in done.stderr:
+        pytest.skip(f"torchao's MXFP8 training refuses torch {torch.__version__} ({TORCHAO_MX_TOO_OLD!r})")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 @pytest.mark.skipif(not (PEERS / "torchao").is_dir(), reason="./run installs torchao into .venv/peers")
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e4m3@rceil", "mxfp8_e4m3@even"])
 @pytest.mark.parametrize("wgrad_high", [False, True])
@@ -199,8 +213,7 @@ def test_torchao_runs_the_mxfp8_export_bit_for_bit_as_numscope(
         str(written[0]),
         str(tmp_path / "plan.yaml"),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_torchao_mx(command, env)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["converted"] == ["MXFP8TrainingWeightWrapperTensor"] * 2 + ["Parameter"], result
     assert result["warned"] == ["torchao MXFP8 training drops a Linear bias; kept high: ['fc3']"]
@@ -410,8 +423,7 @@ def test_torchao_export_checks_shapes_against_the_model(tmp_path: Path) -> None:
     script.write_text(TORCHAO_SHAPE_RUN)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(PEERS), str(TESTS))), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, str(script), str(HERE), *map(str, paths)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_torchao_mx(command, env)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     # without the check torchao's backward fails on the head; with it the head stays high and training runs
     assert result == {
