@@ -170,11 +170,11 @@ def _factors_of(t: torch.Tensor, contraction_axis: int) -> _Factors | None:
             part.as_strided(t.size(), t.stride(), part.storage_offset() + offset) for part in entry[1:3]
         )
         tile, run = entry[3], None
-        if tile is not None and offset == 0 and base.dim() >= 2:
-            stride = t.stride(contraction_axis)
+        if tile is not None and offset == 0 and base.dim() >= 2 and base.stride(-1) != base.stride(-2):
+            stride = t.stride(contraction_axis)  # which of the base's last two axes the view contracts
             if stride == base.stride(-1):
                 run = tile[1]
-            elif stride == base.stride(-2) and base.shape[-1] > 1:
+            elif stride == base.stride(-2):
                 run = tile[0]
         return _Factors(codes, decode, run)
     return None
