@@ -242,22 +242,13 @@ def check_casts(device: torch.device, shape: tuple[int, int]) -> dict[str, Any]:
 
 
 def bert(shape: tuple[int, ...], device: torch.device, seed: int = 0) -> torch.nn.Module:
-    from transformers import BertConfig, BertForMaskedLM
+    """A seeded BERT MLM of ``shape`` (no dropout, SDPA attention, the head on every position)."""
+    from numscope.run.model import make_bert_mlm
 
     hidden, layers, heads, ffn, vocab, seq, _ = shape
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=ffn,
-        max_position_embeddings=seq,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        attn_implementation="sdpa",
-    )
-    return BertForMaskedLM(config).to(device)
+    model = make_bert_mlm(vocab, hidden, layers, heads, ffn, seq, dropout=0.0, attn_implementation="sdpa",
+                          seed=seed, mlm_head="all")  # fmt: skip
+    return model.to(device)
 
 
 def mlm_batch(shape: tuple[int, ...], device: torch.device, seed: int) -> dict[str, torch.Tensor]:

@@ -88,11 +88,9 @@ class Rotation:
         device = torch.device("cpu") if device is None else torch.device(device)
         if signs is not None:
             vector = signs.to(device=device, dtype=torch.float32)
-        elif self.signs is not None:
-            vector = _sign_vector(self.signs, device)
-        else:
-            vector = _sign_vector(_seeded_signs(self.size, self.seed), device)
-        return vector.unsqueeze(1) * _scaled_hadamard(self.size, device)
+            return vector.unsqueeze(1) * _scaled_hadamard(self.size, device)
+        own = self.signs if self.signs is not None else _seeded_signs(self.size, self.seed)
+        return _signed_matrix(own, device)
 
     def rotate(
         self, x: torch.Tensor, axis: int = -1, inverse: bool = False, signs: torch.Tensor | None = None
@@ -147,8 +145,10 @@ def _seeded_signs(size: int, seed: int) -> tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _sign_vector(signs: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(signs, dtype=torch.float32, device=device)
+def _signed_matrix(signs: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """D·H / √size for a fixed sign vector, kept on ``device`` (built once, not per GEMM call)."""
+    vector = torch.tensor(signs, dtype=torch.float32, device=device)
+    return vector.unsqueeze(1) * _scaled_hadamard(len(signs), device)
 
 
 @functools.lru_cache(maxsize=64)

@@ -11,8 +11,7 @@ from typing import Any
 from numscope.advisor.limits import HIGH_BITS
 from numscope.analysis import Analysis
 from numscope.errors import WorkflowError
-from numscope.formats.spec import get_format
-from numscope.plan import Plan
+from numscope.plan import OperandSpec, Plan
 from numscope.run.folders import check_output_file
 
 
@@ -142,11 +141,9 @@ def default_budget(analysis: Analysis, target: str | None = None) -> float:
                 f"--target {target}: its FP8 recipe's formats were not observed; give --bit-budget"
             )
         return round(bits["fp8"], 2)
+    # FP8 on every operand the sensitivity measured, the others high (the advisor keeps them there)
     unmeasured = unmeasured_operands(analysis)
-    if not unmeasured:
-        return round(analysis_average_bits(Plan.uniform("fp8_e4m3"), analysis), 2)
-    # FP8 on the operands the sensitivity measured, the others high (the advisor keeps them there)
-    fp8 = get_format("fp8_e4m3").bits
+    fp8 = OperandSpec("fp8_e4m3").bits_per_element()
     total = sum(analysis.elements.values())
     spent = sum(count * (HIGH_BITS if key in unmeasured else fp8) for key, count in analysis.elements.items())
     return round(spent / total, 2)
