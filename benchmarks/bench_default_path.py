@@ -81,7 +81,7 @@ def main() -> None:
             args.text = [str(corpus)]
         model = Path(root) / "bert.json"
         model.write_text(json.dumps(DEMO_BERT))
-        common = ["--model", str(model), "--objective", "mlm", "--text", *args.text, "--vocab-size", "2000"]
+        common = ["--model", str(model), "--task", "mlm", "--text", *args.text, "--vocab-size", "2000"]
         common += ["--seq-len", "32", "--batch-size", "64", "--steps", str(args.steps), "--lr", "1.5e-3"]
         common += ["--warmup-steps", "30"]
         common += ["--mask-probability", "0.3", "--no-progress", "--cache", str(Path(root) / "cache")]

@@ -22,7 +22,7 @@ mkdir -p "$OUT"
             --cache "$OUT/cache-train" --out "$OUT/fp32-$k" > "$OUT/train$k.out" 2> "$OUT/train$k.err"
     done
 ) &
-/usr/bin/time -v -o "$OUT/forecast.time" numscope forecast "${FLAGS[@]}" --target te \
+/usr/bin/time -v -o "$OUT/forecast.time" numscope forecast "${FLAGS[@]}" --stacks te \
     --cache "$OUT/cache-forecast" --out "$OUT/forecast" > "$OUT/forecast.out" 2> "$OUT/forecast.err"
 wait
 grep -H -E "Elapsed|User time|System time|Maximum resident" "$OUT"/*.time

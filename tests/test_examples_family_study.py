@@ -28,7 +28,7 @@ def test_family_study_runs_the_default_path_and_compares_every_plan(
     out = tmp_path / "study"
     command = [
         sys.executable, str(ROOT / "examples" / "family_study.py"), "--model", str(model),
-        "--objective", "clm", "--text", str(text), "--vocab-size", "300", "--seq-len", "32",
+        "--task", "clm", "--text", str(text), "--vocab-size", "300", "--seq-len", "32",
         "--batch-size", "4", "--steps", "4",
         "--seeds", "0", "1", "2", "--calibrate-seeds", "0", "1", "--random-plans", "1", "--also", "fp8_e4m3",
         "--sensitivity-early", "2", "--eval-blocks", "8", "--shuffled", "1", "--jobs", "2", "--out", str(out),

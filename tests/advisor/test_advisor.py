@@ -475,7 +475,7 @@ def test_sensitivity_criteria_need_a_measurement_of_every_candidate():
     with pytest.raises(
         AdvisorError,
         match=r"criterion min_grad_cosine needs a sensitivity measurement, which this analysis lacks: "
-        r"analyze again with it \(numscope analyze --sensitivity N",
+        r"analyze again with it \(numscope analyze `SensitivitySettings.batches` N",
     ):
         advise(reference_analysis(), min_grad_cosine=0.99)
     partial = sensitivity_of(SITE_CHANGES)
@@ -483,7 +483,7 @@ def test_sensitivity_criteria_need_a_measurement_of_every_candidate():
     with pytest.raises(
         AdvisorError,
         match=r"did not measure 'bf16', 'int8', 'mxfp4_e2m1'; measured: "
-        r"fp8_e4m3, fp8_e5m2; measure them \(numscope analyze --sensitivity-formats all\) or restrict the "
+        r"fp8_e4m3, fp8_e5m2; measure them \(numscope analyze `SensitivitySettings.formats` all\) or restrict the "
         r"candidates to those measured",
     ):
         advise(reference_analysis(), sensitivity=partial, max_loss_increase_pct=1.0)

@@ -301,14 +301,8 @@ def test_recommend_passes_its_criteria_to_the_advisor(ws: Path, flow: dict[str, 
     analysis = Analysis.load(ws / "runs" / "fp32" / "analysis")
     cheapest = min(analysis.candidates, key=lambda name: numscope.get_format(name).bits_per_element)
     no_limits = [
-        "--max-be-ratio",
-        "none",
-        "--max-underflow-pct",
-        "off",
-        "--max-overflow-pct",
-        "none",
-        "--min-sqnr-db",
-        "none",
+        *("--criterion", "max_be_ratio=none", "--criterion", "max_underflow_pct=off"),
+        *("--criterion", "max_overflow_pct=none", "--criterion", "min_sqnr_db=none"),
     ]
     result = cli(
         "recommend",
@@ -336,8 +330,9 @@ def test_recommend_with_a_gap_model_weights_roles_and_predicts_the_gap(
     analysis = Analysis.load(ws / "runs" / "fp32" / "analysis")
     model = GapModel({"fprop": 0.5, "dgrad": 0.0, "wgrad": 0.0}, 0.002, 4)
     (ws / "gap_model.json").write_text(json.dumps(model.to_dict()))
-    args = ["--max-be-ratio", "none", "--max-underflow-pct", "none", "--max-overflow-pct", "none"]
-    args += ["--min-sqnr-db", "none", "--candidates", "mxfp4_e2m1", "bf16", "--bit-budget", "10"]
+    args = ["--criterion", "max_be_ratio=none", "--criterion", "max_underflow_pct=none"]
+    args += ["--criterion", "max_overflow_pct=none", "--criterion", "min_sqnr_db=none"]
+    args += ["--candidates", "mxfp4_e2m1", "bf16", "--bit-budget", "10"]
     result = cli(
         "recommend", ws / "runs" / "fp32", "-o", ws / "gm.yaml", *args, "--gap-model", ws / "gap_model.json"
     )
@@ -379,7 +374,7 @@ def test_recommend_with_a_gap_model_weights_roles_and_predicts_the_gap(
 
 def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str, Result]) -> None:
     out = ws / "calibration"
-    result = cli("calibrate", *flags(ws), "--seeds", "0", "1", "--sensitivity", "1", "--out", out)
+    result = cli("calibrate", *flags(ws), "--seed-list", "0", "1", "--sensitivity", "1", "--out", out)
     assert result.code == 0, result.err
     data = json.loads((out / "gap_model.json").read_text())
     assert data["seeds"] == [0, 1] and data["low"] == "mxfp4_e2m1"
@@ -398,7 +393,7 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
             assert gap == pytest.approx(run["val_loss"] - fp32["val_loss"])
     assert all(v >= 0 for v in data["coefficients"].values())
     assert "gap ≈" in result.out and "--gap-model" in result.out
-    again = cli("calibrate", *flags(ws), "--seeds", "0", "1", "--sensitivity", "1", "--out", out)  # reused
+    again = cli("calibrate", *flags(ws), "--seed-list", "0", "1", "--sensitivity", "1", "--out", out)  # reused
     assert again.code == 0 and again.out == result.out
     recommended = cli(
         "recommend", out / "fp32" / "seed0", "-o", ws / "cal.yaml", "--gap-model", out / "gap_model.json"
@@ -431,7 +426,7 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
             )
         assert row["sensitivity_by_role"] == pytest.approx(expected)
     assert data["sensitivity"]["features"] == "sensitivity" and data["sensitivity"]["points"] == 4
-    assert "·S(fprop)" in result.out and "--objective sensitivity" in result.out
+    assert "·S(fprop)" in result.out and "--minimize sensitivity" in result.out
     # an unmeasured format's impact: the measured MXFP4 one scaled by the observer's noise ratio
     for key in sorted(analysis.sensitivity.results):
         measured = analysis.sensitivity.results[key]["mxfp4_e2m1"]["grad_rel_error"] ** 2
@@ -454,7 +449,7 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
     # --also calibrates it: one more run per seed (the others reused), and no extrapolation left
     also = ("--also", "fp8_e4m3")
     more = cli(
-        "calibrate", *flags(ws), "--seeds", "0", "1", "--sensitivity", "1", *also, "--jobs", "2", "--out", out
+        "calibrate", *flags(ws), "--seed-list", "0", "1", "--sensitivity", "1", *also, "--jobs", "2", "--out", out
     )
     assert more.code == 0, more.err
     data = json.loads((out / "gap_model.json").read_text())
@@ -467,7 +462,7 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
     calibrated = cli("recommend", out / "fp32" / "seed0", "--gap-model", out / "gap_model.json", *mixed)
     assert calibrated.code == 0 and "predicted validation-loss gap" in calibrated.out
     assert "extrapolation" not in calibrated.out
-    bad = cli("calibrate", *flags(ws), "--seeds", "0", "1", "--also", "fp7", "--out", out)
+    bad = cli("calibrate", *flags(ws), "--seed-list", "0", "1", "--also", "fp7", "--out", out)
     assert bad.code == 2 and "--also" in bad.err and "fp7" in bad.err
     off = [f"--{name}" for name in ("max-be-ratio", "max-underflow-pct", "max-overflow-pct", "min-sqnr-db")]
     budget = [
@@ -479,14 +474,14 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
         *(x for f in off for x in (f, "none")),
     ]
     by_sensitivity = cli(
-        "recommend", out / "fp32" / "seed0", "-o", ws / "sens.yaml", "--objective", "sensitivity", *budget,
+        "recommend", out / "fp32" / "seed0", "-o", ws / "sens.yaml", "--minimize", "sensitivity", *budget,
         "--gap-model", out / "gap_model.json",
     )  # fmt: skip
     assert by_sensitivity.code == 0, by_sensitivity.err
     assert "sensitivity features" in by_sensitivity.out
     chosen = numscope.Plan.load(ws / "sens.yaml")
     assert chosen.average_bits(analysis_sizes(analysis)) <= 6.0
-    no_budget = cli("recommend", out / "fp32" / "seed0", "-o", ws / "x.yaml", "--objective", "sensitivity")
+    no_budget = cli("recommend", out / "fp32" / "seed0", "-o", ws / "x.yaml", "--minimize", "sensitivity")
     default = workflow.default_budget(analysis)  # FP8 everywhere's bits: the stated default
     assert (
         no_budget.code == 0
@@ -497,7 +492,7 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
     plain = ("--candidates", "mxfp4_e2m1", "mxfp8_e4m3", "--every", "4", "--sensitivity", "0")
     assert cli("analyze", *flags(ws), *plain, "--out", unmeasured_run).code == 0
     assert Analysis.load(unmeasured_run / "analysis").sensitivity is None  # --sensitivity 0 skips it
-    unmeasured = cli("recommend", unmeasured_run, "-o", ws / "x.yaml", "--objective", "sensitivity", *budget)
+    unmeasured = cli("recommend", unmeasured_run, "-o", ws / "x.yaml", "--minimize", "sensitivity", *budget)
     assert unmeasured.code == 2 and "--sensitivity-granularity operand" in unmeasured.err
 
 
@@ -654,8 +649,8 @@ def test_every_recommended_plan_exports_and_a_target_plan_exports_whole(
     assert plain.code == 0, plain.err
     # no flag: the measured sensitivity within FP8 everywhere's bits, said so
     assert "objective: sensitivity" in plain.out and "(the default; --bit-budget" in plain.out
-    no_limits = ["--min-sqnr-db", "none", "--max-underflow-pct", "none", "--max-overflow-pct", "none"]
-    no_limits += ["--max-be-ratio", "none"]
+    no_limits = ["--criterion", "min_sqnr_db=none", "--criterion", "max_underflow_pct=none"]
+    no_limits += ["--criterion", "max_overflow_pct=none", "--criterion", "max_be_ratio=none"]
     for target in ("torchao", "te", "megatron"):
         exported = cli("export", ws / f"{model}_plain.yaml", "--to", target, "--model", spec, "--out",
                        ws / f"{model}_plain_{target}")  # fmt: skip
@@ -707,7 +702,7 @@ def test_analyze_measures_the_sensitivity_on_an_early_checkpoint_too(ws: Path, t
     assert power == pytest.approx(2.0)  # each checkpoint weighs 1 in the format it is normalised by
     # calibrate fits its sensitivity gap model on the combined sensitivity
     calibrated = cli(
-        "calibrate", *flags(ws), "--seeds", "0", "1", "--sensitivity", "1", "--sensitivity-early", "2",
+        "calibrate", *flags(ws), "--seed-list", "0", "1", "--sensitivity", "1", "--sensitivity-early", "2",
         "--out", tmp_path / "calibration",
     )  # fmt: skip
     assert calibrated.code == 0, calibrated.err
@@ -920,7 +915,7 @@ ERRORS = {
         lambda ws: [
             "train",
             *flags(ws, f"{ws}/cli_models.py:plain"),
-            "--objective",
+            "--task",
             "mlm",
             "--plan",
             "fp8",
@@ -933,7 +928,7 @@ ERRORS = {
         lambda ws: [
             "train",
             *flags(ws, "tiny-gpt2"),
-            "--objective",
+            "--task",
             "mlm",
             "--plan",
             "fp8",
@@ -946,7 +941,7 @@ ERRORS = {
         lambda ws: [
             "train",
             *flags(ws, "tiny-gpt2"),
-            "--objective",
+            "--task",
             "clm",
             "--mask-probability",
             "0.3",

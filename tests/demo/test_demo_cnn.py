@@ -31,7 +31,7 @@ def test_a_short_run_learns_and_is_reproducible() -> None:
 
 @pytest.mark.slow  # ten short runs and the report (about 15 s)
 def test_the_cnn_demo_end_to_end(tmp_path: Path, capsys) -> None:
-    assert main(["demo", "--task", "cnn", "--quick", "--out", str(tmp_path)]) == 0
+    assert main(["demo", "--workload", "cnn", "--quick", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [row["run"] for row in summary["rows"]] == ["fp32", "fp16", "fp16+scaling", "fp8", "recommended"]

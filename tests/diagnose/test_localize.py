@@ -58,7 +58,7 @@ def test_a_planted_fault_is_named_and_an_fp32_control_names_nothing(tmp_path: Pa
     (tmp_path / "fault.yaml").write_text(FAULT)
     run = ["--model", "tiny-bert", "--text", text, "--seq-len", 32, "--batch-size", 8, "--steps", 120]
     run += ["--warmup-steps", 5, "--eval-every", 120, "--val-blocks", 16, "--vocab-size", 1000]
-    run += ["--cache", tmp_path / "cache", "--no-progress", "--candidates", 2, "--every", 10]
+    run += ["--cache", tmp_path / "cache", "--no-progress", "--top-sites", 2, "--drift-every", 10]
     code, out, err = cli("localize", *run, "--plan", tmp_path / "fault.yaml", "--out", tmp_path / "fault")
     assert code == 0, err
     assert "[localize] 1/2" in err and "run 12/12" in err
@@ -103,7 +103,7 @@ def test_both_verbs_start_from_a_checkpoint_folders_weights(tmp_path: Path) -> N
     run = ["--model", checkpoint, "--text", text, "--seq-len", 32, "--batch-size", 4, "--steps", 6]
     run += ["--eval-every", 6, "--val-blocks", 8, "--cache", tmp_path / "cache", "--no-progress"]
     code, out, err = cli(
-        "localize", *run, "--plan", "fp8", "--seeds", 2, "--candidates", 1, "--out", tmp_path / "l"
+        "localize", *run, "--plan", "fp8", "--seeds", 2, "--top-sites", 1, "--out", tmp_path / "l"
     )
     assert code == 0, err
     saved = json.loads((tmp_path / "l" / "localize.json").read_text())

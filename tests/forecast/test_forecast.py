@@ -218,7 +218,7 @@ def test_forecast_on_a_checkpoint_folder_then_its_plan_trains(tmp_path: Path) ->
     # other stacks into the same folder: the FP32 runs are shared, no forecast's files are overwritten
     runs = {p: p.stat().st_mtime_ns for p in (tmp_path / "fc").glob("fp32*/*") if p.is_file()}
     code, stacks, err = cli(
-        "forecast", *run, "--every", 4, "--target", "torchao,megatron", "--out", tmp_path / "fc"
+        "forecast", *run, "--every", 4, "--stacks", "torchao,megatron", "--out", tmp_path / "fc"
     )
     assert code == 0, err
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "fc").glob("fp32*/*") if p.is_file()} == runs
@@ -264,8 +264,8 @@ def test_a_bad_forecast_setting_is_named_as_the_api_names_it_and_on_the_command_
     )
     assert code != 0 and "--batches: 999 training batches asked; the training split holds" in err
     assert "ForecastSettings" not in err and not (tmp_path / "fc" / "fp32").exists()
-    code, _, err = cli("forecast", *run, "--target", "te,jax", "--out", tmp_path / "fc")
-    assert code == 2 and "argument --target: 'te,jax': a training stack (te, torchao, megatron)" in err
+    code, _, err = cli("forecast", *run, "--stacks", "te,jax", "--out", tmp_path / "fc")
+    assert code == 2 and "argument --stacks: 'te,jax': a training stack (te, torchao, megatron)" in err
 
 
 def test_a_plan_that_flushes_the_heads_gradient_is_said_to_fail() -> None:

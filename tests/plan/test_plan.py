@@ -623,7 +623,7 @@ def test_resolve_reads_a_plan_by_the_one_rule_every_entry_point_uses(tmp_path: P
     path = tmp_path / "mine.yaml"
     Plan.uniform("mxfp8").save(path)
     assert Plan.resolve(path) == Plan.resolve(str(path)) == Plan.uniform("mxfp8")
-    with pytest.raises(PlanError, match=r"--plan .*missing\.yaml: no such file \(or give a preset: fp32"):
+    with pytest.raises(PlanError, match=r"`plan` .*missing\.yaml: no such file \(or give a preset: fp32"):
         Plan.resolve(tmp_path / "missing.yaml")
     (tmp_path / "plan.txt").write_text("default: {}")
     with pytest.raises(PlanError, match=r"a plan file must be YAML \(\.yaml or \.yml\)"):

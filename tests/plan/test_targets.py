@@ -202,7 +202,7 @@ def test_target_mistakes_are_named(observed) -> None:
         advise(analysis, target="tee")
     with pytest.raises(AdvisorError, match="decides per gemm"):
         advise(analysis, target="te", per_operand={"*": {"min_sqnr_db": 1}})
-    with pytest.raises(AdvisorError, match=r"impossible for target 'te'.*raise --bit-budget"):
+    with pytest.raises(AdvisorError, match=r"impossible for target 'te'.*raise `bit_budget`"):
         advise(analysis, target="te", bit_budget=4.0, **NO_LIMITS)
     old = replace(analysis, meta={k: v for k, v in analysis.meta.items() if k != "site_kinds"})
     with pytest.raises(AdvisorError, match=r"does not record its sites' kinds.*analyze again"):

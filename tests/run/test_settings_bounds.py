@@ -62,4 +62,4 @@ def test_the_command_line_names_every_generated_setting_by_its_flag() -> None:
     error = SettingsError(
         "TrainConfig.batch_size", "64 exceeds the 3 training blocks at DataSettings.seq_len 32"
     )
-    assert _under_its_flag(error) == "--batch-size: 64 exceeds the 3 training blocks at --seq-len 32"
+    assert _under_its_flag(error, {}) == "--batch-size: 64 exceeds the 3 training blocks at --seq-len 32"

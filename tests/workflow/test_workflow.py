@@ -51,7 +51,7 @@ def test_the_command_line_prints_a_study_error_in_one_line(tmp_path: Path, capsy
 
 
 def test_an_unknown_export_target_is_refused_with_the_allowed_ones(tmp_path: Path) -> None:
-    with pytest.raises(WorkflowError, match=r"--to tpu: unknown target; allowed: .*te"):
+    with pytest.raises(WorkflowError, match=r"`target` tpu: unknown target; allowed: .*te"):
         workflow.export_plan("fp8", "tpu", "tiny-bert", tmp_path / "out")
 
 

@@ -317,7 +317,7 @@ def _check_sensitivity(sensitivity: Sensitivity | None, limits: Limits, candidat
     if sensitivity is None:
         raise AdvisorError(
             f"criterion {wanted[0]} needs a sensitivity measurement, which this analysis lacks: analyze "
-            "again with it (numscope analyze --sensitivity N --sensitivity-formats all; it is on by default "
+            "again with it (numscope analyze `SensitivitySettings.batches` N, `SensitivitySettings.formats` all; it is on by default "
             "except under torchrun), or in Python run numscope.sensitivity(model, batches, candidates=[...]) "
             "and pass sensitivity=..."
         )
@@ -326,5 +326,5 @@ def _check_sensitivity(sensitivity: Sensitivity | None, limits: Limits, candidat
         raise AdvisorError(
             f"criterion {wanted[0]}: the sensitivity did not measure {', '.join(map(repr, missing))}; "
             f"measured: {', '.join(sensitivity.candidates) or '(none)'}; measure them (numscope analyze "
-            "--sensitivity-formats all) or restrict the candidates to those measured"
+            "`SensitivitySettings.formats` all) or restrict the candidates to those measured"
         )

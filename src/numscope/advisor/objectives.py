@@ -70,7 +70,7 @@ def operand_impact(
         raise AdvisorError(
             f"the sensitivity was measured per {sensitivity.granularity}; the sensitivity objective needs "
             "it per operand (numscope.sensitivity(..., granularity='operand'); numscope analyze "
-            "--sensitivity N --sensitivity-granularity operand)"
+            "`SensitivitySettings.batches` N, `SensitivitySettings.granularity` operand)"
         )
     measured = sensitivity.results.get(key, {})
     metrics = measured.get(label)

@@ -88,7 +88,7 @@ def advise_for_target(
         wanted = sorted({f for r in target.recipes for f in r.measured})
         raise AdvisorError(
             f"target {target.name!r}: none of its recipes was measured; observe with "
-            f"{', '.join(wanted)} among the candidates (numscope analyze --candidates ...); measured: "
+            f"{', '.join(wanted)} among the candidates (numscope analyze `candidates` ...); measured: "
             f"{', '.join(candidates) or '(none)'}"
         )
     keys = analysis.keys()
@@ -140,8 +140,8 @@ def advise_for_target(
             f"bit budget {bit_budget:g} bits/element is impossible for target {target.name!r}: its cheapest "
             f"plan within the limits needs {cheapest:.4g} bits/element (what it cannot convert stays high, "
             f"{high_bits:g} bits); "
-            "raise --bit-budget, or relax the limits (--min-sqnr-db, --max-underflow-pct, "
-            "--max-overflow-pct, --max-be-ratio: 'none' switches one off)"
+            "raise `bit_budget`, or relax the limits (`min_sqnr_db`, `max_underflow_pct`, "
+            "`max_overflow_pct`, `max_be_ratio`: 'none' switches one off)"
         )
     if bit_budget is None:
         best = min(solutions, key=lambda s: (s.bits, s.objective))

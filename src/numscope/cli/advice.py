@@ -16,9 +16,12 @@ from numscope.cli.common import (
     _limit,
     _positive_float,
     _run_inputs,
+    add_renamed,
+    add_seed_list,
     render_table,
 )
 
+_MINIMIZE = ("auto", "noise", "sensitivity")
 _CRITERIA = (
     ("max_be_ratio", "max backward error relative to the reference format's"),
     ("max_underflow_pct", "max %% of nonzeros that become 0"),
@@ -165,10 +168,9 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
 
 
 def _register_recommend(sub: argparse._SubParsersAction) -> None:
-    from numscope.advisor import CRITERIA, Limits, recommend
+    from numscope.advisor import CRITERIA, recommend
     from numscope.plan.targets import TARGETS
 
-    defaults = Limits()
     p = sub.add_parser(
         "recommend",
         help="recommend a per-operand precision plan (YAML) from an analysis, with reasons",
@@ -180,14 +182,14 @@ def _register_recommend(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "-o", "--output", default="plan.yaml", help="where to write the plan (default: %(default)s)"
     )
-    for name, text in _CRITERIA:
-        p.add_argument(
+    for name, _ in _CRITERIA:  # --criterion NAME=X says the same
+        add_renamed(
+            p,
             "--" + name.replace("_", "-"),
-            dest=name,
+            f"--criterion {name}=X",
+            name,
             type=_limit,
             default=argparse.SUPPRESS,
-            metavar="X",
-            help=f"{text} (default {getattr(defaults, name):g}); 'none' switches it off",
         )
     p.add_argument(
         "--bit-budget",
@@ -212,16 +214,17 @@ def _register_recommend(sub: argparse._SubParsersAction) -> None:
         "--bit-budget objective by its fitted loss impact and prints the plan's predicted gap to FP32",
     )
     p.add_argument(
-        "--objective",
-        choices=("auto", "noise", "sensitivity"),
+        "--minimize",
+        dest="objective",
+        choices=_MINIMIZE,
         default="auto",
-        help="what --bit-budget minimises: sensitivity, the operands' measured gradient error when quantized "
-        "alone ('numscope analyze' measures it by default, per operand; in the plan "
-        "study it tied the best heuristics and beat random plans; the four limits are off under it unless "
-        "given); noise, their relative noise power in the FP32 analysis under the limits (in the plan study "
-        "no better than random plans); auto: sensitivity where the analysis measured it and a "
-        "--bit-budget is given, else noise (default: %(default)s)",
+        help="what the plan minimises within --bit-budget: sensitivity, the operands' measured gradient "
+        "error when quantized alone ('numscope analyze' measures it by default, per operand; the noise "
+        "limits are off under it unless given); noise, their relative noise power in the FP32 analysis, "
+        "under the limits; auto: sensitivity where the analysis measured it, else noise (default: "
+        "%(default)s)",
     )
+    add_renamed(p, "--objective", "--minimize", "objective", choices=_MINIMIZE)
     p.add_argument(
         "--target",
         choices=tuple(TARGETS),
@@ -257,7 +260,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     from numscope.cli.runs import sensitivity_settings
 
     if args.seed != 0:
-        raise CLIError("--seed: calibrate trains every seed of --seeds; pass --seeds instead")
+        raise CLIError("--seed: calibrate trains every seed of --seed-list; pass --seed-list instead")
     data, config = _run_inputs(args)
     result = workflow.calibrate(
         args.model,
@@ -279,7 +282,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     for row in result.rows:
         per_seed = ", ".join(f"{gap:+.4f}" for gap in row["gaps"])
         print(f"  {row['name']}: gap {row['gap_mean']:+.4f} nats (per seed: {per_seed})")
-    objective = " --objective sensitivity" if fitted is not None else ""
+    objective = " --minimize sensitivity" if fitted is not None else ""
     print(
         f"gap model: {result.files['gap model']}\nnext: numscope recommend {result.analysis} --gap-model "
         f"{result.files['gap model']}{objective} --bit-budget BITS ..."
@@ -300,7 +303,7 @@ def _register_calibrate(sub: argparse._SubParsersAction) -> None:
         "the roles in a bit budget and to predict a plan's validation-loss gap before training it.",
     )
     _add_run_flags(p)
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], metavar="SEED", help="(default: 0 1 2)")
+    add_seed_list(p, [0, 1, 2], "the seeds every run is trained on (default: 0 1 2)")
     p.add_argument(
         "--low", default="mxfp4_e2m1", metavar="FORMAT", help="the format probed (default: %(default)s)"
     )
@@ -329,7 +332,7 @@ def _register_calibrate(sub: argparse._SubParsersAction) -> None:
         default=2,
         metavar="N",
         help="also quantize every operand of the trained FP32 model alone in every observed format on N "
-        "validation batches and fit the sensitivity gap model ('recommend --objective sensitivity'); 0 "
+        "validation batches and fit the sensitivity gap model ('recommend --minimize sensitivity'); 0 "
         "skips it (default: %(default)s)",
     )
     p.set_defaults(func=_cmd_calibrate)

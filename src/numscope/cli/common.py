@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +16,34 @@ from numscope.errors import NumscopeError
 
 class CLIError(NumscopeError):
     """A user-facing error: printed without a traceback, exit status 2."""
+
+
+class _Renamed(argparse.Action):
+    """A flag's old name, kept one release: hidden from the help, it sets what the new name sets (through
+    ``convert`` where the values were renamed too) and prints a one-line note naming the new flag."""
+
+    def __init__(
+        self, *args: Any, renamed_to: str, convert: Callable[[Any], Any] | None = None, **kwargs: Any
+    ):
+        super().__init__(*args, **kwargs)
+        self.renamed_to, self.convert = renamed_to, convert
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option: Any = None) -> None:
+        print(
+            f"numscope: note: {option} is now {self.renamed_to}; the old name goes in the next release",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, self.convert(values) if self.convert else values)
+
+
+def add_renamed(
+    group: Any, old: str, new: str, dest: str, convert: Callable[[Any], Any] | None = None, **kwargs: Any
+) -> None:
+    """Keep ``old`` working one release as a hidden alias of the flag ``new`` (which sets ``dest``);
+    ``kwargs`` parse its values as the old flag did (type, choices, nargs)."""
+    group.add_argument(
+        old, dest=dest, action=_Renamed, renamed_to=new, convert=convert, help=argparse.SUPPRESS, **kwargs
+    )
 
 
 def _number(value: float) -> str:
@@ -52,6 +81,30 @@ _MODEL_HELP = (
     "transformers config. Hub names (e.g. bert-base-uncased) need network access: only their config is "
     "fetched, never weights"
 )
+
+
+TASKS = ("auto", "mlm", "clm")
+
+
+def add_task_flag(group: Any) -> None:
+    """``--task auto|mlm|clm`` (the Python API's ``objective``), and its old name ``--objective``."""
+    group.add_argument(
+        "--task",
+        dest="objective",
+        choices=TASKS,
+        default="auto",
+        help="mlm: masked LM (15%% of tokens masked, BERT); clm: causal LM (next token, GPT); auto: mlm "
+        "where transformers has a masked-LM head for the config, else clm (default: %(default)s)",
+    )
+    add_renamed(group, "--objective", "--task", "objective", choices=TASKS)
+
+
+def add_seed_list(group: Any, default: list[int] | None, help: str) -> None:
+    """``--seed-list S [S ...]``: the seeds trained, and its old name ``--seeds``."""
+    group.add_argument(
+        "--seed-list", dest="seeds", nargs="+", type=int, default=default, metavar="SEED", help=help
+    )
+    add_renamed(group, "--seeds", "--seed-list", "seeds", nargs="+", type=int)
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -180,13 +233,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 
     model = p.add_argument_group("model and data")
     model.add_argument("--model", required=True, metavar="M", help=_MODEL_HELP)
-    model.add_argument(
-        "--objective",
-        choices=("auto", "mlm", "clm"),
-        default="auto",
-        help="mlm: masked LM (15%% of tokens masked, BERT); clm: causal LM (next token, GPT); auto: mlm "
-        "where transformers has a masked-LM head for the config, else clm (default: %(default)s)",
-    )
+    add_task_flag(model)
     model.add_argument(
         "--text",
         nargs="+",

@@ -1,11 +1,11 @@
-"""``numscope demo``: the BERT demo (default) and the CNN demo (``--task cnn``)."""
+"""``numscope demo``: the BERT demo (default) and the CNN demo (``--workload cnn``)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from numscope.cli.common import CLIError, _int_at_least, _positive_float, render_table
+from numscope.cli.common import CLIError, _int_at_least, _positive_float, add_renamed, render_table
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -16,7 +16,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from numscope.run.config import RunError
     from numscope.run.corpus import CorpusError, CorpusNotFoundError
 
-    if args.task == "cnn":
+    if args.workload == "cnn":
         return _cnn_demo(args)
     config = quick_config(args.steps) if args.quick else DemoConfig()
     if args.steps is not None and not args.quick:
@@ -94,12 +94,14 @@ def _register_demo(sub: argparse._SubParsersAction) -> None:
         help=f"the same stages with {quick_steps} steps per run instead of {steps}",
     )
     p.add_argument(
-        "--task",
-        choices=("mlm", "cnn"),
-        default="mlm",
-        help="mlm: the BERT masked-LM demo (default); cnn: a CNN on scikit-learn's 8x8 digits under fp32, "
+        "--workload",
+        choices=("bert", "cnn"),
+        default="bert",
+        help="bert: the BERT masked-LM demo (default); cnn: a CNN on scikit-learn's 8x8 digits under fp32, "
         "fp16 with and without loss scaling, fp8 and the recommended plan, 3 seeds each (about a minute)",
     )
+    old_names = {"mlm": "bert", "cnn": "cnn"}
+    add_renamed(p, "--task", "--workload", "workload", choices=tuple(old_names), convert=old_names.get)
     p.add_argument("--out", help="output folder (default runs/demo or runs/demo-quick); reruns resume there")
     p.add_argument(
         "--steps",

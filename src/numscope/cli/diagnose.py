@@ -9,8 +9,10 @@ import sys
 from numscope.cli.common import (
     _add_run_flags,
     _add_setting_flags,
+    _int_at_least,
     _run_inputs,
     _settings_from_flags,
+    add_renamed,
     render_table,
 )
 
@@ -118,7 +120,10 @@ def _register_localize(sub: argparse._SubParsersAction) -> None:
     )
     _add_run_flags(p)
     p.add_argument("--plan", required=True, metavar="PLAN", help=_PLAN_HELP)
-    _add_setting_flags(p.add_argument_group("localize"), LocalizeSettings)
+    group = p.add_argument_group("localize")
+    _add_setting_flags(group, LocalizeSettings)
+    add_renamed(group, "--candidates", "--top-sites", "candidates", type=_int_at_least(0))
+    add_renamed(group, "--every", "--drift-every", "every", type=_int_at_least(1))
     p.set_defaults(func=_cmd_localize)
 
 

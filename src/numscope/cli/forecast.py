@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from numscope.cli.common import _add_run_flags, _int_at_least, _run_inputs, render_table
+from numscope.cli.common import _add_run_flags, _int_at_least, _run_inputs, add_renamed, render_table
 
 
 def _cmd_forecast(args: argparse.Namespace) -> int:
@@ -14,7 +14,7 @@ def _cmd_forecast(args: argparse.Namespace) -> int:
     from numscope.forecast.run import _AROUND_SAYS
 
     data, config = _run_inputs(args)
-    for index, target in enumerate(args.target):
+    for index, target in enumerate(args.stacks):
         settings = ForecastSettings(
             target=target,
             seeds=args.seeds,
@@ -35,7 +35,7 @@ def _cmd_forecast(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             log=lambda line: print(line, file=sys.stderr, flush=True),
         )
-        if len(args.target) > 1:
+        if len(args.stacks) > 1:
             print(("\n" if index else "") + f"{target}: its recipes and numscope's plans for it")
         print(render_table(result.table()))
         noise = "not measured (--seeds 1)" if result.noise is None else f"{result.noise:.4f} nats"
@@ -58,7 +58,7 @@ def _cmd_forecast(args: argparse.Namespace) -> int:
 
 
 def _stacks(value: str) -> list[str]:
-    """``--target``: one training stack, several separated by commas, or ``all``."""
+    """``--stacks``: one training stack, several separated by commas, or ``all``."""
     from numscope.plan.targets import STACKS
 
     names = list(STACKS) if value.strip() == "all" else [v.strip() for v in value.split(",") if v.strip()]
@@ -92,14 +92,15 @@ def _register_forecast(sub: argparse._SubParsersAction) -> None:
     _add_run_flags(p)
     group = p.add_argument_group("forecast")
     group.add_argument(
-        "--target",
+        "--stacks",
         type=_stacks,
         default=[defaults.target],
         metavar="STACK[,STACK]",
-        help=f"the training stack whose recipes are forecast ({', '.join(STACKS)}), several separated by "
-        "commas, or all: the FP32 runs are shared, each stack adds its plans' measurement "
+        help=f"the training stacks whose recipes are forecast ({', '.join(STACKS)}), separated by commas, "
+        "or all: the FP32 runs are shared, each stack adds its plans' measurement "
         f"(default: {defaults.target})",
     )
+    add_renamed(group, "--target", "--stacks", "stacks", type=_stacks)
     group.add_argument(
         "--seeds",
         type=_int_at_least(1),
@@ -143,7 +144,7 @@ def _register_forecast(sub: argparse._SubParsersAction) -> None:
         choices=("mean", "final", "peak"),
         default=defaults.lr_rule,
         help="the learning rate the update noise is weighed with: the run's mean, final or peak "
-        "rate (default: %(default)s; docs/forecast.md)",
+        "rate (default: %(default)s)",
     )
     group.add_argument(
         "--around",

@@ -21,6 +21,7 @@ from numscope.cli.common import (
     _print_result,
     _run_inputs,
     _settings_from_flags,
+    add_task_flag,
     render_table,
 )
 
@@ -55,13 +56,14 @@ def _generated_flags() -> dict[str, str]:
     from dataclasses import fields
 
     from numscope._settings import flag_of
+    from numscope.diagnose import BandSettings, LocalizeSettings
     from numscope.run.config import TrainConfig
     from numscope.run.sources import DataSettings
     from numscope.train.adaptive import AdaptiveConfig
 
     return {
         f"{cls.__name__}.{item.name}": flag_of(item)
-        for cls in (TrainConfig, DataSettings, AdaptiveConfig)
+        for cls in (TrainConfig, DataSettings, AdaptiveConfig, LocalizeSettings, BandSettings)
         for item in fields(cls)
         if "help" in item.metadata
     }
@@ -73,7 +75,7 @@ SETTING_FLAGS: dict[str, str] = {
     "SensitivitySettings.formats": "--sensitivity-formats",
     "SensitivitySettings.early": "--sensitivity-early",
     "SensitivitySettings.method": "--sensitivity-method",
-    "ForecastSettings.target": "--target",
+    "ForecastSettings.target": "--stacks",
     "ForecastSettings.seeds": "--seeds",
     "ForecastSettings.batches": "--batches",
     "ForecastSettings.val_blocks": "--measure-blocks",
@@ -121,8 +123,8 @@ def add_sensitivity_formats(p: argparse.ArgumentParser) -> None:
         default=["auto"],
         metavar="FORMAT",
         help="which candidates the sensitivity quantizes each operand in: auto, the one with the fewest bits "
-        "(recommend estimates the others from it and the observer's noise ratios; a tenth of the passes; "
-        "docs/plan-study.md: how well the estimate ranks); all; or the formats named (default: auto)",
+        "(recommend estimates the others from it and the observer's noise ratios; a tenth of the passes); "
+        "all; or the formats named (default: auto)",
     )
 
 
@@ -148,9 +150,7 @@ def add_sensitivity_early(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="STEP",
         help="also keep the model after STEP steps and measure the sensitivity on it, combined with the "
-        "trained model's (each weighing alike): at 6 bits the plans chosen from both cost less than those "
-        "from the trained model alone on a GQA Llama (beyond the seed noise, also at 5 bits) and tied them "
-        "on MiniLM and the demo's BERT (docs/plan-study.md); costs as many sensitivity passes again; auto: "
+        "trained model's (each weighing alike); costs as many sensitivity passes again; auto: "
         f"step {AUTO_SENSITIVITY_EARLY} when --steps >= {AUTO_EARLY_MIN_STEPS}, else none (default: off)",
     )
 
@@ -162,9 +162,8 @@ def add_sensitivity_method(p: argparse.ArgumentParser) -> None:
         default=None,
         help="local: every operand and format from a few passes per batch (each operand's error at its own "
         "GEMM, times the gain its group of GEMMs shows when quantized whole: numscope.sensitivity."
-        "local_sensitivity; operands only); one-at-a-time: one pass per operand (or site) and format, as "
-        "before (default: local, one-at-a-time with --sensitivity-granularity site; docs/forecast.md "
-        "compares them)",
+        "local_sensitivity; operands only); one-at-a-time: one pass per operand (or site) and format "
+        "(default: local, one-at-a-time with --sensitivity-granularity site)",
     )
 
 
@@ -194,9 +193,8 @@ def _register_analyze(sub: argparse._SubParsersAction) -> None:
         type=_int_at_least(1),
         default=25,
         metavar="K",
-        help="measure every K-th optimizer step; measuring costs several plain steps. 25 keeps analyze + "
-        "recommend within 2x an FP32 run on the demo's BERT and a GQA Llama with the plan of every 5th "
-        "step (docs/benchmarks.md) (default: %(default)s)",
+        help="observe every K-th optimizer step; an observed step costs several plain steps "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--sensitivity",
@@ -398,7 +396,7 @@ def _register_evaluate(sub: argparse._SubParsersAction) -> None:
         description="Score each finished run's trained model (model.pt) on up to --val-blocks blocks of its "
         "validation split, under the plan it trained with and the masks of its seed (at the run's own "
         "--val-blocks: its own val loss, bit for bit). Comparing plans needs many scored tokens: a masked "
-        "LM's default 128 blocks of 32 tokens score about 600 (docs/plan-study.md).",
+        "LM's 128 blocks of 32 tokens score about 600.",
     )
     p.add_argument("runs", nargs="+", metavar="DIR", help="finished run folders")
     p.add_argument(
@@ -483,6 +481,6 @@ def _register_export(sub: argparse._SubParsersAction) -> None:
         help="a run folder (the model that run trained, at its tokenizer's vocabulary: what the plan was "
         "made for) or " + _MODEL_HELP,
     )
-    p.add_argument("--objective", choices=("auto", "mlm", "clm"), default="auto", help=argparse.SUPPRESS)
+    add_task_flag(p)
     p.add_argument("--out", default="export", metavar="DIR", help="output folder (default: %(default)s)")
     p.set_defaults(func=_cmd_export)

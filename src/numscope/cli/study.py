@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from numscope.cli.common import _dof, _int_at_least
+from numscope.cli.common import _dof, _int_at_least, add_seed_list
 
 STUDY_OUT = "runs/study"
 
@@ -24,7 +24,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
             steps=args.steps,
             jobs=args.jobs,
             text=args.text,
-            target=args.target,
+            target=None if args.target == "emulation" else args.target,
         )
         print(summary.table)
         print("\n".join(f"{kind}: {path}" for kind, path in summary.files.items()))
@@ -39,7 +39,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
             ("--steps", args.steps),
             ("--jobs", args.jobs),
             ("--text", args.text),
-            ("--seeds", args.seeds),
+            ("--seed-list", args.seeds),
             ("--target", args.target),
         )
         if value not in (None, False)
@@ -57,7 +57,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
 
 
 def _register_study(sub: argparse._SubParsersAction) -> None:
-    from numscope.plan.targets import STACKS
+    from numscope.plan.targets import TARGETS
     from numscope.study import DOFS, FORMATS, PlanStudyConfig
 
     p = sub.add_parser(
@@ -97,9 +97,7 @@ def _register_study(sub: argparse._SubParsersAction) -> None:
         metavar="BITS",
         help=f"plans: bits (default: {listed(plans.budgets)})",
     )
-    p.add_argument(
-        "--seeds", nargs="+", type=int, metavar="SEED", help=f"plans: seeds (default: {listed(plans.seeds)})"
-    )
+    add_seed_list(p, None, f"plans: the seeds each plan is trained on (default: {listed(plans.seeds)})")
     p.add_argument(
         "--random-plans",
         type=_int_at_least(0),
@@ -115,9 +113,11 @@ def _register_study(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text", nargs="+", metavar="PATH", help="plans: your text files instead of the corpus")
     p.add_argument(
         "--target",
-        choices=STACKS,
+        choices=tuple(TARGETS),
+        metavar="STACK",
         help="plans: numscope's plan also made for this training stack (only what it runs) at every budget, "
-        "trained beside the others; the FP32 run observes the stack's formats too",
+        "trained beside the others; the FP32 run observes the stack's formats too (emulation: no stack, "
+        "the default)",
     )
     p.add_argument(
         "--dofs",

@@ -1,4 +1,4 @@
-"""``numscope demo --task cnn``: the first seed's breadth, a convolutional image classifier.
+"""``numscope demo --workload cnn``: the first seed's breadth, a convolutional image classifier.
 
 Micikevicius et al. (ICLR 2018) report mixed precision on CNNs first. This demo trains a small CNN (three
 convolutions with BatchNorm, a linear head) on scikit-learn's bundled handwritten digits (1,797 images of
@@ -221,7 +221,7 @@ def run_cnn_demo(out: Path, config: CNNConfig, log: Callable[[str], None] = prin
         analysis=analysis,
         plan=plan,
         loss_label="cross-entropy",
-        command="numscope demo --task cnn",
+        command="numscope demo --workload cnn",
     )
     summary["report"] = str(report)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1, default=str))

@@ -373,13 +373,13 @@ def _check_settings(out_dir: Path, config: DemoConfig, text_paths: Sequence[Path
         if changes:
             raise DemoError(
                 f"{out_dir} holds demo runs made with other settings ({'; '.join(changes[:3])}); "
-                "resume with the same flags, or choose another --out"
+                "resume with the same flags, or choose another `out`"
             )
         return
     if any(out_dir.glob("runs/*/result.json")):
         raise DemoError(
             f"{out_dir} holds demo runs but no {SETTINGS_FILE} to tell which settings made them; "
-            "choose another --out"
+            "choose another `out`"
         )
     atomic_write_text(out_dir / SETTINGS_FILE, json.dumps(settings, indent=1))
 
@@ -634,7 +634,7 @@ def measure_sensitivity(
     if not (run_dir / MODEL_FILE).is_file():
         raise DemoError(
             f"{run_dir / MODEL_FILE} is missing (the fp32 run of an earlier demo kept no model), so its "
-            f"sensitivity cannot be measured: delete {run_dir} to train it again, or choose another --out"
+            f"sensitivity cannot be measured: delete {run_dir} to train it again, or choose another `out`"
         )
     count = request.sensitivity_batches
     log(

@@ -66,8 +66,7 @@ class BandSettings:
     window: int = setting(10, "steps of the trailing mean that smooths each gap curve", minimum=1)
     level: float = setting(
         0.99,
-        "the band's coverage of one more seed's gap at one step: 0.95 or 0.99 (docs/diagnose.md: how the "
-        "defaults were chosen)",
+        "the band's coverage of one more seed's gap at one step: 0.95 or 0.99",
         positive=True,
     )
     persist: int = setting(

@@ -60,8 +60,14 @@ class LocalizeSettings:
         "sites put back in FP32 one at a time, those where the plan adds the most error first; 0: every site "
         "the plan quantizes",
         minimum=0,
+        flag="--top-sites",
     )
-    every: int = setting(1, "record the lockstep's drift every this many steps (and at the last)", minimum=1)
+    every: int = setting(
+        1,
+        "record the lockstep's drift every this many steps (and at the last)",
+        minimum=1,
+        flag="--drift-every",
+    )
 
     def __post_init__(self) -> None:
         for name, minimum in (("seeds", 1), ("candidates", 0), ("every", 1)):

@@ -271,15 +271,15 @@ class Plan:
         if path.suffix in (".yaml", ".yml") or path.is_file() or (path.exists() and not named):
             if not path.is_file():
                 raise PlanError(
-                    f"--plan {spec}: no such file (or give a preset: {', '.join(_PRESETS)}; or a recipe: "
+                    f"`plan` {spec}: no such file (or give a preset: {', '.join(_PRESETS)}; or a recipe: "
                     f"{', '.join(cls.recipes())})"
                 )
             if path.suffix not in (".yaml", ".yml"):
-                raise PlanError(f"--plan {spec}: a plan file must be YAML (.yaml or .yml)")
+                raise PlanError(f"`plan` {spec}: a plan file must be YAML (.yaml or .yml)")
             try:
                 return cls.load(path)
             except (OSError, UnicodeDecodeError) as error:
-                raise PlanError(f"--plan {spec}: cannot read it ({error})") from error
+                raise PlanError(f"`plan` {spec}: cannot read it ({error})") from error
         return cls.named(str(spec), sites)
 
     @classmethod

@@ -156,5 +156,5 @@ def _baseline(runs: list[dict[str, Any]], baseline: str | None) -> dict[str, Any
         if baseline == run["name"] or Path(baseline).resolve() == Path(run["dir"]).resolve():
             return run
     raise WorkflowError(
-        f"--baseline {baseline}: no such run; runs: {', '.join(r['name'] for r in runs)} (or their folders)"
+        f"`baseline` {baseline}: no such run; runs: {', '.join(r['name'] for r in runs)} (or their folders)"
     )

@@ -169,7 +169,7 @@ class TrainConfig:
     steps: int = setting(300, "optimizer steps", minimum=1)
     batch_size: int = setting(32, "sequences per step, over all processes under torchrun", minimum=1)
     lr: float = setting(2e-3, "peak AdamW learning rate", positive=True)
-    warmup_steps: int = setting(30, "linear warm-up steps, then cosine decay to 10% of --lr", minimum=0)
+    warmup_steps: int = setting(30, "linear warm-up steps, then cosine decay to 10% of `lr`", minimum=0)
     weight_decay: float = setting(0.01, "AdamW weight decay", minimum=0)
     grad_clip: float = setting(1.0, "clip the gradient's global norm to this, after unscaling", positive=True)
     eval_every: int = setting(50, "validate every this many steps, and after the last", minimum=1)

@@ -19,7 +19,7 @@ class OutputPathError(RunError):
     """An output folder or file that cannot be written (a file where a folder is asked, no write access…)."""
 
 
-def check_output_folder(path: str | os.PathLike[str], flag: str = "--out") -> Path:
+def check_output_folder(path: str | os.PathLike[str], flag: str = "`out`") -> Path:
     """``path`` as a folder that exists or can be made, and that this process can write into; else an
     :class:`OutputPathError` naming the path and the problem (before anything is trained or written)."""
     folder = Path(path)
@@ -124,10 +124,10 @@ def read_settings(path: Path) -> dict[str, Any] | None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise RunError(
             f"{path}: unreadable ({error}); it records the settings of the runs in {path.parent}: choose "
-            "another --out, or delete the folder to start over"
+            "another `out`, or delete the folder to start over"
         ) from error
     if not isinstance(stored, dict):
-        raise RunError(f"{path}: not a run's settings (a JSON object); choose another --out")
+        raise RunError(f"{path}: not a run's settings (a JSON object); choose another `out`")
     return stored
 
 
@@ -155,7 +155,7 @@ def check_run_settings(out: Path, settings: dict[str, Any]) -> None:
     if changed:
         raise RunError(
             f"{out} already holds a run with other settings ({'; '.join(changed)}); rerun with the same "
-            "flags to resume it, or choose another --out"
+            "flags to resume it, or choose another `out`"
         )
 
 

@@ -102,13 +102,13 @@ def _prepare_run(
 
     if resolved == "mlm" and prepared.tokenizer.mask_id is None:
         raise WorkflowError(
-            f"--model {model}: the tokenizer has no mask token, which the masked LM needs; train it as a "
-            "causal LM (--objective clm) or give a tokenizer with one"
+            f"`model` {model}: the tokenizer has no mask token, which the masked LM needs; train it as a "
+            "causal LM (`objective` clm) or give a tokenizer with one"
         )
     try:
         objective_for_training = get_objective(resolved).for_training(config.mask_probability)
     except ValueError as error:
-        raise WorkflowError(f"--mask-probability: {error}") from None
+        raise WorkflowError(f"`mask_probability`: {error}") from None
     example = to_device(
         next(
             objective_for_training.batches(prepared.train_blocks[:2], 2, prepared.tokenizer, config.seed, 0)
@@ -220,14 +220,14 @@ def analyze(
     config = config if config is not None else TrainConfig()
     data = settle_tokenizer(model, data, objective)
     if tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
-        raise WorkflowError("--tensorboard needs the tensorboard package: pip install tensorboard")
-    check_positive("--every", every)
+        raise WorkflowError("`tensorboard` needs the tensorboard package: pip install tensorboard")
+    check_positive("`every`", every)
     names = list(dict.fromkeys([REFERENCE_FORMAT, *candidates]))
     for name in names:
         try:
             get_format(name)
         except ValueError as error:
-            raise WorkflowError(f"--candidates: {error}") from error
+            raise WorkflowError(f"`candidates`: {error}") from error
     auto = sensitivity.batches is None
     sensitivity_batches = sensitivity.batches
     if sensitivity_batches is None:
@@ -447,7 +447,7 @@ def measure_sensitivity(
         if not path.is_file():
             raise WorkflowError(
                 f"{path}: missing, so the sensitivity cannot be measured on it (a run resumed past the "
-                "early step keeps none); analyze into a new --out"
+                "early step keeps none); analyze into a new `out`"
             )
     batches = _sensitivity_batches(prepared, config, objective, count)
     measured = []
@@ -523,8 +523,8 @@ def _sensitivity_batches(prepared: RunData, config: TrainConfig, objective: str,
     batches = _validation_split(prepared, config, objective)[:count]
     if len(batches) < count:
         raise WorkflowError(
-            f"--sensitivity {count}: the validation split holds {len(batches)} batch(es) of "
-            f"{config.batch_size}; ask for fewer (or more --val-blocks)"
+            f"`SensitivitySettings.batches` {count}: the validation split holds {len(batches)} batch(es) of "
+            f"{config.batch_size}; ask for fewer (or more `val_blocks`)"
         )
     return batches
 
@@ -532,7 +532,7 @@ def _sensitivity_batches(prepared: RunData, config: TrainConfig, objective: str,
 def _write_tensorboard(out_dir: Path, log_dir: str | os.PathLike[str] | None) -> None:
     """The run's analysis as TensorBoard scalars in ``log_dir`` (nothing when None)."""
     if log_dir is not None and not Analysis.load(out_dir / "analysis").write_tensorboard(log_dir):
-        raise WorkflowError("--tensorboard needs the tensorboard package: pip install tensorboard")
+        raise WorkflowError("`tensorboard` needs the tensorboard package: pip install tensorboard")
 
 
 def train(
@@ -565,7 +565,7 @@ def train(
     if loss_scaling not in LOSS_SCALING:
         raise WorkflowError(f"unknown loss scaling {loss_scaling!r}; allowed: {', '.join(LOSS_SCALING)}")
     if not (math.isfinite(init_scale) and init_scale > 0):
-        raise WorkflowError(f"--init-scale must be a positive number; got {init_scale}")
+        raise WorkflowError(f"`init_scale` must be a positive number; got {init_scale}")
     loaded, plan_source = plan_and_source(plan)
     out_dir = check_output_folder(out)
     # a folder's recorded name wins over its current folder name: a copied or moved run resumes as itself
@@ -638,7 +638,7 @@ def evaluate(
     from numscope.train.checkpoint import load_checkpoint
     from numscope.train.recipe import Recipe
 
-    check_positive("--val-blocks", val_blocks)
+    check_positive("`val_blocks`", val_blocks)
     folder = Path(out)
     stored = read_settings(folder / "run.json")
     missing = [name for name in ("run.json", "result.json", "model.pt") if not (folder / name).is_file()]
@@ -659,9 +659,9 @@ def evaluate(
     stored_data = stored.get("data") or {}
     tokenizer = tokenizer if tokenizer is not None else stored.get("tokenizer_path")
     if stored_data.get("tokenizer_sha256") and tokenizer is None:
-        raise WorkflowError(f"{folder}: the run used a tokenizer file; give it with --tokenizer JSON")
+        raise WorkflowError(f"{folder}: the run used a tokenizer file; give it with `tokenizer` JSON")
     if tokenizer is not None and _file_digest(str(tokenizer)) != stored_data.get("tokenizer_sha256"):
-        raise WorkflowError(f"--tokenizer {tokenizer}: not the tokenizer {folder} was trained with")
+        raise WorkflowError(f"`tokenizer` {tokenizer}: not the tokenizer {folder} was trained with")
     data = DataSettings(
         tuple(stored["text"]),
         vocab_size=stored_data["vocab_size"],

@@ -151,11 +151,11 @@ class ModelSource:
             made = self.factory(vocab_size=tokenizer.vocab_size) if takes_vocab else self.factory()
         except Exception as error:  # the user's code: report it in one line
             raise WorkflowError(
-                f"--model {self.spec}: the factory raised {type(error).__name__}: {error}"
+                f"`model` {self.spec}: the factory raised {type(error).__name__}: {error}"
             ) from error
         if not isinstance(made, nn.Module) and not _is_config(made):
             raise WorkflowError(
-                f"--model {self.spec}: the factory returned a {type(made).__name__}; it must return a "
+                f"`model` {self.spec}: the factory returned a {type(made).__name__}; it must return a "
                 "torch.nn.Module or a transformers config (PretrainedConfig)"
             )
         return made
@@ -190,7 +190,7 @@ def resolve_model(spec: str, objective: str = "auto") -> ModelSource:
     if objective not in ("auto", *OBJECTIVES):
         raise WorkflowError(f"unknown objective {objective!r}; allowed: auto, {', '.join(OBJECTIVES)}")
     if not isinstance(spec, str) or not spec.strip():
-        raise WorkflowError(f"--model must name a model; {_WHAT_WORKS}")
+        raise WorkflowError(f"`model` must name a model; {_WHAT_WORKS}")
     if spec in BUILTIN_MODELS:
         return ModelSource(spec, "built-in", objective, config=BUILTIN_MODELS[spec]())
     path = Path(spec)
@@ -200,10 +200,10 @@ def resolve_model(spec: str, objective: str = "auto") -> ModelSource:
     if ":" in spec:
         return ModelSource(spec, "factory", objective, factory=_import_factory(spec))
     if spec.endswith(".json") or spec.startswith((".", "/", "~")):
-        raise WorkflowError(f"--model {spec}: no such file or directory; {_WHAT_WORKS}")
+        raise WorkflowError(f"`model` {spec}: no such file or directory; {_WHAT_WORKS}")
     if _offline():
         raise WorkflowError(
-            f"--model {spec}: not a local path, a module:factory or a built-in, and as a Hugging Face hub "
+            f"`model` {spec}: not a local path, a module:factory or a built-in, and as a Hugging Face hub "
             f"name it cannot be fetched with HF_HUB_OFFLINE=1; {_WHAT_WORKS}"
         )
     from transformers import AutoConfig
@@ -212,7 +212,7 @@ def resolve_model(spec: str, objective: str = "auto") -> ModelSource:
         config = AutoConfig.from_pretrained(spec)
     except (OSError, ValueError) as error:
         raise WorkflowError(
-            f"--model {spec}: cannot get its config from the Hugging Face hub ({first_line(error)}); "
+            f"`model` {spec}: cannot get its config from the Hugging Face hub ({first_line(error)}); "
             f"{_WHAT_WORKS}"
         ) from error
     return ModelSource(spec, "config", objective, config=config)
@@ -247,7 +247,7 @@ def run_model(folder: str) -> tuple[str, str, int] | None:
     objective = stored.get("objective_resolved") or stored.get("objective") or "auto"
     if not isinstance(spec, str) or not isinstance(vocab, int):
         raise WorkflowError(
-            f"--model {folder}: its run.json records no model and vocabulary size; give --model the model "
+            f"`model` {folder}: its run.json records no model and vocabulary size; give `model` the model "
             "itself (a built-in, a config or a module:factory)"
         )
     if (
@@ -256,8 +256,8 @@ def run_model(folder: str) -> tuple[str, str, int] | None:
         and (spec.endswith(".json") or spec.startswith((".", "/", "~")) or ".py:" in spec)
     ):
         raise WorkflowError(
-            f"--model {folder}: the model its run.json records, {spec!r}, is not found from here (a path "
-            "relative to where the run was started); run from that folder, or give --model the model itself"
+            f"`model` {folder}: the model its run.json records, {spec!r}, is not found from here (a path "
+            "relative to where the run was started); run from that folder, or give `model` the model itself"
         )
     return spec, objective, vocab
 
@@ -277,7 +277,7 @@ def settle_tokenizer(model: str, data: DataSettings, objective: str = "auto") ->
     for ``train_tokenizer`` beside a tokenizer file."""
     if data.train_tokenizer and data.tokenizer is not None:
         raise WorkflowError(
-            "--train-tokenizer trains a vocabulary on your text and --tokenizer gives one: choose one"
+            "`train_tokenizer` trains a vocabulary on your text and `tokenizer` gives one: choose one"
         )
     if data.tokenizer is not None or data.train_tokenizer:
         return data
@@ -289,8 +289,8 @@ def settle_tokenizer(model: str, data: DataSettings, objective: str = "auto") ->
         return data
     if source.tokenizer_file is None:
         raise WorkflowError(
-            f"--model {model}: the checkpoint folder holds no tokenizer.json; give its tokenizer with "
-            "--tokenizer JSON, or --train-tokenizer to train one on your text (the embedding and the "
+            f"`model` {model}: the checkpoint folder holds no tokenizer.json; give its tokenizer with "
+            "`tokenizer` JSON, or `train_tokenizer` to train one on your text (the embedding and the "
             "output layer are then initialised anew)"
         )
     return dataclasses.replace(data, tokenizer=source.tokenizer_file, vocab_size=data.vocab_size)
@@ -305,28 +305,28 @@ def _load_config(spec: str, path: Path) -> Any:
     from transformers import AutoConfig
 
     if path.is_dir() and not (path / "config.json").is_file():
-        raise WorkflowError(f"--model {spec}: the directory holds no config.json; {_WHAT_WORKS}")
+        raise WorkflowError(f"`model` {spec}: the directory holds no config.json; {_WHAT_WORKS}")
     if path.is_file() and path.suffix != ".json":
         raise WorkflowError(
-            f"--model {spec}: a model file must be a transformers config .json; {_WHAT_WORKS}"
+            f"`model` {spec}: a model file must be a transformers config .json; {_WHAT_WORKS}"
         )
     try:
         return AutoConfig.from_pretrained(str(path))
     except (OSError, ValueError, KeyError) as error:
         raise WorkflowError(
-            f"--model {spec}: not a usable transformers config ({first_line(error)})"
+            f"`model` {spec}: not a usable transformers config ({first_line(error)})"
         ) from error
 
 
 def _import_factory(spec: str) -> Callable[..., Any]:
     module_name, _, attribute = spec.rpartition(":")
     if not module_name or not attribute:
-        raise WorkflowError(f"--model {spec}: expected 'module:factory'; {_WHAT_WORKS}")
+        raise WorkflowError(f"`model` {spec}: expected 'module:factory'; {_WHAT_WORKS}")
     try:
         if module_name.endswith(".py"):
             file = Path(module_name)
             if not file.is_file():
-                raise WorkflowError(f"--model {spec}: no such Python file {module_name!r}")
+                raise WorkflowError(f"`model` {spec}: no such Python file {module_name!r}")
             module_spec = importlib.util.spec_from_file_location(file.stem, file)
             assert module_spec is not None and module_spec.loader is not None
             module = importlib.util.module_from_spec(module_spec)
@@ -339,17 +339,17 @@ def _import_factory(spec: str) -> Callable[..., Any]:
         raise
     except Exception as error:  # an import error or any error raised by the user's module
         raise WorkflowError(
-            f"--model {spec}: cannot import {module_name!r}: {type(error).__name__}: {error}"
+            f"`model` {spec}: cannot import {module_name!r}: {type(error).__name__}: {error}"
         ) from error
     factory = getattr(module, attribute, None)
     if factory is None:
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         raise WorkflowError(
-            f"--model {spec}: module {module_name!r} has no attribute {attribute!r}; its callables: "
+            f"`model` {spec}: module {module_name!r} has no attribute {attribute!r}; its callables: "
             f"{', '.join(public) or '(none)'}"
         )
     if not callable(factory):
-        raise WorkflowError(f"--model {spec}: {attribute!r} is a {type(factory).__name__}, not a callable")
+        raise WorkflowError(f"`model` {spec}: {attribute!r} is a {type(factory).__name__}, not a callable")
     return factory
 
 
@@ -362,8 +362,8 @@ def _config_factory(
     given = getattr(config, "vocab_size", None)
     if isinstance(given, int) and given != tokenizer.vocab_size and spec not in BUILTIN_MODELS:
         warnings.warn(
-            f"--model {spec}: its vocab_size {given} is replaced by the tokenizer's {tokenizer.vocab_size} "
-            "(--vocab-size or --tokenizer decide it; the embedding and the output layer are sized to it)",
+            f"`model` {spec}: its vocab_size {given} is replaced by the tokenizer's {tokenizer.vocab_size} "
+            "(`vocab_size` or `tokenizer` decide it; the embedding and the output layer are sized to it)",
             UserWarning,
             stacklevel=2,
         )
@@ -399,7 +399,7 @@ def _head(spec: str, config: Any, objective: str) -> tuple[Any, str, bool]:
     if objective == "" or (objective == "mlm" and not masked) or (objective == "clm" and not causal):
         heads = [name for name, has in (("mlm", masked), ("clm", causal)) if has]
         raise WorkflowError(
-            f"--model {spec}: transformers has no {objective or 'language-model'} head for model type "
+            f"`model` {spec}: transformers has no {objective or 'language-model'} head for model type "
             f"{model_type!r}; objectives it supports: {', '.join(heads) or 'none'}"
         )
     return (AutoModelForMaskedLM if objective == "mlm" else AutoModelForCausalLM), objective, masked
@@ -410,8 +410,8 @@ def _check_positions(spec: str, config: Any, seq_len: int) -> None:
         positions = getattr(config, name, None)
         if isinstance(positions, int) and positions < seq_len:
             raise WorkflowError(
-                f"--model {spec}: {name}={positions} is shorter than --seq-len {seq_len}; "
-                f"use --seq-len {positions} or less"
+                f"`model` {spec}: {name}={positions} is shorter than `seq_len` {seq_len}; "
+                f"use `seq_len` {positions} or less"
             )
 
 
@@ -433,9 +433,9 @@ def _checkpoint_factory(
         config.vocab_size, config.pad_token_id = tokenizer.vocab_size, tokenizer.pad_id
     elif isinstance(rows, int) and tokenizer.vocab_size > rows:
         raise WorkflowError(
-            f"--model {spec}: the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint embeds "
+            f"`model` {spec}: the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint embeds "
             f"{rows}; use the checkpoint's own tokenizer (its folder's tokenizer.json, the default), or "
-            "--train-tokenizer to train one (the embedding and the output layer are then initialised anew)"
+            "`train_tokenizer` to train one (the embedding and the output layer are then initialised anew)"
         )
     if objective == "clm" and masked:  # an encoder (e.g. BERT) as a causal LM
         config.is_decoder = True
@@ -473,7 +473,7 @@ def _read_checkpoint(
     except ImportError:
         raise
     except Exception as error:  # the user's file: safetensors, pickle and transformers each raise their own
-        raise WorkflowError(f"--model {spec}: cannot read its weights ({first_line(error)})") from error
+        raise WorkflowError(f"`model` {spec}: cannot read its weights ({first_line(error)})") from error
     finally:
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
@@ -485,7 +485,7 @@ def _read_checkpoint(
     file = checkpoint_weights(Path(spec))
     count = f"{parameters / 1e6:.1f}M" if parameters >= 100_000 else f"{parameters:,}"
     note = (
-        f"--model {spec}: {len(state)} tensors loaded from {file.name if file else 'the checkpoint'} "
+        f"`model` {spec}: {len(state)} tensors loaded from {file.name if file else 'the checkpoint'} "
         f"({type(loaded).__name__}, {count} parameters)"
     )
     if absent:
@@ -510,8 +510,8 @@ def _module_objective(spec: str, model: nn.Module) -> str:
         if cls.__name__.endswith(("ForCausalLM", "LMHeadModel")):
             return "clm"
     raise WorkflowError(
-        f"--model {spec}: cannot tell whether a {type(model).__name__} is a masked or a causal LM; pass "
-        "--objective mlm or --objective clm"
+        f"`model` {spec}: cannot tell whether a {type(model).__name__} is a masked or a causal LM; pass "
+        "`objective` mlm or `objective` clm"
     )
 
 
@@ -521,8 +521,8 @@ def _check_embeddings(spec: str, model: nn.Module, tokenizer: TokenizerInfo) -> 
     rows = getattr(embedding, "num_embeddings", None)
     if isinstance(rows, int) and rows < tokenizer.vocab_size:
         raise WorkflowError(
-            f"--model {spec}: the model embeds {rows} token ids but the tokenizer trained on your text has "
-            f"{tokenizer.vocab_size}; let the factory take a vocab_size argument, or pass --vocab-size {rows}"
+            f"`model` {spec}: the model embeds {rows} token ids but the tokenizer trained on your text has "
+            f"{tokenizer.vocab_size}; let the factory take a vocab_size argument, or pass `vocab_size` {rows}"
         )
 
 
@@ -535,7 +535,7 @@ def check_interface(spec: str, model: nn.Module, batch: Mapping[str, torch.Tenso
         raise
     except Exception as error:
         raise WorkflowError(
-            f"--model {spec}: model(input_ids=…, attention_mask=…, labels=…) failed with "
+            f"`model` {spec}: model(input_ids=…, attention_mask=…, labels=…) failed with "
             f"{type(error).__name__}: {first_line(error)}; numscope trains transformers-style "
             "language models"
         ) from error
@@ -543,7 +543,7 @@ def check_interface(spec: str, model: nn.Module, batch: Mapping[str, torch.Tenso
         value = output.get(name) if isinstance(output, Mapping) else getattr(output, name, None)
         if not isinstance(value, torch.Tensor):
             raise WorkflowError(
-                f"--model {spec}: the model's output has no {name!r} tensor; numscope trains "
+                f"`model` {spec}: the model's output has no {name!r} tensor; numscope trains "
                 "transformers-style language models whose output has .loss and .logits"
             )
 
@@ -575,11 +575,11 @@ class DataSettings:
             object.__setattr__(self, "text", (str(self.text),))
         object.__setattr__(self, "text", tuple(str(p) for p in self.text))
         if not self.text:
-            raise WorkflowError("no text files given; pass one or more UTF-8 text files (--text PATH...)")
+            raise WorkflowError("no text files given; pass one or more UTF-8 text files (`text` PATH...)")
         for path in self.text:
             if not Path(path).is_file():
                 what = "is a directory, not a file" if Path(path).is_dir() else "no such file"
-                raise WorkflowError(f"--text {path}: {what}")
+                raise WorkflowError(f"`text` {path}: {what}")
         check_settings(self)
         if self.tokenizer is not None:
             object.__setattr__(self, "tokenizer", str(self.tokenizer))
@@ -592,15 +592,15 @@ def _tokenizer_info(path: str) -> TokenizerInfo:
 
     if not Path(path).is_file():
         raise WorkflowError(
-            f"--tokenizer {path}: no such file (a tokenizers JSON, e.g. a model's tokenizer.json)"
+            f"`tokenizer` {path}: no such file (a tokenizers JSON, e.g. a model's tokenizer.json)"
         )
     try:
         _, info = load_tokenizer_file(path)
     except ValueError as error:
-        raise WorkflowError(f"--tokenizer {path}: {error}") from error
+        raise WorkflowError(f"`tokenizer` {path}: {error}") from error
     except Exception as error:  # tokenizers raises its own Exception type for a malformed file
         raise WorkflowError(
-            f"--tokenizer {path}: not a tokenizers JSON file ({first_line(error)})"
+            f"`tokenizer` {path}: not a tokenizers JSON file ({first_line(error)})"
         ) from error
     return info
 

@@ -51,7 +51,7 @@ def calibrate(
     ``sensitivity`` (a :class:`numscope.run.SensitivitySettings`; None: its defaults with 2 batches, per
     operand): the trained FP32 model of the first seed also has its operands' sensitivity measured as
     :func:`numscope.run.runner.analyze` measures it, and a second gap model is fitted on those sensitivities
-    (``features="sensitivity"``, stored under ``sensitivity``), the one ``numscope recommend --objective
+    (``features="sensitivity"``, stored under ``sensitivity``), the one ``numscope recommend --minimize
     sensitivity`` weighs roles with (0 batches: none). Writes ``gap_model.json`` into
     ``out_dir``; finished runs are reused on a rerun. ``jobs`` > 1 trains the runs after the observed one
     that many at a time, each in its own process with an equal share of the cores (every run seeds

@@ -151,7 +151,7 @@ class GapModel:
             if analysis.sensitivity is None:
                 raise StudyError(
                     "the sensitivity gap model needs the analysis's operand sensitivity (numscope analyze "
-                    "--sensitivity N --sensitivity-granularity operand)"
+                    "`SensitivitySettings.batches` N, `SensitivitySettings.granularity` operand)"
                 )
             return self.predict(role_sensitivity(analysis.sensitivity, formats, analysis))
         return self.predict(role_noise(analysis, formats))

@@ -153,7 +153,7 @@ def run_plan_study(
     stored = read_settings(settings)
     if stored is not None and (changes := setting_changes(stored, wanted)):
         raise StudyError(
-            f"{out_dir} holds runs trained with other settings ({'; '.join(changes[:3])}); use another --out "
+            f"{out_dir} holds runs trained with other settings ({'; '.join(changes[:3])}); use another `out` "
             "(budgets, seeds, random plans, uniform formats and jobs may change: finished runs are reused)"
         )
     atomic_write_text(settings, json.dumps(wanted, indent=1, sort_keys=True))

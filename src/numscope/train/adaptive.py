@@ -148,7 +148,7 @@ class AdaptiveConfig:
     sensitivity_from: str | None = setting(
         None,
         "the analysis (or analyze run folder) the plan was recommended from: re-plans then score by its "
-        "measured operand sensitivity with limits off, as 'recommend --bit-budget' does",
+        "measured operand sensitivity with limits off, as 'recommend `bit_budget`' does",
         flag="--adapt-from",
         kind=str,
         metavar="RUN",
@@ -480,7 +480,7 @@ def _sensitivity(folder: str | None) -> Sensitivity | None:
     if sensitivity is None or sensitivity.granularity != "operand":
         raise AdaptiveError(
             f"sensitivity_from {folder}: the analysis holds no operand sensitivity (numscope analyze "
-            "measures it by default; --sensitivity 0 skips it)"
+            "measures it by default; `SensitivitySettings.batches` 0 skips it)"
         )
     return sensitivity
 

@@ -43,18 +43,18 @@ def recommend_plan(
     from numscope.advisor import advise_within_gap, recommend, recommend_table
 
     if output is not None:
-        check_output_file(output, "--output")
+        check_output_file(output, "`output`")
     loaded = analysis if isinstance(analysis, Analysis) else Analysis.load(find_analysis(analysis))
     if max_gap is None:
         plan = recommend(loaded, **criteria)
     else:
         if gap_model is None:
             raise WorkflowError(
-                "--max-gap needs --gap-model (gap_model.json of 'numscope calibrate') to predict gaps"
+                "`max_gap` needs `gap_model` (gap_model.json of 'numscope calibrate') to predict gaps"
             )
         if criteria.get("bit_budget") is not None:
             raise WorkflowError(
-                "--max-gap chooses the bit budget itself: give --max-gap or --bit-budget, not both"
+                "`max_gap` chooses the bit budget itself: give `max_gap` or `bit_budget`, not both"
             )
         criteria.pop("bit_budget", None)
         plan = advise_within_gap(
@@ -69,11 +69,11 @@ def recommend_plan(
 
 
 def _save_plan(plan: Plan, path: Path) -> None:
-    check_output_file(path, "--output")
+    check_output_file(path, "`output`")
     try:
         plan.save(path)
     except OSError as error:
-        raise WorkflowError(f"--output {path}: cannot write the plan ({error.strerror or error})") from error
+        raise WorkflowError(f"`output` {path}: cannot write the plan ({error.strerror or error})") from error
 
 
 def analysis_average_bits(plan: Plan, analysis: Analysis) -> float:
@@ -89,7 +89,7 @@ def load_gap_model(path: str | os.PathLike[str], features: str = "noise") -> Any
     try:
         return GapModel.load(path, features)
     except StudyError as error:
-        raise WorkflowError(f"--gap-model: {error}") from error
+        raise WorkflowError(f"`gap_model`: {error}") from error
 
 
 def has_sensitivity_model(path: str | os.PathLike[str]) -> bool:
@@ -106,15 +106,15 @@ def has_sensitivity_model(path: str | os.PathLike[str]) -> bool:
 
 OBJECTIVE_WHY = {
     "sensitivity": "the analysis measured the sensitivity per operand and a bit budget or gap is given",
-    "sensitivity default budget": "the analysis measured the sensitivity per operand; with no --bit-budget "
-    "or --max-gap the budget is the bits of FP8 everywhere (the stack's FP8 recipe with --target): the same "
+    "sensitivity default budget": "the analysis measured the sensitivity per operand; with no `bit_budget` "
+    "or `max_gap` the budget is the bits of FP8 everywhere (the stack's FP8 recipe with `target`): the same "
     "cost as uniform FP8, spent where the measurement says",
-    "noise limits": "limits or candidates are given without a --bit-budget or --max-gap: the cheapest format "
+    "noise limits": "limits or candidates are given without a `bit_budget` or `max_gap`: the cheapest format "
     "within them per operand",
     "noise gap model": "the gap model was fitted without sensitivities, so it weighs noise; a 'numscope "
     "calibrate' that measures them (its default) fits both",
     "noise": "the analysis holds no operand sensitivity, or no bit budget or gap is given; 'numscope "
-    "analyze' measures it by default (--sensitivity N --sensitivity-granularity operand)",
+    "analyze' measures it by default (`SensitivitySettings.batches` N, `SensitivitySettings.granularity` operand)",
 }
 
 
@@ -138,7 +138,7 @@ def default_budget(analysis: Analysis, target: str | None = None) -> float:
         bits = recipe_bits(analysis, get_target(target), analysis.candidates)
         if "fp8" not in bits:
             raise WorkflowError(
-                f"--target {target}: its FP8 recipe's formats were not observed; give --bit-budget"
+                f"`target` {target}: its FP8 recipe's formats were not observed; give `bit_budget`"
             )
         return round(bits["fp8"], 2)
     # FP8 on every operand the sensitivity measured, the others high (the advisor keeps them there)
@@ -167,8 +167,8 @@ def sensitivity_objective(analysis: Analysis, gap_model: Any = None) -> Callable
     if sensitivity is None or sensitivity.granularity != "operand":
         measured = "none" if sensitivity is None else f"per {sensitivity.granularity}"
         raise WorkflowError(
-            f"--objective sensitivity needs the sensitivity of every operand (measured: {measured}); run "
-            "numscope analyze ... --sensitivity N --sensitivity-granularity operand"
+            f"`objective` sensitivity needs the sensitivity of every operand (measured: {measured}); run "
+            "numscope analyze ... `SensitivitySettings.batches` N, `SensitivitySettings.granularity` operand"
         )
     return objective(sensitivity, gap_model.role_weights() if gap_model is not None else None, analysis)
 
@@ -179,7 +179,7 @@ def predicted_gap(gap_model: Any, analysis: Analysis, plan: Plan) -> float:
     try:
         return gap_model.predict_plan(analysis, plan)
     except StudyError as error:
-        raise WorkflowError(f"--gap-model: {error}") from error
+        raise WorkflowError(f"`gap_model`: {error}") from error
 
 
 def extrapolation(gap_model: Any, analysis: Analysis, plan: Plan) -> str:
@@ -190,5 +190,5 @@ def extrapolation(gap_model: Any, analysis: Analysis, plan: Plan) -> str:
         return ""
     return (
         f"an extrapolation: calibrated on {', '.join(gap_model.formats)} only, the plan also uses "
-        f"{', '.join(outside)} ('numscope calibrate --also {' '.join(outside)}' calibrates them)"
+        f"{', '.join(outside)} ('numscope calibrate `also` {' '.join(outside)}' calibrates them)"
     )

@@ -24,7 +24,7 @@ def export_plan(
     from numscope.plan.export import TARGETS, ExportError, export
 
     if target not in TARGETS:
-        raise WorkflowError(f"--to {target}: unknown target; allowed: {', '.join(TARGETS)}")
+        raise WorkflowError(f"`target` {target}: unknown target; allowed: {', '.join(TARGETS)}")
     folder = check_output_folder(out)
     loaded, source = plan_and_source(plan)
     shapes: dict[str, tuple[int, ...]] = {}

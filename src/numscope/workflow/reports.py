@@ -32,7 +32,7 @@ def report(
     """
     from numscope.report import write_report
 
-    check_output_file(output, "--output")
+    check_output_file(output, "`output`")
     runs = load_runs(directories)
     if analysis is not None:
         analysis_dir = find_analysis(analysis)

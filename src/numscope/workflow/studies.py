@@ -49,11 +49,11 @@ def calibrate(
     try:
         name = get_format(low).name
     except ValueError as error:
-        raise WorkflowError(f"--low: {error}") from error
+        raise WorkflowError(f"`low`: {error}") from error
     try:
         extra = [get_format(label).name for label in also]
     except ValueError as error:
-        raise WorkflowError(f"--also: {error}") from error
+        raise WorkflowError(f"`also`: {error}") from error
     return run(
         model,
         data,
@@ -89,7 +89,7 @@ def plan_study(
     from numscope.study import PlanStudyConfig, run_plan_study
 
     if quick and demo_model:
-        raise WorkflowError("--quick and --demo-model: choose one (a small model, or the demo's)")
+        raise WorkflowError("`quick` and `demo_model`: choose one (a small model, or the demo's)")
     start = PlanStudyConfig.quick if quick else PlanStudyConfig.demo_model if demo_model else PlanStudyConfig
     config = start()
     changes = {
@@ -103,7 +103,7 @@ def plan_study(
     config = replace(config, **{k: v for k, v in changes.items() if v is not None})
     for path in text or ():
         if not Path(path).is_file():
-            raise WorkflowError(f"--text: {path} is not a readable file")
+            raise WorkflowError(f"`text`: {path} is not a readable file")
     config.check()
     return run_plan_study(check_output_folder(out), config, text)
 
@@ -123,19 +123,19 @@ def study(
 
     dofs = tuple(DOFS if dofs is None else dofs)
     formats = tuple(FORMATS if formats is None else formats)
-    check_positive("--size", size)
-    check_positive("--trials", trials)
+    check_positive("`size`", size)
+    check_positive("`trials`", trials)
     if not dofs or not formats:
-        raise WorkflowError("the study needs at least one --dofs value and one --formats name")
+        raise WorkflowError("the study needs at least one `dofs` value and one `formats` name")
     for dof in dofs:
         if not dof > 0:
-            raise WorkflowError(f"--dofs: degrees of freedom must be > 0 (inf for Gaussian); got {dof}")
+            raise WorkflowError(f"`dofs`: degrees of freedom must be > 0 (inf for Gaussian); got {dof}")
     labels = []
     for spec in formats:
         try:
             labels.append(StudyFormat.parse(spec).label)
         except ValueError as error:
-            raise WorkflowError(f"--formats: {error}") from error
+            raise WorkflowError(f"`formats`: {error}") from error
     rows, png, table = run_study(
         check_output_folder(out), dofs=dofs, formats=formats, size=size, seed=seed, trials=trials
     )

@@ -209,7 +209,7 @@ def to_torchao(
             f"{len(unfloored)} float8 module(s) ({named}): torchao floors every amax at {TORCHAO_EPS:g} (EPS "
             "in torchao/float8/float8_utils.py), the plan's operands have no floor; converted with torchao's "
             f"(they differ only where an amax is below {TORCHAO_EPS:g}; the recipes torchao_* and "
-            "'recommend --target torchao' carry the floor)"
+            "plans recommended for the target torchao carry the floor)"
         )
     mx = any(config.startswith("MXFP8") for config in groups)
     if mx:
