@@ -71,14 +71,14 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from numscope.demo.main import model_config, prepare_data
+    from numscope.demo.main import model_config, prepare_demo_data
     from numscope.run.config import RunSpec
     from numscope.run.data import unigram_loss
     from numscope.run.pool import RunPool
 
     torch.set_num_threads(1)
     config = config_from(args)
-    data = prepare_data(config)
+    data = prepare_demo_data(config)
     print(
         f"{config.layers} layers, hidden {config.hidden}, {config.heads} heads, FFN {config.intermediate}; "
         f"vocabulary {data.tokenizer.vocab_size}, blocks of {config.seq_len} tokens, {config.train.steps} "

@@ -13,7 +13,7 @@ The plans numscope's is compared with are filled to the same budget by :mod:`num
 analysis (MXFP4 low, MXFP8 high; in the order the model called its sites, never by name): the four
 heuristics of the plan study, ``--random-plans`` random orders and the inverse order. FP32 is trained on
 every seed too (unobserved), and every plan's gap is paired with it seed by seed. "A beats B" holds when
-the mean paired difference exceeds twice its standard deviation (``numscope.study.table.verdict``).
+the mean paired difference exceeds twice its standard deviation (``numscope.study.table.paired_verdict``).
 
 Writes ``family_study.json`` and ``family_study.md`` into ``--out``; a rerun reuses every finished run.
 Example (the GQA Llama on CPython's standard library source, docs/plan-study.md)::
@@ -141,7 +141,7 @@ def main() -> None:
         plan_of,
         shuffle_formats,
     )
-    from numscope.study.table import factor_two_share, verdict
+    from numscope.study.table import factor_two_share, paired_verdict
 
     out: Path = args.out
     common = [
@@ -237,7 +237,7 @@ def main() -> None:
             "gaps": gaps.tolist(),
             "gap_mean": float(gaps.mean()),
             "gap_sd": float(gaps.std(ddof=1)),
-            "vs_fp32": verdict(gaps),
+            "vs_fp32": paired_verdict(gaps),
         }
         for kind, model in models.items():
             row[f"predicted_{kind}"] = model.predict_plan(analysis, plan)
@@ -249,7 +249,7 @@ def main() -> None:
         group = [r for r in rows if r["budget"] == budget]
         ours = next(r for r in group if r["name"] == f"numscope@{budget:g}")
         for row in group:
-            row["vs_numscope"] = verdict(np.array(row["gaps"]) - np.array(ours["gaps"]))
+            row["vs_numscope"] = paired_verdict(np.array(row["gaps"]) - np.array(ours["gaps"]))
     scored = [r for r in rows if r["family"] != "reference"]
     summary = {
         kind: {

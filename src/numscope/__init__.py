@@ -57,9 +57,12 @@ _EXPORTS: dict[str, str] = {
     "Sensitivity": "numscope.analysis",
     "sensitivity": "numscope.sensitivity",
     "local_sensitivity": "numscope.sensitivity",
+    # diagnosis
+    "localize": "numscope.diagnose",
+    "band": "numscope.diagnose",
 }
 
-_CALLABLE_MODULES = ("formats", "sites", "convert", "observe", "sensitivity")
+_CALLABLE_MODULES = ("formats", "sites", "convert", "observe", "sensitivity", "forecast")
 for _name in _CALLABLE_MODULES:
     _EXPORTS.pop(_name, None)
 #: public subpackages and modules reachable as attributes after ``import numscope`` (imported on first use)
@@ -81,7 +84,34 @@ _SUBMODULES = (
 #: modules that live inside a package, reachable as ``numscope.<name>`` too
 _NESTED = {"recipes": "numscope.plan.recipes", "export": "numscope.plan.export"}
 
-__all__ = sorted({*_EXPORTS, *_CALLABLE_MODULES, *_SUBMODULES, *_NESTED} - {"format"})
+__all__ = [
+    "LossScaler",
+    "NumscopeError",
+    "Plan",
+    "Recipe",
+    "Scaling",
+    "band",
+    "convert",
+    "encode",
+    "export",
+    "forecast",
+    "formats",
+    "get_format",
+    "load_checkpoint",
+    "localize",
+    "observe",
+    "quantize",
+    "recommend",
+    "save_checkpoint",
+    "sensitivity",
+    "unconvert",
+]
+"""The names a user's training script needs: formats (``formats``, ``get_format``, ``quantize``, ``encode``,
+``Scaling``), plans and training (``Plan``, ``convert``, ``unconvert``, ``Recipe``, ``LossScaler``,
+checkpoints), measuring and choosing (``observe``, ``sensitivity``, ``recommend``), the forecast and the
+diagnosis (``forecast``, ``localize``, ``band``) and ``export``. Every other name lives in its subpackage's
+``__all__`` (``numscope.formats``, ``numscope.plan``, ``numscope.train``, ...); the names this package
+exported before stay reachable as attributes."""
 
 
 # callable modules (see numscope._callable), public subpackages and the nested modules, each imported on use

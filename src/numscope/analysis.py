@@ -53,6 +53,18 @@ OperandKey = tuple[str, str, str]
 GemmKey = tuple[str, str]
 Pair = tuple[str, str]
 
+__all__ = [
+    "Analysis",
+    "AnalysisError",
+    "OperandRecord",
+    "Sensitivity",
+    "default_reduce",
+    "merge",
+    "merge_be_stats",
+    "merge_records",
+    "operand_name",
+]
+
 FILE_VERSION = 1
 JSON_NAME = "analysis.json"
 CSV_NAME = "analysis.csv"

@@ -67,7 +67,7 @@ HANDLER_NAME = "numscope.convert"
 _HANDLES: dict[int, tuple[Any, Handle, _Quantizer]] = {}
 
 
-class Quantized(NamedTuple):
+class QuantizedOperand(NamedTuple):
     """One operand's cast: its float32 values and, where the cast wrote them as codes in a torch dtype (the
     fp8/fp16/bf16 element casts), those codes and the descale they decode with: ``codes.float() · descale``
     (``codes.float()`` with no descale) equals ``values`` bit for bit."""
@@ -87,7 +87,7 @@ def cast_operand(
     compiled: bool | None = None,
     factors: bool = False,
     signs: torch.Tensor | None = None,
-) -> Quantized:
+) -> QuantizedOperand:
     """``tensor`` (an operand in its GEMM's layout, contracted along ``axis``) cast as ``spec`` says, with
     no state of its own: what the cast needs that outlives one call comes in as arguments.
 
@@ -105,7 +105,7 @@ def cast_operand(
         return _cast(spec, tensor, axis, delayed, generator, compiled, factors)
     if rotation.fresh and signs is None:
         raise ValueError(f"a fresh transform ({spec.transform}) needs this call's signs")
-    return Quantized(
+    return QuantizedOperand(
         rotation.quantized(
             tensor,
             axis,
@@ -123,7 +123,7 @@ def _cast(
     generator: torch.Generator | None,
     compiled: bool | None,
     factors: bool,
-) -> Quantized:
+) -> QuantizedOperand:
     """:func:`cast_operand` without a transform."""
     fmt = spec.format_spec()
     scaling = spec.effective_scaling()
@@ -151,7 +151,7 @@ def _cast(
         if done is None:
             done = _fake_cast(xf, dtype, fmt, scale, amax, spec.overflow)
         values, codes = done
-        return Quantized(values, codes, None if scale is None else 1.0 / scale)
+        return QuantizedOperand(values, codes, None if scale is None else 1.0 / scale)
     tiles = scaling is not None and scaling.kind == "block" and not isinstance(fmt, BlockFormat)
     if tiles and factors and tensor.numel() > 0:
         assert isinstance(fmt, FloatFormat | IntFormat) and scaling is not None
@@ -167,7 +167,7 @@ def _cast(
         )
         values = values.clone()  # a tensor of its own, which views of it lead back to
         register_factors(values, codes, decode, tile_shape(xf, fmt, scaling))  # type: ignore[arg-type]
-        return Quantized(values)
+        return QuantizedOperand(values)
     scaling_arg: Scaling | DelayedScaler | None
     if isinstance(fmt, BlockFormat):
         reduce = scaling is None or scaling.reduce_amax
@@ -176,7 +176,7 @@ def _cast(
         scaling_arg = delayed
     else:
         scaling_arg = scaling
-    return Quantized(
+    return QuantizedOperand(
         quantize(
             xf,
             fmt,  # type: ignore[arg-type]
@@ -601,7 +601,7 @@ class _Quantizer:
 
     def _quantize_operand(
         self, key: str, gemm: str, spec: OperandSpec, tensor: torch.Tensor, axis: int, factors: bool
-    ) -> Quantized:
+    ) -> QuantizedOperand:
         """:meth:`_cast` of one operand, exactly as the forward did it when activation checkpointing
         recomputes the forward in backward (:class:`_Replay`).
 
@@ -651,7 +651,7 @@ class _Quantizer:
         axis: int,
         delayed: DelayedScaler | None,
         factors: bool,
-    ) -> Quantized:
+    ) -> QuantizedOperand:
         rotation = spec.rotation()
         signs = None
         if rotation is not None and rotation.fresh:

@@ -46,6 +46,15 @@ from numscope.sites import attach, attached, operand_sizes
 from numscope.sites import sites as find_sites
 from numscope.vocab import OPERANDS, Gemm, Operand
 
+__all__ = [
+    "GRANULARITIES",
+    "METHODS",
+    "combine_sensitivities",
+    "default_loss",
+    "local_sensitivity",
+    "sensitivity",
+]
+
 PLAN_LABEL = "plan"
 GRANULARITIES = ("site", "operand")
 HANDLER_NAME = "numscope.sensitivity"

@@ -483,8 +483,8 @@ def test_sensitivity_criteria_need_a_measurement_of_every_candidate():
     with pytest.raises(
         AdvisorError,
         match=r"did not measure 'bf16', 'int8', 'mxfp4_e2m1'; measured: "
-        r"fp8_e4m3, fp8_e5m2; measure them \(numscope analyze `SensitivitySettings.formats` all\) or restrict the "
-        r"candidates to those measured",
+        r"fp8_e4m3, fp8_e5m2; measure them \(numscope analyze `SensitivitySettings.formats` all\) or "
+        r"restrict the candidates to those measured",
     ):
         advise(reference_analysis(), sensitivity=partial, max_loss_increase_pct=1.0)
     with pytest.raises(AdvisorError, match=r"criterion max_loss_increase_pct must be a number or None"):

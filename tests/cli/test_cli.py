@@ -393,7 +393,9 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
             assert gap == pytest.approx(run["val_loss"] - fp32["val_loss"])
     assert all(v >= 0 for v in data["coefficients"].values())
     assert "gap ≈" in result.out and "--gap-model" in result.out
-    again = cli("calibrate", *flags(ws), "--seed-list", "0", "1", "--sensitivity", "1", "--out", out)  # reused
+    again = cli(
+        "calibrate", *flags(ws), "--seed-list", "0", "1", "--sensitivity", "1", "--out", out
+    )  # reused
     assert again.code == 0 and again.out == result.out
     recommended = cli(
         "recommend", out / "fp32" / "seed0", "-o", ws / "cal.yaml", "--gap-model", out / "gap_model.json"
@@ -449,7 +451,18 @@ def test_calibrate_fits_a_gap_model_that_recommend_uses(ws: Path, flow: dict[str
     # --also calibrates it: one more run per seed (the others reused), and no extrapolation left
     also = ("--also", "fp8_e4m3")
     more = cli(
-        "calibrate", *flags(ws), "--seed-list", "0", "1", "--sensitivity", "1", *also, "--jobs", "2", "--out", out
+        "calibrate",
+        *flags(ws),
+        "--seed-list",
+        "0",
+        "1",
+        "--sensitivity",
+        "1",
+        *also,
+        "--jobs",
+        "2",
+        "--out",
+        out,
     )
     assert more.code == 0, more.err
     data = json.loads((out / "gap_model.json").read_text())

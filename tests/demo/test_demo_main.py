@@ -72,7 +72,7 @@ def test_an_interrupted_demo_resumes_bit_exactly_and_keeps_finished_runs(
     _assert_final_models(folder, summary, RUN_NAMES)
 
     # the resumed run equals one trained without interruption: every evaluation and every logged loss
-    data = demo_main.prepare_data(TINY, [text_file])
+    data = demo_main.prepare_demo_data(TINY, [text_file])
     spec = next(spec for spec in demo_main.BASELINES if spec.name == "fp16+scaling")
     whole = real_train_run(spec, demo_main.model_config(TINY, data), TINY.train, data, tmp_path / "whole")
     resumed = json.loads((folder / "runs" / "fp16+scaling" / "result.json").read_text())
@@ -431,7 +431,7 @@ def test_the_plan_rationale_follows_the_request() -> None:
 def test_an_interrupted_observed_run_resumes_its_analysis_exactly(tmp_path: Path, text_file: Path) -> None:
     """Ctrl-C during the observed fp32 run: the resumed run's analysis equals an uninterrupted one's."""
     config = replace(TINY, observe_every=1)
-    data = demo_main.prepare_data(config, [text_file], cache_dir=tmp_path / "cache")
+    data = demo_main.prepare_demo_data(config, [text_file], cache_dir=tmp_path / "cache")
     model_config = demo_main.model_config(config, data)
 
     def observed(folder: Path, on_step=None):
@@ -503,7 +503,7 @@ def test_runs_trained_in_worker_processes_equal_runs_trained_in_this_one(
 def test_a_run_that_fails_in_a_worker_raises_its_error_here(tmp_path: Path, text_file: Path) -> None:
     from numscope.run.pool import RunPool
 
-    data = demo_main.prepare_data(TINY, [text_file], cache_dir=tmp_path / "cache")
+    data = demo_main.prepare_demo_data(TINY, [text_file], cache_dir=tmp_path / "cache")
     bad = demo_main.RunSpec("bad", str(tmp_path / "no-such-plan.yaml"))
     with RunPool(data, jobs=2, threads=1) as pool:
         pool.add(
@@ -529,7 +529,7 @@ def test_a_worker_that_dies_raises_instead_of_leaving_the_pool_waiting(
 
     from numscope.run.pool import RunPool
 
-    data = demo_main.prepare_data(TINY, [text_file], cache_dir=tmp_path / "cache")
+    data = demo_main.prepare_demo_data(TINY, [text_file], cache_dir=tmp_path / "cache")
     with RunPool(data, jobs=2, threads=1) as pool:  # the model factory ends its process at once
         pool.add(
             "dies",

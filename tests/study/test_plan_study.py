@@ -21,8 +21,8 @@ from numscope.study import (
     StudyError,
     budget_plans,
     fill_order,
+    paired_verdict,
     plan_of,
-    verdict,
 )
 from numscope.study.plans import (
     order_first_last,
@@ -234,11 +234,11 @@ def test_gap_model_without_any_cost_has_no_prior():
 
 
 def test_verdict_needs_three_seeds_and_two_standard_deviations():
-    assert verdict([0.1, 0.1]) == "n/a (<3 seeds)"
-    assert verdict([0.010, 0.011, 0.012]) == "worse"
-    assert verdict([-0.010, -0.011, -0.012]) == "better"
-    assert verdict([0.01, -0.01, 0.012]) == "tie"
-    assert verdict([0.0, 0.0, 0.0]) == "same"
+    assert paired_verdict([0.1, 0.1]) == "n/a (<3 seeds)"
+    assert paired_verdict([0.010, 0.011, 0.012]) == "worse"
+    assert paired_verdict([-0.010, -0.011, -0.012]) == "better"
+    assert paired_verdict([0.01, -0.01, 0.012]) == "tie"
+    assert paired_verdict([0.0, 0.0, 0.0]) == "same"
 
 
 def test_plan_of_gives_each_operand_its_format():

@@ -23,7 +23,7 @@ def test_the_package_exports_each_verb_from_its_module() -> None:
         "export_plan": export,
         "model_sites": export,
         "report": reports,
-        "calibrate": studies,
+        "calibrate_gap_model": studies,
         "plan_study": studies,
         "study": studies,
     }

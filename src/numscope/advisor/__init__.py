@@ -85,7 +85,7 @@ from numscope.advisor.limits import (
 from numscope.advisor.objectives import (
     _noise_weights,
     _weight_for,
-    covers,
+    objective_covers,
     operand_impact,
     operand_noise,
     sensitivity_objective,
@@ -212,7 +212,7 @@ def advise(
     choices: list[Choice] = []
     passing_per_key: list[list[_Option]] = []
     for key in keys:
-        if not covers(objective, key):  # nothing measured to weigh it by: it stays high
+        if not objective_covers(objective, key):  # nothing measured to weigh it by: it stays high
             site, gemm, operand = key
             reason = "kept high: the sensitivity the objective weighs by did not measure this operand"
             elements = analysis.elements.get(key, 0)

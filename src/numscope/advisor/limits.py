@@ -317,7 +317,8 @@ def _check_sensitivity(sensitivity: Sensitivity | None, limits: Limits, candidat
     if sensitivity is None:
         raise AdvisorError(
             f"criterion {wanted[0]} needs a sensitivity measurement, which this analysis lacks: analyze "
-            "again with it (numscope analyze `SensitivitySettings.batches` N, `SensitivitySettings.formats` all; it is on by default "
+            "again with it (numscope analyze `SensitivitySettings.batches` N, `SensitivitySettings.formats` "
+            "all; it is on by default "
             "except under torchrun), or in Python run numscope.sensitivity(model, batches, candidates=[...]) "
             "and pass sensitivity=..."
         )

@@ -127,7 +127,7 @@ def sensitivity_objective(
     return impact
 
 
-def covers(objective: Callable[[OperandKey, str], float] | None, key: OperandKey) -> bool:
+def objective_covers(objective: Callable[[OperandKey, str], float] | None, key: OperandKey) -> bool:
     """Whether ``objective`` can score ``key``: an objective of measured sensitivities covers the operands
     they measured (a forecast measures only the sites its stacks convert); any other objective covers all."""
     check = getattr(objective, "covers", None)

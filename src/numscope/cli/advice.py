@@ -102,7 +102,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
             criteria["bit_budget"] = default_budget
             if args.objective == "auto":
                 why = workflow.OBJECTIVE_WHY["sensitivity default budget"]
-        criteria["objective"] = workflow.sensitivity_objective(analysis, gap_model)
+        criteria["objective"] = workflow.analysis_objective(analysis, gap_model)
         for name, _ in _CRITERIA:  # the noise objective's guards: off unless asked for
             criteria.setdefault(name, None)
     elif gap_model is not None and gap_model.noise_weights():
@@ -262,7 +262,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if args.seed != 0:
         raise CLIError("--seed: calibrate trains every seed of --seed-list; pass --seed-list instead")
     data, config = _run_inputs(args)
-    result = workflow.calibrate(
+    result = workflow.calibrate_gap_model(
         args.model,
         data,
         args.out,

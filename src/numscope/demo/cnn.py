@@ -86,7 +86,7 @@ def small_cnn(width: int = 16) -> nn.Module:
     )  # fmt: skip
 
 
-def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+def evaluate_images(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
     """Validation cross-entropy (nats) and accuracy (0–1), in evaluation mode."""
     training = model.training
     model.eval()
@@ -125,7 +125,7 @@ def train_one(
             watching.step()
         log.append({"step": step, "loss": loss.item(), "scale": scaler.get_scale()})
         if step % config.eval_every == 0 or step == config.steps:
-            val_loss, val_accuracy = evaluate(model, val_x, val_y)
+            val_loss, val_accuracy = evaluate_images(model, val_x, val_y)
             curve.append({"step": step, "val_loss": val_loss, "val_accuracy": val_accuracy})
     sizes = site_sizes(model)
     result = {

@@ -318,7 +318,7 @@ MODEL_FILE = "model.pt"
 of a ``transformers.BertForMaskedLM`` (the plan that trained it is ``plan.yaml`` beside it)."""
 
 
-def prepare_data(
+def prepare_demo_data(
     config: DemoConfig,
     text_paths: Sequence[Path] | None = None,
     cache_dir: Path | None = None,
@@ -396,7 +396,7 @@ def _run_demo(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     _check_settings(out_dir, config, text_paths)
-    data = prepare_data(config, text_paths, progress=progress)
+    data = prepare_demo_data(config, text_paths, progress=progress)
     if data.train_blocks.shape[0] < config.train.batch_size:
         raise DemoError(
             f"the text makes {data.train_blocks.shape[0]} training blocks of {config.seq_len} tokens, fewer "
@@ -473,7 +473,7 @@ def _run_demo(
                 analysis_dir = out_dir / "runs" / REFERENCE.name / "analysis"
                 analysis = Analysis.load(analysis_dir)
                 if config.advisor.measured and analysis.sensitivity is None:
-                    analysis.sensitivity = measure_sensitivity(
+                    analysis.sensitivity = demo_sensitivity(
                         out_dir, config, data, mcfg, analysis, log, progress
                     )
                 # deterministic: what plan.yaml holds
@@ -600,7 +600,7 @@ def heuristic_spec(seed: int | None, plan: str = HEURISTIC_PLAN) -> RunSpec:
     return RunSpec(seed_run_name(HEURISTIC, seed), plan, description=f"the last-layers plan from seed {seed}")
 
 
-def measure_sensitivity(
+def demo_sensitivity(
     out_dir: Path,
     config: DemoConfig,
     data: RunData,

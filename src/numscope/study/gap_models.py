@@ -286,9 +286,7 @@ class SensitivityModel:
         return out
 
 
-def measure_sensitivity(
-    model: Any, data: Any, config: PlanStudyConfig, batches: int = 4, seed: int = 0
-) -> Any:
+def study_sensitivity(model: Any, data: Any, config: PlanStudyConfig, batches: int = 4, seed: int = 0) -> Any:
     """Each operand of the trained ``model`` quantized alone in ``config.low`` and ``config.high`` on
     ``batches`` training batches (the loss change and the gradient's relative error against FP32)."""
     from numscope.run.objectives import get_objective

@@ -52,7 +52,7 @@ from numscope.analysis import Analysis, OperandKey
 from numscope.plan import Plan
 from numscope.run.folders import read_settings, setting_changes
 from numscope.study.config import RESULT_NEUTRAL, PlanStudyConfig, StudyError
-from numscope.study.gap_models import GapModel, SensitivityModel, measure_sensitivity, role_noise, spearman
+from numscope.study.gap_models import GapModel, SensitivityModel, role_noise, spearman, study_sensitivity
 from numscope.study.limits import derive_limits, limits_text, worst_metrics
 from numscope.study.operands import Operands
 from numscope.study.plans import (
@@ -63,7 +63,7 @@ from numscope.study.plans import (
     calibration_plans,
     uniform_formats,
 )
-from numscope.study.table import _rank, factor_two_share, plan_study_table, verdict
+from numscope.study.table import _rank, factor_two_share, paired_verdict, plan_study_table
 
 _DATA: dict[Any, Any] = {}
 
@@ -255,7 +255,7 @@ def run_plan_study(
     for plan in plans:
         if plan.family != "uniform":
             continue
-        at_parity = verdict(gaps(plan.name)) in ("tie", "same", "better")
+        at_parity = paired_verdict(gaps(plan.name)) in ("tie", "same", "better")
         outcomes.append((plan.name, at_parity, worst_metrics(analysis, operands, formats_of(plan))))
     derived = derive_limits(outcomes)
     derived["worst"] = {name: metrics for name, _, metrics in outcomes}
@@ -350,7 +350,7 @@ def _sensitivity_scores(
     model.load_state_dict(load_checkpoint(Path(trained["folder"]) / "model.pt")["model"])
     log(f"[sensitivity] every operand alone in {config.low} and {config.high} on the trained FP32 model")
     torch.set_num_threads(1)
-    measured = measure_sensitivity(model, data, config, seed=seed)
+    measured = study_sensitivity(model, data, config, seed=seed)
     atomic_write_text(path, json.dumps(measured.to_dict()))
     return SensitivityModel.from_sensitivity(measured)
 

@@ -22,7 +22,7 @@ def _rank(rows: list[dict[str, Any]]) -> None:
             row["rank"] = rank
             row["of"] = len(group)
             diff = np.array(row["gaps"]) - np.array(ours["gaps"])
-            row["vs_numscope"] = verdict(diff)
+            row["vs_numscope"] = paired_verdict(diff)
 
 
 def factor_two_share(rows: Sequence[Mapping[str, Any]], field_name: str) -> str:
@@ -44,7 +44,7 @@ def reference_plan(group: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
     return next((r for r in numscope if r["name"].startswith("numscope sensitivity@")), numscope[0])
 
 
-def verdict(differences: Sequence[float]) -> str:
+def paired_verdict(differences: Sequence[float]) -> str:
     """``worse``/``better`` than the comparison when the paired differences' mean exceeds WIN_SIGMAS of
     their standard deviation over ≥ 3 seeds (positive = this plan's loss is higher), else ``tie``."""
     diff = np.asarray(differences, dtype=float)
@@ -68,7 +68,7 @@ def budget_summary(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             others = [r for r in group if r is not ours]
             counts = {"better": 0, "tie": 0, "worse": 0}
             for row in others:
-                outcome = verdict(np.array(row["gaps"]) - np.array(ours["gaps"]))
+                outcome = paired_verdict(np.array(row["gaps"]) - np.array(ours["gaps"]))
                 if outcome in counts:
                     counts[outcome] += 1
             random = [r["gap_mean"] for r in group if r["family"] == "random"]

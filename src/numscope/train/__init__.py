@@ -13,7 +13,7 @@ from numscope.train.checkpoint import (
     set_rng_state,
 )
 from numscope.train.fp32_ops import FP32_OPS, keep_fp32_ops
-from numscope.train.loss_scaler import LossScaler, Overflow, UnderflowRow, underflow_report
+from numscope.train.loss_scaler import LossScaler, SkippedStep, UnderflowRow, underflow_report
 from numscope.train.master import DEFAULT_FP32_MODULES, MasterWeights
 from numscope.train.optim import AdamW4bit, AdamW8bit, AdamWFp8
 from numscope.train.recipe import Recipe
@@ -31,8 +31,8 @@ __all__ = [
     "CheckpointError",
     "LossScaler",
     "MasterWeights",
-    "Overflow",
     "Recipe",
+    "SkippedStep",
     "UnderflowRow",
     "keep_fp32_ops",
     "load_checkpoint",

@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "LossScaler",
-    "Overflow",
+    "SkippedStep",
     "UnderflowRow",
     "all_reduce_max_if_distributed",
     "underflow_report",
@@ -68,7 +68,7 @@ def _local_shard(grad: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class Overflow:
+class SkippedStep:
     """A skipped step: where the gradients held inf/NaN.
 
     ``iteration`` counts :meth:`LossScaler.update` calls before this step (0 for the first step);
@@ -195,7 +195,7 @@ class LossScaler:
         self._iteration = 0
         self._skipped_steps = 0
         self.found_inf_reduce = found_inf_reduce
-        self.last_overflow: Overflow | None = None
+        self.last_overflow: SkippedStep | None = None
         self._names: dict[int, tuple[weakref.ref[Tensor], str]] = {}
         self._per_optimizer: dict[int, _OptimizerIteration] = {}
 
@@ -296,7 +296,7 @@ class LossScaler:
             previous = self.last_overflow
             if previous is not None and previous.iteration == self._iteration:
                 names = previous.parameters + names
-            self.last_overflow = Overflow(self._iteration, self._scale, names)
+            self.last_overflow = SkippedStep(self._iteration, self._scale, names)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless done), then ``optimizer.step(*args, **kwargs)`` unless a gradient holds inf/NaN.

@@ -58,6 +58,7 @@ from numscope.run.sources import (
 from numscope.workflow.advice import (
     OBJECTIVE_WHY,
     analysis_average_bits,
+    analysis_objective,
     default_budget,
     default_objective,
     extrapolation,
@@ -66,12 +67,11 @@ from numscope.workflow.advice import (
     load_gap_model,
     predicted_gap,
     recommend_plan,
-    sensitivity_objective,
     unmeasured_operands,
 )
 from numscope.workflow.export import export_plan, model_sites
 from numscope.workflow.reports import report
-from numscope.workflow.studies import StudyResult, calibrate, plan_study, study
+from numscope.workflow.studies import StudyResult, calibrate_gap_model, plan_study, study
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -83,8 +83,9 @@ __all__ = [
     "StudyResult",
     "WorkflowError",
     "analysis_average_bits",
+    "analysis_objective",
     "analyze",
-    "calibrate",
+    "calibrate_gap_model",
     "check_positive",
     "comparability",
     "compare",
@@ -106,7 +107,6 @@ __all__ = [
     "recommend_plan",
     "report",
     "resolve_model",
-    "sensitivity_objective",
     "study",
     "train",
     "unmeasured_operands",

@@ -114,7 +114,8 @@ OBJECTIVE_WHY = {
     "noise gap model": "the gap model was fitted without sensitivities, so it weighs noise; a 'numscope "
     "calibrate' that measures them (its default) fits both",
     "noise": "the analysis holds no operand sensitivity, or no bit budget or gap is given; 'numscope "
-    "analyze' measures it by default (`SensitivitySettings.batches` N, `SensitivitySettings.granularity` operand)",
+    "analyze' measures it by default (`SensitivitySettings.batches` N, `SensitivitySettings.granularity` "
+    "operand)",
 }
 
 
@@ -158,7 +159,7 @@ def unmeasured_operands(analysis: Analysis) -> set[Any]:
     return {key for key in keys if key not in sensitivity.results}
 
 
-def sensitivity_objective(analysis: Analysis, gap_model: Any = None) -> Callable[[Any, str], float]:
+def analysis_objective(analysis: Analysis, gap_model: Any = None) -> Callable[[Any, str], float]:
     """The advisor's sensitivity objective from the analysis's operand sensitivity, its GEMM roles weighted
     by a sensitivity ``gap_model``'s coefficients (equal without one); a clear error if not measured."""
     from numscope.advisor import sensitivity_objective as objective

@@ -30,7 +30,7 @@ class StudyResult:
     formats: list[str] = field(default_factory=list)
 
 
-def calibrate(
+def calibrate_gap_model(
     model: str,
     data: DataSettings,
     out: str | os.PathLike[str],

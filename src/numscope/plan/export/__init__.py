@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from numscope._callable import make_callable as _make_callable
 from numscope.plan.export.common import TARGETS, Export, ExportError, shape_multiple, shape_problem
 from numscope.plan.export.megatron import from_megatron, to_megatron
 from numscope.plan.export.te import TE_RECIPES, from_transformer_engine, to_transformer_engine
@@ -61,3 +62,6 @@ def export(
     if not sites:
         raise ExportError("an export needs the model's sites (numscope.sites(model, example_inputs))")
     return functions[target](plan, sites, source, shapes)
+
+
+_make_callable(__name__, "export")  # numscope.export(plan, target, sites) is export(...)
