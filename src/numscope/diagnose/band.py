@@ -302,6 +302,7 @@ def band(
     from numscope.run import runner
     from numscope.run.config import TrainConfig
     from numscope.run.loop import read_log
+    from numscope.run.sources import resolve_workload
 
     settings = settings or BandSettings()
     config = config if config is not None else TrainConfig()
@@ -313,6 +314,7 @@ def band(
         plan_spec, label = str(plan_file), "custom plan"
     else:
         plan_spec, label = str(plan), str(plan)
+    work = resolve_workload(model, data, objective)  # the model, tokenizer and blocks: once for every run
     gaps, fp32 = {}, {}
     for k in range(settings.seeds):
         seed = config.seed + k
@@ -321,8 +323,8 @@ def band(
         for name, spec in (("fp32", "fp32"), ("plan", plan_spec)):
             log(f"[band] seed {seed} ({k + 1}/{settings.seeds}): {name if name == 'fp32' else label}")
             runner.train(
-                model,
-                data,
+                work,
+                None,
                 runs / name,
                 plan=spec,
                 config=replace(config, seed=seed),

@@ -226,6 +226,7 @@ def localize(
     from numscope.run.config import TrainConfig
     from numscope.run.loop import _Batches
     from numscope.run.objectives import get_objective
+    from numscope.run.sources import resolve_workload
     from numscope.sites import sites as list_sites
 
     settings = settings or LocalizeSettings()
@@ -234,7 +235,8 @@ def localize(
     folder.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     seconds: dict[str, float] = {}
-    prepared, factory, resolved = runner.prepare(model, data, config, objective)
+    work = resolve_workload(model, data, objective)  # the model, tokenizer and blocks: once for every run
+    prepared, factory, resolved = runner.prepare(work, None, config)
     objective_ = get_objective(resolved).for_training(config.mask_probability)
     batches = _Batches(prepared, config, objective_)
     example = {k: v for k, v in batches.at(0).items() if k != "labels"}
@@ -304,8 +306,8 @@ def localize(
         done += 1
         log(f"[localize] 2/2 run {done}/{total_runs}: seed {seed}, {name}")
         result = runner.train(
-            model,
-            data,
+            work,
+            None,
             folder / "runs" / f"seed{seed}" / out_name,
             plan=plan_spec,
             config=replace(config, seed=seed),
@@ -372,7 +374,7 @@ def verdict(result: Localization) -> str:
     if result.not_tried:
         said.append(
             f"{len(result.not_tried)} quantized sites adding less error were not put back "
-            "(candidates=0 tries every one)."
+            "(`LocalizeSettings.candidates` 0 tries every one)."
         )
     said.append(
         f"Cost: {result.seconds['total']:.0f} s of training (the lockstep "

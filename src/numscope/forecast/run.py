@@ -17,7 +17,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ from numscope.plan.targets import LINEAR_KINDS, STACKS, get_target
 MEASURED_TOKENS = 2048
 """The scored validation tokens a plan's forward loss change is measured on by default (masked tokens of a
 masked LM, every predicted token of a causal one): the per-token loss changes a quantized forward makes are
-noisy; docs/forecast.md ("What it runs") shows the standard errors that set it."""
+noisy; docs/results/forecast.md ("What it runs") shows the standard errors that set it."""
 
 
 def measured_blocks(settings_blocks: int | None, seq_len: int, objective: str, available: int) -> int:
@@ -90,18 +90,18 @@ class ForecastSettings:
             raise SettingsError(
                 f"{name}.target", f"{self.target!r} is not a training stack ({', '.join(STACKS)})"
             )
-        for field, minimum in (
+        for counted, minimum in (
             ("seeds", 1),
             ("batches", 1),
             ("val_blocks", 1),
             ("sensitivity_batches", 1),
             ("every", 1),
         ):
-            value = getattr(self, field)
-            if field == "val_blocks" and value is None:
+            value = getattr(self, counted)
+            if counted == "val_blocks" and value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise SettingsError(f"{name}.{field}", f"an integer >= {minimum}; got {value!r}")
+                raise SettingsError(f"{name}.{counted}", f"an integer >= {minimum}; got {value!r}")
         if self.around not in AROUND:
             raise SettingsError(f"{name}.around", f"{self.around!r}; allowed: {', '.join(AROUND)}")
         if self.lr_rule not in LR_RULES:
@@ -219,8 +219,8 @@ class Forecast:
     def limits(self) -> list[str]:
         """What the table cannot say on this model, in a sentence each: that seed noise was not measured,
         or which plans' predicted gaps lie inside it (their order is not a prediction: the validation in
-        docs/forecast.md found the ranks of such gaps uncorrelated with trained runs, whose own gaps the
-        noise orders too)."""
+        docs/results/forecast.md found the ranks of such gaps uncorrelated with trained runs, whose own
+        gaps the noise orders too)."""
         if self.noise is None:
             return ["Seed noise not measured (one FP32 seed): whether a gap is beyond it is not said."]
         inside = [row["name"] for row in self.rows if not row.get("lost") and not row.get("beyond_noise")]
@@ -252,185 +252,27 @@ def forecast(
     ``plans/<name>.yaml`` and the measured ``effects.json``. Finished runs and measurements are reused on a
     rerun: a second stack costs stages 3–5 only."""
     from numscope.run import runner
-    from numscope.run.config import SensitivitySettings, TrainConfig
-    from numscope.run.objectives import get_objective
-    from numscope.sites import sites as list_sites
-    from numscope.train.checkpoint import load_checkpoint
+    from numscope.run.config import TrainConfig
+    from numscope.run.sources import resolve_workload
 
     settings = settings or ForecastSettings()
     config = config if config is not None else TrainConfig()
-    # its FP32 runs are read for their final validation loss only: evaluated after the last step alone
-    # (an evaluation changes no state of the run, so the loss is the one every config.eval_every gives)
-    fp32_config = replace(config, eval_every=config.steps)
     folder = Path(out)
-    seconds: dict[str, float] = {}
     began = time.perf_counter()
+    work = resolve_workload(model, data, objective)  # the model, tokenizer and blocks: once for every run
+    prepared, factory, resolved = runner.prepare(work, None, config)
     # the batches each plan's gradient is measured on, drawn before any run: too few is said at once
-    prepared, factory, resolved = runner.prepare(model, data, config, objective)
-    task = get_objective(resolved)
-    stream = task.for_training(config.mask_probability).batches(
-        prepared.train_blocks, config.batch_size, prepared.tokenizer, config.seed + 7919, 0
-    )
-    train_batches = [batch for _, batch in zip(range(settings.batches), stream, strict=False)]
-    if len(train_batches) < settings.batches:
-        raise SettingsError(
-            "ForecastSettings.batches",
-            f"{settings.batches} training batches asked; the training split holds {len(train_batches)}",
-        )
-
-    def reused(run: Path) -> str:  # a finished run of the same settings is read, not trained again
-        return ": finished before, reused" if (run / "result.json").is_file() else ""
-
-    log(f"[forecast] 1/5 FP32, observed (seed {config.seed}, {config.steps} steps){reused(folder / 'fp32')}")
-    observed = runner.analyze(
-        model,
-        data,
-        folder / "fp32",
-        config=fp32_config,
-        candidates=_candidates(),
-        every=settings.every,
-        objective=objective,
-        progress=progress,
-        # numscope's plans for a stack choose only among the sites the stacks convert, at weight shapes
-        # their kernels take (an LM head of 30,527 rows stays high in every stack): those alone
-        sensitivity=SensitivitySettings(
-            settings.sensitivity_batches,
-            "operand",
-            "auto",
-            method="local",
-            kinds=LINEAR_KINDS,
-            stacks=tuple(STACKS),
-        ),
-        keep_optimizer=True,
-    )
-    seconds["fp32 observed"] = time.perf_counter() - began
-    timing = folder / "fp32" / runner.SENSITIVITY_TIME
-    if timing.is_file():  # the sensitivity's part of the stage (when it was measured)
-        seconds["of which sensitivity"] = float(json.loads(timing.read_text())["seconds"])
-    losses = [observed.val_loss]
-    for k in range(1, settings.seeds):
-        stage = time.perf_counter()
-        log(f"[forecast] 2/5 FP32, seed {config.seed + k}{reused(folder / f'fp32-seed{config.seed + k}')}")
-        other = runner.train(
-            model,
-            data,
-            folder / f"fp32-seed{config.seed + k}",
-            plan="fp32",
-            config=replace(fp32_config, seed=config.seed + k),
-            objective=objective,
-            name="fp32",
-            progress=progress,
-        )
-        losses.append(other.val_loss)
-        seconds[f"fp32 seed {config.seed + k}"] = time.perf_counter() - stage
+    train_batches = _gradient_batches(prepared, config, resolved, settings.batches)
+    stage = _Stage(folder, config, settings, progress, log)
+    losses = stage.fp32_runs(work)
     noise = statistics.stdev(losses) if len(losses) > 1 else None
-
-    stage = time.perf_counter()
-    log("[forecast] 3/5 numscope's plans")
-    analysis = Analysis.load(folder / "fp32" / "analysis")
-    state = load_checkpoint(folder / "fp32" / "model.pt")
-    if "optimizer" not in state:
-        raise ForecastError(
-            f"{folder / 'fp32'}: its model.pt holds no optimizer state (a run not made by a forecast); "
-            "forecast into a new folder"
-        )
-    trained = factory()
-    trained.load_state_dict(state["model"])
-    example = {k: v for k, v in train_batches[0].items() if k != "labels"}
-    found = [(site.name, site.kind) for site in list_sites(trained, example)]
-    high_bits = 16.0 if settings.around == "bf16" else 32.0
-    budgets = _budgets(analysis, settings.target, high_bits)
-    shapes = analysis.weight_shapes()
-    candidates = stack_plans(settings.target, found, shapes)
-    candidates += _numscope_plans(analysis, settings.target, budgets, high_bits)
-    if settings.around == "bf16":
-        around = OperandSpec("bf16", overflow="propagate")
-        candidates = [replace(c, plan=c.plan.with_high_as(around)) for c in candidates]
-    own = forecast_folder(folder, settings.target, settings.around)
-    plans_dir = own / "plans"
-    plans_dir.mkdir(parents=True, exist_ok=True)
-    for entry in candidates:
-        entry.plan.save(plans_dir / f"{entry.name.replace('@', '_at_')}.yaml")
-    seconds["numscope plans"] = time.perf_counter() - stage
-
-    stage = time.perf_counter()
-    log(f"[forecast] 4/5 {len(candidates)} plans measured on the trained model")
-    blocks = measured_blocks(
-        settings.val_blocks, prepared.val_blocks.shape[1], resolved, len(prepared.val_blocks)
-    )
-    val = prepared.val_blocks[:blocks]
-    chunk = max(1, min(16, len(val)))
-
-    def evaluate(model_: torch.nn.Module) -> list[float]:
-        return [
-            task.evaluate(model_, part, prepared.tokenizer, config.seed).loss
-            for part in torch.split(val, chunk)
-        ]
-
-    parameters = [p for p in trained.parameters() if p.requires_grad]
-    preconditioner = adam_preconditioner(parameters, state["optimizer"])
-    del state  # the checkpoint's weights and Adam's moments: 1.3 GB on MPNet-110M, held for nothing
-    entries = {c.name: c.plan for c in candidates}
-    effects_path = own / "effects.json"
-    measured_on = {"batches": settings.batches, "blocks": blocks, "seed": config.seed}
-    saved = json.loads(effects_path.read_text()) if effects_path.is_file() else {}
-    # effects measured on other batches or blocks are measured again, and the plans by their YAML
-    stored = saved.get("plans", {}) if saved.get("measured_on") == measured_on else {}
-    stored = {name: e for name, e in stored.items() if e.get("plan") == _plan_key(entries.get(name))}
-    missing = {c.name: c.plan for c in candidates if c.name not in stored}
-    if missing:
-        from numscope._progress import progress as progress_bar
-
-        bar = progress_bar(total=len(missing), desc="plans measured", enabled=progress)
-
-        def advance(done: int, total: int) -> None:
-            bar.n = done
-            bar.refresh()
-
-        try:
-            measured = measure_plans(
-                trained,
-                missing,
-                train_batches,
-                evaluate,
-                preconditioner,
-                clip=config.grad_clip,
-                seed=config.seed,
-                on_progress=advance,
-            )
-        finally:
-            bar.close()
-        stored.update(
-            {
-                name: {**effect.to_dict(), "plan": _plan_key(missing[name])}
-                for name, effect in measured.items()
-            }
-        )
-        atomic_write_text(effects_path, json.dumps({"measured_on": measured_on, "plans": stored}, indent=1))
-    seconds["plans measured"] = time.perf_counter() - stage
-
+    stack = stage.plans(factory, train_batches)
+    stored, blocks = stage.measure(stack, prepared, resolved, train_batches)
     log("[forecast] 5/5 predictions")
     lr = effective_lr([config.lr_at(step) for step in range(config.steps)], settings.lr_rule)
-    sizes = analysis.operand_sizes()
-    rows = []
-    for entry in candidates:
-        effect = PlanEffect.from_dict(stored[entry.name])
-        prediction = predict(effect, lr, lost=signal_lost(analysis, entry.plan))
-        rows.append(
-            {
-                "name": entry.name,
-                "label": entry.label,
-                "numscope": entry.name.startswith("numscope@"),
-                "bits": entry.plan.average_bits(sizes),
-                **prediction.to_dict(),
-                "beyond_noise": prediction.beyond(noise),
-                "high_summary": _high_summary(entry.plan, found),
-                "plan": str(plans_dir / f"{entry.name.replace('@', '_at_')}.yaml"),
-                "effect": {k: v for k, v in stored[entry.name].items() if k != "plan"},
-            }
-        )
-    seconds["total"] = time.perf_counter() - began
-    result = Forecast(settings.target, rows, losses, noise, lr, {}, seconds, settings.around)
+    rows = _predictions(stack, stored, lr, noise)
+    stage.seconds["total"] = time.perf_counter() - began
+    result = Forecast(settings.target, rows, losses, noise, lr, {}, stage.seconds, settings.around)
     payload = {
         "model": model,
         "target": settings.target,
@@ -440,28 +282,266 @@ def forecast(
         "fp32_seed_sd": noise,
         "lr_effective": lr,
         "accuracy_factor": ACCURACY,
-        "budgets": list(budgets),
+        "budgets": list(stack.budgets),
         "measured_blocks": blocks,
         "rows": rows,
-        "seconds": seconds,
+        "seconds": stage.seconds,
     }
-    json_path, table_path, figure_path = (
-        own / "forecast.json",
-        own / "forecast.md",
-        own / "forecast.png",
+    name = model if len(model) < 40 else Path(model).name
+    title = f"{settings.target}: predicted gap to FP32 ({name})"
+    result.files = _write_forecast(stack.own, result, payload, title)
+    return result
+
+
+def _gradient_batches(prepared: Any, config: Any, resolved: str, count: int) -> list[dict[str, Any]]:
+    """The ``count`` training batches every plan's gradient error is measured on (a stream of its own seed,
+    apart from the runs' batches)."""
+    from numscope.run.objectives import get_objective
+
+    stream = (
+        get_objective(resolved)
+        .for_training(config.mask_probability)
+        .batches(prepared.train_blocks, config.batch_size, prepared.tokenizer, config.seed + 7919, 0)
     )
+    batches = [batch for _, batch in zip(range(count), stream, strict=False)]
+    if len(batches) < count:
+        raise SettingsError(
+            "ForecastSettings.batches",
+            f"{count} training batches asked; the training split holds {len(batches)}",
+        )
+    return batches
+
+
+@dataclass
+class _Stack:
+    """Stage 3's output: the FP32-trained model with Adam's state, its sites, and the plans measured."""
+
+    analysis: Analysis
+    trained: torch.nn.Module
+    optimizer_state: dict[str, Any]
+    found: list[tuple[str, str]]
+    budgets: tuple[float, ...]
+    candidates: list[StackPlan]
+    own: Path
+
+
+@dataclass
+class _Stage:
+    """The forecast's stages 1–4, each a method, timed into ``seconds`` and announced through ``log``."""
+
+    folder: Path
+    config: Any
+    settings: ForecastSettings
+    progress: bool
+    log: Callable[[str], None]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def reused(self, run: Path) -> str:  # a finished run of the same settings is read, not trained again
+        return ": finished before, reused" if (run / "result.json").is_file() else ""
+
+    def fp32_runs(self, work: Any) -> list[float]:
+        """1. FP32 observed on the first seed (with the local sensitivity of the sites the stacks convert
+        and Adam's final state); 2. FP32 on the other seeds: the validation losses, seed by seed."""
+        from numscope.run import runner
+        from numscope.run.config import SensitivitySettings
+
+        config, settings, folder = self.config, self.settings, self.folder
+        # its FP32 runs are read for their final validation loss only: evaluated after the last step alone
+        # (an evaluation changes no state of the run, so the loss is the one every config.eval_every gives)
+        fp32_config = replace(config, eval_every=config.steps)
+        began = time.perf_counter()
+        self.log(
+            f"[forecast] 1/5 FP32, observed (seed {config.seed}, {config.steps} steps)"
+            f"{self.reused(folder / 'fp32')}"
+        )
+        observed = runner.analyze(
+            work,
+            None,
+            folder / "fp32",
+            config=fp32_config,
+            candidates=_candidates(),
+            every=settings.every,
+            progress=self.progress,
+            # numscope's plans for a stack choose only among the sites the stacks convert, at weight shapes
+            # their kernels take (an LM head of 30,527 rows stays high in every stack): those alone
+            sensitivity=SensitivitySettings(
+                settings.sensitivity_batches,
+                "operand",
+                "auto",
+                method="local",
+                kinds=LINEAR_KINDS,
+                stacks=tuple(STACKS),
+            ),
+            keep_optimizer=True,
+        )
+        self.seconds["fp32 observed"] = time.perf_counter() - began
+        timing = folder / "fp32" / runner.SENSITIVITY_TIME
+        if timing.is_file():  # the sensitivity's part of the stage (when it was measured)
+            self.seconds["of which sensitivity"] = float(json.loads(timing.read_text())["seconds"])
+        losses = [observed.val_loss]
+        for k in range(1, settings.seeds):
+            began = time.perf_counter()
+            seed = config.seed + k
+            self.log(f"[forecast] 2/5 FP32, seed {seed}{self.reused(folder / f'fp32-seed{seed}')}")
+            other = runner.train(
+                work,
+                None,
+                folder / f"fp32-seed{seed}",
+                plan="fp32",
+                config=replace(fp32_config, seed=seed),
+                name="fp32",
+                progress=self.progress,
+            )
+            losses.append(other.val_loss)
+            self.seconds[f"fp32 seed {seed}"] = time.perf_counter() - began
+        return losses
+
+    def plans(self, factory: Callable[[], torch.nn.Module], batches: list[dict[str, Any]]) -> _Stack:
+        """3. The stack's recipes and numscope's plans for it at two budgets, on the trained model's sites
+        (what runs around them as ``settings.around`` says), each saved as YAML."""
+        from numscope.sites import sites as list_sites
+        from numscope.train.checkpoint import load_checkpoint
+
+        settings, folder = self.settings, self.folder
+        began = time.perf_counter()
+        self.log("[forecast] 3/5 numscope's plans")
+        analysis = Analysis.load(folder / "fp32" / "analysis")
+        state = load_checkpoint(folder / "fp32" / "model.pt")
+        if "optimizer" not in state:
+            raise ForecastError(
+                f"{folder / 'fp32'}: its model.pt holds no optimizer state (a run not made by a forecast); "
+                "forecast into a new folder"
+            )
+        trained = factory()
+        trained.load_state_dict(state["model"])
+        example = {k: v for k, v in batches[0].items() if k != "labels"}
+        found = [(site.name, site.kind) for site in list_sites(trained, example)]
+        high_bits = 16.0 if settings.around == "bf16" else 32.0
+        budgets = _budgets(analysis, settings.target, high_bits)
+        candidates = stack_plans(settings.target, found, analysis.weight_shapes())
+        candidates += _numscope_plans(analysis, settings.target, budgets, high_bits)
+        if settings.around == "bf16":
+            around = OperandSpec("bf16", overflow="propagate")
+            candidates = [replace(c, plan=c.plan.with_high_as(around)) for c in candidates]
+        own = forecast_folder(folder, settings.target, settings.around)
+        (own / "plans").mkdir(parents=True, exist_ok=True)
+        for entry in candidates:
+            entry.plan.save(_plan_file(own, entry.name))
+        self.seconds["numscope plans"] = time.perf_counter() - began
+        return _Stack(analysis, trained, state["optimizer"], found, budgets, candidates, own)
+
+    def measure(
+        self, stack: _Stack, prepared: Any, resolved: str, batches: list[dict[str, Any]]
+    ) -> tuple[dict[str, dict[str, Any]], int]:
+        """4. Every plan applied to the trained model and undone: its forward's loss on the validation
+        blocks and its gradient error's power in Adam's metric (kept in ``effects.json``; a rerun measures
+        only plans not measured on the same batches and blocks). Returns the effects and the blocks."""
+        from numscope.run.objectives import get_objective
+
+        config, settings = self.config, self.settings
+        began = time.perf_counter()
+        self.log(f"[forecast] 4/5 {len(stack.candidates)} plans measured on the trained model")
+        blocks = measured_blocks(
+            settings.val_blocks, prepared.val_blocks.shape[1], resolved, len(prepared.val_blocks)
+        )
+        val = prepared.val_blocks[:blocks]
+        chunk = max(1, min(16, len(val)))
+        task = get_objective(resolved)
+
+        def evaluate(model_: torch.nn.Module) -> list[float]:
+            return [
+                task.evaluate(model_, part, prepared.tokenizer, config.seed).loss
+                for part in torch.split(val, chunk)
+            ]
+
+        parameters = [p for p in stack.trained.parameters() if p.requires_grad]
+        preconditioner = adam_preconditioner(parameters, stack.optimizer_state)
+        stack.optimizer_state = {}  # Adam's moments: 0.9 GB on MPNet-110M, held for nothing from here
+        entries = {c.name: c.plan for c in stack.candidates}
+        effects_path = stack.own / "effects.json"
+        measured_on = {"batches": settings.batches, "blocks": blocks, "seed": config.seed}
+        saved = json.loads(effects_path.read_text()) if effects_path.is_file() else {}
+        # effects measured on other batches or blocks are measured again, and the plans by their YAML
+        stored = saved.get("plans", {}) if saved.get("measured_on") == measured_on else {}
+        stored = {name: e for name, e in stored.items() if e.get("plan") == _plan_key(entries.get(name))}
+        missing = {c.name: c.plan for c in stack.candidates if c.name not in stored}
+        if missing:
+            from numscope._progress import progress as progress_bar
+
+            bar = progress_bar(total=len(missing), desc="plans measured", enabled=self.progress)
+
+            def advance(done: int, total: int) -> None:
+                bar.n = done
+                bar.refresh()
+
+            try:
+                measured = measure_plans(
+                    stack.trained,
+                    missing,
+                    batches,
+                    evaluate,
+                    preconditioner,
+                    clip=config.grad_clip,
+                    seed=config.seed,
+                    on_progress=advance,
+                )
+            finally:
+                bar.close()
+            stored.update(
+                {
+                    name: {**effect.to_dict(), "plan": _plan_key(missing[name])}
+                    for name, effect in measured.items()
+                }
+            )
+            payload = {"measured_on": measured_on, "plans": stored}
+            atomic_write_text(effects_path, json.dumps(payload, indent=1))
+        self.seconds["plans measured"] = time.perf_counter() - began
+        return stored, blocks
+
+
+def _plan_file(own: Path, name: str) -> Path:
+    return own / "plans" / f"{name.replace('@', '_at_')}.yaml"
+
+
+def _predictions(
+    stack: _Stack, stored: dict[str, dict[str, Any]], lr: float, noise: float | None
+) -> list[dict[str, Any]]:
+    """5. Each plan's predicted gap from its measured effect, a row each."""
+    sizes = stack.analysis.operand_sizes()
+    rows = []
+    for entry in stack.candidates:
+        effect = PlanEffect.from_dict(stored[entry.name])
+        prediction = predict(effect, lr, lost=signal_lost(stack.analysis, entry.plan))
+        rows.append(
+            {
+                "name": entry.name,
+                "label": entry.label,
+                "numscope": entry.name.startswith("numscope@"),
+                "bits": entry.plan.average_bits(sizes),
+                **prediction.to_dict(),
+                "beyond_noise": prediction.beyond(noise),
+                "high_summary": _high_summary(entry.plan, stack.found),
+                "plan": str(_plan_file(stack.own, entry.name)),
+                "effect": {k: v for k, v in stored[entry.name].items() if k != "plan"},
+            }
+        )
+    return rows
+
+
+def _write_forecast(own: Path, result: Forecast, payload: dict[str, Any], title: str) -> dict[str, str]:
+    """``forecast.json``, ``forecast.md`` and (with matplotlib) ``forecast.png`` into ``own``."""
+    json_path, table_path, figure_path = own / "forecast.json", own / "forecast.md", own / "forecast.png"
     atomic_write_text(json_path, json.dumps(payload, indent=1, default=_plain))
     atomic_write_text(table_path, _markdown(result) + "\n")
-    result.files = {"json": str(json_path), "table": str(table_path)}
+    files = {"json": str(json_path), "table": str(table_path)}
     try:
         from numscope.report.plots import forecast_figure
 
-        title = f"{settings.target}: predicted gap to FP32 ({model if len(model) < 40 else Path(model).name})"
-        atomic_write_bytes(figure_path, forecast_figure(rows, noise, title))
-        result.files["figure"] = str(figure_path)
+        atomic_write_bytes(figure_path, forecast_figure(result.rows, result.noise, title))
+        files["figure"] = str(figure_path)
     except ImportError:  # matplotlib is the report's extra
         pass
-    return result
+    return files
 
 
 def _plan_key(plan: Plan | None) -> str:

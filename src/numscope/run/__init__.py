@@ -48,6 +48,8 @@ _EXPORTS: dict[str, str] = {
     "ModelSource": "numscope.run.sources",
     "WorkflowError": "numscope.errors",
     "resolve_model": "numscope.run.sources",
+    "resolve_workload": "numscope.run.sources",
+    "Workload": "numscope.run.sources",
     "settle_tokenizer": "numscope.run.sources",
     "load_tokenizer_file": "numscope.run.tokenizer",
     "analyze": "numscope.run.runner",

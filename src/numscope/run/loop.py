@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -190,135 +190,29 @@ def train_run(
     objective = get_objective(objective).for_training(cfg.mask_probability)
     if adaptive is not None and observer_factory is not None:
         raise RunError("an adaptive run observes itself: give adaptive or observer_factory, not both")
-    world, rank = distributed.world_size(), distributed.rank()
-    writer = rank == 0
-    device = resolve_device(cfg.device, field="TrainConfig.device")
-    sharded = world > 1 and cfg.parallel == "fsdp2"
+    world = distributed.world_size()
     if cfg.batch_size % world:
         raise ValueError(f"batch size {cfg.batch_size} does not divide evenly over {world} ranks")
-    if writer:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    result_path, checkpoint_path, log_path = (
-        out_dir / "result.json",
-        out_dir / "checkpoint.pt",
-        out_dir / "log.csv",
-    )
-    from numscope.run.model import ModelConfig, bert_mlm_from_config
-
-    def build() -> torch.nn.Module:
-        torch.manual_seed(cfg.seed)
-        made = bert_mlm_from_config(model_config) if isinstance(model_config, ModelConfig) else model_config()
-        return made.to(device)
-
-    # a finished run builds its model only where the plan's layer choice needs the model's sites (a recipe)
-    model = None if result_path.is_file() and not _needs_sites(spec) else build()
-    plan = spec.load_plan(None if model is None else (site.name for site in sites(model)))
-    trained = result_path.is_file() or checkpoint_path.is_file()
-    if trained and (changes := _stored_changes(out_dir, plan, _train_settings(spec, cfg, adaptive))):
-        if not replace_changed:
-            raise RunError(
-                f"{out_dir} holds a run trained with other settings ({'; '.join(changes[:3])}); it is not "
-                "reused: choose another folder, or move this one aside to train it again"
-            )
-        if writer:
-            kept = _move_aside(out_dir)
-            out_dir.mkdir(parents=True)
-            print(f"{out_dir}: trained with other settings ({'; '.join(changes[:3])}); kept as {kept.name}")
-        if world > 1:
-            dist.barrier()
-    if result_path.is_file():
-        return read_result(result_path)
-    model = build() if model is None else model
-    if writer:
-        plan.save(out_dir / "plan.yaml")
-        atomic_write_text(out_dir / "train.json", json.dumps(_train_settings(spec, cfg, adaptive), indent=1))
-    # the observer attaches first, so that it sees each operand before the plan quantizes it
-    observer = observer_factory(model) if observer_factory is not None else None
-    if adaptive is not None:
-        observer = observer_for(model, plan, adaptive).attach()
-    scaler = LossScaler(
-        init_scale=spec.init_scale,
-        enabled=spec.loss_scaling != "none",
-        dynamic=spec.loss_scaling == "dynamic",
-    )
-    recipe = run_recipe(model, plan, scaler, cfg.seed, compiled)
-    trained = _parallel(model, world, cfg.parallel, device)  # FSDP2 shards before the optimizer sees them
-    # the recipe keeps FP32 parameters as they are (they are their own master weights); FSDP2 replaced them
-    # by their shards, which the optimizer and the clipping take
-    parameters = list(model.parameters()) if sharded else recipe.parameters()
-    low_bit = {"adamw_fp8": AdamWFp8, "adamw_8bit": AdamW8bit, "adamw_4bit": AdamW4bit}.get(cfg.optimizer)
-    kind = torch.optim.AdamW if low_bit is None else low_bit
-    optimizer: torch.optim.Optimizer = kind(parameters, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    adapter = Adapter(model, plan, adaptive, observer) if adaptive is not None else None  # type: ignore[arg-type]
-    start, curve, elapsed = 0, [], 0.0
-    if checkpoint_path.is_file():
-        state = load_checkpoint(checkpoint_path)
-        _load_states(model, optimizer, state, sharded)
-        scaler.load_state_dict(state["scaler"])
-        if observer is not None:
-            observer.load_state_dict(state["observer"])
-        if adapter is not None:  # before the numerics: they were saved under the plan the adapter holds
-            adapter.load_state_dict(state["adaptive"])
-        load_numerics_state_dict(model, state["numerics"])
-        set_rng_state(state["rng"])
-        start, curve, elapsed = state["step"], state["curve"], state["elapsed"]
-        if writer:
-            _truncate_log(log_path, start)
-    elif writer and log_path.exists():
-        log_path.unlink()
-    if world > 1:
-        dist.barrier()  # every rank has read the checkpoint before rank 0 may replace it
-
-    new_log = not log_path.exists()
+    device = resolve_device(cfg.device, field="TrainConfig.device")
+    folder = _RunFolder(out_dir, world)
+    model, plan = _open_run(spec, model_config, cfg, folder, adaptive, replace_changed, device)
+    if folder.result.is_file():
+        return read_result(folder.result)
+    run = _Training.build(model, plan, spec, cfg, folder, observer_factory, adaptive, compiled, device)
+    start, curve, elapsed = run.resume(folder)
+    new_log = not folder.log.exists()
     avg_bits = None
-    with log_path.open("a", newline="") if writer else open(os.devnull, "w") as log_file:
+    with folder.log.open("a", newline="") if folder.writer else open(os.devnull, "w") as log_file:
         log = csv.DictWriter(log_file, fieldnames=LOG_FIELDS)
         if new_log:
             log.writeheader()
         began = time.perf_counter() - elapsed
         data_batches = _Batches(data, cfg, objective)
-        rows = cfg.batch_size // world
         model.train()
         for step in range(start, cfg.steps):
-            for group in optimizer.param_groups:
-                group["lr"] = cfg.lr_at(step)
-            batch = to_device(data_batches.at(step), device)
-            if world > 1:
-                whole = objective.label_count(batch)
-                batch = {name: value[rank * rows : (rank + 1) * rows] for name, value in batch.items()}
-                # the model's loss is a mean over this rank's labels; weighted so that DDP's average over
-                # ranks is the mean over the whole batch's labels, as one process would compute it
-                loss = trained(**batch).loss * (objective.label_count(batch) * world / max(1, whole))
-            else:
-                loss = trained(**batch).loss
-            recipe.backward(loss)
+            loss_value, row = run.step(step, data_batches, objective)
             if avg_bits is None:
                 avg_bits = plan.average_bits(site_sizes(model))
-            recipe.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(parameters, cfg.grad_clip)
-            skipped_before = scaler.skipped_steps
-            scale = scaler.get_scale()
-            recipe.step(optimizer)  # skipped on inf/NaN gradients; the scale updated; gradients zeroed
-            if sharded:  # the recipe zeroes the parameters it was built with; FSDP2 replaced them
-                optimizer.zero_grad(set_to_none=True)
-            if observer is not None:
-                observer.step()
-            if adapter is not None:
-                adapter.after_step(step)  # the changes apply from the next step on
-            loss_value = loss.item()
-            if world > 1:
-                reported = loss.detach().clone()
-                dist.all_reduce(reported)
-                loss_value = reported.item() / world
-            row: dict[str, Any] = {
-                "step": step + 1,
-                "lr": f"{cfg.lr_at(step):.3e}",
-                "loss": f"{loss_value:.5f}",
-                "scale": scale,
-                "skipped": int(scaler.skipped_steps > skipped_before),
-                "val_loss": "",
-                "val_accuracy": "",
-            }
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 # every rank evaluates (amax reductions are collectives): same data, same result
                 evaluation = objective.evaluate(model, data.val_blocks, data.tokenizer, cfg.seed)
@@ -331,67 +225,279 @@ def train_run(
             if on_step is not None:
                 on_step(step + 1, loss_value)
             if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-                model_state, optimizer_state = _full_states(model, optimizer, sharded)  # collectives
-            if writer and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 log_file.flush()
-                if adapter is not None:
-                    write_history(out_dir / "plan_history.csv", adapter.history)
-                save_checkpoint(
-                    checkpoint_path,
-                    {
-                        "step": step + 1,
-                        "model": model_state,
-                        "optimizer": optimizer_state,
-                        "scaler": scaler.state_dict(),
-                        "numerics": numerics_state_dict(model),
-                        "rng": rng_state(),
-                        **({"observer": observer.state_dict()} if observer is not None else {}),
-                        **({"adaptive": adapter.state_dict()} if adapter is not None else {}),
-                        "curve": curve,
-                        "elapsed": time.perf_counter() - began,
-                    },
-                )
-    if adapter is not None:
-        avg_bits = adapter.average_bits(cfg.steps)
-        if writer:
-            _write_adaptive(out_dir, adapter, adaptive, avg_bits)  # type: ignore[arg-type]
-    elif observer is not None and writer:
-        observer.analysis().save(out_dir / "analysis")
-    if observer is not None:
-        observer.__exit__(None, None, None)
-    # the largest parameter difference between ranks (a collective); FSDP2's ranks hold different shards
-    divergence = distributed.parameter_divergence(model) if world > 1 and not sharded else None
-    if save_model:
-        model_state, optimizer_state = _full_states(model, optimizer, sharded)  # collectives
-    last = curve[-1]
-    result = RunResult(
-        name=spec.name,
-        plan=spec.plan,
-        loss_scaling=spec.loss_scaling,
-        val_loss=last["val_loss"],
-        val_accuracy=last["val_accuracy"],
-        skipped_steps=scaler.skipped_steps,
-        wall_seconds=time.perf_counter() - began,
-        steps=cfg.steps,
-        curve=curve,
-        final_scale=scaler.get_scale(),
-        avg_bits=avg_bits,
-        world_size=world,
-        rank_divergence=divergence,
-        device=str(device),
-    )
-    if writer:
+                run.checkpoint(folder, step + 1, curve, time.perf_counter() - began)
+    return run.finish(folder, cfg, curve, avg_bits, began, save_model, save_optimizer)
+
+
+@dataclass
+class _RunFolder:
+    """A run's folder and the files it holds; ``writer``: whether this process writes them (rank 0)."""
+
+    path: Path
+    world: int
+
+    def __post_init__(self) -> None:
+        self.writer = distributed.rank() == 0
+        self.result, self.checkpoint, self.log = (
+            self.path / "result.json",
+            self.path / "checkpoint.pt",
+            self.path / "log.csv",
+        )
+        if self.writer:
+            self.path.mkdir(parents=True, exist_ok=True)
+
+
+def _open_run(
+    spec: RunSpec,
+    model_config: Any,
+    cfg: TrainConfig,
+    folder: _RunFolder,
+    adaptive: AdaptiveConfig | None,
+    replace_changed: bool,
+    device: torch.device,
+) -> tuple[torch.nn.Module | None, Any]:
+    """The model (None for a finished run whose plan needs no sites) and the plan; a folder holding a run
+    of other settings is refused, or moved aside with ``replace_changed``. Writes the plan and
+    ``train.json`` where the run is to train."""
+    from numscope.run.model import ModelConfig, bert_mlm_from_config
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(cfg.seed)
+        made = bert_mlm_from_config(model_config) if isinstance(model_config, ModelConfig) else model_config()
+        return made.to(device)
+
+    # a finished run builds its model only where the plan's layer choice needs the model's sites (a recipe)
+    model = None if folder.result.is_file() and not _needs_sites(spec) else build()
+    plan = spec.load_plan(None if model is None else (site.name for site in sites(model)))
+    settings = _train_settings(spec, cfg, adaptive)
+    trained = folder.result.is_file() or folder.checkpoint.is_file()
+    if trained and (changes := _stored_changes(folder.path, plan, settings)):
+        if not replace_changed:
+            raise RunError(
+                f"{folder.path} holds a run trained with other settings ({'; '.join(changes[:3])}); it is "
+                "not reused: choose another folder, or move this one aside to train it again"
+            )
+        if folder.writer:
+            kept = _move_aside(folder.path)
+            folder.path.mkdir(parents=True)
+            said = "; ".join(changes[:3])
+            print(f"{folder.path}: trained with other settings ({said}); kept as {kept.name}")
+        if folder.world > 1:
+            dist.barrier()
+    if folder.result.is_file():
+        return model, plan
+    model = build() if model is None else model
+    if folder.writer:
+        plan.save(folder.path / "plan.yaml")
+        atomic_write_text(folder.path / "train.json", json.dumps(settings, indent=1))
+    return model, plan
+
+
+@dataclass
+class _Training:
+    """What a run's steps change: the model (``trained``: what a step calls, its DDP or FSDP2 form), the
+    recipe with its loss scaler, the optimizer, an observer and an adapter."""
+
+    model: torch.nn.Module
+    trained: torch.nn.Module
+    plan: Any
+    recipe: Any
+    scaler: LossScaler
+    optimizer: torch.optim.Optimizer
+    parameters: list[torch.nn.Parameter]
+    observer: Any
+    adapter: Adapter | None
+    adaptive: AdaptiveConfig | None
+    cfg: TrainConfig
+    spec: RunSpec
+    device: torch.device
+    world: int
+    sharded: bool
+
+    @classmethod
+    def build(
+        cls,
+        model: torch.nn.Module,
+        plan: Any,
+        spec: RunSpec,
+        cfg: TrainConfig,
+        folder: _RunFolder,
+        observer_factory: Callable[[torch.nn.Module], Any] | None,
+        adaptive: AdaptiveConfig | None,
+        compiled: bool | str,
+        device: torch.device,
+    ) -> _Training:
+        world = folder.world
+        sharded = world > 1 and cfg.parallel == "fsdp2"
+        # the observer attaches first, so that it sees each operand before the plan quantizes it
+        observer = observer_factory(model) if observer_factory is not None else None
+        if adaptive is not None:
+            observer = observer_for(model, plan, adaptive).attach()
+        scaler = LossScaler(
+            init_scale=spec.init_scale,
+            enabled=spec.loss_scaling != "none",
+            dynamic=spec.loss_scaling == "dynamic",
+        )
+        recipe = run_recipe(model, plan, scaler, cfg.seed, compiled)
+        trained = _parallel(model, world, cfg.parallel, device)  # FSDP2 shards before the optimizer sees them
+        # the recipe keeps FP32 parameters as they are (they are their own master weights); FSDP2 replaced
+        # them by their shards, which the optimizer and the clipping take
+        parameters = list(model.parameters()) if sharded else recipe.parameters()
+        low_bit = {"adamw_fp8": AdamWFp8, "adamw_8bit": AdamW8bit, "adamw_4bit": AdamW4bit}.get(cfg.optimizer)
+        kind = torch.optim.AdamW if low_bit is None else low_bit
+        optimizer: torch.optim.Optimizer = kind(parameters, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        adapter = Adapter(model, plan, adaptive, observer) if adaptive is not None else None  # type: ignore[arg-type]
+        return cls(
+            model, trained, plan, recipe, scaler, optimizer, parameters, observer, adapter, adaptive, cfg,
+            spec, device, world, sharded,
+        )  # fmt: skip
+
+    def resume(self, folder: _RunFolder) -> tuple[int, list[dict[str, Any]], float]:
+        """Restore the last checkpoint, if any (the step it was taken after, the evaluations so far, the
+        training time so far); otherwise start the log afresh."""
+        start, curve, elapsed = 0, [], 0.0
+        if folder.checkpoint.is_file():
+            state = load_checkpoint(folder.checkpoint)
+            _load_states(self.model, self.optimizer, state, self.sharded)
+            self.scaler.load_state_dict(state["scaler"])
+            if self.observer is not None:
+                self.observer.load_state_dict(state["observer"])
+            if self.adapter is not None:  # before the numerics: saved under the plan the adapter holds
+                self.adapter.load_state_dict(state["adaptive"])
+            load_numerics_state_dict(self.model, state["numerics"])
+            set_rng_state(state["rng"])
+            start, curve, elapsed = state["step"], state["curve"], state["elapsed"]
+            if folder.writer:
+                _truncate_log(folder.log, start)
+        elif folder.writer and folder.log.exists():
+            folder.log.unlink()
+        if self.world > 1:
+            dist.barrier()  # every rank has read the checkpoint before rank 0 may replace it
+        return start, curve, elapsed
+
+    def step(self, step: int, batches: _Batches, objective: Objective) -> tuple[float, dict[str, Any]]:
+        """One optimizer step (skipped by the loss scaler on inf/NaN gradients): the loss, and its log row
+        without the evaluation and the time."""
+        cfg, world = self.cfg, self.world
+        for group in self.optimizer.param_groups:
+            group["lr"] = cfg.lr_at(step)
+        batch = to_device(batches.at(step), self.device)
+        if world > 1:
+            rank, rows = distributed.rank(), cfg.batch_size // world
+            whole = objective.label_count(batch)
+            batch = {name: value[rank * rows : (rank + 1) * rows] for name, value in batch.items()}
+            # the model's loss is a mean over this rank's labels; weighted so that DDP's average over
+            # ranks is the mean over the whole batch's labels, as one process would compute it
+            loss = self.trained(**batch).loss * (objective.label_count(batch) * world / max(1, whole))
+        else:
+            loss = self.trained(**batch).loss
+        self.recipe.backward(loss)
+        self.recipe.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.parameters, cfg.grad_clip)
+        skipped_before = self.scaler.skipped_steps
+        scale = self.scaler.get_scale()
+        self.recipe.step(self.optimizer)  # skipped on inf/NaN gradients; the scale updated; gradients zeroed
+        if self.sharded:  # the recipe zeroes the parameters it was built with; FSDP2 replaced them
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.observer is not None:
+            self.observer.step()
+        if self.adapter is not None:
+            self.adapter.after_step(step)  # the changes apply from the next step on
+        loss_value = loss.item()
+        if world > 1:
+            reported = loss.detach().clone()
+            dist.all_reduce(reported)
+            loss_value = reported.item() / world
+        row: dict[str, Any] = {
+            "step": step + 1,
+            "lr": f"{cfg.lr_at(step):.3e}",
+            "loss": f"{loss_value:.5f}",
+            "scale": scale,
+            "skipped": int(self.scaler.skipped_steps > skipped_before),
+            "val_loss": "",
+            "val_accuracy": "",
+        }
+        return loss_value, row
+
+    def checkpoint(self, folder: _RunFolder, step: int, curve: list[dict[str, Any]], elapsed: float) -> None:
+        """``checkpoint.pt`` after ``step`` steps: everything a resumed run needs to continue bit for bit."""
+        model_state, optimizer_state = _full_states(self.model, self.optimizer, self.sharded)  # collectives
+        if not folder.writer:
+            return
+        if self.adapter is not None:
+            write_history(folder.path / "plan_history.csv", self.adapter.history)
+        save_checkpoint(
+            folder.checkpoint,
+            {
+                "step": step,
+                "model": model_state,
+                "optimizer": optimizer_state,
+                "scaler": self.scaler.state_dict(),
+                "numerics": numerics_state_dict(self.model),
+                "rng": rng_state(),
+                **({"observer": self.observer.state_dict()} if self.observer is not None else {}),
+                **({"adaptive": self.adapter.state_dict()} if self.adapter is not None else {}),
+                "curve": curve,
+                "elapsed": elapsed,
+            },
+        )
+
+    def finish(
+        self,
+        folder: _RunFolder,
+        cfg: TrainConfig,
+        curve: list[dict[str, Any]],
+        avg_bits: float | None,
+        began: float,
+        save_model: bool,
+        save_optimizer: bool,
+    ) -> RunResult:
+        """The run's result, its analysis or plan history, its model (``save_model``), and the checkpoint
+        removed."""
+        if self.adapter is not None:
+            avg_bits = self.adapter.average_bits(cfg.steps)
+            if folder.writer:
+                _write_adaptive(folder.path, self.adapter, self.adaptive, avg_bits)  # type: ignore[arg-type]
+        elif self.observer is not None and folder.writer:
+            self.observer.analysis().save(folder.path / "analysis")
+        if self.observer is not None:
+            self.observer.__exit__(None, None, None)
+        # the largest parameter difference between ranks (a collective); FSDP2's ranks hold different shards
+        divergence = (
+            distributed.parameter_divergence(self.model) if self.world > 1 and not self.sharded else None
+        )
         if save_model:
-            kept = {"model": model_state}
-            if save_optimizer:
-                kept["optimizer"] = optimizer_state
-            save_checkpoint(out_dir / "model.pt", kept)
-        atomic_write_text(result_path, json.dumps(result.to_dict(), indent=1))
-        if checkpoint_path.exists():
-            checkpoint_path.unlink()
-    if world > 1:
-        dist.barrier()  # no rank leaves before rank 0 has written the result
-    return result
+            model_state, optimizer_state = _full_states(self.model, self.optimizer, self.sharded)
+        last = curve[-1]
+        result = RunResult(
+            name=self.spec.name,
+            plan=self.spec.plan,
+            loss_scaling=self.spec.loss_scaling,
+            val_loss=last["val_loss"],
+            val_accuracy=last["val_accuracy"],
+            skipped_steps=self.scaler.skipped_steps,
+            wall_seconds=time.perf_counter() - began,
+            steps=cfg.steps,
+            curve=curve,
+            final_scale=self.scaler.get_scale(),
+            avg_bits=avg_bits,
+            world_size=self.world,
+            rank_divergence=divergence,
+            device=str(self.device),
+        )
+        if folder.writer:
+            if save_model:
+                kept = {"model": model_state}
+                if save_optimizer:
+                    kept["optimizer"] = optimizer_state
+                save_checkpoint(folder.path / "model.pt", kept)
+            atomic_write_text(folder.result, json.dumps(result.to_dict(), indent=1))
+            if folder.checkpoint.exists():
+                folder.checkpoint.unlink()
+        if self.world > 1:
+            dist.barrier()  # no rank leaves before rank 0 has written the result
+        return result
 
 
 def _parallel(model: torch.nn.Module, world: int, parallel: str, device: torch.device) -> torch.nn.Module:

@@ -53,16 +53,16 @@ from numscope.run.objectives import get_objective
 from numscope.run.sources import (
     DataSettings,
     WorkflowError,
+    Workload,
     check_interface,
     check_positive,
     check_train_config,
     corpus_digest,
     first_line,
     model_path,
-    prepare_data,
     resolve_model,
+    resolve_workload,
     run_model,
-    settle_tokenizer,
 )
 from numscope.sites import sites as list_sites
 from numscope.train.adaptive import AdaptiveConfig
@@ -87,14 +87,16 @@ REFERENCE_FORMAT = "bf16"
 
 
 def _prepare_run(
-    model: str, data: DataSettings, config: TrainConfig, objective: str, plan: Plan
+    work: Workload, config: TrainConfig, plan: Plan
 ) -> tuple[RunData, Callable[[], nn.Module], str]:
     """Data, the model factory (its models on ``config.device``) and objective, after one probing forward
     that checks model and plan."""
-    source = resolve_model(model, objective)
-    prepared = prepare_data(data)
+    model = work.model
+    if work.source is None:
+        resolve_model(model, work.objective)  # raises what kept it from resolving
+    prepared = work.prepared()
     check_train_config(config, prepared)
-    built, resolved = source.build(prepared.tokenizer, data.seq_len, replace_vocabulary=data.train_tokenizer)
+    built, resolved = work.build(prepared.tokenizer, work.data.seq_len)
     device = resolve_device(config.device, field="TrainConfig.device")
 
     def factory() -> nn.Module:
@@ -117,24 +119,24 @@ def _prepare_run(
     )
     with fork_rng():
         probe = factory()
-        if source.factory is not None:
+        if work.source is not None and work.source.factory is not None:
             check_interface(model, probe, example)
         convert(probe, plan, example_inputs={k: v for k, v in example.items() if k != "labels"})
     return prepared, factory, resolved
 
 
 def prepare(
-    model: str, data: DataSettings, config: TrainConfig, objective: str = "auto"
+    model: str | Workload, data: DataSettings | None, config: TrainConfig, objective: str = "auto"
 ) -> tuple[RunData, Callable[[], nn.Module], str]:
     """What a run on ``model`` trains with, checked as :func:`train` checks it: the data (with the
-    tokenizer a checkpoint folder brings), a factory of the model and the objective resolved."""
-    data = settle_tokenizer(model, data, objective)
-    return _prepare_run(model, data, config, objective, Plan.uniform("fp32"))
+    tokenizer a checkpoint folder brings), a factory of the model and the objective resolved. ``model``:
+    a spec with its ``data``, or a :class:`Workload` (``data`` None) resolved once for several runs."""
+    work = resolve_workload(model, data, objective)
+    return _prepare_run(work, config, Plan.uniform("fp32"))
 
 
-def _settings(
-    kind: str, model: str, objective: str, data: DataSettings, config: TrainConfig, **extra: Any
-) -> dict:
+def _settings(kind: str, work: Workload, config: TrainConfig, **extra: Any) -> dict:
+    model, objective, data = work.model, work.objective, work.data
     return {
         "numscope": __version__,
         "kind": kind,
@@ -142,7 +144,7 @@ def _settings(
         **({"model_path": path} if (path := model_path(model)) is not None else {}),
         "objective": objective,
         "text": [str(Path(p).resolve()) for p in data.text],
-        "corpus_sha256": corpus_digest(data),
+        "corpus_sha256": work.digest(),
         "data": {"vocab_size": data.vocab_size, "seq_len": data.seq_len, "val_blocks": data.val_blocks}
         | ({"tokenizer_sha256": _file_digest(data.tokenizer)} if data.tokenizer else {})
         | ({"train_tokenizer": True} if data.train_tokenizer else {}),
@@ -178,8 +180,8 @@ DEFAULT_SENSITIVITY = SensitivitySettings()
 
 
 def analyze(
-    model: str,
-    data: DataSettings,
+    model: str | Workload,
+    data: DataSettings | None,
     out: str | os.PathLike[str],
     *,
     config: TrainConfig | None = None,
@@ -204,7 +206,7 @@ def analyze(
     (:func:`numscope.sensitivity`), stored with the analysis for ``recommend``'s sensitivity objective and
     its ``max_loss_increase_pct`` / ``min_grad_cosine``; the trained model is kept as ``out/model.pt``. One
     process only. An early step (``sensitivity.early``) keeps that model too (``out/model_early.pt``) and
-    measures it as well; docs/plan-study.md says what it changed.
+    measures it as well; docs/results/plan-study.md says what it changed.
     ``keep_optimizer``: keep the trained model and the optimizer's final state in ``out/model.pt`` (what
     the forecast weighs gradient errors with).
     Under ``torchrun`` with ``WORLD_SIZE`` > 1 it trains with DDP over gloo, as :func:`train`; the observer
@@ -218,7 +220,7 @@ def analyze(
             f"a numscope.run.SensitivitySettings (e.g. SensitivitySettings(batches=2)); got {sensitivity!r}",
         )
     config = config if config is not None else TrainConfig()
-    data = settle_tokenizer(model, data, objective)
+    work = resolve_workload(model, data, objective)
     if tensorboard is not None and importlib.util.find_spec("tensorboard") is None:
         raise WorkflowError("`tensorboard` needs the tensorboard package: pip install tensorboard")
     check_positive("`every`", every)
@@ -267,15 +269,13 @@ def analyze(
             extra["sensitivity_formats"] = measured_formats
         if sensitivity_batches and sensitivity_method != "one_at_a_time":
             extra["sensitivity_method"] = sensitivity_method
-        settings = _settings(
-            "analyze", model, objective, data, config, candidates=names, every=every, plan="fp32", **extra
-        )
+        settings = _settings("analyze", work, config, candidates=names, every=every, plan="fp32", **extra)
         check_run_settings(out_dir, settings)
         writer = distributed.is_rank_zero()
         result = finished_result(out_dir)
         # a finished run is not trained again, but an earlier call may have stopped before its sensitivity
         if result is None or sensitivity_batches:
-            prepared, factory, resolved = _prepare_run(model, data, config, objective, Plan.uniform("fp32"))
+            prepared, factory, resolved = _prepare_run(work, config, Plan.uniform("fp32"))
             if auto:  # as many of the default's batches as the validation split holds
                 available = len(_validation_split(prepared, config, resolved))
                 sensitivity_batches = min(sensitivity_batches, available)
@@ -362,7 +362,7 @@ def _sensitivity_formats(asked: Sequence[str] | str | None, names: list[str]) ->
 AUTO_SENSITIVITY_EARLY = 20
 """The step whose model ``--sensitivity-early auto`` measures the sensitivity on beside the trained one: the
 one step tried in plans, each time inside the 30-step warm-up (a GQA Llama, 20 of 300 steps; the pretrained
-MiniLM, 20 of 250; the demo's BERT, 20 of 1,000: docs/plan-study.md)."""
+MiniLM, 20 of 250; the demo's BERT, 20 of 1,000: docs/results/plan-study.md)."""
 
 AUTO_EARLY_MIN_STEPS = 100
 """The fewest steps a run needs for ``sensitivity_early="auto"`` to measure an early model: the step then lies
@@ -374,7 +374,7 @@ EARLY_MODEL = "model_early.pt"
 AUTO_SENSITIVITY_BATCHES = 2
 """Validation batches ``numscope analyze`` measures each operand's sensitivity on by default: the plan
 study's setting (its sensitivity plans were made from 2 batches) and what ``numscope calibrate`` uses
-(its cost on the demo's model: docs/status-history.md)."""
+(its cost on the demo's model: docs/results/status-history.md)."""
 
 
 SENSITIVITY_TIME = "sensitivity_time.json"
@@ -536,8 +536,8 @@ def _write_tensorboard(out_dir: Path, log_dir: str | os.PathLike[str] | None) ->
 
 
 def train(
-    model: str,
-    data: DataSettings,
+    model: str | Workload,
+    data: DataSettings | None,
     out: str | os.PathLike[str],
     *,
     plan: str,
@@ -561,7 +561,7 @@ def train(
     folder then also holds ``plan_history.csv``, ``plan.final.yaml`` and ``adaptive.json``).
     """
     config = config if config is not None else TrainConfig()
-    data = settle_tokenizer(model, data, objective)
+    work = resolve_workload(model, data, objective)
     if loss_scaling not in LOSS_SCALING:
         raise WorkflowError(f"unknown loss scaling {loss_scaling!r}; allowed: {', '.join(LOSS_SCALING)}")
     if not (math.isfinite(init_scale) and init_scale > 0):
@@ -573,15 +573,13 @@ def train(
     with _process_group(config):
         prepared = None
         if Plan.needs_sites(plan):  # resolved once, with the model's sites: what run.json records trains
-            prepared, factory, resolved = _prepare_run(model, data, config, objective, loaded)
+            prepared, factory, resolved = _prepare_run(work, config, loaded)
             with fork_rng():  # building a model draws from the global generator
                 names = [site.name for site in list_sites(factory())]
             loaded = Plan.resolve(plan, names)
         settings = _settings(
             "train",
-            model,
-            objective,
-            data,
+            work,
             config,
             plan=loaded.to_dict(),
             plan_source=plan_source,
@@ -594,7 +592,7 @@ def train(
         if (finished := finished_result(out_dir)) is not None:
             return finished
         if prepared is None:
-            prepared, factory, resolved = _prepare_run(model, data, config, objective, loaded)
+            prepared, factory, resolved = _prepare_run(work, config, loaded)
         settings["objective_resolved"] = resolved
         settings["vocab_size_built"] = prepared.tokenizer.vocab_size  # a small corpus may give fewer
         writer = distributed.is_rank_zero()
@@ -629,7 +627,8 @@ def evaluate(
     split, under the plan it trained with (``plan.final.yaml`` of an adaptive run, else ``plan.yaml``) and
     with the masks its seed gives, as its own evaluations were made (at the run's own ``--val-blocks`` it
     gives the loss in ``result.json`` bit for bit). A run's evaluations use few blocks to be quick; comparing
-    plans needs more (a masked LM's 128 blocks of 32 tokens score about 600 tokens: docs/plan-study.md).
+    plans needs more (a masked LM's 128 blocks of 32 tokens score about 600 tokens:
+    docs/results/plan-study.md).
 
     Returns ``{"val_blocks", "blocks", "val_loss", "val_accuracy"}`` (``blocks``: how many the split held),
     also stored in ``out/evaluations.json`` and returned from there on a second call. ``tokenizer``: the
@@ -677,7 +676,8 @@ def evaluate(
     final = folder / "plan.final.yaml"
     plan = Plan.load(final if final.is_file() else folder / "plan.yaml")
     model_spec, objective, _ = run_model(str(folder))  # type: ignore[misc]  # a run folder: never None
-    prepared, factory, resolved = _prepare_run(model_spec, data, config, objective, plan)
+    work = resolve_workload(model_spec, data, objective)
+    prepared, factory, resolved = _prepare_run(work, config, plan)
     with fork_rng():
         torch.manual_seed(config.seed)
         model = factory()

@@ -21,7 +21,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -285,7 +285,12 @@ def settle_tokenizer(model: str, data: DataSettings, objective: str = "auto") ->
         source = resolve_model(model, objective)
     except WorkflowError:
         return data  # the run reports the model's problem itself, where it builds it
-    if source.kind != "checkpoint":
+    return _settled(model, data, source)
+
+
+def _settled(model: str, data: DataSettings, source: ModelSource | None) -> DataSettings:
+    """``data`` with a checkpoint folder's own tokenizer (see :func:`settle_tokenizer`)."""
+    if data.tokenizer is not None or data.train_tokenizer or source is None or source.kind != "checkpoint":
         return data
     if source.tokenizer_file is None:
         raise WorkflowError(
@@ -294,6 +299,66 @@ def settle_tokenizer(model: str, data: DataSettings, objective: str = "auto") ->
             "output layer are then initialised anew)"
         )
     return dataclasses.replace(data, tokenizer=source.tokenizer_file, vocab_size=data.vocab_size)
+
+
+@dataclass
+class Workload:
+    """A model, its tokenizer and its data, resolved once (:func:`resolve_workload`): what each training of
+    a forecast, a localization, a band or a calibration takes, so that the model is found, the tokenizer
+    settled, the corpus read and hashed, and the token blocks made once for all of them.
+
+    ``model``: the spec as given (run.json records it); ``source``: what it resolved to (None where it did
+    not resolve: the first run then reports the problem as it builds the model); ``data``: the settings with
+    the tokenizer settled; ``objective``: as asked (``auto``, ``mlm`` or ``clm``)."""
+
+    model: str
+    source: ModelSource | None
+    data: DataSettings
+    objective: str
+    _prepared: RunData | None = field(default=None, repr=False)
+    _digest: str | None = field(default=None, repr=False)
+    _built: dict[Any, tuple[Callable[[], nn.Module], str]] = field(default_factory=dict, repr=False)
+
+    def prepared(self) -> RunData:
+        """The split documents, the tokenizer and the token blocks (:func:`prepare_data`), made once."""
+        if self._prepared is None:
+            self._prepared = prepare_data(self.data)
+        return self._prepared
+
+    def digest(self) -> str:
+        """The corpus's hash (:func:`corpus_digest`), read once."""
+        if self._digest is None:
+            self._digest = corpus_digest(self.data)
+        return self._digest
+
+    def build(self, tokenizer: TokenizerInfo, seq_len: int) -> tuple[Callable[[], nn.Module], str]:
+        """:meth:`ModelSource.build` for this tokenizer and block length, once (a checkpoint's weights are
+        read once)."""
+        key = (id(tokenizer), tokenizer.vocab_size, seq_len, self.data.train_tokenizer)
+        if key not in self._built:
+            source = self.source if self.source is not None else resolve_model(self.model, self.objective)
+            self._built[key] = source.build(tokenizer, seq_len, replace_vocabulary=self.data.train_tokenizer)
+        return self._built[key]
+
+
+def resolve_workload(
+    model: str | Workload, data: DataSettings | None = None, objective: str = "auto"
+) -> Workload:
+    """``model`` (a ``--model`` spec) with ``data`` and ``objective`` resolved once into a
+    :class:`Workload`; a Workload is returned as it is (``data`` then None or its own data)."""
+    if isinstance(model, Workload):
+        if data is not None and data != model.data:
+            raise WorkflowError("a Workload carries its own data: pass `data` None with it")
+        return model
+    if data is None:
+        raise WorkflowError("`data` is needed with a model spec (a DataSettings)")
+    if data.train_tokenizer and data.tokenizer is not None:
+        settle_tokenizer(model, data, objective)  # raises: the two ask for different tokenizers
+    try:
+        source = resolve_model(model, objective)
+    except WorkflowError:
+        source = None  # the first run reports the model's problem itself, where it builds it
+    return Workload(model, source, _settled(model, data, source), objective)
 
 
 def first_line(error: BaseException) -> str:

@@ -61,6 +61,7 @@ def calibrate(
 
     from numscope.run import runner
     from numscope.run.config import SensitivitySettings
+    from numscope.run.sources import resolve_workload
 
     if sensitivity is None:
         sensitivity = SensitivitySettings(batches=2)
@@ -77,9 +78,10 @@ def calibrate(
     results: dict[tuple[str, int], float] = {}
     cfg = replace_config(config, seed=seeds[0])
     log(f"[calibrate] fp32, observed (seed {seeds[0]})")
+    work = resolve_workload(model, data, objective)  # the model, tokenizer and blocks: once in this process
     results[("fp32", seeds[0])] = runner.analyze(
-        model,
-        data,
+        work,
+        None,
         first,
         config=cfg,
         candidates=names,
@@ -105,7 +107,9 @@ def calibrate(
         for plan in plans:
             tasks.append((plan.name, seed, out_dir / _slug(plan.name) / f"seed{seed}", str(paths[plan.name])))
 
-    train = partial(_train_one, model, data, config, objective)  # picklable, for the workers
+    # in this process the runs share the workload; workers get the spec and data (picklable) and resolve them
+    where = (work, None) if jobs <= 1 else (model, data)
+    train = partial(_train_one, *where, config, objective)
     if jobs <= 1:
         for task in tasks:
             log(f"[calibrate] {task[0]} (seed {task[1]})")
