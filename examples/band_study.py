@@ -1,10 +1,12 @@
 """How ``numscope band`` judges: false alarms on genuine runs of held-out seeds, and how soon a planted jump
-is found, for each setting of the smoothing window, the level and the persistence.
+is found, for each setting of the smoothing window, the level, the persistence and the variance (per step,
+or pooled over steps).
 
 Builds the band of a plan on seeds 0..2 (``numscope.diagnose.band``), trains FP32 and the plan on each
 held-out seed, judges each genuine pair, then the same pairs with the plan's loss raised by each jump from
-the middle step on. Writes ``band_study.json`` into ``--out`` and prints one row per setting. Example (the
-numbers in docs/diagnose.md)::
+the middle step on: each absolute ``--jumps`` and each ``--gap-multiples`` of the recipe's own gap (the
+band's mean smoothed gap at the last step). Writes ``band_study.json`` into ``--out`` and prints one row per
+setting. Example (the numbers in docs/results/diagnose.md)::
 
     python examples/band_study.py --model tiny-bert --text wiki.txt --plan fp8 --steps 300 --held-out 20 \\
         --out runs/band_study
@@ -33,6 +35,13 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=1000)
     parser.add_argument("--held-out", type=int, default=20, help="genuine pairs judged (seeds 3, 4, …)")
     parser.add_argument("--jumps", type=float, nargs="+", default=[0.02, 0.05, 0.1, 0.3])
+    parser.add_argument("--gap-multiples", type=float, nargs="+", default=[1.0, 2.0])
+    parser.add_argument(
+        "--settings",
+        choices=("all", "defaults"),
+        default="all",
+        help="every window × level × persistence, or the defaults only (both variances)",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -50,12 +59,18 @@ def main() -> None:
             logs[name] = {row["step"]: row["loss"] for row in read_log(folder / "log.csv")}
         pairs.append(logs)
     at = args.steps // 2
+    gap = Band.load(args.out / "band").mean[-1]  # the recipe's own gap at the end (smoothed)
+    jumps = [*args.jumps, *(round(m * abs(gap), 6) for m in args.gap_multiples)]
+    grid = itertools.product((1, 10, 25), (0.95, 0.99), (1, 5, 10), ("step", "pooled"))
+    if args.settings == "defaults":
+        grid = ((10, 0.99, 5, variance) for variance in ("step", "pooled"))
     rows = []
-    for window, level, persist in itertools.product((1, 10, 25), (0.95, 0.99), (1, 5, 10)):
-        judged = Band.load(args.out / "band", BandSettings(window=window, level=level, persist=persist))
+    for window, level, persist, variance in grid:
+        chosen = BandSettings(window=window, level=level, persist=persist, variance=variance)
+        judged = Band.load(args.out / "band", chosen)
         alarms = sum(not judged.compare(p["fp32"], p["plan"]).inside for p in pairs)
         found = {}
-        for jump in args.jumps:
+        for jump in jumps:
             delays, onsets = [], []
             for pair in pairs:
                 bug = {step: loss + (jump if step >= at else 0.0) for step, loss in pair["plan"].items()}
@@ -64,18 +79,21 @@ def main() -> None:
                     delays.append(verdict.left_at - at)
                     onsets.append(verdict.onset - at)
             found[str(jump)] = {"found": len(delays), "delay": delays, "onset_error": onsets}
-        row = {"window": window, "level": level, "persist": persist, "false_alarms": alarms, "jumps": found}
+        halves = [(u - lo) / 2 for lo, u in zip(judged.lower, judged.upper, strict=True)]
+        row = {"window": window, "level": level, "persist": persist, "variance": variance,
+               "false_alarms": alarms, "jumps": found, "half_width_at": halves[at - 1],
+               "half_width_last": halves[-1], "widest": max(halves)}  # fmt: skip
         rows.append(row)
         summary = ", ".join(
             f"+{jump}: {f['found']}/{len(pairs)} (delay {max(f['delay'], default=0)})"
             for jump, f in found.items()
         )
         print(
-            f"window {window:2d} level {level} persist {persist:2d}: "
-            f"false alarms {alarms}/{len(pairs)}; {summary}"
+            f"window {window:2d} level {level} persist {persist:2d} variance {variance:6s}: "
+            f"±{halves[at - 1]:.4f} at step {at}; false alarms {alarms}/{len(pairs)}; {summary}"
         )
     (args.out / "band_study.json").write_text(
-        json.dumps({"held_out": len(pairs), "at": at, "rows": rows}, indent=1)
+        json.dumps({"held_out": len(pairs), "at": at, "gap": gap, "rows": rows}, indent=1)
     )
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import math
+import random
 import re
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -119,3 +121,51 @@ def test_a_genuine_seed_stays_inside_and_a_planted_jump_leaves_at_its_step(tmp_p
     assert saved.compare(high, low).inside and sorted(saved.gaps) == [0, 1, 2]
     stricter = Band.load(tmp_path / "band", replace(BandSettings(), window=1, persist=1))
     assert stricter.settings.window == 1 and stricter.settings.seeds == 3
+
+
+def _ar_curves(
+    rng: random.Random, seeds: int, steps: int, phi: float, scale: float
+) -> dict[int, list[float]]:
+    """Gap curves whose seed-to-seed deviations follow an AR(1) process over the steps (correlation ``phi``
+    from one step to the next) around a common drift."""
+    curves = {}
+    for seed in range(seeds):
+        value, curve = rng.gauss(0, 1), []
+        for step in range(steps):
+            value = phi * value + math.sqrt(1 - phi * phi) * rng.gauss(0, 1)
+            curve.append(0.001 * step + scale * value)
+        curves[seed] = curve
+    return curves
+
+
+def test_the_pooled_band_earns_degrees_of_freedom_only_where_the_deviations_decorrelate() -> None:
+    rng = random.Random(0)
+    steps = list(range(1, 401))
+    pooled = BandSettings(window=1, variance="pooled")
+    loose = Band("fp8", steps, _ar_curves(rng, 3, 400, 0.0, 0.01), pooled)
+    pointwise = Band("fp8", steps, loose.gaps, BandSettings(window=1))
+    assert min(loose.dofs) > 20 and pointwise.dofs == [2.0] * 400
+
+    def median_half(band: Band) -> float:
+        return statistics.median((u - lo) / 2 for lo, u in zip(band.lower, band.upper, strict=True))
+
+    assert median_half(loose) < median_half(pointwise) / 2  # t 9.9 with 2 dof against about 2.6
+    offsets = {seed: [0.01 * (seed - 1) + 1e-6 * rng.gauss(0, 1) for _ in steps] for seed in range(3)}
+    persistent = Band("fp8", steps, offsets, pooled)
+    assert max(persistent.dofs) <= 3  # seeds that stay apart all run long are three seeds, not 1,200 points
+
+
+@pytest.mark.parametrize("phi", [0.0, 0.9, 0.99])
+def test_the_pooled_band_covers_one_more_seed_as_its_level_says(phi: float) -> None:
+    """Bands of 3 seeds from an AR(1) process hold a fourth seed's curve at a step about as often as their
+    level says (Monte Carlo over 400 bands), from white deviations to ones that persist for 100 steps."""
+    rng = random.Random(1)
+    settings = BandSettings(window=1, variance="pooled", level=0.95)
+    steps = list(range(1, 201))
+    inside = 0
+    for _ in range(400):
+        curves = _ar_curves(rng, 4, 200, phi, 0.01)
+        held_out = curves.pop(3)
+        made = Band("fp8", steps, curves, settings)
+        inside += made.lower[150] <= held_out[150] <= made.upper[150]
+    assert 0.92 <= inside / 400 <= 0.99, inside / 400

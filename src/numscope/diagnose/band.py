@@ -52,6 +52,46 @@ def t_quantile(level: float, dof: int) -> float:
     return table[dof - 1] if dof <= len(table) else _NORMAL[level]
 
 
+VARIANCES = ("step", "pooled")
+POOL_SPAN = 0.05
+"""The pooled variance's neighbourhood: the steps within this share of the run on either side (at least the
+smoothing window)."""
+
+
+def pooled_half_widths(
+    curves: Sequence[Sequence[float]], window: int, level: float
+) -> tuple[list[float], list[float]]:
+    """Per step the half-width of the prediction interval of one more seed's smoothed gap, before any
+    tolerance, with the seeds' variance pooled over the steps within :data:`POOL_SPAN` of the run on either
+    side, and the degrees of freedom that pooling earns: ``(n − 1) · m / (1 + 2 Σ ρ(k)²)`` for ``m`` steps
+    pooled, ρ the autocorrelation of the seeds' standardised deviations from their mean (summed while
+    positive), so that steps whose deviations move together count as one. Returns the half-widths and the
+    degrees of freedom."""
+    n, length = len(curves), len(curves[0])
+    mean = [statistics.fmean(values) for values in zip(*curves, strict=True)]
+    deviations = [[c[k] - mean[k] for k in range(length)] for c in curves]
+    variance = [sum(d[k] ** 2 for d in deviations) / (n - 1) for k in range(length)]
+    scaled = [
+        [d[k] / math.sqrt(variance[k]) if variance[k] > 0 else 0.0 for k in range(length)] for d in deviations
+    ]
+    reach = max(window, round(POOL_SPAN * length))
+    power = sum(z * z for row in scaled for z in row)
+    penalty = 1.0
+    for lag in range(1, min(2 * reach, length - 1) + 1):
+        products = sum(row[k] * row[k + lag] for row in scaled for k in range(length - lag))
+        rho = products / power * length / (length - lag) if power > 0 else 0.0
+        if rho <= 0:
+            break
+        penalty += 2 * rho * rho
+    halves, dofs = [], []
+    for k in range(length):
+        pooled = variance[max(0, k - reach) : k + reach + 1]
+        dof = max(n - 1, math.floor((n - 1) * len(pooled) / penalty))
+        dofs.append(float(dof))
+        halves.append(t_quantile(level, dof) * math.sqrt(statistics.fmean(pooled)) * math.sqrt(1 + 1 / n))
+    return halves, dofs
+
+
 class BandError(NumscopeError, ValueError):
     """A band that cannot be built or compared as asked."""
 
@@ -75,12 +115,20 @@ class BandSettings:
     tolerance: float = setting(
         0.0, "nats added to both sides of the band (e.g. your hardware's own run-to-run spread)"
     )
+    variance: str = setting(
+        "step",
+        "the seeds' spread at each step alone (step), or pooled over the steps around it with the degrees "
+        "of freedom their autocorrelation leaves (pooled)",
+        choices=VARIANCES,
+    )
 
     def __post_init__(self) -> None:
         for name, minimum in (("seeds", 2), ("window", 1), ("persist", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise BandError(f"{name} must be an integer >= {minimum}; got {value!r}")
+        if self.variance not in VARIANCES:
+            raise BandError(f"variance must be one of {', '.join(VARIANCES)}; got {self.variance!r}")
         if self.level not in LEVELS:
             raise BandError(f"level must be one of {', '.join(map(str, LEVELS))}; got {self.level!r}")
         if not (
@@ -152,13 +200,17 @@ class Band:
         if n < 2:
             raise BandError(f"a band needs gap curves of 2 or more seeds; got {n}")
         t = t_quantile(self.settings.level, n - 1)
-        self.mean, self.lower, self.upper = [], [], []
-        for values in zip(*curves, strict=True):
-            mean, sd = statistics.fmean(values), statistics.stdev(values)
-            half = t * sd * math.sqrt(1 + 1 / n) + self.settings.tolerance
-            self.mean.append(mean)
-            self.lower.append(mean - half)
-            self.upper.append(mean + half)
+        self.mean = [statistics.fmean(values) for values in zip(*curves, strict=True)]
+        if self.settings.variance == "pooled":
+            halves, self.dofs = pooled_half_widths(curves, self.settings.window, self.settings.level)
+        else:
+            halves = [
+                t * statistics.stdev(values) * math.sqrt(1 + 1 / n) for values in zip(*curves, strict=True)
+            ]
+            self.dofs = [float(n - 1)] * len(self.mean)
+        tolerance = self.settings.tolerance
+        self.lower = [m - h - tolerance for m, h in zip(self.mean, halves, strict=True)]
+        self.upper = [m + h + tolerance for m, h in zip(self.mean, halves, strict=True)]
 
     def widest(self) -> tuple[int, float]:
         """The step where the band is widest and its half-width there, in nats: a change of the gap smaller
