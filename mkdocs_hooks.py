@@ -16,6 +16,6 @@ def on_files(files: Files, config) -> Files:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    """The docs pages link to ``../README.md`` (right on the repository's file view): on the site that is
-    the home page."""
-    return markdown.replace("](../README.md", "](index.md")
+    """The docs pages link to ``../README.md`` (``../../README.md`` from ``results/``; right on the
+    repository's file view): on the site that is the home page."""
+    return markdown.replace("](../../README.md", "](../index.md").replace("](../README.md", "](index.md")

@@ -11,7 +11,8 @@ through the command line and on the same model, text and training:
 
 The default model and training are the demo's (BERT hidden 128, 2 layers, 4 heads, FFN 256; a 2,000-token
 vocabulary, 32-token blocks, AdamW steps of 64 blocks) for 1,000 steps, the demo's length when the figures
-in docs/benchmarks.md were measured (``--steps`` sets it); ``--rounds R`` repeats the pair in alternating
+in docs/results/benchmarks.md were measured (``--steps`` sets it); ``--rounds R`` repeats the pair in
+alternating
 order (fp32 first, then analyze first, ...) and reports medians. Every run is a fresh process with
 ``--threads`` torch threads; quote the machine's load with the numbers.
 

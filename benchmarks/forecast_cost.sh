@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The forecast's cost against FP32 fine-tunes of the same flags (docs/forecast.md, "Cost"), under the same
+# The forecast's cost against FP32 fine-tunes of the same flags (docs/forecast.md, "Cost"; docs/results/forecast.md), under the same
 # load: `numscope forecast` beside FINETUNES FP32 fine-tunes run one after another, so that neither process
 # runs alone on a 2-core machine; one thread each; each its own data cache; every process under
 # /usr/bin/time -v (wall, CPU, peak RSS in OUT/*.time). FINETUNES=1 is the side-by-side measurement.

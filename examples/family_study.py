@@ -16,7 +16,7 @@ every seed too (unobserved), and every plan's gap is paired with it seed by seed
 the mean paired difference exceeds twice its standard deviation (``numscope.study.table.paired_verdict``).
 
 Writes ``family_study.json`` and ``family_study.md`` into ``--out``; a rerun reuses every finished run.
-Example (the GQA Llama on CPython's standard library source, docs/plan-study.md)::
+Example (the GQA Llama on CPython's standard library source, docs/results/plan-study.md)::
 
     python -c "import sysconfig, pathlib; root = pathlib.Path(sysconfig.get_path('stdlib')); \\
         pathlib.Path('stdlib.txt').write_text('\\n\\n'.join(p.read_text(errors='replace') \\
@@ -85,7 +85,7 @@ def main() -> None:
         "--sensitivity-formats",
         nargs="+",
         default=["auto"],
-        help="calibrate --sensitivity-formats (the Llama study of docs/plan-study.md used all)",
+        help="calibrate --sensitivity-formats (the Llama study of docs/results/plan-study.md used all)",
     )
     parser.add_argument(
         "--also",
@@ -97,8 +97,8 @@ def main() -> None:
         "--sensitivity-method",
         default="one-at-a-time",
         choices=("local", "one-at-a-time"),
-        help="calibrate --sensitivity-method: the studies of docs/plan-study.md measured one at a time "
-        "(default: %(default)s)",
+        help="calibrate --sensitivity-method: the studies of docs/results/plan-study.md measured one at a "
+        "time (default: %(default)s)",
     )
     parser.add_argument(
         "--sensitivity-early",

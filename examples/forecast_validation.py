@@ -8,7 +8,7 @@
    and whether they agree (both inside FP32's noise, or within the predictor's factor), plus Spearman's rank
    correlation over the plans; ``validation.json`` and ``validation.md`` in ``--out``.
 
-Finished runs are reused on a rerun. Example (the demo's BERT on its corpus, docs/forecast.md)::
+Finished runs are reused on a rerun. Example (the demo's BERT on its corpus, docs/results/forecast.md)::
 
     python examples/forecast_validation.py --model examples/bert_demo.json --text wiki.txt \\
         --vocab-size 2000 --seq-len 32 --batch-size 32 --steps 300 --lr 2e-3 --val-blocks 256 \\

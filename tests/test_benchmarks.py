@@ -76,7 +76,8 @@ def test_bench_train_step_accepts_the_smallest_run() -> None:
 
 
 def test_bench_train_step_has_a_row_for_every_preset_and_named_recipe() -> None:
-    """The recipe table of docs/benchmarks.md comes from these rows: each preset and each named recipe."""
+    """The recipe table of docs/results/benchmarks.md comes from these rows: each preset and each named
+    recipe."""
     bench = load("bench_train_step")
     rows = bench.rows()
     for recipe in numscope.Plan.recipes():

@@ -1,6 +1,6 @@
 """examples/family_study.py end to end on a tiny GQA Llama: calibrate, recommend, the heuristic, random and
 inverse plans at the same budget, every plan trained on every seed, the table with verdicts and predictions
-(the script behind docs/plan-study.md's family results)."""
+(the script behind docs/results/plan-study.md's family results)."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_family_study_runs_the_default_path_and_compares_every_plan(
 
 
 def test_the_bert_example_config_is_the_demos_model() -> None:
-    """examples/bert_demo.json (docs/plan-study.md's BERT through the CLI) has the demo's shape."""
+    """examples/bert_demo.json (docs/results/plan-study.md's BERT through the CLI) has the demo's shape."""
     from numscope.run.experiment import Experiment
     from numscope.study import PlanStudyConfig
 

@@ -1,5 +1,5 @@
 """examples/minilm.py's vocabulary pruning, on a WordPiece tokenizer of numscope's own recipe (the pretrained
-package itself is large and optional: the study that uses it is in docs/plan-study.md)."""
+package itself is large and optional: the study that uses it is in docs/results/plan-study.md)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Why: ``float((a.double() - b.double()).pow(2).sum())`` over a model's flat gradi
 MPNet-110M) allocates three float64 temporaries of 880 MB each, which the allocator maps and unmaps
 afresh on every call; the measurements that compare gradients call it once per pass. A slice of
 :data:`SLICE` elements keeps the temporaries in cache: the same sums (in float64, up to the order of
-their additions), faster (``benchmarks/bench_sums.py``; docs/benchmarks.md)."""
+their additions), faster (``benchmarks/bench_sums.py``; docs/results/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -219,7 +219,8 @@ def combine_sensitivities(measured: Sequence[Sensitivity], label: str) -> Sensit
     targets in ``label`` (so that every checkpoint weighs alike, whatever its gradients' size), summed over
     the checkpoints; ``grad_rel_error`` is the square root of that sum. The other metrics are the first
     checkpoint's. Why: on a GQA Llama a plan chosen from the trained model's sensitivity alone cost 4× its
-    prediction and twice what one chosen from the trained and the step-20 model cost (docs/plan-study.md,
+    prediction and twice what one chosen from the trained and the step-20 model cost
+    (docs/results/plan-study.md,
     "When the sensitivity is measured")."""
     if not measured:
         raise ValueError("combine_sensitivities needs at least one measured sensitivity")
@@ -472,7 +473,7 @@ def local_sensitivity(
     depends on what its GEMM's output feeds (a projection entering a branch from a normalisation, one
     leaving it for the residual stream) and on where it enters. An operand's estimate is its local value
     times its group's gain, as ``grad_rel_error`` = √(estimate / ‖g‖²): the metric :func:`sensitivity`
-    measures one operand at a time, which the advisor's sensitivity objective reads (docs/forecast.md
+    measures one operand at a time, which the advisor's sensitivity objective reads (docs/results/forecast.md
     compares them on four models).
 
     Cost: 2 passes per batch, plus one pass per group on ``gain_batches`` batches (the number of groups

@@ -127,7 +127,7 @@ def test_both_verbs_start_from_a_checkpoint_folders_weights(tmp_path: Path) -> N
 
 
 FAULTS = Path(__file__).resolve().parents[2] / "examples" / "plans" / "faults"
-#: each planted fault of docs/diagnose.md: the one site it plants at
+#: each planted fault of docs/results/diagnose.md: the one site it plants at
 PLANTED = {
     "delayed_amax_too_small.yaml": "bert.encoder.layer.1.output.dense",
     "e5m2_unscaled_gradient.yaml": "bert.encoder.layer.1.intermediate.dense",

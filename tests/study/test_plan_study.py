@@ -182,7 +182,8 @@ def _role_points(per_role: dict[str, list[float]], everywhere: list[float]) -> t
 
 
 def test_gap_model_does_not_make_a_role_free_on_a_result_inside_its_noise():
-    # the demo model's calibration (docs/plan-study.md): forward noise alone came out −0.007 ± 0.026 nats
+    # the demo model's calibration (docs/results/plan-study.md): forward noise alone came out −0.007 ±
+    # 0.026 nats
     per_role = {
         "fprop": [0.023, -0.025, -0.019],
         "dgrad": [0.030, 0.027, 0.000],

@@ -20,7 +20,7 @@ min_grad_cosine     None (off)   sensitivity: ``grad_cosine_min`` ≥ this, the 
 
 ``None`` switches a limit off. **Why these defaults**: they are derived from training outcomes (the
 loosest limits that accept, on every operand and sampled step of the FP32 run, the formats that trained at
-parity with FP32 in ``numscope study plans``), not from synthetic tensors; docs/plan-study.md ("Limits
+parity with FP32 in ``numscope study plans``), not from synthetic tensors; docs/results/plan-study.md ("Limits
 derived from outcomes") has the measurements. On another model, calibrate: ``numscope study plans`` prints
 the limits its outcomes imply, and ``numscope calibrate`` fits the loss-impact weights of the bit budget.
 

@@ -60,7 +60,7 @@ def operand_impact(
     Where ``label`` was not measured for the operand but another format was, and ``analysis`` is given, the
     impact is **estimated**: the measured one of the noisiest format measured, times the ratio of the two
     formats' relative noise power on that operand in the analysis (:func:`operand_noise`). The gradient
-    error an operand's noise causes is close to proportional to that noise's power (docs/plan-study.md
+    error an operand's noise causes is close to proportional to that noise's power (docs/results/plan-study.md
     measures how well the estimate from MXFP4 ranks the measured impacts of the other formats on two
     models), so that one measured format per operand serves them all.
     """
@@ -116,7 +116,7 @@ def sensitivity_objective(
     """The bit-budget objective of measured sensitivities: :func:`operand_impact` times its GEMM role's
     weight (``role_weights``: gemm → factor, e.g. a gap model's fitted coefficients; default 1 each). The plan
     study found this objective, with fitted role weights, ranking plans as their trained loss gaps did
-    (docs/plan-study.md). ``analysis``: estimate the formats the sensitivity did not measure
+    (docs/results/plan-study.md). ``analysis``: estimate the formats the sensitivity did not measure
     (:func:`operand_impact`)."""
     weights = dict(role_weights or {})
 

@@ -153,7 +153,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
         if objective == "sensitivity":
             print(
                 "  read it as a lower bound: the plan chosen by minimising this prediction measured several "
-                "times its predicted gap on the families studied (docs/plan-study.md)"
+                "times its predicted gap on the families studied (docs/results/plan-study.md)"
             )
     else:
         print(

@@ -9,7 +9,7 @@ power of the plan's gradient error in Adam's metric, Σ_i P_i (ĝ_i − g_i)² w
 training near a minimum with an update η·P·g, extra zero-mean update noise of that power raises the
 expected loss by (η/4)·N whatever the curvature (the stationary solution of the Lyapunov equation of
 preconditioned SGD: tr(H C) = (η/2) tr(P Σ)), the mechanism by which minibatch noise keeps SGD above the
-minimum. η is the learning rate the noise sees: :func:`effective_lr` (docs/forecast.md says which was
+minimum. η is the learning rate the noise sees: :func:`effective_lr` (docs/results/forecast.md says which was
 chosen and how it was checked). The interval carries the measurement's own spread over its batches and the
 predictor's accuracy as measured against trained runs (:data:`ACCURACY`)."""
 
@@ -32,11 +32,11 @@ SIGNAL_LOST_FLUSHED_PCT = 95.0
 """An operand of which this share of the nonzero elements or more is flushed to zero at an observed step
 has lost its signal too, whatever its SQNR (an LM head's output gradient can keep the target token's large
 entry, and a high SQNR, while losing every other token's small ones); the threshold and the runs it was
-chosen between are in docs/forecast.md ("Where the model does not apply")."""
+chosen between are in docs/results/forecast.md ("Where the model does not apply")."""
 
 ACCURACY = 2.0
 """The factor within which a prediction is taken to hold (the interval is [gap / ACCURACY, gap · ACCURACY]
-widened by the measurement's spread); docs/forecast.md shows how often predictions fell inside it."""
+widened by the measurement's spread); docs/results/forecast.md shows how often predictions fell inside it."""
 
 LR_RULES = ("mean", "final", "peak")
 

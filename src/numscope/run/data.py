@@ -353,7 +353,8 @@ def _at_scored_rows(
     selected: torch.Tensor,
 ) -> torch.Tensor | None:
     """The model's logits at the ``selected`` positions ``[selected, vocab]``, its output projection run on
-    those rows only (a masked LM scores 15% of the positions; docs/benchmarks.md, "Evaluation", measures
+    those rows only (a masked LM scores 15% of the positions; docs/results/benchmarks.md, "Evaluation",
+    measures
     what that saves), or on every row where a handler other than ``numscope.convert``'s takes part
     in the forward (an observer measuring evaluations sees what the model computes). None where the model's
     head does not hand that projection the ``[batch, seq, hidden]`` rows and return its output as the

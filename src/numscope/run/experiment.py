@@ -37,7 +37,8 @@ class Experiment:
 
     Sizes in tokens and elements; ``observe_every`` in optimizer steps. The defaults are the demo's, chosen
     by FP32 runs on this corpus so that FP32 learns context well below the context-free loss while the whole
-    demo stays within ten minutes: docs/demo.md ("The demo's size") has every measurement and its noise.
+    demo stays within ten minutes: docs/results/demo.md ("The demo's size") has every measurement and its
+    noise.
     """
 
     train: TrainConfig = field(default_factory=_demo_training)

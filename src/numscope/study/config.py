@@ -38,7 +38,7 @@ class StudyError(NumscopeError, ValueError):
 
 DEMO_MODEL_STEPS = 1000
 """The steps of :meth:`PlanStudyConfig.demo_model`: the demo's length when the study's tables on its model
-were made (docs/plan-study.md)."""
+were made (docs/results/plan-study.md)."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class PlanStudyConfig:
     ``jobs`` runs train side by side in processes of one thread each.
 
     The defaults were chosen by FP32 runs so that every seed leaves the context-free plateau early and the
-    whole study stays under an hour on two cores: docs/plan-study.md ("The study's size")."""
+    whole study stays under an hour on two cores: docs/results/plan-study.md ("The study's size")."""
 
     budgets: tuple[float, ...] = (5.0, 6.0, 7.0)
     seeds: tuple[int, ...] = (0, 1, 2)
@@ -95,7 +95,7 @@ class PlanStudyConfig:
         """The demo's model and training (:class:`numscope.run.experiment.Experiment`'s defaults: vocabulary
         2,000, 32-token blocks, AdamW steps of 64 blocks at lr 1.5e-3, 4 heads, FFN 256, 30% of tokens
         masked in training, 2,048 validation blocks), on which FP32 learns further below the context-free
-        loss than on the study's own default model (docs/demo.md), for ``DEMO_MODEL_STEPS`` steps: the
+        loss than on the study's own default model (docs/results/demo.md), for ``DEMO_MODEL_STEPS`` steps: the
         length the study's tables on this model were made with (the demo itself trains fewer since it was
         cut to fit ten minutes). The study's plans, budgets and seeds are unchanged."""
         from numscope.run.experiment import Experiment

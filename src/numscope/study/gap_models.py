@@ -89,12 +89,12 @@ class GapModel:
         exact points stay finite. c̄, the **pooled** coefficient, is the weighted least-squares fit of one
         coefficient shared by every role (every role costing alike), and the prior says "a role costs what
         the average role costs, give or take that much again". A role whose own calibration point is
-        resolved beyond its noise keeps about its own coefficient; one whose point is inside its noise (on the
-        demo's model, forward noise alone: docs/plan-study.md) is drawn towards c̄ instead of reading as
-        free, which the plain fit did (the plan then put every forward operand in the low format and lost
-        to "keep the last layers high", docs/plan-study.md). With c̄ = 0 (no point shows any cost) there
-        is no prior. A point with a single seed has no measured noise: it counts with the largest sd of
-        the other points (or as exact when every point has one seed).
+        resolved beyond its noise keeps about its own coefficient; one whose point is inside its noise (on
+        the demo's model, forward noise alone: docs/results/plan-study.md) is drawn towards c̄ instead of
+        reading as free, which the plain fit did (the plan then put every forward operand in the low
+        format and lost to "keep the last layers high", docs/results/plan-study.md). With c̄ = 0 (no point
+        shows any cost) there is no prior. A point with a single seed has no measured noise: it counts with
+        the largest sd of the other points (or as exact when every point has one seed).
         """
         from scipy.optimize import nnls
 

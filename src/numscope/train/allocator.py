@@ -12,7 +12,7 @@ once held, not what is in use, and a recipe that keeps less for backward can sti
 moving), as the ``MALLOC_MMAP_THRESHOLD_`` environment variable does when set before the process starts.
 It is process-wide and lasts until the process ends; it changes no value any computation produces. It
 costs time: every large tensor is then freshly mapped and its pages faulted in (on the training-step
-benchmark about 13-17% per step, docs/benchmarks.md "Memory"), which is why only a
+benchmark about 13-17% per step, docs/results/benchmarks.md "Memory"), which is why only a
 :class:`numscope.Recipe` that stores in fp16/bf16 turns it on by default.
 """
 
