@@ -22,12 +22,8 @@ from numscope.cli.common import (
 )
 
 _MINIMIZE = ("auto", "noise", "sensitivity")
-_CRITERIA = (
-    ("max_be_ratio", "max backward error relative to the reference format's"),
-    ("max_underflow_pct", "max %% of nonzeros that become 0"),
-    ("max_overflow_pct", "max %% of elements that saturate or overflow"),
-    ("min_sqnr_db", "min signal-to-quantization-noise ratio in dB"),
-)
+#: the noise objective's four limits, which once had a flag each (now --criterion NAME=X)
+_CRITERIA = ("max_be_ratio", "max_underflow_pct", "max_overflow_pct", "min_sqnr_db")
 
 
 def _criterion_value(text: str) -> Any:
@@ -59,7 +55,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
     from numscope.analysis import Analysis
 
     criteria: dict[str, Any] = {}
-    for name, _ in _CRITERIA:
+    for name in _CRITERIA:
         if hasattr(args, name):  # given on the command line; else the advisor's default applies
             criteria[name] = getattr(args, name)
     if args.bit_budget is not None:
@@ -103,7 +99,7 @@ def _cmd_recommend(args: argparse.Namespace) -> int:
             if args.objective == "auto":
                 why = workflow.OBJECTIVE_WHY["sensitivity default budget"]
         criteria["objective"] = workflow.analysis_objective(analysis, gap_model)
-        for name, _ in _CRITERIA:  # the noise objective's guards: off unless asked for
+        for name in _CRITERIA:  # the noise objective's guards: off unless asked for
             criteria.setdefault(name, None)
     elif gap_model is not None and gap_model.noise_weights():
         criteria["noise_weights"] = gap_model.noise_weights()
@@ -182,7 +178,7 @@ def _register_recommend(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "-o", "--output", default="plan.yaml", help="where to write the plan (default: %(default)s)"
     )
-    for name, _ in _CRITERIA:  # --criterion NAME=X says the same
+    for name in _CRITERIA:  # --criterion NAME=X says the same
         add_renamed(
             p,
             "--" + name.replace("_", "-"),

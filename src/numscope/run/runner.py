@@ -96,7 +96,7 @@ def _prepare_run(
         resolve_model(model, work.objective)  # raises what kept it from resolving
     prepared = work.prepared()
     check_train_config(config, prepared)
-    built, resolved = work.build(prepared.tokenizer, work.data.seq_len)
+    built, resolved = work.build()
     device = resolve_device(config.device, field="TrainConfig.device")
 
     def factory() -> nn.Module:

@@ -275,17 +275,7 @@ def settle_tokenizer(model: str, data: DataSettings, objective: str = "auto") ->
     where no tokenizer file is given and ``data.train_tokenizer`` is off; else ``data`` as it is. Raises
     WorkflowError for a checkpoint without a tokenizer.json, asked for neither another nor a trained one, and
     for ``train_tokenizer`` beside a tokenizer file."""
-    if data.train_tokenizer and data.tokenizer is not None:
-        raise WorkflowError(
-            "`train_tokenizer` trains a vocabulary on your text and `tokenizer` gives one: choose one"
-        )
-    if data.tokenizer is not None or data.train_tokenizer:
-        return data
-    try:
-        source = resolve_model(model, objective)
-    except WorkflowError:
-        return data  # the run reports the model's problem itself, where it builds it
-    return _settled(model, data, source)
+    return resolve_workload(model, data, objective).data
 
 
 def _settled(model: str, data: DataSettings, source: ModelSource | None) -> DataSettings:
@@ -317,7 +307,7 @@ class Workload:
     objective: str
     _prepared: RunData | None = field(default=None, repr=False)
     _digest: str | None = field(default=None, repr=False)
-    _built: dict[Any, tuple[Callable[[], nn.Module], str]] = field(default_factory=dict, repr=False)
+    _built: tuple[Callable[[], nn.Module], str] | None = field(default=None, repr=False)
 
     def prepared(self) -> RunData:
         """The split documents, the tokenizer and the token blocks (:func:`prepare_data`), made once."""
@@ -331,14 +321,15 @@ class Workload:
             self._digest = corpus_digest(self.data)
         return self._digest
 
-    def build(self, tokenizer: TokenizerInfo, seq_len: int) -> tuple[Callable[[], nn.Module], str]:
-        """:meth:`ModelSource.build` for this tokenizer and block length, once (a checkpoint's weights are
-        read once)."""
-        key = (id(tokenizer), tokenizer.vocab_size, seq_len, self.data.train_tokenizer)
-        if key not in self._built:
+    def build(self) -> tuple[Callable[[], nn.Module], str]:
+        """:meth:`ModelSource.build` for the workload's tokenizer and block length, once (a checkpoint's
+        weights are read once): the model factory and the objective resolved."""
+        if self._built is None:
             source = self.source if self.source is not None else resolve_model(self.model, self.objective)
-            self._built[key] = source.build(tokenizer, seq_len, replace_vocabulary=self.data.train_tokenizer)
-        return self._built[key]
+            tokenizer = self.prepared().tokenizer
+            replace = self.data.train_tokenizer
+            self._built = source.build(tokenizer, self.data.seq_len, replace_vocabulary=replace)
+        return self._built
 
 
 def resolve_workload(
@@ -353,7 +344,9 @@ def resolve_workload(
     if data is None:
         raise WorkflowError("`data` is needed with a model spec (a DataSettings)")
     if data.train_tokenizer and data.tokenizer is not None:
-        settle_tokenizer(model, data, objective)  # raises: the two ask for different tokenizers
+        raise WorkflowError(
+            "`train_tokenizer` trains a vocabulary on your text and `tokenizer` gives one: choose one"
+        )
     try:
         source = resolve_model(model, objective)
     except WorkflowError:
